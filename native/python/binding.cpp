@@ -1,0 +1,335 @@
+// The only file that knows about Python: converts buffers, releases the GIL
+// around every blocking call, and turns core status codes into exceptions.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "hpcckpt/crc32c.h"
+#include "hpcckpt/io.h"
+#include "hpcckpt/memory.h"
+#include "hpcckpt/persist.h"
+#include "hpcckpt/writer.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+// RAII view of an object exporting the buffer protocol (contiguous bytes).
+class Buffer {
+public:
+    Buffer(nb::handle obj, bool writable) {
+        int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+        if (PyObject_GetBuffer(obj.ptr(), &view_, flags) != 0) throw nb::python_error();
+        held_ = true;
+    }
+    Buffer(const Buffer&) = delete;
+    Buffer& operator=(const Buffer&) = delete;
+    ~Buffer() { release(); }
+    void release() {
+        if (held_) PyBuffer_Release(&view_);
+        held_ = false;
+    }
+    void* data() const { return view_.buf; }
+    size_t size() const { return static_cast<size_t>(view_.len); }
+
+private:
+    Py_buffer view_{};
+    bool held_ = false;
+};
+
+[[noreturn]] void raise_os_error(int err, const std::string& text, const std::string& path) {
+    nb::object exc = path.empty()
+                         ? nb::steal(PyObject_CallFunction(PyExc_OSError, "is", err, text.c_str()))
+                         : nb::steal(PyObject_CallFunction(PyExc_OSError, "iss", err, text.c_str(),
+                                                           path.c_str()));
+    if (!exc.is_valid()) throw nb::python_error();
+    PyErr_SetObject(PyExc_OSError, exc.ptr());
+    throw nb::python_error();
+}
+
+std::string describe(const hpcckpt_status& st) {
+    std::string s = std::string(st.op) + " '" + st.path + "'";
+    if (st.offset >= 0) s += " at offset " + std::to_string(st.offset);
+    return s + ": " + std::strerror(st.err);
+}
+
+int64_t timeout_ns(const nb::object& timeout) {
+    if (timeout.is_none()) return -1;
+    double s = nb::cast<double>(timeout);
+    if (!(s >= 0.0)) throw nb::value_error("timeout must be None or >= 0 seconds");
+    if (s > 1e9) return -1;
+    return static_cast<int64_t>(std::llround(s * 1e9));
+}
+
+uint32_t py_crc32c(nb::handle data, uint32_t crc) {
+    Buffer b(data, false);
+    nb::gil_scoped_release nogil;
+    return hpcckpt_crc32c(crc, b.data(), b.size());
+}
+
+uint32_t py_crc32c_software(nb::handle data, uint32_t crc) {
+    Buffer b(data, false);
+    nb::gil_scoped_release nogil;
+    return hpcckpt_crc32c_software(crc, b.data(), b.size());
+}
+
+void py_parallel_copy(nb::handle dst, nb::handle src, unsigned threads) {
+    Buffer d(dst, true);
+    Buffer s(src, false);
+    if (d.size() != s.size())
+        throw nb::value_error(("parallel_copy: dst has " + std::to_string(d.size()) +
+                               " bytes but src has " + std::to_string(s.size()))
+                                  .c_str());
+    nb::gil_scoped_release nogil;
+    hpcckpt_parallel_copy(d.data(), s.data(), d.size(), threads);
+}
+
+void py_persist_range(nb::handle buf) {
+    Buffer b(buf, false);
+    nb::gil_scoped_release nogil;
+    hpcckpt_persist_range(b.data(), b.size());
+}
+
+void py_fdatasync(int fd, const std::string& path) {
+    hpcckpt_status st;
+    hpcckpt_status_clear(&st);
+    int rc = 0;
+    {
+        nb::gil_scoped_release nogil;
+        rc = hpcckpt_fdatasync(fd, path.c_str(), &st);
+    }
+    if (rc != 0) raise_os_error(st.err, std::strerror(st.err), path);
+}
+
+// ---- StagingBuffer: aligned, prefaulted memory exporting a writable buffer.
+
+struct StagingBuffer {
+    void* ptr = nullptr;
+    size_t nbytes = 0;
+    size_t alignment = 0;
+    StagingBuffer() = default;
+    StagingBuffer(const StagingBuffer&) = delete;
+    StagingBuffer& operator=(const StagingBuffer&) = delete;
+    ~StagingBuffer() { hpcckpt_aligned_free(ptr); }
+};
+
+int staging_getbuffer(PyObject* self, Py_buffer* view, int flags) {
+    StagingBuffer* s = nb::inst_ptr<StagingBuffer>(self);
+    return PyBuffer_FillInfo(view, self, s->ptr, static_cast<Py_ssize_t>(s->nbytes), 0, flags);
+}
+
+void staging_releasebuffer(PyObject*, Py_buffer*) {}
+
+PyType_Slot staging_slots[] = {
+    {Py_bf_getbuffer, reinterpret_cast<void*>(staging_getbuffer)},
+    {Py_bf_releasebuffer, reinterpret_cast<void*>(staging_releasebuffer)},
+    {0, nullptr}};
+
+StagingBuffer* make_staging(size_t nbytes, size_t alignment, bool prefault) {
+    hpcckpt_status st;
+    void* p = nullptr;
+    {
+        nb::gil_scoped_release nogil;
+        p = hpcckpt_aligned_alloc(nbytes, alignment, prefault ? 1 : 0, &st);
+    }
+    if (p == nullptr) {
+        if (st.err == EINVAL)
+            throw nb::value_error(("aligned_buffer: alignment " + std::to_string(alignment) +
+                                   " must be a power of two >= " + std::to_string(sizeof(void*)))
+                                      .c_str());
+        raise_os_error(st.err, "aligned_buffer(" + std::to_string(nbytes) + " bytes): " +
+                                   std::strerror(st.err), "");
+    }
+    auto* s = new StagingBuffer();
+    s->ptr = p;
+    s->nbytes = nbytes;
+    s->alignment = alignment;
+    return s;
+}
+
+// ---- WriterPool / Batch
+
+struct WriterPool {
+    hpcckpt_pool* pool = nullptr;
+    WriterPool(const WriterPool&) = delete;
+    WriterPool& operator=(const WriterPool&) = delete;
+    WriterPool(unsigned threads, size_t chunk_bytes) {
+        hpcckpt_status st;
+        pool = hpcckpt_pool_create(threads, chunk_bytes, &st);
+        if (pool == nullptr) {
+            if (st.err == EINVAL) throw nb::value_error("WriterPool: chunk_bytes must be > 0");
+            raise_os_error(st.err, std::string("WriterPool: ") + std::strerror(st.err), "");
+        }
+    }
+    ~WriterPool() { close(); }
+    void close() {
+        if (pool == nullptr) return;
+        nb::gil_scoped_release nogil;
+        hpcckpt_pool_destroy(pool);
+        pool = nullptr;
+    }
+    hpcckpt_pool* get() const {
+        if (pool == nullptr) throw std::runtime_error("WriterPool is closed; create a new one");
+        return pool;
+    }
+};
+
+struct Batch {
+    nb::object pool_ref;  // keeps the WriterPool alive while work may be queued
+    hpcckpt_batch* batch = nullptr;
+    std::vector<std::unique_ptr<Buffer>> held;  // released once the workers are done
+    bool finished = false;
+    bool raised = false;
+
+    Batch(const Batch&) = delete;
+    Batch& operator=(const Batch&) = delete;
+    Batch(nb::object pool_obj, bool direct) : pool_ref(std::move(pool_obj)) {
+        WriterPool& p = nb::cast<WriterPool&>(pool_ref);
+        batch = hpcckpt_batch_create(p.get(), direct ? 1 : 0);
+    }
+    ~Batch() {
+        {
+            // Workers never touch Python, so waiting here without the GIL is safe.
+            nb::gil_scoped_release nogil;
+            hpcckpt_batch_destroy(batch);
+        }
+        held.clear();
+    }
+
+    int64_t add(const std::string& path, uint64_t offset, nb::handle data, nb::object src) {
+        bool copy = !src.is_none();
+        auto d = std::make_unique<Buffer>(data, copy);
+        std::unique_ptr<Buffer> s;
+        if (copy) {
+            s = std::make_unique<Buffer>(src, false);
+            if (s->size() != d->size())
+                throw nb::value_error(("Batch.add('" + path + "'): staging has " +
+                                       std::to_string(d->size()) + " bytes but src has " +
+                                       std::to_string(s->size()))
+                                          .c_str());
+        }
+        hpcckpt_status st;
+        int64_t id = hpcckpt_batch_add(batch, path.c_str(), offset, d->data(),
+                                       s ? s->data() : nullptr, d->size(), &st);
+        if (id < 0) throw std::runtime_error("Batch.add('" + path + "') after start(); use a new Batch");
+        held.push_back(std::move(d));
+        if (s) held.push_back(std::move(s));
+        return id;
+    }
+
+    void start() {
+        hpcckpt_status st;
+        if (hpcckpt_batch_start(batch, &st) != 0)
+            throw std::runtime_error(std::string(st.op) + ": create a new Batch / WriterPool");
+    }
+
+    void require_started(const char* what) const {
+        if (!hpcckpt_batch_started(batch))
+            throw std::runtime_error(std::string("Batch.") + what + "() before start()");
+    }
+
+    bool wait_copied(nb::object timeout) {
+        require_started("wait_copied");
+        int64_t ns = timeout_ns(timeout);
+        nb::gil_scoped_release nogil;
+        return hpcckpt_batch_wait_copied(batch, ns) == 1;
+    }
+
+    bool wait(nb::object timeout) {
+        require_started("wait");
+        if (!finished) {
+            int64_t ns = timeout_ns(timeout);
+            int rc = 0;
+            {
+                nb::gil_scoped_release nogil;
+                rc = hpcckpt_batch_wait(batch, ns);
+            }
+            if (rc == 0) return false;
+            finished = true;
+            held.clear();
+        }
+        size_t n = hpcckpt_batch_error_count(batch);
+        if (n == 0 || raised) return true;
+        raised = true;
+        hpcckpt_status first;
+        hpcckpt_batch_error(batch, 0, &first);
+        std::string text = describe(first);
+        if (n > 1) {
+            text += " (" + std::to_string(n) + " errors in this batch:";
+            for (size_t i = 0; i < n; ++i) {
+                hpcckpt_status e;
+                hpcckpt_batch_error(batch, i, &e);
+                text += " [" + describe(e) + "]";
+            }
+            text += ")";
+        }
+        raise_os_error(first.err, text, first.path);
+    }
+
+    uint32_t crc(int64_t item) const {
+        if (item < 0 || static_cast<size_t>(item) >= hpcckpt_batch_items(batch))
+            throw nb::index_error(("Batch.crc: no item " + std::to_string(item)).c_str());
+        if (!finished) throw std::runtime_error("Batch.crc() before wait() returned True");
+        return hpcckpt_batch_crc(batch, static_cast<size_t>(item));
+    }
+};
+
+}  // namespace
+
+NB_MODULE(_native, m) {
+    m.doc() = "hpcckpt's compiled persist core (crc32c, staging memory, writer pool, barriers).";
+
+    m.def("crc32c", &py_crc32c, nb::arg("data"), nb::arg("crc") = 0,
+          "CRC-32C of a bytes-like object, continuing from crc. Releases the GIL.");
+    m.def("crc32c_software", &py_crc32c_software, nb::arg("data"), nb::arg("crc") = 0,
+          "The portable CRC-32C implementation (for tests and benchmarks).");
+    m.def("crc32c_combine", &hpcckpt_crc32c_combine, nb::arg("crc1"), nb::arg("crc2"),
+          nb::arg("len2"), "crc32c(A + B) from crc32c(A), crc32c(B) and len(B).");
+    m.def("crc32c_impl", [] { return std::string(hpcckpt_crc32c_impl()); });
+    m.def("parallel_copy", &py_parallel_copy, nb::arg("dst"), nb::arg("src"),
+          nb::arg("threads") = 0, "memcpy split across threads (0 = auto). Releases the GIL.");
+    m.def("barrier_kind", [] { return std::string(hpcckpt_barrier_kind()); });
+    m.def("cache_line_bytes", [] { return hpcckpt_cache_line_bytes(); });
+    m.def("persist_range", &py_persist_range, nb::arg("buf"));
+    m.def("store_fence", [] { hpcckpt_store_fence(); });
+    m.def("fdatasync", &py_fdatasync, nb::arg("fd"), nb::arg("path") = "");
+
+    nb::class_<StagingBuffer>(m, "StagingBuffer", nb::type_slots(staging_slots))
+        .def_ro("nbytes", &StagingBuffer::nbytes)
+        .def_ro("alignment", &StagingBuffer::alignment)
+        .def_prop_ro("address", [](const StagingBuffer& s) {
+            return reinterpret_cast<uintptr_t>(s.ptr);
+        })
+        .def("__len__", [](const StagingBuffer& s) { return s.nbytes; });
+    m.def("aligned_buffer", &make_staging, nb::arg("nbytes"), nb::arg("alignment") = 4096,
+          nb::arg("prefault") = true, nb::rv_policy::take_ownership);
+
+    nb::class_<WriterPool>(m, "WriterPool")
+        .def(nb::init<unsigned, size_t>(), nb::arg("threads") = 0,
+             nb::arg("chunk_bytes") = size_t{8} << 20)
+        .def("close", &WriterPool::close)
+        .def_prop_ro("threads", [](const WriterPool& p) { return hpcckpt_pool_threads(p.get()); })
+        .def_prop_ro("chunk_bytes",
+                     [](const WriterPool& p) { return hpcckpt_pool_chunk_bytes(p.get()); })
+        .def("__enter__", [](nb::object self) { return self; })
+        .def("__exit__", [](WriterPool& p, nb::args) { p.close(); });
+
+    nb::class_<Batch>(m, "Batch")
+        .def(nb::init<nb::object, bool>(), nb::arg("pool"), nb::arg("direct") = false)
+        .def("add", &Batch::add, nb::arg("path"), nb::arg("offset"), nb::arg("data"),
+             nb::arg("src") = nb::none())
+        .def("start", &Batch::start)
+        .def("wait_copied", &Batch::wait_copied, nb::arg("timeout") = nb::none())
+        .def("wait", &Batch::wait, nb::arg("timeout") = nb::none())
+        .def("crc", &Batch::crc, nb::arg("item"))
+        .def_prop_ro("bytes_total", [](const Batch& b) { return hpcckpt_batch_bytes_total(b.batch); })
+        .def_prop_ro("bytes_copied", [](const Batch& b) { return hpcckpt_batch_bytes_copied(b.batch); })
+        .def_prop_ro("bytes_written",
+                     [](const Batch& b) { return hpcckpt_batch_bytes_written(b.batch); });
+}
