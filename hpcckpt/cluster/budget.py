@@ -1,0 +1,173 @@
+"""Per-cause requeue budgets, persisted across restarts in ``state_dir/requeue-budget.json``.
+
+A job may be requeued a bounded number of times per cause (time limit, preemption,
+failure...). Failures that make no progress (the committed step did not advance since
+the previous failure) count separately: after ``max_failures_without_progress`` the
+job stops requeueing instead of crash-looping through the queue forever.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from filelock import FileLock
+
+from hpcckpt.cluster.base import Cause
+from hpcckpt.errors import ConfigError
+
+BUDGET_FILE = "requeue-budget.json"
+
+# Causes that share a budget: maintenance and node failure are the site's doing,
+# like preemption; a bare signal (scancel --signal) is the user asking for a stop.
+_BUDGET_KEY = {
+    Cause.TIME_LIMIT: "time_limit",
+    Cause.PREEMPTION: "preemption",
+    Cause.MAINTENANCE: "preemption",
+    Cause.NODE_FAILURE: "preemption",
+    Cause.SIGNAL: "signal",
+    Cause.USER_CANCEL: "signal",
+    Cause.FAILURE: "failure",
+    Cause.UNKNOWN: "signal",
+    Cause.DONE: "signal",
+}
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return default
+    try:
+        return int(value)
+    except ValueError as err:
+        raise ConfigError(f"{name}={value!r} must be an integer (a requeue count)") from err
+
+
+@dataclass(frozen=True, kw_only=True)
+class BudgetOptions:
+    """Maximum requeues per cause; each has an ``HPCCKPT_REQUEUE_MAX_<KEY>`` override."""
+
+    max_time_limit: int = 100
+    max_preemption: int = 100
+    max_signal: int = 100
+    max_failure: int = 5
+    max_failures_without_progress: int = 2
+
+    @classmethod
+    def from_env(cls) -> BudgetOptions:
+        base = cls()
+        return cls(
+            max_time_limit=_env_int("HPCCKPT_REQUEUE_MAX_TIME_LIMIT", base.max_time_limit),
+            max_preemption=_env_int("HPCCKPT_REQUEUE_MAX_PREEMPTION", base.max_preemption),
+            max_signal=_env_int("HPCCKPT_REQUEUE_MAX_SIGNAL", base.max_signal),
+            max_failure=_env_int("HPCCKPT_REQUEUE_MAX_FAILURE", base.max_failure),
+            max_failures_without_progress=_env_int(
+                "HPCCKPT_REQUEUE_MAX_FAILURES_WITHOUT_PROGRESS", base.max_failures_without_progress),
+        )
+
+    def limit(self, key: str) -> int:
+        return int(getattr(self, f"max_{key}"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class BudgetDecision:
+    allowed: bool
+    key: str
+    used: int
+    limit: int
+    reason: str
+
+
+@dataclass(kw_only=True)
+class _BudgetState:
+    counts: dict[str, int] = field(default_factory=dict)
+    failures_without_progress: int = 0
+    last_failure_step: int | None = None
+    charged: list[str] = field(default_factory=list)
+    history: list[dict[str, object]] = field(default_factory=list)
+
+    @classmethod
+    def load(cls, path: Path) -> _BudgetState:
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return cls()
+        except (OSError, ValueError) as err:
+            raise ConfigError(
+                f"{path} is unreadable ({err}); delete it to reset the requeue budgets") from err
+        return cls(counts={str(k): int(v) for k, v in raw.get("counts", {}).items()},
+                   failures_without_progress=int(raw.get("failures_without_progress", 0)),
+                   last_failure_step=raw.get("last_failure_step"),
+                   charged=list(raw.get("charged", [])),
+                   history=list(raw.get("history", [])))
+
+    def save(self, path: Path) -> None:
+        doc = {"counts": self.counts, "failures_without_progress": self.failures_without_progress,
+               "last_failure_step": self.last_failure_step, "charged": self.charged[-50:],
+               "history": self.history[-200:]}
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=1, sort_keys=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def charge(state_dir: Path, cause: Cause | str, *, attempt: str,
+           committed_step: int | None = None,
+           options: BudgetOptions | None = None) -> BudgetDecision:
+    """Charge one requeue to ``cause``'s budget unless it is exhausted.
+
+    ``attempt`` identifies this run (e.g. "<job_id>:<restart_count>"): charging the
+    same attempt twice (a signal storm, a retry after a refused requeue) counts once.
+    """
+    opts = options or BudgetOptions.from_env()
+    cause = Cause.parse(cause) if isinstance(cause, str) else cause
+    key = _BUDGET_KEY[cause]
+    state_dir.mkdir(parents=True, exist_ok=True)
+    path = state_dir / BUDGET_FILE
+    with FileLock(str(path) + ".lock"):
+        state = _BudgetState.load(path)
+        decision = _decide(state, key, cause, attempt, committed_step, opts)
+        if decision.allowed and attempt not in state.charged:
+            state.counts[key] = state.counts.get(key, 0) + 1
+            state.charged.append(attempt)
+        state.history.append({"time": time.time(), "attempt": attempt, "cause": cause.value,
+                              "allowed": decision.allowed, "reason": decision.reason,
+                              "committed_step": committed_step})
+        state.save(path)
+    return decision
+
+
+def _decide(state: _BudgetState, key: str, cause: Cause, attempt: str,
+            committed_step: int | None, opts: BudgetOptions) -> BudgetDecision:
+    used, limit = state.counts.get(key, 0), opts.limit(key)
+    if attempt in state.charged:
+        return BudgetDecision(allowed=True, key=key, used=used, limit=limit,
+                              reason=f"attempt {attempt} already charged")
+    if cause is Cause.FAILURE:
+        stuck = state.last_failure_step is not None and committed_step == state.last_failure_step
+        state.failures_without_progress = state.failures_without_progress + 1 if stuck else 0
+        state.last_failure_step = committed_step
+        if state.failures_without_progress >= opts.max_failures_without_progress:
+            return BudgetDecision(
+                allowed=False, key=key, used=used, limit=limit,
+                reason=(f"crash loop: {state.failures_without_progress + 1} failures in a row "
+                        f"without progress past step {committed_step}; not requeueing. Fix the "
+                        "error in the job's log, then resubmit (or raise "
+                        "HPCCKPT_REQUEUE_MAX_FAILURES_WITHOUT_PROGRESS)"))
+    if used >= limit:
+        return BudgetDecision(
+            allowed=False, key=key, used=used, limit=limit,
+            reason=(f"{key} requeue budget exhausted ({used}/{limit}); raise "
+                    f"HPCCKPT_REQUEUE_MAX_{key.upper()} or resubmit by hand"))
+    return BudgetDecision(allowed=True, key=key, used=used + 1, limit=limit,
+                          reason=f"{key} requeue {used + 1}/{limit}")

@@ -1,0 +1,55 @@
+"""No scheduler: "requeue" means the process exits with EXIT_REQUEUE (75) and the
+local supervisor (``hpcckpt.supervisor``) starts it again."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from hpcckpt.cluster.base import EXIT_REQUEUE, Cause, Reservation, RequeueOutcome
+from hpcckpt.cluster.budget import BudgetOptions, charge
+from hpcckpt.cluster.env import JobEnv
+
+log = logging.getLogger("hpcckpt.cluster")
+
+
+class LocalCluster:
+    """Backend for runs outside Slurm (the demo, laptops, CI unit tiers)."""
+
+    name = "local"
+
+    def __init__(self, env: JobEnv | None = None, *, budget: BudgetOptions | None = None) -> None:
+        self.env = env or JobEnv()
+        self._budget = budget
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.env.is_coordinator
+
+    def requeue(self, cause: str, state_dir: Path, *, committed_step: int | None = None) -> RequeueOutcome:
+        """Charge the budget; the caller then exits with ``outcome.exit_code``."""
+        restarts = os.environ.get("HPCCKPT_RESTART_COUNT", "0")
+        decision = charge(state_dir, cause, attempt=f"local-{os.getppid()}:{restarts}",
+                          committed_step=committed_step, options=self._budget)
+        cause_value = Cause.parse(cause).value
+        if not decision.allowed:
+            log.warning("not requeueing: %s", decision.reason)
+            return RequeueOutcome(requeued=False, method="none", detail=decision.reason,
+                                  cause=cause_value)
+        return RequeueOutcome(
+            requeued=True, method="exit", cause=cause_value, exit_code=EXIT_REQUEUE,
+            detail=f"exit {EXIT_REQUEUE}: the local supervisor restarts the command ({decision.reason})")
+
+    def end_time(self) -> float | None:
+        value = os.environ.get("HPCCKPT_END_TIME")
+        return float(value) if value else None
+
+    def reservations(self) -> list[Reservation]:
+        return []
+
+    def node_state(self) -> str:
+        return ""
+
+    def submit_successor(self, *, dependency_job_id: str | None = None) -> str:
+        raise NotImplementedError("no scheduler to submit to; the local supervisor restarts on exit 75")
