@@ -173,18 +173,19 @@ def staging_root(environ: Mapping[str, str]) -> Path:
     """Where slurm/prolog puts per-job staging directories.
 
     Same rule as the prolog: $HPCCKPT_STAGING_ROOT, else the path written in
-    ``hpcckpt-staging-root`` beside $SLURM_CONF, else /tmp/hpcckpt-staging.
+    ``hpcckpt-staging-root`` beside $SLURM_CONF, else /tmp/hpcckpt-staging; a
+    literal ``%n`` stands for the node name.
     """
+    root = str(STAGING_ROOT_DEFAULT)
     explicit = environ.get("HPCCKPT_STAGING_ROOT")
-    if explicit:
-        return Path(explicit)
     conf = environ.get("SLURM_CONF")
-    if conf:
-        pointer = Path(conf).parent / STAGING_ROOT_FILE
+    if explicit:
+        root = explicit
+    elif conf:
         try:
-            text = pointer.read_text(encoding="utf-8").strip()
+            text = (Path(conf).parent / STAGING_ROOT_FILE).read_text(encoding="utf-8")
         except OSError:
             text = ""
-        if text:
-            return Path(text)
-    return STAGING_ROOT_DEFAULT
+        root = text.splitlines()[0] if text.strip() else root
+    node = environ.get("SLURMD_NODENAME") or os.uname().nodename
+    return Path(root.replace("%n", node))
