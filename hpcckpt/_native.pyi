@@ -6,7 +6,7 @@ from the file system arrive as ``OSError(errno, strerror, path)``.
 
 from __future__ import annotations
 
-from collections.abc import Buffer
+from typing_extensions import Buffer
 
 def crc32c(data: Buffer, crc: int = 0) -> int:
     """CRC-32C (Castagnoli; iSCSI / google-crc32c convention).

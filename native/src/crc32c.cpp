@@ -5,6 +5,8 @@
 
 #include <array>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "arch.h"
 
@@ -159,6 +161,9 @@ struct Dispatch {
 };
 
 Dispatch choose() {
+    // HPCCKPT_CRC32C_IMPL=software forces the portable path (benchmarks, tests).
+    const char* forced = std::getenv("HPCCKPT_CRC32C_IMPL");
+    if (forced != nullptr && std::strcmp(forced, "software") == 0) return {sw_raw, "software"};
 #if HPCCKPT_HAVE_CRC_HW
     if (hpcckpt::arch::detect().crc32c) {
         // Build the tables now so that the first timed call does not pay for them.

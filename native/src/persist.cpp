@@ -1,6 +1,9 @@
 #include "hpcckpt/persist.h"
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
 
 #include "arch.h"
 
@@ -14,18 +17,33 @@ struct Barrier {
     std::size_t line_bytes;
 };
 
-Barrier choose() {
+// Candidates, best first, that this CPU reports it can execute.
+std::vector<Barrier> supported() {
     const hpcckpt::arch::Features f = hpcckpt::arch::detect();
+    std::vector<Barrier> c;
 #if defined(__x86_64__)
-    if (f.clwb) return {hpcckpt::arch::line_clwb, "clwb", f.cache_line};
-    if (f.clflushopt) return {hpcckpt::arch::line_clflushopt, "clflushopt", f.cache_line};
-    if (f.clflush) return {hpcckpt::arch::line_clflush, "clflush", f.cache_line};
+    if (f.clwb) c.push_back({hpcckpt::arch::line_clwb, "clwb", f.cache_line});
+    if (f.clflushopt) c.push_back({hpcckpt::arch::line_clflushopt, "clflushopt", f.cache_line});
+    if (f.clflush) c.push_back({hpcckpt::arch::line_clflush, "clflush", f.cache_line});
 #elif defined(__aarch64__)
-    // dc cvap traps on CPUs (and emulators) without DCPoP, so trust only HWCAP.
-    if (f.dc_cvap) return {hpcckpt::arch::line_dc_cvap, "dc cvap", f.cache_line};
-    if (f.dc_cvac) return {hpcckpt::arch::line_dc_cvac, "dc cvac", f.cache_line};
+    // dc cvap traps on CPUs without DCPoP, so it is used only when HWCAP says so.
+    if (f.dc_cvap) c.push_back({hpcckpt::arch::line_dc_cvap, "dc cvap", f.cache_line});
+    if (f.dc_cvac) c.push_back({hpcckpt::arch::line_dc_cvac, "dc cvac", f.cache_line});
 #endif
-    return {nullptr, "none", f.cache_line};
+    c.push_back({nullptr, "none", f.cache_line});
+    return c;
+}
+
+// HPCCKPT_BARRIER names a weaker barrier than the best one: for emulators that
+// report a feature they cannot execute (qemu-user 7.2 reports DCPoP but traps
+// dc cvap). Names the CPU does not support are ignored.
+Barrier choose() {
+    const std::vector<Barrier> c = supported();
+    const char* forced = std::getenv("HPCCKPT_BARRIER");
+    if (forced != nullptr)
+        for (const Barrier& b : c)
+            if (std::strcmp(b.name, forced) == 0) return b;
+    return c.front();
 }
 
 const Barrier& barrier() {
