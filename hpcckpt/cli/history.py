@@ -1,0 +1,51 @@
+"""``hpcckpt history DIR``: one row per interruption of the run checkpointed in DIR."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from hpcckpt.cli.common import add_json, emit
+from hpcckpt.cluster.history import interruptions, load_events, summary
+from hpcckpt.errors import NoCheckpoint
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("history", help="per interruption: cause, signal, lost steps, save/queue/restore time",
+                       description=__doc__)
+    p.add_argument("dir", type=Path, help="checkpoint directory (holds ledger.jsonl)")
+    add_json(p)
+    p.set_defaults(func=run)
+
+
+def _fmt(value: object, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.2f}{unit}"
+    return f"{value}{unit}"
+
+
+def _when(epoch: float | None) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(epoch)) if epoch else "-"
+
+
+def run(args: argparse.Namespace) -> int:
+    events = load_events(args.dir)
+    if not events:
+        raise NoCheckpoint(f"{args.dir}/ledger.jsonl is missing or empty: no run has started "
+                           "with this checkpoint directory (check the path)")
+    rows = interruptions(events)
+    head = (f"{'#':>2} {'job':>8} {'cause':<13} {'signal':<8} {'at':<8} {'sig step':>8} "
+            f"{'committed':>9} {'lost':>4} {'save':>7} {'queue':>7} {'restore':>7}")
+    lines = [head] + [
+        f"{r.index:>2} {_fmt(r.job_id):>8} {r.cause:<13} {_fmt(r.signal):<8} {_when(r.signal_time):<8} "
+        f"{_fmt(r.step_at_signal):>8} {_fmt(r.committed_step):>9} {_fmt(r.lost_steps):>4} "
+        f"{_fmt(r.save_s, 's'):>7} {_fmt(r.queue_wait_s, 's'):>7} {_fmt(r.restore_s, 's'):>7}"
+        for r in rows]
+    info = summary(events, rows)
+    lines.append(f"{info['interruptions']} interruption(s), {info['lost_steps_total']} lost step(s), "
+                 f"{'finished' if info['finished'] else 'not finished'}")
+    emit(args, {"dir": str(args.dir), **info, "rows": [r.as_dict() for r in rows]}, "\n".join(lines))
+    return 0
