@@ -1,0 +1,43 @@
+"""``hpcckpt cuda state|lock|checkpoint|restore|unlock|toggle|restore-tid PID``.
+
+Moves a CUDA process through the driver's checkpoint states (driver >= 570):
+RUNNING -lock-> LOCKED -checkpoint-> CHECKPOINTED -restore-> LOCKED -unlock-> RUNNING.
+``toggle`` goes RUNNING -> CHECKPOINTED or back. PIDs are as seen from here.
+"""
+from __future__ import annotations
+
+import argparse
+
+from .common import add_json, emit
+
+ACTIONS = ("state", "lock", "checkpoint", "restore", "unlock", "toggle", "restore-tid")
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("cuda", help="CUDA checkpoint API on a process (lock/checkpoint/restore/unlock)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("action", choices=ACTIONS)
+    p.add_argument("pid", type=int)
+    p.add_argument("--timeout-ms", type=int, default=0, help="lock timeout (0 = wait indefinitely)")
+    add_json(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..cuda import CudaCheckpoint
+
+    cu = CudaCheckpoint()
+    pid = args.pid
+    result: dict[str, object] = {"pid": pid, "action": args.action, "driver_api": cu.info.text}
+    if args.action == "restore-tid":
+        result["restore_tid"] = cu.restore_thread_id(pid)
+    elif args.action == "toggle":
+        cu.toggle(pid, timeout_ms=args.timeout_ms)
+    elif args.action == "lock":
+        cu.lock(pid, timeout_ms=args.timeout_ms)
+    elif args.action != "state":
+        getattr(cu, args.action)(pid)
+    result["state"] = cu.state(pid).name.lower()
+    text = str(result.get("restore_tid", result["state"]))
+    emit(args, result, text)
+    return 0

@@ -1,0 +1,67 @@
+"""``hpcckpt run [--mode criu|app] --dir DIR [options] -- CMD ARGS``: supervise a job.
+
+``--mode criu`` (transparent): CMD runs unchanged in its own PID namespace; on the
+dump signal the whole process tree is dumped with CRIU (CUDA state first, through
+the driver's checkpoint API), the image is committed under DIR/criu/, and the job
+is requeued; the next run in DIR restores the newest image. ``--mode app``: CMD runs
+as is and every signal is forwarded (the application checkpoints itself).
+Exit status: the job's own, 75 after a dump outside Slurm (the local supervisor
+restarts the command), 1 when a restore failed with --on-restore-failure=fail.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .common import add_json, emit
+
+if TYPE_CHECKING:
+    from ..criu.supervisor import RunOptions
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("run", help="run a job under the hpcckpt supervisor (CRIU or app mode)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=("criu", "app"), default="criu")
+    p.add_argument("--dir", type=Path, required=True, help="run directory (images go to DIR/criu/)")
+    p.add_argument("--signal", default="USR2",
+                   help="signal(s) that trigger a dump, comma-separated (default USR2; match "
+                        "`#SBATCH --signal=B:USR2@90`; USR1 may be taken by NCCL)")
+    p.add_argument("--keep", type=int, default=2, help="images to keep (default 2)")
+    p.add_argument("--on-restore-failure", choices=("app", "fresh", "fail"), default="app",
+                   help="app: start CMD again, it resumes from its own checkpoint (default); "
+                        "fresh: start CMD with HPCCKPT_CRIU_FALLBACK=fresh; fail: exit 1")
+    p.add_argument("--tcp-established", action="store_true",
+                   help="dump/restore established TCP connections (same addresses needed at restore)")
+    p.add_argument("--ext-unix-sk", action="store_true", help="allow unix sockets connected outside the job")
+    p.add_argument("--cuda-lock-timeout-s", type=float, default=60.0,
+                   help="how long CUDA lock may wait for submitted GPU work (default 60)")
+    p.add_argument("--criu", default=None, help="criu binary (default: HPCCKPT_CRIU, site criu >= 4, "
+                                                "or the private install of scripts/install-criu)")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS")
+    add_json(p)
+    p.set_defaults(func=run)
+
+
+def options_from_args(args: argparse.Namespace) -> RunOptions:
+    from ..config import parse_signals
+    from ..criu.ops import DumpOptions
+    from ..criu.supervisor import RunOptions
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    return RunOptions(dir=args.dir, cmd=tuple(cmd), mode=args.mode, dump_signals=parse_signals(args.signal),
+                      keep=args.keep, on_restore_failure=args.on_restore_failure,
+                      dump=DumpOptions(tcp_established=args.tcp_established, ext_unix_sk=args.ext_unix_sk),
+                      cuda_lock_timeout_ms=int(args.cuda_lock_timeout_s * 1000), criu_path=args.criu)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..criu.supervisor import Supervisor
+
+    outcome = Supervisor(options_from_args(args)).run()
+    if args.json:
+        emit(args, outcome.as_dict(), "")
+    return outcome.exit_code

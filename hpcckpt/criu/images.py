@@ -1,0 +1,112 @@
+"""Where CRIU images live: ``<run dir>/criu/image-<seq>/``, committed like checkpoints.
+
+An image directory becomes visible only through ``hpcckpt.store.commit.Transaction``
+(checksummed files, temp dir + rename + fsync, ``LATEST``). Only the newest image is
+ever restored automatically: after an older image was taken the job went on writing
+its files, and CRIU either refuses such an image or would rewind state the job has
+already published. Older images are kept (``keep``) for inspection and manual use.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointCorrupt, NoCheckpoint
+from ..store.commit import MANIFEST, TMP_MARK, read_latest, read_manifest, verify_files
+
+CRIU_SUBDIR = "criu"
+IMAGE_PREFIX = "image-"
+KIND = "criu-image"
+_NAME_RE = re.compile(rf"^{IMAGE_PREFIX}(\d+)$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Image:
+    path: Path
+    seq: int
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def manifest(self) -> dict[str, Any]:
+        return read_manifest(self.path)
+
+    def bytes_total(self) -> int:
+        return sum(int(f["bytes"]) for f in self.manifest().get("files", {}).values())
+
+
+def criu_root(run_dir: Path) -> Path:
+    return Path(run_dir) / CRIU_SUBDIR
+
+
+def image_name(seq: int) -> str:
+    return f"{IMAGE_PREFIX}{seq:06d}"
+
+
+def committed(root: Path) -> list[Image]:
+    """Committed image directories (those with a manifest), oldest first."""
+    if not root.is_dir():
+        return []
+    out = []
+    for entry in root.iterdir():
+        m = _NAME_RE.match(entry.name)
+        if m and entry.is_dir() and (entry / MANIFEST).exists():
+            out.append(Image(path=entry, seq=int(m.group(1))))
+    return sorted(out, key=lambda im: im.seq)
+
+
+def next_seq(root: Path) -> int:
+    seqs = [im.seq for im in committed(root)]
+    return (max(seqs) + 1) if seqs else 1
+
+
+def newest(root: Path) -> Image:
+    """The image ``LATEST`` names (else the highest sequence); NoCheckpoint if none."""
+    name = read_latest(root)
+    if name:
+        m = _NAME_RE.match(name)
+        if m and (root / name).is_dir():
+            return Image(path=root / name, seq=int(m.group(1)))
+    images = committed(root)
+    if not images:
+        raise NoCheckpoint(f"no committed CRIU image under {root}")
+    return images[-1]
+
+
+def verify(image: Image) -> dict[str, Any]:
+    """Check the manifest and every file's size and crc32c; return the manifest.
+
+    Raises CheckpointCorrupt listing every problem, so a flipped byte is caught
+    before criu ever reads the image.
+    """
+    problems = verify_files(image.path, full=True)
+    if problems:
+        raise CheckpointCorrupt(f"CRIU image {image.path} fails verification: " + "; ".join(problems)
+                                + ". It will not be restored; remove it to silence this message")
+    manifest = image.manifest()
+    if manifest.get("kind") != KIND:
+        raise CheckpointCorrupt(f"{image.path} is not a CRIU image (kind={manifest.get('kind')!r})")
+    return manifest
+
+
+def prune(root: Path, *, keep: int) -> list[Path]:
+    """Keep the newest ``keep`` images (never the one LATEST names); drop stale temp dirs.
+
+    Call under ``writer_lock(root)``: then no temp directory can belong to a live writer.
+    """
+    removed: list[Path] = []
+    images = committed(root)
+    latest = read_latest(root)
+    for im in images[: max(0, len(images) - max(keep, 1))]:
+        if im.name != latest:
+            shutil.rmtree(im.path, ignore_errors=True)
+            removed.append(im.path)
+    for entry in root.iterdir() if root.is_dir() else []:
+        if entry.name.startswith(IMAGE_PREFIX) and TMP_MARK in entry.name and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed

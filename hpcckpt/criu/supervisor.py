@@ -1,0 +1,373 @@
+"""``hpcckpt run``: the supervisor a batch script runs instead of the bare command.
+
+Call sequence (``--mode criu``):
+  start:  newest committed image under DIR/criu? -> verify every file -> criu restore
+          (detached; we are the child subreaper) -> CUDA restore + unlock -> wait.
+          No image, or restore fails -> fallback: start CMD in a new PID namespace
+          (``app``: the application resumes from its own checkpoint; ``fresh``: the
+          job is told to ignore it via HPCCKPT_CRIU_FALLBACK=fresh), or exit (``fail``).
+  signal: a dump signal -> CUDA lock + checkpoint -> criu dump into a Transaction ->
+          commit (checksummed, fsync, rename, LATEST) -> retention -> requeue and exit.
+          Any other catchable signal is forwarded to the job.
+          A dump that fails leaves the job running and forwards the signal to it, so an
+          application with its own handler can still save.
+  exit:   the job's exit status becomes ours; the newest image is marked consumed so a
+          later run in the same DIR does not resurrect a finished job.
+Signal handlers only record; all work happens in the main loop.
+"""
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any, Callable
+
+from ..errors import CheckpointCorrupt, CriuError, CudaCheckpointError, HpcckptError, NoCheckpoint
+from ..ledger import Ledger
+from ..store.commit import Transaction, atomic_write
+from ..store.lock import writer_lock
+from . import images, ops, proctree
+from .locate import Criu, find_criu
+
+EXIT_REQUEUE = 75  # EX_TEMPFAIL, the local supervisor's "restart me" (hpcckpt.api.EXIT_REQUEUE)
+MODES = ("criu", "app")
+FALLBACKS = ("app", "fresh", "fail")
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2,
+             signal.SIGQUIT, signal.SIGALRM, signal.SIGXCPU, signal.SIGCONT)
+CONSUMED = "CONSUMED"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    dir: Path
+    cmd: tuple[str, ...]
+    mode: str = "criu"
+    dump_signals: tuple[signal.Signals, ...] = (signal.SIGUSR2,)
+    keep: int = 2
+    on_restore_failure: str = "app"
+    dump: ops.DumpOptions = field(default_factory=ops.DumpOptions)
+    cuda_lock_timeout_ms: int = 60_000
+    criu_path: str | None = None
+
+    def __post_init__(self) -> None:
+        from ..errors import ConfigError
+
+        if self.mode not in MODES:
+            raise ConfigError(f"unknown --mode {self.mode!r}; valid: {', '.join(MODES)}")
+        if self.on_restore_failure not in FALLBACKS:
+            raise ConfigError(f"unknown --on-restore-failure {self.on_restore_failure!r}; "
+                              f"valid: {', '.join(FALLBACKS)}")
+        if self.keep < 1:
+            raise ConfigError(f"--keep must be >= 1 (got {self.keep})")
+        if not self.cmd:
+            raise ConfigError("no command given: use `hpcckpt run [options] -- CMD ARGS`")
+
+
+@dataclass(kw_only=True)
+class Outcome:
+    exit_code: int
+    action: str  # "exited" | "requeue" | "restore-failed"
+    restored_from: str | None = None
+    images: list[str] = field(default_factory=list)
+    detail: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"exit_code": self.exit_code, "action": self.action, "restored_from": self.restored_from,
+                "images": self.images, "detail": self.detail}
+
+
+def exit_code_of(status: int) -> int:
+    return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def _incarnation() -> str:
+    job = os.environ.get("SLURM_JOB_ID", "local")
+    restart = os.environ.get("SLURM_RESTART_COUNT", "0") or "0"
+    return f"{job}-r{restart}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+
+
+class Supervisor:
+    def __init__(self, opts: RunOptions, *, log: Callable[[str], None] | None = None) -> None:
+        self.opts = opts
+        self.dir = Path(opts.dir).resolve()
+        self.root = images.criu_root(self.dir)
+        self.ledger = Ledger(self.dir)
+        self.log = log or (lambda msg: print(f"hpcckpt run: {msg}", file=sys.stderr, flush=True))
+        self.pending: list[signal.Signals] = []
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._criu: Criu | None = None
+        self.outcome = Outcome(exit_code=1, action="exited")
+        self.tag = _incarnation()
+
+    # -- signals: record only -------------------------------------------------
+    def _record(self, signum: int, _frame: FrameType | None) -> None:
+        self.pending.append(signal.Signals(signum))
+
+    def _install_signals(self) -> None:
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        for sig in set(FORWARDED) | set(self.opts.dump_signals):
+            signal.signal(sig, self._record)
+        signal.signal(signal.SIGCHLD, lambda _s, _f: None)
+
+    def _sleep(self, timeout_s: float) -> None:
+        if self.pending:
+            return
+        ready, _, _ = select.select([self._wake_r], [], [], timeout_s)
+        if ready:
+            try:
+                while os.read(self._wake_r, 512):
+                    pass
+            except BlockingIOError:
+                pass
+
+    # -- entry ------------------------------------------------------------------
+    def run(self) -> Outcome:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._install_signals()
+        if self.opts.mode == "app":
+            proc = subprocess.Popen(list(self.opts.cmd))
+            job = ops.Job(init_pid=proc.pid, wait_pid=proc.pid, stdout=Path("/dev/stdout"), stderr=Path("/dev/stderr"))
+            self.outcome.exit_code = self._loop(job, dumps=False)
+            return self.outcome
+        ops.set_child_subreaper()
+        job = self._restore_or_start()
+        if job is None:
+            return self.outcome
+        self.outcome.exit_code = self._loop(job, dumps=True)
+        return self.outcome
+
+    # -- main loop --------------------------------------------------------------
+    def _reap(self, job: ops.Job) -> int | None:
+        code = None
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return code if code is not None else (0 if not proctree.alive(job.wait_pid) else None)
+            if pid == 0:
+                return code
+            if pid == job.wait_pid:
+                code = exit_code_of(status)
+
+    def _loop(self, job: ops.Job, *, dumps: bool) -> int:
+        while True:
+            code = self._reap(job)
+            if code is not None:
+                return self._job_exited(code, dumped=False)
+            while self.pending:
+                sig = self.pending.pop(0)
+                if dumps and sig in self.opts.dump_signals:
+                    result = self._on_dump_signal(job, sig)
+                    if result is not None:
+                        return result
+                else:
+                    self.log(f"forwarding {sig.name} to the job (PID {job.init_pid})")
+                    ops.kill_tree(job, sig)
+            self._sleep(1.0)
+
+    def _job_exited(self, code: int, *, dumped: bool) -> int:
+        self.log(f"job exited with status {code}")
+        self.outcome.action = "exited"
+        if self.opts.mode == "criu" and not dumped:
+            self._mark_consumed()
+        return code
+
+    def _mark_consumed(self) -> None:
+        try:
+            latest = images.newest(self.root)
+        except NoCheckpoint:
+            return
+        atomic_write(self.root / CONSUMED, (latest.name + "\n").encode())
+
+    def _consumed(self) -> str | None:
+        try:
+            return (self.root / CONSUMED).read_text().strip() or None
+        except FileNotFoundError:
+            return None
+
+    # -- start / restore ----------------------------------------------------------
+    def _stdio_paths(self) -> tuple[Path, Path]:
+        base = self.root / "stdio" / self.tag
+        return base.with_suffix(".out"), base.with_suffix(".err")
+
+    def criu(self) -> Criu:
+        if self._criu is None:
+            self._criu = find_criu(self.opts.criu_path)
+        return self._criu
+
+    def _start_fresh(self, fallback: str | None) -> ops.Job:
+        out, err = self._stdio_paths()
+        env = dict(os.environ)
+        if fallback:
+            env["HPCCKPT_CRIU_FALLBACK"] = fallback
+        job = ops.launch(list(self.opts.cmd), stdout=out, stderr=err, env=env)
+        self.log(f"started {' '.join(self.opts.cmd)!r} in a new PID namespace (init PID {job.init_pid}); "
+                 f"stdout {out}, stderr {err}")
+        return job
+
+    def _restore_or_start(self) -> ops.Job | None:
+        try:
+            image = images.newest(self.root)
+        except NoCheckpoint:
+            return self._start_fresh(None)
+        if self._consumed() == image.name:
+            self.log(f"{image.path} belongs to a run that already finished; starting fresh")
+            return self._start_fresh(None)
+        try:
+            return self._restore(image)
+        except (CheckpointCorrupt, CriuError, CudaCheckpointError, OSError) as exc:
+            return self._restore_failed(image, exc)
+
+    def _restore_failed(self, image: images.Image, exc: Exception) -> ops.Job | None:
+        fallback = self.opts.on_restore_failure
+        self.log(f"cannot restore {image.path}: {exc}")
+        self.ledger.append("criu_restore_failed", image=image.name, error=str(exc), fallback=fallback)
+        if fallback == "fail":
+            self.log("--on-restore-failure=fail: not starting the job")
+            self.outcome.exit_code, self.outcome.action, self.outcome.detail = 1, "restore-failed", str(exc)
+            return None
+        self.log(f"falling back to a fresh start of the command ({fallback})")
+        return self._start_fresh(fallback)
+
+    def _restore(self, image: images.Image) -> ops.Job:
+        t0 = time.monotonic()
+        with writer_lock(self.root):
+            manifest = images.verify(image)
+            verify_s = time.monotonic() - t0
+            criu = self.criu()
+            out, err = self._stdio_paths()
+            logs = self.root / "logs"
+            logs.mkdir(parents=True, exist_ok=True)
+            t1 = time.monotonic()
+            job = ops.restore(criu, image.path, old_stdio=manifest.get("stdio", {}), new_stdout=out, new_stderr=err,
+                              log=logs / f"restore-{self.tag}.log", work_dir=logs, opts=self.opts.dump)
+            criu_s = time.monotonic() - t1
+            self._restore_cuda(job, manifest)
+        restore_s = time.monotonic() - t0
+        self.log(f"restored {image.name} in {restore_s:.2f} s (verify {verify_s:.2f} s, criu {criu_s:.2f} s); "
+                 f"init PID {job.init_pid}; stdout now {out}")
+        self.ledger.append("criu_restore", image=image.name, restore_s=restore_s, verify_s=verify_s,
+                           criu_s=criu_s, bytes=image.bytes_total())
+        self.outcome.restored_from = image.name
+        return job
+
+    def _restore_cuda(self, job: ops.Job, manifest: dict[str, Any]) -> None:
+        if not manifest.get("cuda_pids"):
+            return
+        from ..cuda import CudaCheckpoint, cuda_pids, restore_all
+
+        pids = cuda_pids(job.init_pid)
+        try:
+            restore_all(CudaCheckpoint(), pids)
+        except CudaCheckpointError:
+            ops.kill_tree(job)
+            raise
+        self.log(f"CUDA state restored and unlocked for PIDs {pids}")
+
+    # -- dump -------------------------------------------------------------------------
+    def _on_dump_signal(self, job: ops.Job, sig: signal.Signals) -> int | None:
+        self.log(f"received {sig.name}: dumping the job with criu")
+        self.ledger.append("signal", signum=int(sig), signame=sig.name, step=None, source="criu-supervisor")
+        try:
+            with writer_lock(self.root):
+                name = self._dump(job, sig)
+        except (CriuError, CudaCheckpointError, OSError) as exc:
+            self.log(f"dump failed, the job keeps running: {exc}; forwarding {sig.name} so it can save itself")
+            self.ledger.append("criu_dump_failed", error=str(exc), signame=sig.name)
+            ops.kill_tree(job, sig)
+            return None
+        self._wait_gone(job)
+        self.outcome.images.append(name)
+        return self._requeue(name)
+
+    def _wait_gone(self, job: ops.Job) -> None:
+        # criu killed the tree; collect unshare's status so no zombie outlives us.
+        deadline = time.monotonic() + 30
+        while proctree.alive(job.wait_pid) and time.monotonic() < deadline:
+            self._reap(job)
+            time.sleep(0.01)
+        self._reap(job)
+
+    def _cuda_checkpoint(self, job: ops.Job) -> list[int]:
+        from ..cuda import cuda_pids
+
+        pids = cuda_pids(job.init_pid)
+        if not pids:
+            return []
+        from ..cuda import CudaCheckpoint, checkpoint_all
+
+        t0 = time.monotonic()
+        checkpoint_all(CudaCheckpoint(), pids, lock_timeout_ms=self.opts.cuda_lock_timeout_ms)
+        self.log(f"CUDA state of PIDs {pids} locked and checkpointed in {time.monotonic() - t0:.2f} s")
+        return pids
+
+    def _dump(self, job: ops.Job, sig: signal.Signals) -> str:
+        criu = self.criu()
+        seq = images.next_seq(self.root)
+        name = images.image_name(seq)
+        cuda = self._cuda_checkpoint(job)
+        with Transaction(self.root, name) as tx:
+            t0 = time.monotonic()
+            try:
+                ops.dump(criu, job, tx.path, log=self.root / "logs" / f"dump-{seq:06d}.log", opts=self.opts.dump)
+            except CriuError:
+                if cuda:
+                    from ..cuda import CudaCheckpoint, restore_all
+
+                    restore_all(CudaCheckpoint(), cuda)
+                raise
+            dump_s = time.monotonic() - t0
+            t1 = time.monotonic()
+            tx.commit(self._manifest(job, seq, sig, criu, dump_s, cuda))
+            commit_s = time.monotonic() - t1
+        image = images.Image(path=self.root / name, seq=seq)
+        nbytes = image.bytes_total()
+        removed = images.prune(self.root, keep=self.opts.keep)
+        self.log(f"committed {image.path}: {nbytes / 1e6:.1f} MB, dump {dump_s:.2f} s, commit {commit_s:.2f} s"
+                 + (f"; removed {len(removed)} old image(s)" if removed else ""))
+        self.ledger.append("criu_dump", image=name, bytes=nbytes, dump_s=dump_s, commit_s=commit_s,
+                           cuda_pids=len(cuda), signame=sig.name)
+        return name
+
+    def _manifest(self, job: ops.Job, seq: int, sig: signal.Signals, criu: Criu, dump_s: float,
+                  cuda: list[int]) -> dict[str, Any]:
+        return {
+            "kind": images.KIND, "seq": seq, "created": time.time(), "host": socket.gethostname(),
+            "job_id": os.environ.get("SLURM_JOB_ID"),
+            "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+            "cmd": list(self.opts.cmd), "signal": sig.name, "criu_version": criu.version, "dump_s": dump_s,
+            "stdio": {"stdout": str(job.stdout), "stderr": str(job.stderr)},
+            "cuda_pids": [proctree.inner_pid(p) or p for p in cuda],
+            "dump_options": {"file_locks": self.opts.dump.file_locks,
+                             "tcp_established": self.opts.dump.tcp_established,
+                             "ext_unix_sk": self.opts.dump.ext_unix_sk},
+        }
+
+    # -- requeue -----------------------------------------------------------------------
+    def _requeue(self, image: str) -> int:
+        """Hand the job back to the scheduler; with Slurm ``scontrol requeue`` kills us."""
+        from ..cluster import detect
+
+        self.outcome.action = "requeue"
+        in_slurm = bool(os.environ.get("SLURM_JOB_ID"))
+        where = f"Slurm job {os.environ['SLURM_JOB_ID']}" if in_slurm else "the local supervisor (exit 75)"
+        self.log(f"image {image} committed; requeueing via {where}")
+        self.ledger.append("requeue", method="slurm" if in_slurm else "exit", detail=f"after CRIU image {image}")
+        try:
+            outcome = detect().requeue("signal", self.dir)
+        except HpcckptError as exc:
+            self.log(f"requeue failed: {exc}; the image stays committed: resubmit the job to resume it")
+            self.outcome.detail = str(exc)
+            return EXIT_REQUEUE
+        self.outcome.detail = outcome.detail
+        if not outcome.requeued:
+            self.log(f"not requeued: {outcome.detail}; the image stays committed: resubmit to resume it")
+            return 1
+        return int(outcome.exit_code) if outcome.exit_code is not None else 0

@@ -1,0 +1,206 @@
+"""The CUDA driver's process checkpoint API (cuCheckpointProcess*) through ctypes.
+
+The API (CUDA 12.8, driver >= 570) acts on ANOTHER process by PID: ``lock`` stops
+new CUDA work in it and waits for submitted work, ``checkpoint`` copies its device
+memory into its host memory and releases the GPU, ``restore`` re-acquires the GPU
+and copies the memory back, ``unlock`` lets it run CUDA work again. States:
+RUNNING -lock-> LOCKED -checkpoint-> CHECKPOINTED -restore-> LOCKED -unlock-> RUNNING.
+A CHECKPOINTED process holds no GPU resources, which is what lets CRIU dump it.
+
+Every argument struct is 64 bytes and "reserved fields must be zero"; zeroed
+structs are passed rather than NULL so that the layout is explicit.
+"""
+from __future__ import annotations
+
+import ctypes
+import enum
+import os
+from dataclasses import dataclass
+
+from ..errors import CudaCheckpointError
+from ..criu.proctree import maps_library
+
+LIBCUDA = "libcuda.so.1"
+# cuDriverGetVersion encodes 1000*major + 10*minor; the checkpoint API came with 12.8.
+MIN_DRIVER_API = 12080
+MIN_DRIVER_TEXT = "CUDA 12.8 (NVIDIA driver >= 570)"
+_CUDA_SUCCESS = 0
+_CUDA_ERROR_NO_DEVICE = 100
+_CUDA_ERROR_NOT_FOUND = 500
+
+
+class CudaDriverMissing(CudaCheckpointError):
+    """libcuda.so.1 cannot be loaded: no NVIDIA driver on this machine."""
+
+
+class CudaDriverTooOld(CudaCheckpointError):
+    """The driver predates the checkpoint API."""
+
+
+class CudaNoContext(CudaCheckpointError):
+    """The PID does not exist or has no CUDA context."""
+
+
+class CudaCallFailed(CudaCheckpointError):
+    """A cuCheckpointProcess* call returned an error."""
+
+    def __init__(self, message: str, *, code: int, name: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.name = name
+
+
+class ProcessState(enum.IntEnum):
+    RUNNING = 0
+    LOCKED = 1
+    CHECKPOINTED = 2
+    FAILED = 3
+
+
+class _LockArgs(ctypes.Structure):
+    _fields_ = [("timeoutMs", ctypes.c_uint), ("reserved0", ctypes.c_uint), ("reserved1", ctypes.c_uint64 * 7)]
+
+
+class _GpuPair(ctypes.Structure):
+    _fields_ = [("oldUuid", ctypes.c_ubyte * 16), ("newUuid", ctypes.c_ubyte * 16)]
+
+
+class _RestoreArgs(ctypes.Structure):
+    _fields_ = [("gpuPairs", ctypes.POINTER(_GpuPair)), ("gpuPairsCount", ctypes.c_uint),
+                ("reserved", ctypes.c_char * (52 - ctypes.sizeof(ctypes.c_void_p))),
+                ("reserved1", ctypes.c_uint64)]
+
+
+class _ReservedArgs(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_uint64 * 8)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DriverInfo:
+    path: str
+    api_version: int
+
+    @property
+    def text(self) -> str:
+        return f"{self.api_version // 1000}.{(self.api_version % 1000) // 10}"
+
+
+def load_library(path: str = LIBCUDA) -> ctypes.CDLL:
+    try:
+        return ctypes.CDLL(path)
+    except OSError as exc:
+        raise CudaDriverMissing(
+            f"cannot load {path} ({exc}): no NVIDIA driver on this machine. The CUDA "
+            f"checkpoint API needs {MIN_DRIVER_TEXT}; run on a GPU node, or set "
+            "HPCCKPT_LIBCUDA to the driver library's path") from None
+
+
+class CudaCheckpoint:
+    """One loaded driver. Methods take the target's PID as this process sees it."""
+
+    def __init__(self, library: str | None = None) -> None:
+        self.path = library or os.environ.get("HPCCKPT_LIBCUDA") or LIBCUDA
+        self._lib = load_library(self.path)
+        self.info = DriverInfo(path=self.path, api_version=self._driver_version())
+        self._require_checkpoint_api()
+        self._init()
+
+    def _driver_version(self) -> int:
+        fn = getattr(self._lib, "cuDriverGetVersion", None)
+        if fn is None:
+            raise CudaDriverMissing(f"{self.path} has no cuDriverGetVersion: not a CUDA driver library")
+        version = ctypes.c_int(0)
+        rc = fn(ctypes.byref(version))
+        if rc != _CUDA_SUCCESS:
+            raise CudaDriverMissing(f"cuDriverGetVersion failed in {self.path}: {self.error_name(rc)}")
+        return version.value
+
+    def _require_checkpoint_api(self) -> None:
+        has_api = hasattr(self._lib, "cuCheckpointProcessLock")
+        if self.info.api_version < MIN_DRIVER_API or not has_api:
+            raise CudaDriverTooOld(
+                f"the NVIDIA driver at {self.path} supports CUDA {self.info.text}; the checkpoint "
+                f"API (cuCheckpointProcess*) needs {MIN_DRIVER_TEXT}. Upgrade the driver, or use "
+                "hpcckpt's in-process engines (--mode app) on this node")
+
+    def _init(self) -> None:
+        rc = self._lib.cuInit(0)
+        if rc == _CUDA_ERROR_NO_DEVICE:
+            raise CudaDriverMissing(f"cuInit: the driver at {self.path} sees no CUDA device on this machine")
+        if rc != _CUDA_SUCCESS:
+            raise CudaCheckpointError(f"cuInit failed: {self.error_name(rc)}")
+
+    def error_name(self, code: int) -> str:
+        text = ctypes.c_char_p()
+        fn = getattr(self._lib, "cuGetErrorName", None)
+        if fn is not None and fn(code, ctypes.byref(text)) == _CUDA_SUCCESS and text.value:
+            return f"{text.value.decode()} ({code})"
+        return f"CUresult {code}"
+
+    def _call(self, what: str, pid: int, *args: object) -> None:
+        fn = getattr(self._lib, f"cuCheckpointProcess{what}")
+        rc = fn(ctypes.c_int(pid), *args)
+        if rc != _CUDA_SUCCESS:
+            hint = ""
+            if rc == _CUDA_ERROR_NOT_FOUND or not maps_library(pid, "libcuda"):
+                hint = f"; PID {pid} has no CUDA context (is it a CUDA process, and alive?)"
+            raise CudaCallFailed(f"cuCheckpointProcess{what}(pid={pid}) failed: {self.error_name(rc)}{hint}",
+                                 code=int(rc), name=self.error_name(rc))
+
+    def state(self, pid: int) -> ProcessState:
+        require_cuda_process(pid)
+        out = ctypes.c_int(-1)
+        self._call("GetState", pid, ctypes.byref(out))
+        try:
+            return ProcessState(out.value)
+        except ValueError:
+            raise CudaCheckpointError(f"PID {pid}: the driver reports an unknown process state {out.value}") from None
+
+    def lock(self, pid: int, *, timeout_ms: int = 0) -> None:
+        """Block new CUDA work in ``pid`` and wait for submitted work (0 = no timeout)."""
+        require_cuda_process(pid)
+        args = _LockArgs(timeoutMs=timeout_ms)
+        self._call("Lock", pid, ctypes.byref(args))
+
+    def checkpoint(self, pid: int) -> None:
+        require_cuda_process(pid)
+        self._call("Checkpoint", pid, ctypes.byref(_ReservedArgs()))
+
+    def restore(self, pid: int) -> None:
+        require_cuda_process(pid)
+        self._call("Restore", pid, ctypes.byref(_RestoreArgs()))
+
+    def unlock(self, pid: int) -> None:
+        require_cuda_process(pid)
+        self._call("Unlock", pid, ctypes.byref(_ReservedArgs()))
+
+    def restore_thread_id(self, pid: int) -> int:
+        require_cuda_process(pid)
+        tid = ctypes.c_int(0)
+        self._call("GetRestoreThreadId", pid, ctypes.byref(tid))
+        return tid.value
+
+    def toggle(self, pid: int, *, timeout_ms: int = 0) -> ProcessState:
+        """RUNNING -> CHECKPOINTED, or CHECKPOINTED -> RUNNING (like cuda-checkpoint --toggle)."""
+        st = self.state(pid)
+        if st is ProcessState.RUNNING:
+            self.lock(pid, timeout_ms=timeout_ms)
+            self.checkpoint(pid)
+        elif st is ProcessState.LOCKED:
+            self.unlock(pid)
+        elif st is ProcessState.CHECKPOINTED:
+            self.restore(pid)
+            self.unlock(pid)
+        else:
+            raise CudaCheckpointError(f"PID {pid} is in state {st.name}; toggle cannot move it")
+        return self.state(pid)
+
+
+def require_cuda_process(pid: int) -> None:
+    """Raise CudaNoContext unless ``pid`` is alive and has the CUDA driver mapped."""
+    if not os.path.exists(f"/proc/{pid}"):
+        raise CudaNoContext(f"PID {pid} does not exist (check the PID; inside a container or "
+                            "PID namespace use the PID as seen from where hpcckpt runs)")
+    if not maps_library(pid, "libcuda"):
+        raise CudaNoContext(f"PID {pid} has not loaded the CUDA driver (libcuda), so it has no CUDA "
+                            "context to lock or checkpoint")
