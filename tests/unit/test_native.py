@@ -1,0 +1,310 @@
+"""Tests of the compiled core through hpcckpt._native (real files, real fsync)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpcckpt import _native
+
+pytestmark = pytest.mark.native
+
+REPO = Path(__file__).resolve().parents[2]
+
+_POLY = 0x82F63B78
+_TABLE = []
+for _n in range(256):
+    _c = _n
+    for _ in range(8):
+        _c = (_c >> 1) ^ _POLY if _c & 1 else _c >> 1
+    _TABLE.append(_c)
+
+
+def crc32c_reference(data: bytes, crc: int = 0) -> int:
+    """Bytewise CRC-32C, straight from the definition."""
+    c = crc ^ 0xFFFFFFFF
+    for b in data:
+        c = _TABLE[(c ^ b) & 0xFF] ^ (c >> 8)
+    return c ^ 0xFFFFFFFF
+
+
+def test_crc32c_known_vectors() -> None:
+    assert _native.crc32c(b"123456789") == 0xE3069283
+    assert _native.crc32c(b"") == 0
+    assert _native.crc32c(bytes(32)) == 0x8A9136AA
+    assert _native.crc32c_impl() in {"sse4.2", "armv8-crc", "software"}
+
+
+def test_crc32c_matches_reference_on_random_data() -> None:
+    rng = random.Random(1234)
+    blob = rng.randbytes(70_000)
+    for _ in range(60):
+        start = rng.randrange(0, 16)
+        length = rng.choice([0, 1, 7, 8, 9, 255, 768, 769, rng.randrange(0, 70_000 - 16)])
+        piece = blob[start : start + length]
+        expected = crc32c_reference(piece)
+        assert _native.crc32c(piece) == expected
+        assert _native.crc32c_software(piece) == expected
+
+
+def test_crc32c_chaining_combine_and_buffer_kinds() -> None:
+    data = np.random.default_rng(5).integers(0, 256, size=3_000_001, dtype=np.uint8)
+    whole = _native.crc32c(data)
+    assert whole == _native.crc32c_software(data.tobytes())
+    a, b = data[:1_234_567], data[1_234_567:]
+    assert _native.crc32c(b, _native.crc32c(a)) == whole
+    assert _native.crc32c_combine(_native.crc32c(a), _native.crc32c(b), len(b)) == whole
+    assert _native.crc32c(memoryview(data.tobytes())[5:]) == _native.crc32c(data[5:].tobytes())
+    with pytest.raises((BufferError, ValueError)):
+        _native.crc32c(data[::2])  # not contiguous
+
+
+def test_parallel_copy_threads_and_size_mismatch() -> None:
+    src = np.random.default_rng(6).integers(0, 256, size=(9 << 20) + 3, dtype=np.uint8)
+    for threads in (0, 1, 2, 5):
+        dst = np.zeros_like(src)
+        _native.parallel_copy(dst, src, threads)
+        assert np.array_equal(dst, src)
+    with pytest.raises(ValueError, match="bytes"):
+        _native.parallel_copy(np.zeros(10, np.uint8), np.zeros(11, np.uint8))
+    with pytest.raises(BufferError):
+        _native.parallel_copy(b"x" * 10, np.zeros(10, np.uint8))  # bytes are read-only
+
+
+def test_aligned_buffer_views_and_lifetime() -> None:
+    buf = _native.aligned_buffer((1 << 20) + 5, alignment=1 << 16)
+    assert buf.address % (1 << 16) == 0
+    assert len(buf) == buf.nbytes == (1 << 20) + 5
+    view = np.frombuffer(buf, dtype=np.uint8)
+    view[:] = 7
+    del buf  # the numpy view keeps the memory alive
+    assert int(view.sum()) == 7 * ((1 << 20) + 5)
+    assert np.frombuffer(_native.aligned_buffer(4096, prefault=False), np.uint8).size == 4096
+    with pytest.raises(ValueError, match="power of two"):
+        _native.aligned_buffer(100, alignment=3000)
+
+
+def test_aligned_buffer_with_torch() -> None:
+    torch = pytest.importorskip("torch")
+    buf = _native.aligned_buffer(16 * 4)
+    t = torch.frombuffer(buf, dtype=torch.float32)
+    t.copy_(torch.arange(16, dtype=torch.float32))
+    assert np.frombuffer(buf, np.float32)[15] == 15.0
+
+
+def test_barrier_persist_range_on_mmap(tmp_path: Path) -> None:
+    import mmap
+
+    assert _native.barrier_kind() in {"clwb", "clflushopt", "clflush", "dc cvap", "dc cvac", "none"}
+    path = tmp_path / "dax-like.bin"
+    path.write_bytes(bytes(1 << 16))
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 1 << 16) as m:
+        m[:] = b"\xab" * (1 << 16)
+        _native.persist_range(m)
+        _native.store_fence()
+        m.flush()
+    assert path.read_bytes() == b"\xab" * (1 << 16)
+
+
+def test_fdatasync_raises_oserror_with_path(tmp_path: Path) -> None:
+    path = tmp_path / "f.bin"
+    with open(path, "wb") as f:
+        f.write(b"x")
+        _native.fdatasync(f.fileno(), str(path))
+    r, w = os.pipe()
+    os.close(r)
+    os.close(w)
+    with pytest.raises(OSError) as info:
+        _native.fdatasync(w, "/some/ckpt/file")
+    assert info.value.errno == 9  # EBADF
+    assert info.value.filename == "/some/ckpt/file"
+
+
+def _rand(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size=n, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_batch_writes_read_back_with_item_crcs(tmp_path: Path, direct: bool) -> None:
+    with _native.WriterPool(threads=3, chunk_bytes=256 << 10) as pool:
+        a = _rand((5 << 20) + 4096, 1)
+        b = _rand(1_000_003, 2)
+        staging = _native.aligned_buffer(a.nbytes)
+        batch = _native.Batch(pool, direct=direct)
+        f1, f2 = tmp_path / "rank0.bin", tmp_path / "rank1.bin"
+        ia = batch.add(str(f1), 0, staging, src=a)
+        ib = batch.add(str(f1), a.nbytes + 3, b)
+        ic = batch.add(str(f2), 8192, b)
+        assert (ia, ib, ic) == (0, 1, 2)
+        assert batch.bytes_total == a.nbytes + 2 * b.nbytes
+        batch.start()
+        assert batch.wait() is True
+        assert batch.bytes_written == batch.bytes_total
+        assert batch.bytes_copied == a.nbytes
+        raw1 = f1.read_bytes()
+        assert raw1[: a.nbytes] == a.tobytes()
+        assert raw1[a.nbytes + 3 :] == b.tobytes()
+        assert f2.read_bytes()[8192:] == b.tobytes()
+        assert batch.crc(ia) == _native.crc32c(a)
+        assert batch.crc(ib) == batch.crc(ic) == _native.crc32c(b)
+        with pytest.raises(IndexError):
+            batch.crc(3)
+
+
+def test_batch_does_not_truncate_existing_file(tmp_path: Path) -> None:
+    path = tmp_path / "keep.bin"
+    path.write_bytes(b"A" * 100)
+    with _native.WriterPool(threads=1) as pool:
+        batch = _native.Batch(pool)
+        batch.add(str(path), 10, b"BBBB")
+        batch.start()
+        assert batch.wait()
+    assert path.read_bytes() == b"A" * 10 + b"BBBB" + b"A" * 86
+
+
+def test_wait_copied_lets_caller_mutate_sources_before_wait(tmp_path: Path) -> None:
+    src = _rand(16 << 20, 3)
+    expected = src.tobytes()
+    staging = _native.aligned_buffer(src.nbytes)
+    with _native.WriterPool(threads=2, chunk_bytes=1 << 20) as pool:
+        batch = _native.Batch(pool)
+        item = batch.add(str(tmp_path / "w.bin"), 0, staging, src=src)
+        batch.start()
+        assert batch.wait_copied(timeout=60.0)
+        assert batch.bytes_copied == src.nbytes
+        src[:] = 0  # the training step goes on; staging already holds the snapshot
+        assert batch.wait(timeout=60.0)
+    assert (tmp_path / "w.bin").read_bytes() == expected
+    assert batch.crc(item) == _native.crc32c(expected)
+
+
+def test_batch_call_order_errors(tmp_path: Path) -> None:
+    with _native.WriterPool(threads=1) as pool:
+        batch = _native.Batch(pool)
+        with pytest.raises(RuntimeError, match="before start"):
+            batch.wait()
+        batch.add(str(tmp_path / "x"), 0, b"abc")
+        batch.start()
+        with pytest.raises(RuntimeError, match="after start"):
+            batch.add(str(tmp_path / "x"), 0, b"abc")
+        with pytest.raises(RuntimeError, match="twice"):
+            batch.start()
+        assert batch.wait()
+        with pytest.raises(ValueError, match="same|bytes"):
+            _native.Batch(pool).add(str(tmp_path / "y"), 0, bytearray(4), src=b"12345")
+    with pytest.raises(RuntimeError, match="closed"):
+        _native.Batch(pool)
+
+
+def test_several_batches_in_flight_then_commit_record(tmp_path: Path) -> None:
+    pool = _native.WriterPool(threads=2, chunk_bytes=512 << 10)
+    datas = [_rand((3 << 20) + 17 * i, 10 + i) for i in range(4)]
+    batches = []
+    for i, d in enumerate(datas):
+        b = _native.Batch(pool, direct=bool(i % 2))
+        b.add(str(tmp_path / f"step{i}.bin"), 0, d)
+        b.start()
+        batches.append(b)
+    # Wait from several Python threads at once: the GIL is released while waiting.
+    results: list[bool] = []
+    threads = [threading.Thread(target=lambda b=b: results.append(b.wait())) for b in batches]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [True] * 4
+    record = "".join(f"step{i}.bin {b.crc(0):08x}\n" for i, b in enumerate(batches)).encode()
+    commit = _native.Batch(pool)
+    commit.add(str(tmp_path / "COMMIT"), 0, record)
+    commit.start()
+    assert commit.wait()
+    pool.close()
+    for i, d in enumerate(datas):
+        on_disk = (tmp_path / f"step{i}.bin").read_bytes()
+        assert on_disk == d.tobytes()
+        assert f"step{i}.bin {_native.crc32c(on_disk):08x}".encode() in (tmp_path / "COMMIT").read_bytes()
+
+
+def test_batch_dropped_before_wait_is_safe(tmp_path: Path) -> None:
+    with _native.WriterPool(threads=2, chunk_bytes=64 << 10) as pool:
+        for i in range(5):
+            b = _native.Batch(pool)
+            b.add(str(tmp_path / f"drop{i}.bin"), 0, _rand(4 << 20, i), src=None)
+            b.start()
+            del b  # cancels queued chunks, waits for the running ones
+        ok = _native.Batch(pool)
+        ok.add(str(tmp_path / "after.bin"), 0, b"still works")
+        ok.start()
+        assert ok.wait()
+    assert (tmp_path / "after.bin").read_bytes() == b"still works"
+
+
+def test_open_error_names_the_path_and_raises_once(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-dir" / "x.bin"
+    with _native.WriterPool(threads=1) as pool:
+        batch = _native.Batch(pool)
+        batch.add(str(missing), 0, b"data")
+        batch.start()
+        with pytest.raises(OSError) as info:
+            batch.wait()
+        assert info.value.errno == errno.ENOENT
+        assert info.value.filename == str(missing)
+        assert batch.wait() is True
+
+
+def test_write_error_names_the_path(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    # open(O_RDWR) of a FIFO succeeds on Linux; pwrite then fails with ESPIPE.
+    with _native.WriterPool(threads=1) as pool:
+        batch = _native.Batch(pool)
+        batch.add(str(fifo), 0, b"x" * 10)
+        batch.start()
+        with pytest.raises(OSError) as info:
+            batch.wait(timeout=300.0)
+        assert info.value.errno == errno.ESPIPE
+        assert info.value.filename == str(fifo)
+        assert "pwrite" in str(info.value)
+
+
+def test_wait_timeout_arguments(tmp_path: Path) -> None:
+    with _native.WriterPool(threads=1) as pool:
+        batch = _native.Batch(pool)
+        batch.add(str(tmp_path / "t.bin"), 0, b"t")
+        batch.start()
+        with pytest.raises(ValueError, match="timeout"):
+            batch.wait(timeout=-1.0)
+        assert batch.wait(timeout=600.0)
+        assert batch.wait(timeout=0.0)  # finished: a zero timeout still says so
+
+
+def test_native_cpp_tests_pass_on_host() -> None:
+    if shutil.which("cmake") is None:
+        pytest.skip("cmake not installed (scripts/bootstrap installs it)")
+    proc = subprocess.run(
+        [str(REPO / "scripts" / "native-test")], capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 failed" in proc.stdout
+
+
+def test_native_cpp_tests_pass_on_arm64_under_qemu() -> None:
+    missing = [t for t in ("aarch64-linux-gnu-g++", "qemu-aarch64-static") if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} missing: run scripts/install-arm64-tools")
+    proc = subprocess.run(
+        [str(REPO / "scripts" / "native-test-arm64")], capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count(" checks, 0 failed") == 3
+    assert "crc32c impl: armv8-crc" in proc.stdout
+    assert "crc32c impl: software" in proc.stdout
+    assert "barrier: dc cvac" in proc.stdout
