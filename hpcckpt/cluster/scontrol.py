@@ -16,7 +16,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from hpcckpt.cluster.base import Cause, Reservation, RequeueOutcome, node_is_draining
+from hpcckpt.cluster.base import EXIT_REQUEUE, Cause, Reservation, RequeueOutcome, node_is_draining
 from hpcckpt.cluster.budget import BudgetOptions, charge
 from hpcckpt.cluster.env import JobEnv
 from hpcckpt.errors import ClusterError
@@ -24,6 +24,18 @@ from hpcckpt.errors import ClusterError
 log = logging.getLogger("hpcckpt.cluster")
 
 COMMAND_TIMEOUT_S = 30.0
+# Set by the multi-node templates: ranks inside srun leave the requeue to the batch
+# script, so that no rank is still running when Slurm kills the job.
+REQUEUE_FROM_BATCH_VAR = "HPCCKPT_REQUEUE_FROM_BATCH"
+
+
+def _ledger_note(state_dir: Path, **fields: object) -> None:
+    from hpcckpt.ledger import Ledger
+
+    try:
+        Ledger(state_dir).append("requeue", **fields)
+    except OSError as err:  # the requeue matters more than its record
+        log.warning("could not record the requeue in %s: %s", state_dir, err)
 
 # Keys `scontrol show job/node/reservation/partition -o` prints (Slurm 22.05-24.x).
 # Splitting only at these keeps a job name like 'a b=c; "d"' in one value.
@@ -224,6 +236,11 @@ class SlurmCli:
         """Coordinator only, after the final checkpoint is durable: ``scontrol requeue``
         kills this job at once. If Slurm refuses, a successor job is submitted instead."""
         job_id = self._job_id()
+        if self.env.in_step and os.environ.get(REQUEUE_FROM_BATCH_VAR) == "1":
+            return RequeueOutcome(
+                requeued=True, method="batch-script", cause=Cause.parse(cause).value, job_id=job_id,
+                detail=(f"{REQUEUE_FROM_BATCH_VAR}=1: every rank exits {EXIT_REQUEUE}; the batch "
+                        "script runs `hpcckpt requeue` once srun has returned"))
         attempt = f"{job_id}:{self.env.restart_count}"
         decision = charge(state_dir, cause, attempt=attempt, committed_step=committed_step,
                           options=self._budget)
@@ -232,6 +249,9 @@ class SlurmCli:
             return RequeueOutcome(requeued=False, method="none", detail=decision.reason,
                                   cause=str(Cause.parse(cause).value), job_id=job_id)
         log.warning("requeueing job %s (cause %s; %s)", job_id, cause, decision.reason)
+        # scontrol requeue ends this process at once: the ledger learns of it first.
+        _ledger_note(state_dir, method="scontrol", cause=Cause.parse(cause).value, job_id=job_id,
+                     detail=f"scontrol requeue {job_id} issued ({decision.reason})")
         try:
             run_slurm(["scontrol", "requeue", job_id])
         except ClusterError as err:

@@ -1,0 +1,68 @@
+"""``hpcckpt template NAME``: print (or write) a job script template.
+
+    hpcckpt template --list
+    hpcckpt template single --set TIME=1:00:00 --set LEAD_S=300 --out train.sbatch
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from hpcckpt.cli.common import add_json, emit
+from hpcckpt.cluster import render
+from hpcckpt.errors import ConfigError
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("template", help="render an sbatch/submitit template (--list to see them)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("name", nargs="?", help="template name (see --list)")
+    p.add_argument("--list", action="store_true", help="list the templates and their parameters")
+    p.add_argument("--out", type=Path, default=None, help="write here instead of stdout")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="fill a parameter (repeatable), e.g. --set TIME=2:00:00")
+    add_json(p)
+    p.set_defaults(func=run)
+
+
+def _overrides(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set expects KEY=VALUE, got {pair!r}")
+        out[key.strip().upper()] = value
+    return out
+
+
+def _list(args: argparse.Namespace) -> int:
+    rows = [{"name": t.name, "file": t.output_name, "description": t.description,
+             "parameters": t.defaults} for t in render.TEMPLATES.values()]
+    text = "\n".join(f"{r['name']:<9} {r['file']:<22} {r['description']}\n"
+                     f"{'':<9} parameters: {', '.join(sorted(r['parameters']))}" for r in rows)
+    emit(args, rows, text)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list or not args.name:
+        if not args.list:
+            raise ConfigError("name a template (hpcckpt template --list shows them)")
+        return _list(args)
+    text = render.render(args.name, _overrides(args.set))
+    if args.out is None:
+        if args.json:
+            emit(args, {"name": args.name, "text": text}, text)
+        else:
+            sys.stdout.write(text)
+        return 0
+    tmp = args.out.with_name(f".{args.out.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    mode = 0o755 if text.startswith("#!") else 0o644
+    os.chmod(tmp, mode)
+    os.replace(tmp, args.out)
+    emit(args, {"name": args.name, "out": str(args.out)}, f"wrote {args.out}")
+    return 0

@@ -1,0 +1,76 @@
+"""sbatch/submitit templates: ``{{KEY}}`` placeholders filled from defaults and overrides.
+
+The template texts live beside this module (package data, so an installed hpcckpt
+renders them too); jobscripts/ holds each rendered with its defaults.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+
+from hpcckpt.errors import ConfigError
+
+_COMMON = {
+    "JOB_NAME": "hpcckpt-train",
+    "TIME": "04:00:00",
+    "SIGNAL": "USR2",
+    "LEAD_S": "180",
+    "CPUS_PER_TASK": "1",
+    "OUTPUT": "hpcckpt-%x-%j.out",
+    "RUN_DIR": "$PWD/hpcckpt-run",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Template:
+    name: str
+    source: str
+    output_name: str
+    description: str
+    defaults: dict[str, str] = field(default_factory=dict)
+
+    def text(self) -> str:
+        return resources.files("hpcckpt.cluster").joinpath("templates", self.source).read_text(encoding="utf-8")
+
+
+TEMPLATES: dict[str, Template] = {t.name: t for t in (
+    Template(name="single", source="single.sbatch.in", output_name="single.sbatch",
+             description="one node, one process; --signal=B: to the exec'd training process",
+             defaults={**_COMMON, "COMMAND":
+                       'python -m hpcckpt.demo.train --dir "$HPCCKPT_RUN_DIR" --steps 2000'}),
+    Template(name="ddp", source="ddp.sbatch.in", output_name="ddp.sbatch",
+             description="multi-node DDP under srun; step-delivered signal; batch script requeues",
+             defaults={**_COMMON, "NODES": "2", "TASKS_PER_NODE": "2", "COMMAND":
+                       'python -m hpcckpt.demo.train --dir "$HPCCKPT_RUN_DIR" --steps 2000'}),
+    Template(name="submitit", source="submitit.py.in", output_name="submitit_launcher.py",
+             description="submitit AutoExecutor launcher (Checkpointable + @preemptible)",
+             defaults={"JOB_NAME": "hpcckpt-train", "TIME_MIN": "240", "LEAD_S": "180",
+                       "CPUS_PER_TASK": "1", "STEPS": "2000",
+                       "SCRIPT_NAME": "submitit_launcher.py"}),
+)}
+
+_PLACEHOLDER = re.compile(r"\{\{([A-Z_]+)\}\}")
+
+
+def get(name: str) -> Template:
+    try:
+        return TEMPLATES[name]
+    except KeyError:
+        raise ConfigError(f"no template {name!r}; available: {', '.join(sorted(TEMPLATES))} "
+                          "(hpcckpt template --list)") from None
+
+
+def render(name: str, overrides: dict[str, str] | None = None) -> str:
+    """The template ``name`` with every placeholder filled; unknown keys are errors."""
+    tpl = get(name)
+    values = {**tpl.defaults, **(overrides or {})}
+    unknown = set(overrides or {}) - set(tpl.defaults)
+    if unknown:
+        raise ConfigError(f"template {name!r} has no parameter(s) {sorted(unknown)}; "
+                          f"it takes {sorted(tpl.defaults)}")
+    for key, value in values.items():
+        if "\n" in value and key != "COMMAND":
+            raise ConfigError(f"template parameter {key} must be one line, got {value!r}")
+    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], tpl.text())
