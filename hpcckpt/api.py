@@ -1,0 +1,320 @@
+"""The user-facing API: ``Checkpointer`` and the ``@preemptible`` decorator.
+
+Typical use::
+
+    @preemptible(dir="/scratch/run1", every_steps=100)
+    def train(ckpt):
+        ckpt.register(model=model, optimizer=opt, scheduler=sched, sampler=sampler)
+        for step, batch in ckpt.loop(loader, total_steps=10_000):
+            ...
+
+On a recorded signal (or an approaching deadline / maintenance window) all ranks
+agree to stop at the next step boundary; the final checkpoint is made durable,
+then the coordinator requeues the job and every rank exits with ``EXIT_REQUEUE``
+(the local supervisor restarts such a process; under Slurm ``scontrol requeue``
+has already ended the job).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
+
+import torch
+
+from .config import CheckpointOptions, resolve_options
+from .data import ResumableSampler
+from .engines import SaveContext, SaveHandle, load_rank, make_engine
+from .errors import CheckpointCorrupt, ConfigError, NoCheckpoint
+from .ledger import Ledger
+from .policy import Policy, StopReason
+from .ranks import Ranks
+from .signals import SignalRecorder
+from .state import Flat, TrainState
+from .store import catalog
+
+log = logging.getLogger("hpcckpt")
+
+EXIT_REQUEUE = 75  # EX_TEMPFAIL: "restart me"; the local supervisor and templates rely on it
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class RequeueExit(SystemExit):
+    """Raised after the final checkpoint is durable (and the job requeued): exit 75."""
+
+    def __init__(self, reason: str, step: int) -> None:
+        super().__init__(EXIT_REQUEUE)
+        self.reason = reason
+        self.step = step
+
+
+def _detect_cluster() -> Any:
+    from .cluster import detect
+    return detect()
+
+
+class Checkpointer:
+    """Registers train state, restores it, saves it at step boundaries, stops on signals.
+
+    Runs on every rank; saving and agreement are collective when torch.distributed is
+    initialised (create the Checkpointer after ``init_process_group``).
+    """
+
+    def __init__(self, dir: str | os.PathLike[str] | None = None, *, options: CheckpointOptions | None = None,
+                 cluster: Any = None, **overrides: Any) -> None:
+        self.options = options or resolve_options(dir, **overrides)
+        self.root = self.options.dir
+        self.ranks = Ranks()
+        self.cluster = cluster if cluster is not None else _detect_cluster()
+        self.state = TrainState()
+        self.ledger = Ledger(self.root)
+        self.policy = Policy(self.options.every_steps, margin_s=self.options.deadline_margin_s)
+        self.signals = SignalRecorder(self.options.signals)
+        self.step = 0
+        self.resumed_from: int | None = None
+        self.committed_step: int | None = None
+        self._loaded: Flat | None = None
+        self._load_attempted = False
+        self._restore_s = 0.0
+        self._sampler: ResumableSampler | None = None
+        self._handles: list[SaveHandle] = []
+        self._started = False
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.engine = make_engine(self.options.engine, SaveContext(
+            root=self.root, keep=self.options.keep, job=self._job_info(), user={}), self.ranks,
+            **({"max_async": self.options.max_async, "writer_threads": self.options.writer_threads}
+               if self.options.engine == "concurrent" else {}))
+        self.signals.install()
+
+    # -- registration and restore ---------------------------------------------
+
+    def register(self, **objects: Any) -> int | None:
+        """Register stateful objects by name and restore them if a checkpoint exists.
+
+        Returns the restored step, or None on a fresh start.
+        """
+        for name, obj in objects.items():
+            self.state.register(name, obj)
+            if isinstance(obj, ResumableSampler):
+                self._sampler = obj
+        flat = self._load()
+        if flat is not None:
+            subset = Flat(flat.tensors, {**flat.meta, "objects": {
+                n: v for n, v in flat.meta["objects"].items() if n in objects}})
+            missing = set(objects) - set(flat.meta["objects"])
+            if missing:
+                raise ConfigError(f"checkpoint step {self.resumed_from} under {self.root} has no state for "
+                                  f"{sorted(missing)}; it holds {sorted(flat.meta['objects'])}")
+            sub = TrainState()
+            for name, obj in objects.items():
+                sub.objects[name] = obj
+            sub.restore(subset)
+            self.state.user_meta.update(flat.meta.get("user", {}))
+        return self.resumed_from
+
+    @property
+    def user_meta(self) -> dict[str, Any]:
+        """Small JSON metadata saved with every checkpoint (restored on resume)."""
+        return self.state.user_meta
+
+    def _load(self) -> Flat | None:
+        if self._load_attempted:
+            return self._loaded
+        self._load_attempted = True
+        t0 = time.monotonic()
+        for info in catalog.committed_newest_first(self.root):
+            try:
+                flat: Flat | None = load_rank(info, self.ranks.rank, self.ranks.world)
+                problem = ""
+            except CheckpointCorrupt as exc:
+                flat, problem = None, str(exc)
+            if not self.ranks.all(flat is not None):
+                log.error("hpcckpt: skipping checkpoint step %d: %s", info.step,
+                          problem or "another rank could not read its part")
+                self.ledger.append("skip_corrupt", step=info.step, problem=problem) if self.ranks.is_coordinator else None
+                continue
+            assert flat is not None
+            self._loaded = flat
+            self.step = int(flat.meta["step"])
+            self.resumed_from = self.committed_step = self.step
+            break
+        self._restore_s = time.monotonic() - t0
+        if self._loaded is not None:
+            log.warning("hpcckpt: resumed from step %d under %s (%.2fs)", self.step, self.root, self._restore_s)
+        return self._loaded
+
+    def _job_info(self) -> dict[str, Any]:
+        env = getattr(self.cluster, "env", None)
+        return {"job_id": getattr(env, "job_id", None), "restart_count": getattr(env, "restart_count", 0),
+                "backend": getattr(self.cluster, "name", "unknown")}
+
+    # -- the step loop ----------------------------------------------------------
+
+    def steps(self, total_steps: int) -> Iterator[int]:
+        """Yield step indices from the restored step to ``total_steps - 1``.
+
+        After each yielded step (its optimizer step done) the boundary runs:
+        periodic saves, and on a stop request the final save + requeue + exit.
+        """
+        self._begin()
+        for s in range(self.step, total_steps):
+            yield s
+            self.step = s + 1
+            self._boundary()
+        self._finish()
+
+    def loop(self, loader: Iterable[Any], total_steps: int) -> Iterator[tuple[int, Any]]:
+        """Yield ``(step, batch)`` across epochs, resuming mid-epoch exactly.
+
+        The loader's sampler must be a registered ``ResumableSampler``.
+        """
+        sampler = self._sampler
+        if sampler is None:
+            raise ConfigError("Checkpointer.loop needs a ResumableSampler registered with register(sampler=...) "
+                              "and used as the DataLoader's sampler")
+        batch_size = getattr(loader, "batch_size", None) or 1
+        it: Iterator[Any] | None = None
+        for step in self.steps(total_steps):
+            # The boundary (and so the state capture) ran inside next(): before this fetch.
+            if it is None:
+                it = self._first_iter(loader)
+            try:
+                batch = next(it)
+            except StopIteration:
+                sampler.set_epoch(sampler.epoch + 1)
+                it = iter(loader)
+                batch = next(it)
+            sampler.advance(min(batch_size, sampler.per_rank - sampler.consumed))
+            yield step, batch
+
+    def _first_iter(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """Start iterating; after a restore, without touching the global RNG.
+
+        ``iter(DataLoader)`` draws a seed from the global torch RNG. The run that
+        saved had already drawn it when the epoch began, before the captured
+        state, so the resumed run must not draw it again.
+        """
+        if self.resumed_from is None:
+            return iter(loader)
+        saved = torch.get_rng_state()
+        it = iter(loader)
+        torch.set_rng_state(saved)
+        return it
+
+    def _begin(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        self._load()
+        if self.ranks.is_coordinator:
+            self.ledger.append("start", resumed_from=self.resumed_from, restore_s=round(self._restore_s, 6),
+                               engine=self.options.engine, world_size=self.ranks.world)
+
+    def _boundary(self) -> None:
+        self._reap()
+        for r in self.signals.log_new():
+            if self.ranks.is_coordinator or True:
+                self.ledger.append("signal", signum=r.signum, signame=r.name, step=self.step,
+                                   rank=self.ranks.rank, signal_time=r.wall_s)
+        local = StopReason.SIGNAL if self.signals.first() else StopReason.NONE
+        if local is StopReason.NONE and self.ranks.is_coordinator:
+            self.policy.poll(self.cluster)
+            local = self.policy.stop_reason()
+        reason = StopReason(self.ranks.any(int(local)))
+        if reason is not StopReason.NONE:
+            self._stop(reason)
+        elif self.policy.periodic_due(self.step):
+            self.save()
+
+    def save(self, *, final: bool = False, block: bool | None = None) -> SaveHandle:
+        """Checkpoint the registered state as of ``self.step``. Collective on all ranks."""
+        flat = self.state.capture(step=self.step, extra=None)
+        handle = self.engine.save(flat, self.step, final=final)
+        self._handles.append(handle)
+        if final or block:
+            self._settle(handle)
+        return handle
+
+    def _settle(self, handle: SaveHandle) -> None:
+        handle.wait()
+        self._handles.remove(handle)
+        self.committed_step = handle.step
+        if handle.save_s is not None:
+            self.policy.observe_save(handle.save_s)
+        if self.ranks.is_coordinator:
+            self.ledger.append("commit", step=handle.step, save_s=handle.save_s, engine=self.options.engine,
+                               final=False, path=str(handle.path))
+
+    def _reap(self) -> None:
+        """Account for finished background saves; a failed one is reported once and training goes on."""
+        for h in [h for h in self._handles if h.done()]:
+            try:
+                self._settle(h)
+            except Exception as exc:
+                log.error("hpcckpt: checkpoint of step %d failed: %s", h.step, exc)
+                if self.ranks.is_coordinator:
+                    self.ledger.append("save_failed", step=h.step, error=str(exc))
+
+    def _stop(self, reason: StopReason) -> None:
+        first = self.signals.first()
+        log.warning("hpcckpt: stopping at step %d (%s); taking the final checkpoint", self.step, reason.name.lower())
+        for h in list(self._handles):  # older saves first, so the final one is the newest
+            try:
+                self._settle(h)
+            except Exception as exc:
+                log.error("hpcckpt: checkpoint of step %d failed: %s", h.step, exc)
+        if self.committed_step != self.step:
+            self.save(final=True)
+        requeue = reason is not StopReason.NONE
+        if self.ranks.is_coordinator:
+            self.ledger.append("stop", reason=reason.name.lower(), step=self.step, committed_step=self.committed_step,
+                               requeue=requeue, signame=first.name if first else None,
+                               signal_time=first.wall_s if first else None)
+        outcome: dict[str, Any] = {}
+        if self.ranks.is_coordinator:
+            out = self.cluster.requeue(reason.cause, self.root, committed_step=self.committed_step)
+            outcome = out.as_dict() if hasattr(out, "as_dict") else dict(out)
+            log.warning("hpcckpt: requeue decision: %s", outcome)
+            self.ledger.append("requeue", **{k: v for k, v in outcome.items() if k not in ("time",)})
+        self.ranks.broadcast_json(outcome)
+        self.close()
+        raise RequeueExit(reason.name.lower(), self.step)
+
+    def _finish(self) -> None:
+        for h in list(self._handles):
+            self._settle(h)
+        if self.ranks.is_coordinator:
+            self.ledger.append("stop", reason="done", step=self.step, committed_step=self.committed_step, requeue=False)
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def close(self) -> None:
+        self.engine.close()
+        self.signals.uninstall()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+
+def preemptible(fn: F | None = None, /, **checkpoint_options: Any) -> Any:
+    """Decorate ``train(ckpt, *args, **kwargs)``: it receives a ready ``Checkpointer``.
+
+    Options are those of ``Checkpointer`` (``dir``, ``engine``, ``every_steps``, ``keep``,
+    ``signals``...); ``HPCCKPT_*`` variables fill what is not given. On a stop the
+    process exits with ``EXIT_REQUEUE`` after the final checkpoint is durable.
+    """
+    def wrap(f: F) -> F:
+        @functools.wraps(f)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with Checkpointer(**checkpoint_options) as ckpt:
+                return f(ckpt, *args, **kwargs)
+        return run  # type: ignore[return-value]
+    return wrap(fn) if fn is not None else wrap

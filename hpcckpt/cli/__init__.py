@@ -1,0 +1,1 @@
+"""The ``hpcckpt`` command line: one module per verb, discovered by ``main``."""

@@ -1,0 +1,115 @@
+"""Tunables in one place. Each has an ``HPCCKPT_*`` environment override;
+an explicit argument always beats the environment.
+"""
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, TypeVar
+
+from .errors import ConfigError
+
+T = TypeVar("T")
+
+ENGINES = ("sync", "concurrent")
+DEFAULT_SIGNALS = ("SIGUSR2", "SIGTERM")
+
+
+def from_env(name: str, default: T, parse: Callable[[str], T]) -> T:
+    """Read ``HPCCKPT_<name>``; a malformed value is an error naming the variable."""
+    raw = os.environ.get(f"HPCCKPT_{name}")
+    if raw is None or raw == "":
+        return default
+    try:
+        return parse(raw)
+    except (ValueError, KeyError) as exc:
+        raise ConfigError(f"environment variable HPCCKPT_{name}={raw!r} is invalid: {exc}") from exc
+
+
+def pick(explicit: T | None, name: str, default: T, parse: Callable[[str], T]) -> T:
+    """An explicit argument if given, else the environment, else the default."""
+    return explicit if explicit is not None else from_env(name, default, parse)
+
+
+def parse_signal(name: str | int | signal.Signals) -> signal.Signals:
+    """'USR2', 'SIGUSR2', 12 or signal.SIGUSR2 -> signal.SIGUSR2."""
+    if isinstance(name, signal.Signals):
+        return name
+    if isinstance(name, int) or (isinstance(name, str) and name.isdigit()):
+        return signal.Signals(int(name))
+    key = name.strip().upper()
+    if not key.startswith("SIG"):
+        key = "SIG" + key
+    try:
+        return signal.Signals[key]
+    except KeyError:
+        valid = ", ".join(s.name for s in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT))
+        raise ConfigError(f"unknown signal {name!r}; use one of {valid} (with or without SIG)") from None
+
+
+def parse_signals(raw: str) -> tuple[signal.Signals, ...]:
+    return tuple(parse_signal(s) for s in raw.split(",") if s.strip())
+
+
+def parse_bool(raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointOptions:
+    """Where, how and how often to checkpoint (resolved; see ``resolve``)."""
+
+    dir: Path
+    engine: str = "sync"
+    every_steps: int | None = None
+    keep: int = 3
+    signals: tuple[signal.Signals, ...] = field(default_factory=lambda: tuple(parse_signal(s) for s in DEFAULT_SIGNALS))
+    deadline_margin_s: float = 30.0
+    max_async: int = 1
+    writer_threads: int = 0
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError(f"unknown engine {self.engine!r}; valid engines: {', '.join(ENGINES)}")
+        if self.every_steps is not None and self.every_steps <= 0:
+            raise ConfigError(f"every_steps must be a positive integer or None, got {self.every_steps}")
+        if self.keep < 1:
+            raise ConfigError(f"keep must be >= 1 (the newest verified checkpoint is always kept), got {self.keep}")
+        if self.max_async < 1:
+            raise ConfigError(f"max_async must be >= 1, got {self.max_async}")
+
+
+def resolve_options(
+    dir: str | os.PathLike[str] | None = None,
+    *,
+    engine: str | None = None,
+    every_steps: int | None = None,
+    keep: int | None = None,
+    signals: tuple[str | int | signal.Signals, ...] | None = None,
+    deadline_margin_s: float | None = None,
+    max_async: int | None = None,
+    writer_threads: int | None = None,
+) -> CheckpointOptions:
+    """Build options from arguments, then ``HPCCKPT_*`` variables, then defaults."""
+    raw_dir = dir if dir is not None else os.environ.get("HPCCKPT_DIR")
+    if not raw_dir:
+        raise ConfigError("no checkpoint directory: pass dir=... or set HPCCKPT_DIR")
+    sigs = tuple(parse_signal(s) for s in signals) if signals is not None else from_env(
+        "SIGNALS", tuple(parse_signal(s) for s in DEFAULT_SIGNALS), parse_signals)
+    return CheckpointOptions(
+        dir=Path(raw_dir).expanduser().absolute(),
+        engine=pick(engine, "ENGINE", "sync", str),
+        every_steps=pick(every_steps, "EVERY_STEPS", None, int),  # type: ignore[arg-type]
+        keep=pick(keep, "KEEP", 3, int),
+        signals=sigs,
+        deadline_margin_s=pick(deadline_margin_s, "DEADLINE_MARGIN_S", 30.0, float),
+        max_async=pick(max_async, "MAX_ASYNC", 1, int),
+        writer_threads=pick(writer_threads, "WRITER_THREADS", 0, int),
+    )

@@ -1,0 +1,1 @@
+"""The demo: a small transformer LM that is preempted, requeued and resumed bit for bit."""

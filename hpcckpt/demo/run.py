@@ -1,0 +1,154 @@
+"""``hpcckpt demo``: train once uninterrupted, once with preemptions; compare bit for bit.
+
+The preempted run goes through the real path: a SIGUSR2 sent from outside at a
+random step, the recording handler, the final checkpoint at the next boundary,
+exit 75, a restart by the local supervisor (or Slurm), restore, resume.
+"""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ..ledger import Ledger
+from ..supervisor import Supervisor
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoOptions:
+    engine: str = "sync"
+    seed: int = 0
+    steps: int = 60
+    preemptions: int = 1
+    preempt_at: tuple[int, ...] = ()
+    every: int = 10
+    dir: Path | None = None
+    plot: bool = True
+    step_sleep: float = 0.02
+
+
+def read_trace(path: Path) -> dict[int, str]:
+    out: dict[int, str] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line being written right now
+            out[int(rec["step"])] = rec["loss"]
+    return out
+
+
+def train_cmd(run_dir: Path, o: DemoOptions, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "hpcckpt.demo.train", "--dir", str(run_dir), "--steps", str(o.steps),
+            "--seed", str(o.seed), "--engine", o.engine, "--every", str(o.every),
+            "--step-sleep", str(o.step_sleep), *extra]
+
+
+def pick_preempt_steps(o: DemoOptions) -> list[int]:
+    if o.preempt_at:
+        return sorted(o.preempt_at)
+    rng = random.Random(o.seed * 7919 + 17)
+    lo, hi = 2, max(3, o.steps - 3)
+    return sorted(rng.sample(range(lo, hi), k=min(o.preemptions, hi - lo)))
+
+
+def run_preempted(run_dir: Path, o: DemoOptions, targets: list[int],
+                  progress: Callable[[str], None]) -> tuple[int, list[int]]:
+    """Run under the local supervisor, signalling when the trace reaches each target."""
+    trace = run_dir / "trace.jsonl"
+    sent: list[int] = []
+    sup = Supervisor(train_cmd(run_dir, o), max_restarts=len(targets) + 2)
+    done = threading.Event()
+
+    def watcher() -> None:
+        pending = list(targets)
+        while pending and not done.is_set():
+            have = read_trace(trace)
+            if have and max(have) + 1 >= pending[0] and sup.signal(signal.SIGUSR2):
+                sent.append(max(have) + 1)
+                progress(f"sent SIGUSR2 at step {max(have) + 1}")
+                pending.pop(0)
+                # wait for the restart before aiming at the next target
+                restarts = sup.restarts
+                while not done.is_set() and sup.restarts == restarts:
+                    time.sleep(0.02)
+            time.sleep(0.01)
+
+    t = threading.Thread(target=watcher, daemon=True)
+    t.start()
+    code = sup.run()
+    done.set()
+    t.join()
+    return code, sent
+
+
+def compare_params(a: Path, b: Path) -> float:
+    import torch
+    pa = torch.load(a, weights_only=True)
+    pb = torch.load(b, weights_only=True)
+    if pa.keys() != pb.keys():
+        return float("inf")
+    return max((float((pa[k].double() - pb[k].double()).abs().max()) if pa[k].numel() else 0.0) for k in pa)
+
+
+def plot(path: Path, ref: dict[int, str], got: dict[int, str], resumed: list[int]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = sorted(ref)
+    ax.plot(xs, [float.fromhex(ref[s]) for s in xs], label="uninterrupted", lw=3, alpha=0.5)
+    ys = sorted(got)
+    ax.plot(ys, [float.fromhex(got[s]) for s in ys], label="preempted + resumed", lw=1, ls="--")
+    for r in resumed:
+        ax.axvline(r, color="red", lw=0.8, alpha=0.6)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title("hpcckpt demo: loss curves (red: resumed from checkpoint)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_demo(o: DemoOptions, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    base = Path(o.dir) if o.dir else Path(tempfile.mkdtemp(prefix="hpcckpt-demo-"))
+    base.mkdir(parents=True, exist_ok=True)
+    ref_dir, run_dir = base / "reference", base / "preempted"
+    for d in (ref_dir, run_dir):
+        shutil.rmtree(d, ignore_errors=True)
+    progress(f"reference run: {o.steps} steps without interruption")
+    subprocess.run(train_cmd(ref_dir, o, "--no-checkpoint"), check=True)
+    targets = pick_preempt_steps(o)
+    progress(f"preempted run: {o.engine} engine, SIGUSR2 at steps {targets}")
+    code, sent = run_preempted(run_dir, o, targets, progress)
+    ref, got = read_trace(ref_dir / "trace.jsonl"), read_trace(run_dir / "trace.jsonl")
+    events = Ledger(run_dir / "ckpt").read()
+    resumed = [e["resumed_from"] for e in events if e["event"] == "start" and e.get("resumed_from") is not None]
+    stops = [e["step"] for e in events if e["event"] == "stop" and e.get("requeue")]
+    ref_res = json.loads((ref_dir / "result.json").read_text())
+    got_res = json.loads((run_dir / "result.json").read_text()) if (run_dir / "result.json").exists() else {}
+    diff = compare_params(ref_dir / "final.pt", run_dir / "final.pt") if got_res else float("inf")
+    identical = (code == 0 and ref == got and len(ref) == o.steps
+                 and got_res.get("param_digest") == ref_res["param_digest"] and diff == 0.0)
+    result = {
+        "identical": identical, "steps": o.steps, "engine": o.engine, "seed": o.seed,
+        "preempted_at": stops, "signalled_at": sent, "resumed_from": resumed,
+        "max_abs_param_diff": diff, "losses_equal": ref == got,
+        "param_digest": got_res.get("param_digest"), "reference_digest": ref_res["param_digest"],
+        "exit_code": code, "dir": str(base),
+    }
+    if o.plot:
+        plot(base / "loss.png", ref, got, resumed)
+        result["plot"] = str(base / "loss.png")
+    return result

@@ -1,0 +1,19 @@
+"""How state becomes a checkpoint: ``sync`` (baseline) and ``concurrent`` (PCcheck-style)."""
+from __future__ import annotations
+
+from ..errors import ConfigError
+from ..ranks import Ranks
+from .base import Engine, SaveContext, SaveHandle, load_rank
+
+
+def make_engine(name: str, ctx: SaveContext, ranks: Ranks, **options: object) -> Engine:
+    if name == "sync":
+        from .sync import SyncEngine
+        return SyncEngine(ctx, ranks)
+    if name == "concurrent":
+        from .concurrent import ConcurrentEngine
+        return ConcurrentEngine(ctx, ranks, **options)  # type: ignore[arg-type]
+    raise ConfigError(f"unknown engine {name!r}; valid engines: sync, concurrent")
+
+
+__all__ = ["Engine", "SaveContext", "SaveHandle", "load_rank", "make_engine"]

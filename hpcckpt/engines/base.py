@@ -1,0 +1,183 @@
+"""The engine contract: how one step's state becomes a committed checkpoint.
+
+Call sequence (every rank, in step order)::
+
+    handle = engine.save(flat, step, final=...)   # main thread, at a step boundary
+      -> engine writes this rank's file into the shared temp dir and makes it durable
+      -> commit_step(): all ranks exchange their records; the coordinator alone
+         writes the manifest, renames, updates LATEST and prunes; every rank learns
+         the outcome, so one rank's failure fails the save on all ranks
+    handle.wait()                                  # raises the save's error exactly once
+    engine.close()
+
+Loading does not depend on the engine that is configured now: ``load_rank`` reads
+whatever format the manifest names.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointCorrupt, CheckpointFailed, ConfigError
+from ..ranks import Ranks
+from ..state import Flat
+from ..store import catalog, hdf5, torchfile
+from ..store.commit import TMP_MARK, Transaction
+from ..store.lock import writer_lock
+
+log = logging.getLogger("hpcckpt.engines")
+
+MANIFEST_FORMAT = "hpcckpt/1"
+
+
+class SaveHandle:
+    """A save in progress. ``wait()`` raises a background error exactly once."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.path: Path | None = None
+        self.save_s: float | None = None
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._raised = False
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once finished; raises the save's error the first time it is seen."""
+        if not self._done.wait(timeout):
+            return False
+        if self._error is not None and not self._raised:
+            self._raised = True
+            raise self._error
+        return True
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def finish(self, *, path: Path | None = None, error: BaseException | None = None,
+               save_s: float | None = None) -> None:
+        self.path, self._error, self.save_s = path, error, save_s
+        self._done.set()
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveContext:
+    root: Path
+    keep: int
+    job: dict[str, Any]
+    user: dict[str, Any]
+
+
+class Engine(ABC):
+    name: str = "base"
+
+    def __init__(self, ctx: SaveContext, ranks: Ranks) -> None:
+        self.ctx = ctx
+        self.ranks = ranks
+
+    @abstractmethod
+    def save(self, flat: Flat, step: int, *, final: bool = False) -> SaveHandle:
+        """Start saving ``flat`` as step ``step``; main thread, at a step boundary."""
+
+    def pending(self) -> list[SaveHandle]:
+        return []
+
+    def close(self) -> None:
+        """Wait for saves in flight (their errors are reported by their handles)."""
+
+    # -- shared by all engines ------------------------------------------------
+
+    def temp_dir(self, step: int) -> Path:
+        """The shared temporary directory of this save (same name on every rank)."""
+        token = self.ranks.token()
+        path = self.ctx.root / f"{catalog.step_name(step)}{TMP_MARK}{token}"
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return path
+
+    def commit_step(self, step: int, tmp: Path, record: dict[str, Any] | None,
+                    error: BaseException | None, started: float) -> Path:
+        """Exchange rank records; the coordinator commits. Collective over all ranks."""
+        mine = {"ok": error is None, "record": record,
+                "error": f"{type(error).__name__}: {error}" if error else None}
+        everyone = self.ranks.gather_json(mine)
+        outcome: dict[str, Any]
+        if self.ranks.is_coordinator:
+            failed = {r: str(m["error"]) for r, m in enumerate(everyone) if not m["ok"]}
+            if failed:
+                outcome = {"ok": False, "errors": failed}
+            else:
+                try:
+                    outcome = {"ok": True, "path": str(self._commit(step, tmp, [m["record"] for m in everyone]))}
+                except Exception as exc:  # reported to every rank below
+                    outcome = {"ok": False, "errors": {0: f"commit failed: {type(exc).__name__}: {exc}"}}
+            if not outcome["ok"]:
+                import shutil
+                shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            outcome = {}
+        outcome = self.ranks.broadcast_json(outcome)
+        if not outcome["ok"]:
+            errors = {int(r): e for r, e in outcome["errors"].items()}
+            raise CheckpointFailed(
+                f"checkpoint of step {step} under {self.ctx.root} failed; the previous checkpoint is untouched",
+                errors)
+        log.info("hpcckpt: committed step %d in %.3fs (%s)", step, time.monotonic() - started, outcome["path"])
+        return Path(outcome["path"])
+
+    def _commit(self, step: int, tmp: Path, records: list[dict[str, Any]]) -> Path:
+        manifest: dict[str, Any] = {
+            "format": MANIFEST_FORMAT,
+            "step": step,
+            "world_size": len(records),
+            "engine": self.name,
+            "created": time.time(),
+            "job": self.ctx.job,
+            "user": self.ctx.user,
+            "ranks": {str(r): rec for r, rec in enumerate(records)},
+            "files": {rec["file"]: rec["file_info"] for rec in records if "file_info" in rec},
+        }
+        name = catalog.step_name(step)
+        with writer_lock(self.ctx.root):
+            txn = Transaction(self.ctx.root, name, unique=tmp.name.split(TMP_MARK, 1)[1])
+            # Rank files are already fsynced by their writers; sizes are re-read, crcs come from the writers.
+            path = txn.commit(manifest, checksum=False, fsync_files=False)
+            removed = catalog.prune(self.ctx.root, self.ctx.keep, protect={path})
+            for p in removed:
+                log.info("hpcckpt: retention removed %s", p)
+        return path
+
+
+def load_rank(info: catalog.CheckpointInfo, rank: int, world: int) -> Flat:
+    """Read and verify one rank's state from a committed checkpoint (no unpickling)."""
+    manifest = info.manifest
+    if manifest is None:
+        raise CheckpointCorrupt(f"{info.path} has no readable manifest")
+    if int(manifest["world_size"]) != world:
+        raise ConfigError(
+            f"{info.path} was saved by {manifest['world_size']} ranks; this job has {world}. "
+            "Resume with the same number of ranks (resharding is not supported).")
+    rec = manifest["ranks"][str(rank)]
+    path = info.path / rec["file"]
+    if rec["format"] == "hdf5":
+        _, entries = catalog.rank_entries(manifest, rank)
+        tensors = hdf5.read_tensors(path, entries)
+    elif rec["format"] == "torch":
+        tensors = torchfile.read(path, rec)
+    else:
+        raise CheckpointCorrupt(f"{info.path}: unknown rank file format {rec['format']!r}")
+    return Flat(tensors=tensors, meta=json.loads(json.dumps(rec["meta"])))
+
+
+def cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True).contiguous()

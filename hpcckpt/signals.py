@@ -1,0 +1,73 @@
+"""Noticing: signal handlers that only record.
+
+A handler appends (signal, monotonic time, wall time) and returns. It never saves,
+never requeues, never takes a lock: that work happens at the next step boundary in
+``Checkpointer``. Every received signal is logged, also repeats (signal storms).
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any, Callable, Iterable
+
+log = logging.getLogger("hpcckpt.signals")
+
+Handler = Callable[[int, FrameType | None], Any] | int | None
+
+
+@dataclass(frozen=True)
+class Received:
+    signum: int
+    monotonic_s: float
+    wall_s: float
+
+    @property
+    def name(self) -> str:
+        try:
+            return signal.Signals(self.signum).name
+        except ValueError:
+            return str(self.signum)
+
+
+class SignalRecorder:
+    """Install recording handlers for ``signals``; ``first()`` is the stop trigger."""
+
+    def __init__(self, signals: Iterable[signal.Signals]) -> None:
+        self.signals = tuple(dict.fromkeys(signals))
+        self.received: list[Received] = []
+        self._previous: dict[int, Handler] = {}
+        self._logged = 0
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("hpcckpt: not on the main thread; cannot install signal handlers for %s",
+                        ", ".join(s.name for s in self.signals))
+            return
+        for sig in self.signals:
+            if sig not in self._previous:
+                self._previous[sig] = signal.signal(sig, self._record)
+
+    def uninstall(self) -> None:
+        for sig, prev in self._previous.items():
+            signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    def _record(self, signum: int, frame: FrameType | None) -> None:
+        # list.append is atomic under the GIL; no locks, no I/O, no logging here.
+        self.received.append(Received(signum, time.monotonic(), time.time()))
+
+    def first(self) -> Received | None:
+        return self.received[0] if self.received else None
+
+    def log_new(self) -> list[Received]:
+        """Log signals received since the last call (called at step boundaries)."""
+        new = self.received[self._logged:]
+        self._logged = len(self.received)
+        for r in new:
+            extra = "" if r is self.received[0] else " (already stopping; recorded only)"
+            log.warning("hpcckpt: received %s at %.3f%s", r.name, r.wall_s, extra)
+        return new

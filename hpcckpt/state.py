@@ -1,0 +1,187 @@
+"""What is saved: train state flattened to named tensors + a JSON metadata tree.
+
+Nothing is pickled. Tensors (and NumPy arrays) become entries of a flat table keyed
+by stable slash-separated names; everything else must be JSON-representable and goes
+into the metadata tree, where each tensor is referenced as ``{"__tensor__": name}``.
+Restoring the table and tree into the same objects reproduces the run bit for bit.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from .errors import ConfigError
+
+JSONScalar = (str, int, bool, type(None))
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+@dataclass
+class Flat:
+    """A flattened state: ``tensors`` by name and the JSON ``meta`` tree."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: Any = None
+
+
+def _escape(key: str) -> str:
+    # HDF5 uses '/' as the group separator; keep names round-trippable.
+    return key.replace("%", "%25").replace("/", "%2F") or "%00"
+
+
+def flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> Any:
+    """Replace every tensor in a nested structure by a reference into ``out``."""
+    if isinstance(obj, torch.Tensor):
+        if prefix in out:
+            raise ConfigError(f"two tensors map to the state name {prefix!r}")
+        out[prefix] = obj.detach()
+        return {"__tensor__": prefix}
+    if isinstance(obj, np.ndarray):
+        out[prefix] = torch.from_numpy(np.ascontiguousarray(obj))
+        return {"__ndarray__": prefix}
+    if isinstance(obj, np.generic):
+        return flatten(obj.item(), prefix, out)
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else {"__float__": repr(obj)}
+    if isinstance(obj, JSONScalar):
+        return obj
+    if isinstance(obj, Mapping):
+        if all(isinstance(k, str) for k in obj) and not any(k.startswith("__") for k in obj):
+            return {k: flatten(v, f"{prefix}/{_escape(k)}", out) for k, v in obj.items()}
+        items = []
+        for k, v in obj.items():
+            if not isinstance(k, JSONScalar):
+                raise ConfigError(f"state at {prefix!r} has a key of type {type(k).__name__}; keys must be str/int/bool/None")
+            items.append([k, flatten(v, f"{prefix}/{_escape(str(k))}", out)])
+        return {"__dict__": items}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [flatten(v, f"{prefix}/{i}", out) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [flatten(v, f"{prefix}/{i}", out) for i, v in enumerate(obj)]
+    if isinstance(obj, torch.dtype):
+        return {"__dtype__": str(obj).removeprefix("torch.")}
+    raise ConfigError(
+        f"state at {prefix!r} holds a {type(obj).__name__}, which hpcckpt cannot save without "
+        "pickling; convert it to tensors, numbers, strings, lists or dicts in state_dict()")
+
+
+def unflatten(meta: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Inverse of ``flatten``."""
+    if isinstance(meta, list):
+        return [unflatten(v, tensors) for v in meta]
+    if not isinstance(meta, dict):
+        return meta
+    if "__tensor__" in meta:
+        return tensors[meta["__tensor__"]]
+    if "__ndarray__" in meta:
+        return tensors[meta["__ndarray__"]].numpy()
+    if "__float__" in meta:
+        return float(meta["__float__"])
+    if "__tuple__" in meta:
+        return tuple(unflatten(v, tensors) for v in meta["__tuple__"])
+    if "__dict__" in meta:
+        return {k: unflatten(v, tensors) for k, v in meta["__dict__"]}
+    if "__dtype__" in meta:
+        return getattr(torch, meta["__dtype__"])
+    return {k: unflatten(v, tensors) for k, v in meta.items()}
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG that training touches: Python, NumPy, torch CPU, each CUDA device."""
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    np_state = state["numpy"]
+    np.random.set_state((np_state[0], np_state[1], int(np_state[2]), int(np_state[3]), float(np_state[4])))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        cuda_states = list(state["cuda"])
+        if len(cuda_states) != torch.cuda.device_count():
+            raise ConfigError(
+                f"checkpoint holds RNG states for {len(cuda_states)} CUDA devices, this node has "
+                f"{torch.cuda.device_count()}; resume on the same device count for an exact resume")
+        torch.cuda.set_rng_state_all(cuda_states)
+
+
+class TrainState:
+    """The registry of objects that make up one rank's training state.
+
+    ``mutable`` objects change outside ``optimizer.step()`` (buffers, RNG,
+    scheduler, sampler, counters); the concurrent engine captures those
+    synchronously at the step boundary and only copies parameters and optimizer
+    state in the background.
+    """
+
+    def __init__(self) -> None:
+        self.objects: dict[str, Stateful] = {}
+        self.user_meta: dict[str, Any] = {}
+
+    def register(self, name: str, obj: Any) -> None:
+        if not isinstance(obj, Stateful):
+            raise ConfigError(
+                f"{name}={type(obj).__name__} has no state_dict()/load_state_dict(); register "
+                "models, optimizers, schedulers, scalers, samplers or objects that implement both")
+        if "/" in name or name.startswith("__") or name in self.objects:
+            raise ConfigError(f"state name {name!r} is invalid or registered twice")
+        self.objects[name] = obj
+
+    def capture(self, *, step: int, extra: Mapping[str, Any] | None = None) -> Flat:
+        """Flatten every registered object plus step, RNG and user metadata.
+
+        Tensors in the result alias live state (no copy): the engine decides
+        when and how to copy them.
+        """
+        flat = Flat()
+        tree: dict[str, Any] = {"step": step, "user": dict(self.user_meta)}
+        tree["objects"] = {name: flatten(obj.state_dict(), f"objects/{name}", flat.tensors)
+                           for name, obj in self.objects.items()}
+        tree["rng"] = flatten(rng_state(), "rng", flat.tensors)
+        if extra:
+            tree["extra"] = flatten(dict(extra), "extra", flat.tensors)
+        flat.meta = tree
+        return flat
+
+    def restore(self, flat: Flat) -> dict[str, Any]:
+        """Load every registered object; return the tree (step, user, extra)."""
+        tree = flat.meta
+        missing = set(self.objects) - set(tree["objects"])
+        if missing:
+            raise ConfigError(
+                f"checkpoint has no state for {sorted(missing)} (it holds {sorted(tree['objects'])}); "
+                "register the same objects under the same names as the run that saved it")
+        for name, obj in self.objects.items():
+            obj.load_state_dict(unflatten(tree["objects"][name], flat.tensors))
+        set_rng_state(unflatten(tree["rng"], flat.tensors))
+        self.user_meta.update(tree.get("user", {}))
+        return tree
+
+    def background_safe(self) -> set[str]:
+        """Names of tensors that only ``optimizer.step()`` mutates (params + optimizer state)."""
+        safe: set[str] = set()
+        for name, obj in self.objects.items():
+            if isinstance(obj, torch.optim.Optimizer):
+                safe.add(f"objects/{name}/state/")
+            elif isinstance(obj, torch.nn.Module):
+                for pname, _ in obj.named_parameters():
+                    safe.add(f"objects/{name}/{_escape(pname)}")
+        return safe

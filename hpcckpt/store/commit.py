@@ -1,0 +1,224 @@
+"""The commit protocol: the only way a checkpoint directory becomes visible.
+
+1. write into ``<root>/<name>.tmp-<unique>/`` (same directory, never the system temp);
+2. fsync every file; 3. write ``manifest.json`` and fsync it;
+4. ``os.replace`` the directory to ``<root>/<name>``; 5. fsync ``<root>``;
+6. atomically replace ``<root>/LATEST`` (tmp, fsync, replace, fsync dir).
+
+A directory without a manifest, or whose checksums fail, does not exist for load.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import secrets
+import shutil
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Iterator
+
+from .._core import crc32c
+from ..errors import CheckpointCorrupt
+
+MANIFEST = "manifest.json"
+LATEST = "LATEST"
+TMP_MARK = ".tmp-"
+_READ_CHUNK = 16 << 20
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or directory by path."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically and durably."""
+    tmp = path.with_name(f"{path.name}{TMP_MARK}{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+def file_crc32c(path: Path) -> tuple[int, int]:
+    """(size, crc32c) of a whole file, read in large chunks."""
+    crc = 0
+    size = 0
+    buf = bytearray(_READ_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = crc32c(view[:n], crc)
+            size += n
+    return size, crc
+
+
+def iter_files(root: Path) -> Iterator[Path]:
+    for dirpath, _dirs, files in os.walk(root):
+        for name in sorted(files):
+            yield Path(dirpath) / name
+
+
+def seal_manifest(manifest: dict[str, Any]) -> bytes:
+    """Serialise a manifest with a self-checksum over its canonical form."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_crc32c"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    body["manifest_crc32c"] = crc32c(canonical)
+    return json.dumps(body, sort_keys=True, indent=1).encode()
+
+
+def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
+    """Parse and self-verify ``manifest.json``; raise CheckpointCorrupt naming the problem."""
+    path = ckpt_dir / MANIFEST
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointCorrupt(f"{path} is missing: the checkpoint was never committed") from None
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointCorrupt(f"{path} is not valid JSON ({exc}); the manifest is damaged") from None
+    if not isinstance(data, dict) or "manifest_crc32c" not in data:
+        raise CheckpointCorrupt(f"{path} has no manifest_crc32c field; not an hpcckpt manifest")
+    body = {k: v for k, v in data.items() if k != "manifest_crc32c"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    if crc32c(canonical) != data["manifest_crc32c"]:
+        raise CheckpointCorrupt(f"{path} fails its own checksum: the manifest is damaged")
+    return data
+
+
+def verify_files(ckpt_dir: Path, *, full: bool = True) -> list[str]:
+    """Problems with the files a manifest lists (empty list = fine).
+
+    ``full=False`` checks sizes only; ``full=True`` also re-reads every file and
+    compares its crc32c.
+    """
+    try:
+        manifest = read_manifest(ckpt_dir)
+    except CheckpointCorrupt as exc:
+        return [str(exc)]
+    problems: list[str] = []
+    for rel, info in sorted(manifest.get("files", {}).items()):
+        path = ckpt_dir / rel
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            problems.append(f"{path}: missing")
+            continue
+        if size != info["bytes"]:
+            problems.append(f"{path}: size {size} bytes, manifest says {info['bytes']} (truncated or extended)")
+            continue
+        if full and "crc32c" in info:
+            _, crc = file_crc32c(path)
+            if crc != info["crc32c"]:
+                problems.append(f"{path}: crc32c {crc:#010x}, manifest says {info['crc32c']:#010x} (file content damaged)")
+    return problems
+
+
+def read_latest(root: Path) -> str | None:
+    try:
+        name = (root / LATEST).read_text().strip()
+    except FileNotFoundError:
+        return None
+    return name or None
+
+
+def exchange_dirs(a: Path, b: Path) -> None:
+    """Atomically swap two directory entries (renameat2 RENAME_EXCHANGE)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    at_fdcwd, rename_exchange = -100, 2
+    rc = libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"renameat2(RENAME_EXCHANGE) failed: {os.strerror(err)}", str(b))
+
+
+class Transaction:
+    """A checkpoint directory being written; visible only after ``commit``.
+
+    ``checksum_files`` names the files (relative) whose whole-file crc32c goes
+    into the manifest; by default every file. Formats that carry their own
+    per-tensor checksums (HDF5) list only sizes for speed.
+    """
+
+    def __init__(self, root: Path, name: str, *, unique: str | None = None) -> None:
+        self.root = Path(root)
+        self.name = name
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.path = self.root / f"{name}{TMP_MARK}{unique or secrets.token_hex(6)}"
+        self.path.mkdir(mode=0o700, exist_ok=unique is not None)
+        self.final = self.root / name
+        self.committed = False
+
+    def __enter__(self) -> Transaction:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        if not self.committed:
+            self.abort()
+
+    def abort(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def describe_files(self, *, checksum: bool | set[str] = True) -> dict[str, dict[str, int]]:
+        files: dict[str, dict[str, int]] = {}
+        for path in iter_files(self.path):
+            rel = str(path.relative_to(self.path))
+            if rel == MANIFEST:
+                continue
+            if checksum is True or (isinstance(checksum, set) and rel in checksum):
+                size, crc = file_crc32c(path)
+                files[rel] = {"bytes": size, "crc32c": crc}
+            else:
+                files[rel] = {"bytes": path.stat().st_size}
+        return files
+
+    def commit(self, manifest: dict[str, Any], *, checksum: bool | set[str] = True,
+               fsync_files: bool = True, update_latest: bool = True) -> Path:
+        """Make the checkpoint durable and visible. Coordinator only.
+
+        ``fsync_files=False`` when the writers have already fsynced their files.
+        """
+        manifest = dict(manifest)
+        files = self.describe_files(checksum=checksum)
+        manifest["files"] = {**files, **manifest.get("files", {})}
+        if fsync_files:
+            for path in iter_files(self.path):
+                fsync_path(path)
+            for dirpath, _dirs, _files in os.walk(self.path):
+                fsync_path(Path(dirpath))
+        mpath = self.path / MANIFEST
+        fd = os.open(mpath, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            data = seal_manifest(manifest)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_path(self.path)
+        if self.final.exists():
+            # The same step committed before (a restart re-reached it): swap atomically so
+            # that a crash at any instant leaves one complete step directory in place.
+            exchange_dirs(self.path, self.final)
+            fsync_path(self.root)
+            shutil.rmtree(self.path, ignore_errors=True)
+        else:
+            os.replace(self.path, self.final)
+            fsync_path(self.root)
+        self.committed = True
+        if update_latest:
+            atomic_write(self.root / LATEST, (self.name + "\n").encode())
+        return self.final

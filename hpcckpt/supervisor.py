@@ -1,0 +1,65 @@
+"""The local supervisor: the embedded default "scheduler" when there is no Slurm.
+
+It runs a command, and when the command exits with ``EXIT_REQUEUE`` (75) it
+restarts it, as Slurm would requeue the job: the restarted process finds the
+committed checkpoint and resumes. ``HPCCKPT_LOCAL_RESTART`` counts restarts the way
+``SLURM_RESTART_COUNT`` does. Signals sent to the supervisor are forwarded.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal as _signal
+import subprocess
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+EXIT_REQUEUE = 75
+
+log = logging.getLogger("hpcckpt.supervisor")
+
+
+@dataclass
+class Supervisor:
+    cmd: Sequence[str]
+    max_restarts: int = 10
+    env: dict[str, str] | None = None
+    on_start: Callable[[subprocess.Popen[bytes], int], None] | None = None
+    restarts: int = 0
+    exit_codes: list[int] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    current: subprocess.Popen[bytes] | None = None
+
+    def run(self) -> int:
+        """Run until the command exits with anything but 75 (or restarts run out)."""
+        while True:
+            env = dict(os.environ if self.env is None else self.env)
+            env["HPCCKPT_LOCAL_RESTART"] = str(self.restarts)
+            with self._lock:
+                self.current = subprocess.Popen(list(self.cmd), env=env)
+            if self.on_start:
+                self.on_start(self.current, self.restarts)
+            code = self.current.wait()
+            self.exit_codes.append(code)
+            if code != EXIT_REQUEUE:
+                return code
+            if self.restarts >= self.max_restarts:
+                log.error("hpcckpt: %s asked to be restarted %d times; giving up (raise max_restarts)",
+                          self.cmd[0], self.restarts)
+                return code
+            self.restarts += 1
+            log.warning("hpcckpt: exit status 75 (requeue): restarting, restart %d", self.restarts)
+
+    def signal(self, signum: int) -> bool:
+        """Send ``signum`` to the running command; False if none runs."""
+        with self._lock:
+            proc = self.current
+        if proc is None or proc.poll() is not None:
+            return False
+        proc.send_signal(signum)
+        return True
+
+    def forward_signals(self, signums: Sequence[int] = (_signal.SIGUSR1, _signal.SIGUSR2, _signal.SIGTERM)) -> None:
+        for s in signums:
+            _signal.signal(s, lambda n, _f: self.signal(n))
