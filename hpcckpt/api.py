@@ -102,6 +102,7 @@ class Checkpointer:
             self.state.register(name, obj)
             if isinstance(obj, ResumableSampler):
                 self._sampler = obj
+        self.engine.bind(self.state)
         flat = self._load()
         if flat is not None:
             subset = Flat(flat.tensors, {**flat.meta, "objects": {

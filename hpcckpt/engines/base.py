@@ -28,7 +28,7 @@ import torch
 
 from ..errors import CheckpointCorrupt, CheckpointFailed, ConfigError
 from ..ranks import Ranks
-from ..state import Flat
+from ..state import Flat, TrainState
 from ..store import catalog, hdf5, torchfile
 from ..store.commit import TMP_MARK, Transaction
 from ..store.lock import writer_lock
@@ -89,6 +89,9 @@ class Engine(ABC):
     @abstractmethod
     def save(self, flat: Flat, step: int, *, final: bool = False) -> SaveHandle:
         """Start saving ``flat`` as step ``step``; main thread, at a step boundary."""
+
+    def bind(self, state: TrainState) -> None:
+        """Called whenever objects are registered (e.g. to hook optimizers); main thread."""
 
     def pending(self) -> list[SaveHandle]:
         return []
