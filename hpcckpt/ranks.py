@@ -21,6 +21,16 @@ class Ranks:
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
         self._group = dist.new_group(backend="gloo") if self.distributed and self.world > 1 else None
+        # A second group for collectives issued from a background thread (async commits):
+        # two threads must never interleave collectives on one group.
+        self._bg_group = dist.new_group(backend="gloo") if self._group is not None else None
+
+    def background(self) -> Ranks:
+        """The same ranks, talking over the background group (use from one background thread)."""
+        view = object.__new__(Ranks)
+        view.__dict__.update(self.__dict__)
+        view._group = self._bg_group
+        return view
 
     @property
     def is_coordinator(self) -> bool:
