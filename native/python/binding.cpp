@@ -157,6 +157,7 @@ StagingBuffer* make_staging(size_t nbytes, size_t alignment, bool prefault) {
 
 struct WriterPool {
     hpcckpt_pool* pool = nullptr;
+    bool closed = false;
     WriterPool(const WriterPool&) = delete;
     WriterPool& operator=(const WriterPool&) = delete;
     WriterPool(unsigned threads, size_t chunk_bytes) {
@@ -167,15 +168,20 @@ struct WriterPool {
             raise_os_error(st.err, std::string("WriterPool: ") + std::strerror(st.err), "");
         }
     }
-    ~WriterPool() { close(); }
-    void close() {
-        if (pool == nullptr) return;
+    // Batches hold a reference to this object, so the core pool outlives them
+    // even after close(): close only stops the threads.
+    ~WriterPool() {
         nb::gil_scoped_release nogil;
         hpcckpt_pool_destroy(pool);
-        pool = nullptr;
+    }
+    void close() {
+        if (closed) return;
+        closed = true;
+        nb::gil_scoped_release nogil;
+        hpcckpt_pool_close(pool);
     }
     hpcckpt_pool* get() const {
-        if (pool == nullptr) throw std::runtime_error("WriterPool is closed; create a new one");
+        if (closed) throw std::runtime_error("WriterPool is closed; create a new one");
         return pool;
     }
 };
@@ -314,9 +320,10 @@ NB_MODULE(_native, m) {
         .def(nb::init<unsigned, size_t>(), nb::arg("threads") = 0,
              nb::arg("chunk_bytes") = size_t{8} << 20)
         .def("close", &WriterPool::close)
-        .def_prop_ro("threads", [](const WriterPool& p) { return hpcckpt_pool_threads(p.get()); })
+        .def_prop_ro("threads", [](const WriterPool& p) { return hpcckpt_pool_threads(p.pool); })
         .def_prop_ro("chunk_bytes",
-                     [](const WriterPool& p) { return hpcckpt_pool_chunk_bytes(p.get()); })
+                     [](const WriterPool& p) { return hpcckpt_pool_chunk_bytes(p.pool); })
+        .def_prop_ro("closed", [](const WriterPool& p) { return p.closed; })
         .def("__enter__", [](nb::object self) { return self; })
         .def("__exit__", [](WriterPool& p, nb::args) { p.close(); });
 

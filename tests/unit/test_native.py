@@ -233,6 +233,24 @@ def test_several_batches_in_flight_then_commit_record(tmp_path: Path) -> None:
         assert f"step{i}.bin {_native.crc32c(on_disk):08x}".encode() in (tmp_path / "COMMIT").read_bytes()
 
 
+def test_pool_close_finishes_batches_in_flight(tmp_path: Path) -> None:
+    pool = _native.WriterPool(threads=2, chunk_bytes=64 << 10)
+    data = _rand(8 << 20, 21)
+    started = _native.Batch(pool)
+    item = started.add(str(tmp_path / "inflight.bin"), 0, data)
+    started.start()
+    pending = _native.Batch(pool)  # created but never started
+    pending.add(str(tmp_path / "never.bin"), 0, b"x")
+    pool.close()
+    assert pool.closed
+    assert started.wait(timeout=0.0)  # close() drained the queue
+    assert started.crc(item) == _native.crc32c(data)
+    assert (tmp_path / "inflight.bin").read_bytes() == data.tobytes()
+    with pytest.raises(RuntimeError, match="closed"):
+        pending.start()
+    assert not (tmp_path / "never.bin").exists()
+
+
 def test_batch_dropped_before_wait_is_safe(tmp_path: Path) -> None:
     with _native.WriterPool(threads=2, chunk_bytes=64 << 10) as pool:
         for i in range(5):
