@@ -304,6 +304,7 @@ def test_wait_timeout_arguments(tmp_path: Path) -> None:
         assert batch.wait(timeout=0.0)  # finished: a zero timeout still says so
 
 
+@pytest.mark.slow
 def test_native_cpp_tests_pass_on_host() -> None:
     if shutil.which("cmake") is None:
         pytest.skip("cmake not installed (scripts/bootstrap installs it)")
@@ -314,6 +315,7 @@ def test_native_cpp_tests_pass_on_host() -> None:
     assert "0 failed" in proc.stdout
 
 
+@pytest.mark.slow
 def test_native_cpp_tests_pass_on_arm64_under_qemu() -> None:
     missing = [t for t in ("aarch64-linux-gnu-g++", "qemu-aarch64-static") if shutil.which(t) is None]
     if missing:
