@@ -109,13 +109,18 @@ class Engine(ABC):
         return path
 
     def commit_step(self, step: int, tmp: Path, record: dict[str, Any] | None,
-                    error: BaseException | None, started: float) -> Path:
-        """Exchange rank records; the coordinator commits. Collective over all ranks."""
+                    error: BaseException | None, started: float, *, ranks: Ranks | None = None) -> Path:
+        """Exchange rank records; the coordinator commits. Collective over all ranks.
+
+        A background thread passes ``ranks=self.ranks.background()`` so that its
+        collectives never interleave with the main thread's on one group.
+        """
+        ranks = ranks or self.ranks
         mine = {"ok": error is None, "record": record,
                 "error": f"{type(error).__name__}: {error}" if error else None}
-        everyone = self.ranks.gather_json(mine)
+        everyone = ranks.gather_json(mine)
         outcome: dict[str, Any]
-        if self.ranks.is_coordinator:
+        if ranks.is_coordinator:
             failed = {r: str(m["error"]) for r, m in enumerate(everyone) if not m["ok"]}
             if failed:
                 outcome = {"ok": False, "errors": failed}
@@ -129,7 +134,7 @@ class Engine(ABC):
                 shutil.rmtree(tmp, ignore_errors=True)
         else:
             outcome = {}
-        outcome = self.ranks.broadcast_json(outcome)
+        outcome = ranks.broadcast_json(outcome)
         if not outcome["ok"]:
             errors = {int(r): e for r, e in outcome["errors"].items()}
             raise CheckpointFailed(
