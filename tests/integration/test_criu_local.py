@@ -1,0 +1,251 @@
+"""CRIU mode end to end with a real criu, without Slurm.
+
+A plain PyTorch job (criu_train.py, no hpcckpt code in it) runs under
+``hpcckpt run --mode criu``; it is signalled, dumped (exit 75, the local
+supervisor's "restart me"), restored by the next ``hpcckpt run`` and must finish
+with parameters, optimizer state and loss trace bit-identical to a run that was
+never interrupted.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcckpt.criu import check, find_criu
+from hpcckpt.errors import CriuError
+
+pytestmark = [pytest.mark.criu, pytest.mark.slow]
+
+TRAIN = Path(__file__).with_name("criu_train.py")
+STEPS = 40
+EXIT_REQUEUE = 75
+
+
+@pytest.fixture(scope="session")
+def criu_ok() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("CRIU dumps need root")
+    try:
+        criu = find_criu()
+    except CriuError as exc:
+        pytest.skip(f"no criu: {exc}")
+    result = check(criu)
+    assert result.ok, f"criu check failed on this machine: {result.output}"
+
+
+def hpcckpt(*args: str, **kw: object) -> list[str]:
+    return [sys.executable, "-m", "hpcckpt.cli", *args]
+
+
+def train_cmd(out: Path, *, steps: int = STEPS, seed: int = 1234) -> list[str]:
+    return [sys.executable, str(TRAIN), "--steps", str(steps), "--out", str(out), "--seed", str(seed)]
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The uninterrupted run, started directly (no supervisor)."""
+    out = tmp_path_factory.mktemp("ref") / "ref.json"
+    subprocess.run(train_cmd(out), check=True, stdout=subprocess.DEVNULL, timeout=600)
+    return json.loads(out.read_text())
+
+
+def job_output(run_dir: Path) -> str:
+    return "".join(p.read_text() for p in sorted((run_dir / "criu" / "stdio").glob("*.out")))
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, *, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    needle = f"step {step} "
+    while time.monotonic() < deadline:
+        if (run_dir / "criu" / "stdio").is_dir() and needle in job_output(run_dir):
+            return
+        assert proc.poll() is None, f"supervisor exited early ({proc.returncode})"
+        time.sleep(0.05)
+    raise AssertionError(f"the job did not reach step {step} within {timeout_s} s")
+
+
+def start(run_dir: Path, out: Path, *extra: str, cmd: list[str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen(hpcckpt("run", "--mode", "criu", "--dir", str(run_dir), "--json", *extra, "--",
+                                    *(cmd or train_cmd(out))),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen, *, timeout_s: float = 600) -> tuple[int, dict, str]:
+    stdout, stderr = proc.communicate(timeout=timeout_s)
+    summary = json.loads(stdout) if stdout.strip() else {}
+    return proc.returncode, summary, stderr
+
+
+def run_with_dumps(run_dir: Path, out: Path, at_steps: list[int], *extra: str) -> list[dict]:
+    """One supervised run per dump (signalled at each step), then a last one to the end."""
+    summaries = []
+    for step in at_steps:
+        proc = start(run_dir, out, *extra)
+        wait_for_step(run_dir, step, proc)
+        proc.send_signal(signal.SIGUSR2)
+        code, summary, stderr = finish(proc)
+        assert code == EXIT_REQUEUE, f"expected exit 75 after the dump, got {code}: {stderr}"
+        summaries.append(summary)
+    code, summary, stderr = finish(start(run_dir, out, *extra))
+    assert code == 0, f"final incarnation failed ({code}): {stderr}"
+    summaries.append(summary)
+    return summaries
+
+
+def ledger(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+
+
+def test_dump_restore_is_bit_identical(criu_ok: None, reference: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    summaries = run_with_dumps(tmp_path / "run", out, [15])
+    result = json.loads(out.read_text())
+    assert result["digest"] == reference["digest"]
+    assert result["losses"] == reference["losses"]
+    assert summaries[0]["action"] == "requeue" and summaries[0]["images"] == ["image-000001"]
+    assert summaries[1]["restored_from"] == "image-000001"
+    events = {e["event"]: e for e in ledger(tmp_path / "run")}
+    assert events["criu_dump"]["bytes"] > 10 << 20 and events["criu_dump"]["dump_s"] > 0
+    assert events["criu_restore"]["image"] == "image-000001" and events["criu_restore"]["restore_s"] > 0
+    # The first incarnation's stdout stops at the dump; the restored job writes a new file.
+    outs = sorted((tmp_path / "run" / "criu" / "stdio").glob("*.out"))
+    assert len(outs) == 2 and "step 15 " in outs[0].read_text() and f"done {STEPS}" in outs[1].read_text()
+
+
+def test_two_dumps_and_retention(criu_ok: None, reference: dict, tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    run_dir = tmp_path / "run"
+    summaries = run_with_dumps(run_dir, out, [10, 25], "--keep", "1")
+    result = json.loads(out.read_text())
+    assert result["digest"] == reference["digest"]
+    assert result["losses"] == reference["losses"]
+    assert [s["restored_from"] for s in summaries] == [None, "image-000001", "image-000002"]
+    kept = sorted(p.name for p in (run_dir / "criu").glob("image-*"))
+    assert kept == ["image-000002"]
+    assert [e["event"] for e in ledger(run_dir)].count("criu_dump") == 2
+    # The run finished: its last image must not be restored into a later run.
+    code, summary, _ = finish(start(run_dir, tmp_path / "again.json"))
+    assert code == 0 and summary["restored_from"] is None
+
+
+def flip_byte(image: Path) -> Path:
+    victim = max(image.glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    with open(victim, "r+b") as f:
+        f.seek(victim.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x40]))
+    return victim
+
+
+def dumped_once(run_dir: Path, out: Path, cmd: list[str] | None = None, step: int = 10) -> None:
+    proc = start(run_dir, out, cmd=cmd)
+    wait_for_step(run_dir, step, proc)
+    proc.send_signal(signal.SIGUSR2)
+    code, _, stderr = finish(proc)
+    assert code == EXIT_REQUEUE, stderr
+
+
+def test_corrupt_image_falls_back_to_app(criu_ok: None, reference: dict, tmp_path: Path) -> None:
+    run_dir, out = tmp_path / "run", tmp_path / "out.json"
+    dumped_once(run_dir, out)
+    victim = flip_byte(run_dir / "criu" / "image-000001")
+    code, summary, stderr = finish(start(run_dir, out, "--on-restore-failure", "app"))
+    assert code == 0, stderr
+    assert summary["restored_from"] is None
+    assert "crc32c" in stderr and victim.name in stderr
+    failed = [e for e in ledger(run_dir) if e["event"] == "criu_restore_failed"]
+    assert len(failed) == 1 and failed[0]["fallback"] == "app" and victim.name in failed[0]["error"]
+    assert "criu_restore" not in [e["event"] for e in ledger(run_dir)]
+    # The fresh start is a full, deterministic run.
+    assert json.loads(out.read_text())["digest"] == reference["digest"]
+
+
+ENV_PROBE = """
+import os, sys, time
+print("step 1 ", flush=True)
+for _ in range(200):
+    time.sleep(0.05)
+open(sys.argv[1], "w").write(os.environ.get("HPCCKPT_CRIU_FALLBACK", "-"))
+"""
+
+
+def test_corrupt_image_fresh_and_fail(criu_ok: None, tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(ENV_PROBE)
+    run_dir, out = tmp_path / "run", tmp_path / "seen.txt"
+    cmd = [sys.executable, str(probe), str(out)]
+    dumped_once(run_dir, out, cmd=cmd, step=1)
+    flip_byte(run_dir / "criu" / "image-000001")
+
+    code, summary, stderr = finish(start(run_dir, out, "--on-restore-failure", "fail", cmd=cmd))
+    assert code == 1 and summary["action"] == "restore-failed" and "crc32c" in summary["detail"]
+    assert not out.exists(), "with --on-restore-failure=fail the command must not run"
+
+    code, summary, stderr = finish(start(run_dir, out, "--on-restore-failure", "fresh", cmd=cmd))
+    assert code == 0, stderr
+    assert out.read_text() == "fresh"
+
+
+def _job_pids(marker: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if marker in cmdline and "unshare" not in cmdline and "hpcckpt.cli" not in cmdline:
+                pids.append(int(entry.name))
+    return sorted(pids)
+
+
+def _occupy_pid(pid: int) -> subprocess.Popen | None:
+    """Start a sleeper with exactly ``pid`` (ns_last_pid); None if another fork won the race."""
+    for _ in range(20):
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(pid - 1))
+        proc = subprocess.Popen(["sleep", "600"])
+        if proc.pid == pid:
+            return proc
+        proc.kill()
+        proc.wait()
+    return None
+
+
+def test_restore_while_pids_are_taken(criu_ok: None, reference: dict, tmp_path: Path) -> None:
+    run_dir, out = tmp_path / "run", tmp_path / "out.json"
+    proc = start(run_dir, out)
+    try:
+        wait_for_step(run_dir, 10, proc)
+        outer = _job_pids(str(out))
+        assert len(outer) == 2, outer  # nsinit (PID 1 inside) and the training process (PID 2)
+    finally:
+        proc.send_signal(signal.SIGUSR2)
+    code, _, stderr = finish(proc)
+    assert code == EXIT_REQUEUE, stderr
+
+    squatters = [p for p in (_occupy_pid(pid) for pid in outer) if p is not None]
+    assert squatters, f"could not take any of the job's old PIDs {outer}"
+    # A second CRIU-mode job runs meanwhile: its namespace has PIDs 1 and 2 too.
+    other_dir, other_out = tmp_path / "other", tmp_path / "other.json"
+    other = start(other_dir, other_out)
+    try:
+        wait_for_step(other_dir, 2, other)
+        code, summary, stderr = finish(start(run_dir, out))
+        assert code == 0, stderr
+        assert summary["restored_from"] == "image-000001"
+        assert json.loads(out.read_text())["digest"] == reference["digest"]
+    finally:
+        other.send_signal(signal.SIGTERM)
+        for s in squatters:
+            s.kill()
+            s.wait()
+        finish(other)
