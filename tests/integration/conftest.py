@@ -1,0 +1,160 @@
+"""Real-Slurm fixtures: a 2-node cluster on loopback (slurm/localcluster) for the session.
+
+The cluster is started once and left running at the end (``slurm/localcluster down``
+stops it); jobs run the project's own venv Python, so nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+LOCALCLUSTER = REPO / "slurm" / "localcluster"
+PYTHON = sys.executable
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+            "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+
+
+@dataclass(frozen=True)
+class SlurmCluster:
+    """A running local cluster and small helpers to drive it from tests."""
+
+    conf: Path
+    state_dir: Path
+
+    def run(self, args: Sequence[str], check: bool = True) -> str:
+        proc = subprocess.run(list(args), capture_output=True, text=True, timeout=60, check=False)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"{shlex.join(args)} failed ({proc.returncode}): {proc.stderr or proc.stdout}")
+        return proc.stdout
+
+    def sbatch(self, script: Path, *options: str, cwd: Path | None = None) -> str:
+        out = subprocess.run(["sbatch", "--parsable", *options, str(script)], capture_output=True,
+                             text=True, timeout=60, cwd=cwd or script.parent, check=False)
+        if out.returncode != 0:
+            raise AssertionError(f"sbatch {script} failed: {out.stderr}")
+        return out.stdout.strip().split(";")[0]
+
+    def job(self, job_id: str) -> dict[str, str]:
+        from hpcckpt.cluster.scontrol import parse_kv_line
+
+        text = self.run(["scontrol", "show", "job", "-o", job_id], check=False)
+        return parse_kv_line(text.strip()) if "JobId=" in text else {}
+
+    def state(self, job_id: str) -> str:
+        return self.job(job_id).get("JobState", "UNKNOWN")
+
+    def wait_for(self, job_id: str, states: set[str], timeout_s: float, out: Path | None = None) -> str:
+        deadline = time.monotonic() + timeout_s
+        state = ""
+        while time.monotonic() < deadline:
+            state = self.state(job_id)
+            if state in states:
+                return state
+            time.sleep(0.5)
+        tail = out.read_text(errors="replace")[-3000:] if out and out.exists() else "(no output)"
+        raise AssertionError(f"job {job_id} still {state} after {timeout_s:.0f}s, wanted {states}\n{tail}")
+
+    def wait_done(self, job_id: str, timeout_s: float, out: Path | None = None) -> str:
+        return self.wait_for(job_id, TERMINAL, timeout_s, out)
+
+    def cancel(self, job_id: str) -> None:
+        self.run(["scancel", job_id], check=False)
+
+    @staticmethod
+    def read_ledger(ckpt_dir: Path) -> list[dict[str, Any]]:
+        path = ckpt_dir / "ledger.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    @staticmethod
+    def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            time.sleep(0.3)
+        raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+    @staticmethod
+    def trace_steps(run_dir: Path) -> int:
+        trace = run_dir / "trace.jsonl"
+        return len(trace.read_text().splitlines()) if trace.exists() else 0
+
+    @staticmethod
+    def render(name: str, out: Path, **params: str) -> Path:
+        """``hpcckpt template NAME --out OUT --set K=V...`` (the real CLI)."""
+        sets = [arg for key, value in params.items() for arg in ("--set", f"{key}={value}")]
+        subprocess.run([PYTHON, "-m", "hpcckpt.cli", "template", name, "--out", str(out), *sets],
+                       check=True, capture_output=True, text=True)
+        return out
+
+    @staticmethod
+    def hpcckpt(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([PYTHON, "-m", "hpcckpt.cli", *args], capture_output=True, text=True,
+                              timeout=120, check=False)
+
+
+def _require_tools() -> None:
+    missing = [t for t in ("slurmctld", "slurmd", "munged", "sbatch")
+               if shutil.which(t) is None and shutil.which(t, path="/usr/sbin") is None]
+    if missing:
+        pytest.fail(f"Slurm tools missing ({', '.join(missing)}): run slurm/install-deps "
+                    "(scripts/bootstrap does) before the slurm tier")
+    if os.geteuid() != 0:
+        pytest.skip("slurm/localcluster runs slurmctld/slurmd as root; run the slurm tier as root")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[SlurmCluster]:
+    _require_tools()
+    proc = subprocess.run([str(LOCALCLUSTER), "up", "--nodes", "2"], capture_output=True,
+                          text=True, timeout=180, check=False)
+    if proc.returncode != 0:
+        pytest.fail(f"slurm/localcluster up failed:\n{proc.stdout}\n{proc.stderr}")
+    env_lines = subprocess.run([str(LOCALCLUSTER), "env"], capture_output=True, text=True,
+                               check=True).stdout
+    for line in env_lines.splitlines():
+        key, _, value = line.removeprefix("export ").partition("=")
+        os.environ[key] = shlex.split(value)[0] if value else ""
+    # Jobs inherit this environment (sbatch --export=ALL): the venv's python and
+    # `hpcckpt` come first on PATH.
+    os.environ["PATH"] = f"{Path(PYTHON).parent}:{os.environ.get('PATH', '')}"
+    conf = Path(os.environ["SLURM_CONF"])
+    yield SlurmCluster(conf=conf, state_dir=conf.parent.parent)
+
+
+_REFERENCES: dict[int, str] = {}
+
+
+@pytest.fixture(scope="session")
+def reference_digest(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], str]:
+    """``reference_digest(steps)``: digest of an uninterrupted demo run (cached per session)."""
+    base = tmp_path_factory.mktemp("reference")
+
+    def digest(steps: int) -> str:
+        if steps not in _REFERENCES:
+            out = base / f"ref-{steps}"
+            env = {k: v for k, v in os.environ.items()
+                   if not k.startswith("SLURM_") or k == "SLURM_CONF"}
+            subprocess.run([PYTHON, "-m", "hpcckpt.demo.train", "--dir", str(out), "--steps", str(steps),
+                            "--no-checkpoint"], check=True, env=env, timeout=600, capture_output=True)
+            _REFERENCES[steps] = json.loads((out / "result.json").read_text())["param_digest"]
+        return _REFERENCES[steps]
+
+    return digest
+
+
