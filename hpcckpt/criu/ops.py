@@ -86,16 +86,24 @@ def _wait_for_child(parent: int, *, timeout_s: float) -> int:
                     "does this kernel allow PID namespaces (unshare --pid needs root or user namespaces)?")
 
 
-def launch(cmd: list[str], *, stdout: Path, stderr: Path, env: dict[str, str] | None = None,
+def launch(cmd: list[str], *, stdout: Path, stderr: Path, log: Path, env: dict[str, str] | None = None,
            cwd: Path | None = None) -> Job:
-    """Start ``cmd`` as PID 2 of a new PID namespace with stdio to the given files."""
+    """Start ``cmd`` as PID 2 of a new PID namespace with stdio to the given files.
+
+    unshare's own messages go to ``log``, never to the job's files: anything
+    written to those after a dump would make the image unrestorable.
+    """
     stdout, stderr = Path(os.path.realpath(stdout)), Path(os.path.realpath(stderr))
-    for p in (stdout, stderr):
+    for p in (stdout, stderr, log):
         p.parent.mkdir(parents=True, exist_ok=True)
     argv = [_find_unshare(), "--pid", "--fork", sys.executable, "-I", "-S", str(NSINIT),
             str(stdout), str(stderr), "--", *cmd]
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=env, cwd=cwd)
-    init = _wait_for_child(proc.pid, timeout_s=30.0)
+    with open(log, "ab") as log_f:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_f, stderr=log_f, env=env, cwd=cwd)
+    try:
+        init = _wait_for_child(proc.pid, timeout_s=30.0)
+    except CriuError as exc:
+        raise CriuError(f"{exc}; unshare said: {_log_tail(log)}") from None
     return Job(init_pid=init, wait_pid=proc.pid, stdout=stdout, stderr=stderr)
 
 

@@ -207,7 +207,8 @@ class Supervisor:
         env = dict(os.environ)
         if fallback:
             env["HPCCKPT_CRIU_FALLBACK"] = fallback
-        job = ops.launch(list(self.opts.cmd), stdout=out, stderr=err, env=env)
+        job = ops.launch(list(self.opts.cmd), stdout=out, stderr=err, env=env,
+                         log=self.root / "logs" / f"unshare-{self.tag}.log")
         self.log(f"started {' '.join(self.opts.cmd)!r} in a new PID namespace (init PID {job.init_pid}); "
                  f"stdout {out}, stderr {err}")
         return job
