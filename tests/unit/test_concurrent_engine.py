@@ -1,0 +1,258 @@
+"""The concurrent engine against real files, the real native core and real torch optimizers."""
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from hpcckpt import _native
+from hpcckpt.engines import SaveContext, load_rank
+from hpcckpt.engines.concurrent import ConcurrentEngine, Layout
+from hpcckpt.errors import CheckpointFailed
+from hpcckpt.ranks import Ranks
+from hpcckpt.state import TrainState
+from hpcckpt.store import catalog
+from hpcckpt.store.lock import writer_lock
+
+pytestmark = pytest.mark.native
+
+
+class Net(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(width, width)
+        self.bn = torch.nn.BatchNorm1d(width)
+        self.b = torch.nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.bn(self.a(x))))
+
+
+class Rig:
+    """A model, Adam, a registered TrainState and an engine on a fresh root."""
+
+    def __init__(self, root: Path, width: int = 32, keep: int = 50, **options: object) -> None:
+        torch.manual_seed(0)
+        self.root = root
+        self.model = Net(width)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-2)
+        self.state = TrainState()
+        self.state.register("model", self.model)
+        self.state.register("optimizer", self.opt)
+        self.engine = ConcurrentEngine(SaveContext(root=root, keep=keep, job={}, user={}), Ranks(), **options)
+        self.engine.bind(self.state)
+        self.width = width
+
+    def train_step(self) -> None:
+        x = torch.randn(8, self.width)
+        loss = self.model(x).square().mean()
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+
+    def snapshot(self, step: int) -> dict[str, torch.Tensor]:
+        flat = self.state.capture(step=step)
+        return {n: t.clone() for n, t in flat.tensors.items()}
+
+    def load(self, step: int) -> dict[str, torch.Tensor]:
+        return load_rank(catalog.find(self.root, step), 0, 1).tensors
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[Rig]:
+    r = Rig(tmp_path / "ckpt")
+    yield r
+    r.engine.close()
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].dtype == want[name].dtype, name
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_round_trip_is_exact_and_a_standard_hdf5_file(rig: Rig) -> None:
+    for _ in range(3):
+        rig.train_step()
+    want = rig.snapshot(3)
+    handle = rig.engine.save(rig.state.capture(step=3), 3)
+    assert handle.wait(timeout=60)
+    assert handle.path == rig.root / "step-3"
+    assert_same(rig.load(3), want)
+    manifest, problems = catalog.check(handle.path, full=True)
+    assert problems == []
+    assert manifest is not None and manifest["engine"] == "concurrent"
+    with h5py.File(handle.path / "rank-0.h5", "r") as f:
+        np.testing.assert_array_equal(f["objects/model/a.weight"][...], want["objects/model/a.weight"].numpy())
+
+
+def test_each_tensor_carries_its_crc32c(rig: Rig) -> None:
+    rig.train_step()
+    want = rig.snapshot(1)
+    handle = rig.engine.save(rig.state.capture(step=1), 1)
+    handle.wait(timeout=60)
+    _, entries = catalog.rank_entries(catalog.find(rig.root, 1).manifest or {}, 0)
+    assert entries.keys() == want.keys()
+    for name, entry in entries.items():
+        t = want[name].contiguous()
+        expected = _native.crc32c(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else 0
+        assert entry.crc32c == expected, name
+    # A flipped byte inside one tensor is caught and named.
+    e = entries["objects/model/a.weight"]
+    with open(handle.path / "rank-0.h5", "r+b") as f:
+        f.seek(e.offset + 5)
+        byte = f.read(1)
+        f.seek(e.offset + 5)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    _, problems = catalog.check(handle.path, full=True)
+    assert any("a.weight" in p for p in problems)
+
+
+def test_several_saves_in_flight_each_hold_their_own_step(tmp_path: Path) -> None:
+    rig = Rig(tmp_path / "ckpt", width=256, max_async=3, writer_threads=2, chunk_bytes=64 << 10)
+    try:
+        rig.train_step()
+        wants, handles = {}, []
+        for step in range(1, 7):
+            wants[step] = rig.snapshot(step)
+            handles.append(rig.engine.save(rig.state.capture(step=step), step))
+            rig.train_step()  # the pre-hook keeps this from overwriting un-staged state
+        for h in handles:
+            assert h.wait(timeout=120)
+        for step, want in wants.items():
+            assert_same(rig.load(step), want)
+        assert rig.engine.stats.saves == 6
+        assert len(rig.engine._slots) == 4  # max_async + 1, allocated once
+    finally:
+        rig.engine.close()
+
+
+def test_staging_is_reused_not_reallocated(rig: Rig) -> None:
+    rig.train_step()
+    rig.engine.save(rig.state.capture(step=1), 1).wait(timeout=60)
+    addresses = [s.buffer.address for s in rig.engine._slots]
+    for step in range(2, 6):
+        rig.train_step()
+        rig.engine.save(rig.state.capture(step=step), step).wait(timeout=60)
+    assert [s.buffer.address for s in rig.engine._slots] == addresses
+    assert all(a % 4096 == 0 for a in addresses)
+
+
+def test_pre_hook_blocks_until_sources_are_staged(tmp_path: Path) -> None:
+    # 50 MB of state, one writer thread and small chunks: the copy is still running
+    # when optimizer.step() is called right after save() (the gradients are ready).
+    rig = Rig(tmp_path / "ckpt", width=2048, writer_threads=1, chunk_bytes=64 << 10)
+    try:
+        rig.train_step()
+        rig.model(torch.randn(8, rig.width)).square().mean().backward()
+        want = rig.snapshot(1)
+        seen: dict[str, object] = {}
+
+        def after_engine_hook(opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+            # Runs after the engine's pre-hook (hooks run in registration order).
+            job = rig.engine._inflight[0]
+            staged = {}
+            for name, off in job.layout.staging_offset.items():
+                e = job.layout.entries[name]
+                staged[name] = bytes(job.slot.bytes[off:off + e.nbytes])
+            seen["staged"] = staged
+
+        hook = rig.opt.register_step_pre_hook(after_engine_hook)
+        rig.engine.save(rig.state.capture(step=1), 1)
+        rig.opt.step()
+        hook.remove()
+        rig.engine.drain()
+        staged = seen["staged"]
+        assert isinstance(staged, dict)
+        for name, t in want.items():
+            assert staged[name] == t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), name
+        # ...and the step really changed the live parameters afterwards.
+        assert not torch.equal(rig.model.a.weight, want["objects/model/a.weight"])
+        assert_same(rig.load(1), want)
+        assert rig.engine.stats.hook_wait_s >= 0.0 and rig.engine.stats.saves == 1
+    finally:
+        rig.engine.close()
+
+
+def _fifo_instead_of_rank_file(path: Path) -> None:
+    # pwrite on a FIFO fails with ESPIPE in the native writers: a real I/O error.
+    os.mkfifo(path)
+
+
+def test_write_error_is_raised_once_and_previous_checkpoint_survives(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    rig.train_step()
+    want = rig.snapshot(1)
+    rig.engine.save(rig.state.capture(step=1), 1).wait(timeout=60)
+    rig.train_step()
+    monkeypatch.setattr(Layout, "materialise", lambda self, path: _fifo_instead_of_rank_file(path))
+    handle = rig.engine.save(rig.state.capture(step=2), 2)
+    with pytest.raises(CheckpointFailed) as info:
+        handle.wait(timeout=60)
+    assert "step 2" in str(info.value) and "rank 0" in str(info.value)
+    assert handle.wait(timeout=1) is True  # raised exactly once
+    assert [p.name for p in rig.root.iterdir() if p.name.startswith("step-")] == ["step-1"]
+    assert_same(rig.load(1), want)
+    monkeypatch.undo()
+    rig.train_step()
+    rig.engine.save(rig.state.capture(step=3), 3).wait(timeout=60)
+    assert catalog.find(rig.root, None).step == 3
+
+
+def test_busy_engine_skips_when_asked_and_says_so(tmp_path: Path) -> None:
+    rig = Rig(tmp_path / "ckpt", max_async=1, on_busy="skip")
+    try:
+        rig.train_step()
+        with writer_lock(rig.root):  # the first save cannot commit: it stays in flight
+            first = rig.engine.save(rig.state.capture(step=1), 1)
+            second = rig.engine.save(rig.state.capture(step=1), 2)
+            assert second.done()
+            with pytest.raises(CheckpointFailed, match="skipped"):
+                second.wait()
+            assert not first.done()
+        assert first.wait(timeout=60)
+        assert rig.engine.stats.skipped == 1
+    finally:
+        rig.engine.close()
+
+
+def test_final_save_never_skips(tmp_path: Path) -> None:
+    rig = Rig(tmp_path / "ckpt", max_async=1, on_busy="skip")
+    try:
+        rig.train_step()
+        first = rig.engine.save(rig.state.capture(step=1), 1)
+        final = rig.engine.save(rig.state.capture(step=1), 2, final=True)
+        assert first.wait(timeout=60) and final.wait(timeout=60)
+        assert catalog.find(rig.root, None).step == 2
+    finally:
+        rig.engine.close()
+
+
+def test_memory_budget_smaller_than_one_copy_is_refused(tmp_path: Path) -> None:
+    rig = Rig(tmp_path / "ckpt", memory_budget_bytes=1024)
+    try:
+        rig.train_step()
+        with pytest.raises(Exception, match="memory_budget_bytes"):
+            rig.engine.save(rig.state.capture(step=1), 1)
+        assert not any(p.name.startswith("step-1") for p in rig.root.iterdir())
+    finally:
+        rig.engine.close()
+
+
+def test_fifo_error_really_is_espipe(tmp_path: Path) -> None:
+    # Guards the fault injection above: the native core reports the FIFO write error.
+    fifo = tmp_path / "f"
+    os.mkfifo(fifo)
+    with _native.WriterPool(threads=1) as pool:
+        b = _native.Batch(pool)
+        b.add(str(fifo), 0, np.ones(16, dtype=np.uint8))
+        b.start()
+        with pytest.raises(OSError) as info:
+            b.wait()
+    assert info.value.errno in (errno.ESPIPE, errno.EINVAL)
