@@ -21,6 +21,8 @@ from ..errors import CudaCheckpointError
 from ..criu.proctree import maps_library
 
 LIBCUDA = "libcuda.so.1"
+# How a process that talks to the driver shows in /proc/PID/maps (not libcudart).
+MAPPED_DRIVER = "/libcuda.so"
 # cuDriverGetVersion encodes 1000*major + 10*minor; the checkpoint API came with 12.8.
 MIN_DRIVER_API = 12080
 MIN_DRIVER_TEXT = "CUDA 12.8 (NVIDIA driver >= 570)"
@@ -142,7 +144,7 @@ class CudaCheckpoint:
         rc = fn(ctypes.c_int(pid), *args)
         if rc != _CUDA_SUCCESS:
             hint = ""
-            if rc == _CUDA_ERROR_NOT_FOUND or not maps_library(pid, "libcuda"):
+            if rc == _CUDA_ERROR_NOT_FOUND or not maps_library(pid, MAPPED_DRIVER):
                 hint = f"; PID {pid} has no CUDA context (is it a CUDA process, and alive?)"
             raise CudaCallFailed(f"cuCheckpointProcess{what}(pid={pid}) failed: {self.error_name(rc)}{hint}",
                                  code=int(rc), name=self.error_name(rc))
@@ -201,6 +203,6 @@ def require_cuda_process(pid: int) -> None:
     if not os.path.exists(f"/proc/{pid}"):
         raise CudaNoContext(f"PID {pid} does not exist (check the PID; inside a container or "
                             "PID namespace use the PID as seen from where hpcckpt runs)")
-    if not maps_library(pid, "libcuda"):
+    if not maps_library(pid, MAPPED_DRIVER):
         raise CudaNoContext(f"PID {pid} has not loaded the CUDA driver (libcuda), so it has no CUDA "
                             "context to lock or checkpoint")

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from ..criu import proctree
 from ..errors import CudaCheckpointError
-from .driver import CudaCheckpoint, ProcessState
+from .driver import MAPPED_DRIVER, CudaCheckpoint, ProcessState
 
 
 def cuda_pids(root: int) -> list[int]:
     """PIDs in the tree under ``root`` that have the CUDA driver mapped."""
-    return [p for p in proctree.tree(root) if proctree.maps_library(p, "libcuda")]
+    return [p for p in proctree.tree(root) if proctree.maps_library(p, MAPPED_DRIVER)]
 
 
 def _undo(cu: CudaCheckpoint, pids: list[int]) -> list[str]:
