@@ -1,0 +1,116 @@
+"""The Checkpointer end to end in-process: saves, restore, stop on a real signal."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpcckpt.api import EXIT_REQUEUE, Checkpointer, RequeueExit
+from hpcckpt.errors import ConfigError
+from hpcckpt.ledger import Ledger
+from hpcckpt.store import catalog
+from tests.helpers import tiny_state, train_step
+
+pytestmark = pytest.mark.native
+
+
+def run(ckdir: Path, total: int, *, signal_at: int | None = None, engine: str = "sync", every: int = 3,
+        seed: int = 0) -> tuple[list[str], dict[str, object]]:
+    objs = tiny_state(seed)
+    losses: list[str] = []
+    with Checkpointer(ckdir, engine=engine, every_steps=every, keep=2) as ck:
+        ck.register(**objs)
+        for step in ck.steps(total):
+            losses.append(float.hex(train_step(objs)))
+            if signal_at is not None and step + 1 == signal_at:
+                os.kill(os.getpid(), signal.SIGUSR2)  # a real signal through the real handler
+    return losses, objs
+
+
+def test_signal_stops_at_boundary_with_durable_checkpoint_and_exact_resume(ckdir: Path) -> None:
+    ref, ref_objs = run(ckdir.parent / "ref", 12, every=100)
+    with pytest.raises(RequeueExit) as exc:
+        run(ckdir, 12, signal_at=7)
+    assert exc.value.code == EXIT_REQUEUE and exc.value.step == 7
+    infos = catalog.scan(ckdir)
+    assert infos[-1].step == 7 and infos[-1].status == "committed"
+    # a fresh process would start here: same seed, different objects
+    rest, objs = run(ckdir, 12)
+    events = [e["event"] for e in Ledger(ckdir).read()]
+    assert "signal" in events and "requeue" in events and events.count("start") == 2
+    first_losses = ref[:7]
+    assert first_losses + rest == ref
+    for p, q in zip(objs["model"].state_dict().values(), ref_objs["model"].state_dict().values()):
+        assert torch.equal(p, q)
+
+
+def test_signal_storm_takes_one_final_checkpoint(ckdir: Path) -> None:
+    objs = tiny_state(0)
+    with pytest.raises(RequeueExit):
+        with Checkpointer(ckdir, every_steps=None, signals=("USR1", "USR2", "TERM")) as ck:
+            ck.register(**objs)
+            for step in ck.steps(10):
+                train_step(objs)
+                if step == 3:
+                    for s in (signal.SIGTERM, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+                        os.kill(os.getpid(), s)
+    led = Ledger(ckdir).read()
+    assert [e["signame"] for e in led if e["event"] == "signal"] == ["SIGTERM", "SIGTERM", "SIGUSR1", "SIGUSR2"]
+    assert [e["step"] for e in led if e["event"] == "commit"] == [4]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers uninstalled
+
+
+def test_corrupt_latest_falls_back_to_previous(ckdir: Path) -> None:
+    run(ckdir, 9, every=3)  # commits 3, 6, 9 (keep=2 -> 6, 9)
+    newest = ckdir / "step-9" / "rank-0.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    objs = tiny_state(5)
+    with Checkpointer(ckdir, every_steps=None) as ck:
+        assert ck.register(**objs) == 6
+    skipped = [e for e in Ledger(ckdir).read() if e["event"] == "skip_corrupt"]
+    assert skipped and skipped[0]["step"] == 9
+
+
+def test_missing_manifest_or_truncation_is_skipped(ckdir: Path) -> None:
+    run(ckdir, 9, every=3)
+    (ckdir / "step-9" / "manifest.json").unlink()
+    with open(ckdir / "step-6" / "rank-0.pt", "r+b") as f:
+        f.truncate(100)
+    statuses = {i.step: i.status for i in catalog.scan(ckdir)}
+    assert statuses == {6: "corrupt", 9: "incomplete"}
+    with Checkpointer(ckdir, every_steps=None) as ck:
+        assert ck.register(**tiny_state(1)) is None  # nothing verifies: a fresh start, said in the log
+
+
+def test_load_path_never_unpickles(ckdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run(ckdir, 3, every=3)
+    real_load = torch.load
+
+    def guarded(*a: object, **k: object) -> object:
+        assert k.get("weights_only") is True, "torch.load must be called with weights_only=True"
+        return real_load(*a, **k)
+
+    def no_pickle(*a: object, **k: object) -> object:
+        raise AssertionError("pickle used on the load path")
+
+    monkeypatch.setattr(torch, "load", guarded)
+    monkeypatch.setattr(pickle, "loads", no_pickle)
+    monkeypatch.setattr(pickle, "load", no_pickle)
+    with Checkpointer(ckdir, every_steps=None) as ck:
+        assert ck.register(**tiny_state(1)) == 3
+
+
+def test_bad_options_are_named() -> None:
+    with pytest.raises(ConfigError, match="valid engines"):
+        Checkpointer("/tmp/x-never", engine="fast")
+    with pytest.raises(ConfigError, match="HPCCKPT_DIR"):
+        Checkpointer(None)
+    with pytest.raises(ConfigError, match="unknown signal"):
+        Checkpointer("/tmp/x-never", signals=("USR9",))
