@@ -31,7 +31,7 @@ from .data import ResumableSampler
 from .engines import SaveContext, SaveHandle, load_rank, make_engine
 from .errors import CheckpointCorrupt, ConfigError, NoCheckpoint
 from .ledger import Ledger
-from .policy import Policy, StopReason
+from .policy import AutoInterval, Policy, StopReason
 from .ranks import Ranks
 from .signals import SignalRecorder
 from .state import Flat, TrainState
@@ -73,7 +73,9 @@ class Checkpointer:
         self.cluster = cluster if cluster is not None else _detect_cluster()
         self.state = TrainState()
         self.ledger = Ledger(self.root)
-        self.policy = Policy(self.options.every_steps, margin_s=self.options.deadline_margin_s)
+        self.policy = Policy(self.options.every_steps, margin_s=self.options.deadline_margin_s,
+                             auto=AutoInterval(overhead_bound=self.options.overhead_bound)
+                             if self.options.auto_interval else None)
         self.signals = SignalRecorder(self.options.signals)
         self.step = 0
         self.resumed_from: int | None = None
@@ -164,7 +166,9 @@ class Checkpointer:
         """
         self._begin()
         for s in range(self.step, total_steps):
+            t0 = time.monotonic()
             yield s
+            self.policy.observe_step(time.monotonic() - t0)
             self.step = s + 1
             self._boundary()
         self._finish()
@@ -234,8 +238,12 @@ class Checkpointer:
 
     def save(self, *, final: bool = False, block: bool | None = None) -> SaveHandle:
         """Checkpoint the registered state as of ``self.step``. Collective on all ranks."""
+        t0 = time.monotonic()
         flat = self.state.capture(step=self.step, extra=None)
         handle = self.engine.save(flat, self.step, final=final)
+        handle.final = final
+        handle.stall_s = time.monotonic() - t0  # the part training waited for (engines may add to it)
+        self.policy.saved_at(self.step)
         self._handles.append(handle)
         if final or block:
             self._settle(handle)
@@ -246,10 +254,11 @@ class Checkpointer:
         self._handles.remove(handle)
         self.committed_step = handle.step
         if handle.save_s is not None:
-            self.policy.observe_save(handle.save_s)
+            self.policy.observe_save(handle.save_s, getattr(handle, "stall_s", None))
         if self.ranks.is_coordinator:
             self.ledger.append("commit", step=handle.step, save_s=handle.save_s, engine=self.options.engine,
-                               final=False, path=str(handle.path))
+                               stall_s=getattr(handle, "stall_s", None), final=handle.final,
+                               path=str(handle.path))
 
     def _reap(self) -> None:
         """Account for finished background saves; a failed one is reported once and training goes on."""

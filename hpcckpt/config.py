@@ -69,6 +69,8 @@ class CheckpointOptions:
     dir: Path
     engine: str = "sync"
     every_steps: int | None = None
+    auto_interval: bool = False
+    overhead_bound: float = 0.03
     keep: int = 3
     signals: tuple[signal.Signals, ...] = field(default_factory=lambda: tuple(parse_signal(s) for s in DEFAULT_SIGNALS))
     deadline_margin_s: float = 30.0
@@ -90,8 +92,9 @@ def resolve_options(
     dir: str | os.PathLike[str] | None = None,
     *,
     engine: str | None = None,
-    every_steps: int | None = None,
+    every_steps: int | str | None = None,
     keep: int | None = None,
+    overhead_bound: float | None = None,
     signals: tuple[str | int | signal.Signals, ...] | None = None,
     deadline_margin_s: float | None = None,
     max_async: int | None = None,
@@ -103,10 +106,18 @@ def resolve_options(
         raise ConfigError("no checkpoint directory: pass dir=... or set HPCCKPT_DIR")
     sigs = tuple(parse_signal(s) for s in signals) if signals is not None else from_env(
         "SIGNALS", tuple(parse_signal(s) for s in DEFAULT_SIGNALS), parse_signals)
+    every: int | str | None = pick(every_steps, "EVERY_STEPS", None, str)  # type: ignore[arg-type]
+    auto = isinstance(every, str) and every.strip().lower() == "auto"
+    try:
+        every_n = None if every is None or auto else int(every)
+    except ValueError:
+        raise ConfigError(f"every_steps={every!r}: use a positive integer, 'auto', or None") from None
     return CheckpointOptions(
         dir=Path(raw_dir).expanduser().absolute(),
         engine=pick(engine, "ENGINE", "sync", str),
-        every_steps=pick(every_steps, "EVERY_STEPS", None, int),  # type: ignore[arg-type]
+        every_steps=every_n,
+        auto_interval=auto,
+        overhead_bound=pick(overhead_bound, "OVERHEAD_BOUND", 0.03, float),
         keep=pick(keep, "KEEP", 3, int),
         signals=sigs,
         deadline_margin_s=pick(deadline_margin_s, "DEADLINE_MARGIN_S", 30.0, float),

@@ -8,6 +8,7 @@ the coordinator only; ranks then agree on the outcome.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -33,8 +34,43 @@ class StopReason(IntEnum):
 
 
 @dataclass
+class AutoInterval:
+    """CheckFreq-style interval: profile step time and checkpoint cost online and pick
+    the smallest interval that keeps the visible overhead under ``overhead_bound``
+    (and, for background persists, no shorter than one persist), adapting as costs change.
+    """
+
+    overhead_bound: float = 0.03
+    first_after_steps: int = 10
+    max_steps: int = 10_000
+    step_s: float | None = None
+    stall_s: float | None = None
+    persist_s: float = 0.0
+    interval: int = 0
+
+    def observe_step(self, dt: float) -> None:
+        self.step_s = dt if self.step_s is None else 0.9 * self.step_s + 0.1 * dt
+
+    def observe_save(self, stall_s: float, persist_s: float) -> None:
+        self.stall_s = stall_s if self.stall_s is None else 0.7 * self.stall_s + 0.3 * stall_s
+        self.persist_s = persist_s
+        self._update()
+
+    def _update(self) -> None:
+        if self.step_s is None or self.stall_s is None or self.step_s <= 0:
+            return
+        by_overhead = self.stall_s / (self.overhead_bound * self.step_s)
+        by_persist = self.persist_s / self.step_s
+        self.interval = int(min(self.max_steps, max(1.0, math.ceil(by_overhead), math.ceil(by_persist))))
+
+    def due(self, steps_since_save: int) -> bool:
+        return steps_since_save >= (self.interval or self.first_after_steps)
+
+
+@dataclass
 class Policy:
     every_steps: int | None
+    auto: AutoInterval | None = None
     margin_s: float = 30.0
     poll_s: float = 15.0
     clock: Callable[[], float] = time.time
@@ -44,12 +80,25 @@ class Policy:
     _maint_start: float | None = field(default=None, init=False)
     _draining: bool = field(default=False, init=False)
 
+    _last_save_step: int = field(default=0, init=False)
+
     def periodic_due(self, step: int) -> bool:
+        if self.auto is not None:
+            return step > self._last_save_step and self.auto.due(step - self._last_save_step)
         return self.every_steps is not None and step > 0 and step % self.every_steps == 0
 
-    def observe_save(self, save_s: float) -> None:
+    def saved_at(self, step: int) -> None:
+        self._last_save_step = step
+
+    def observe_step(self, dt: float) -> None:
+        if self.auto is not None:
+            self.auto.observe_step(dt)
+
+    def observe_save(self, save_s: float, stall_s: float | None = None) -> None:
         # Keep the worst recent cost: the final save must fit before the deadline.
         self.save_cost_s = max(save_s, 0.8 * self.save_cost_s)
+        if self.auto is not None:
+            self.auto.observe_save(save_s if stall_s is None else stall_s, save_s)
 
     def poll(self, cluster: Any) -> None:
         """Refresh end time, maintenance and drain state (rate limited)."""

@@ -45,6 +45,8 @@ class SaveHandle:
         self.step = step
         self.path: Path | None = None
         self.save_s: float | None = None
+        self.stall_s: float | None = None  # how long training was blocked by this save
+        self.final = False
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._raised = False
