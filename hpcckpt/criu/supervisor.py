@@ -44,6 +44,10 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signa
 CONSUMED = "CONSUMED"
 
 
+class _CommitFailed(CriuError):
+    """criu dumped (and so ended) the job, but the image could not be committed."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunOptions:
     dir: Path
@@ -279,9 +283,16 @@ class Supervisor:
         try:
             with writer_lock(self.root):
                 name = self._dump(job, sig)
+        except _CommitFailed as exc:
+            # criu already ended the job: its state is lost, but the next run can still
+            # fall back (the application's own checkpoint or a fresh start).
+            self.log(f"{exc}; requeueing so that the next run falls back")
+            self.ledger.append("criu_dump_failed", error=str(exc), signame=sig.name, job_ended=True)
+            self._wait_gone(job)
+            return self._requeue(None)
         except (CriuError, CudaCheckpointError, OSError) as exc:
             self.log(f"dump failed, the job keeps running: {exc}; forwarding {sig.name} so it can save itself")
-            self.ledger.append("criu_dump_failed", error=str(exc), signame=sig.name)
+            self.ledger.append("criu_dump_failed", error=str(exc), signame=sig.name, job_ended=False)
             ops.kill_tree(job, sig)
             return None
         self._wait_gone(job)
@@ -326,7 +337,10 @@ class Supervisor:
                 raise
             dump_s = time.monotonic() - t0
             t1 = time.monotonic()
-            tx.commit(self._manifest(job, seq, sig, criu, dump_s, cuda))
+            try:
+                tx.commit(self._manifest(job, seq, sig, criu, dump_s, cuda))
+            except OSError as exc:
+                raise _CommitFailed(f"criu dumped the job but committing {tx.path} failed: {exc}") from exc
             commit_s = time.monotonic() - t1
         image = images.Image(path=self.root / name, seq=seq)
         nbytes = image.bytes_total()
@@ -352,15 +366,16 @@ class Supervisor:
         }
 
     # -- requeue -----------------------------------------------------------------------
-    def _requeue(self, image: str) -> int:
+    def _requeue(self, image: str | None) -> int:
         """Hand the job back to the scheduler; with Slurm ``scontrol requeue`` kills us."""
         from ..cluster import detect
 
         self.outcome.action = "requeue"
         in_slurm = bool(os.environ.get("SLURM_JOB_ID"))
         where = f"Slurm job {os.environ['SLURM_JOB_ID']}" if in_slurm else "the local supervisor (exit 75)"
-        self.log(f"image {image} committed; requeueing via {where}")
-        self.ledger.append("requeue", method="slurm" if in_slurm else "exit", detail=f"after CRIU image {image}")
+        what = f"after CRIU image {image}" if image else "after a failed CRIU commit"
+        self.log(f"requeueing via {where} ({what})")
+        self.ledger.append("requeue", method="slurm" if in_slurm else "exit", detail=what)
         try:
             outcome = detect().requeue("signal", self.dir)
         except HpcckptError as exc:
