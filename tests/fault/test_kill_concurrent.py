@@ -1,0 +1,92 @@
+"""kill -9 a training process at random moments while concurrent persists are in flight.
+
+After every kill the newest committed checkpoint must verify fully (every byte,
+every tensor's crc32c) and the next run must resume from exactly that step.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcckpt.store import catalog
+
+pytestmark = [pytest.mark.native, pytest.mark.fault, pytest.mark.slow]
+
+TRAIN = r'''
+import json, sys, torch
+from hpcckpt.api import Checkpointer
+
+root, total = sys.argv[1], int(sys.argv[2])
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(768, 768) for _ in range(4)])  # ~28 MB with Adam state
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+with Checkpointer(root, engine="concurrent", every_steps=1, max_async=3, keep=3, writer_threads=1) as ck:
+    resumed = ck.register(model=model, optimizer=opt)
+    print(json.dumps({"resumed": resumed}), flush=True)
+    for step in ck.steps(total):
+        loss = model(torch.randn(32, 768)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+print(json.dumps({"done": ck.step}), flush=True)
+'''
+
+ROUNDS = 12
+
+
+def newest_committed(root: Path) -> catalog.CheckpointInfo | None:
+    infos = [i for i in catalog.scan(root) if i.status == "committed"]
+    return infos[-1] if infos else None
+
+
+def start(script: Path, root: Path, total: int) -> tuple[subprocess.Popen[str], int | None]:
+    env = {**os.environ, "HPCCKPT_CLUSTER": "local"}
+    proc = subprocess.Popen([sys.executable, str(script), str(root), str(total)], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env)
+    assert proc.stdout is not None
+    first = json.loads(proc.stdout.readline())
+    return proc, first["resumed"]
+
+
+def test_kill_9_during_concurrent_persists_never_breaks_the_newest_checkpoint(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    root = tmp_path / "ckpt"
+    rng = random.Random(20261121)
+    total = 100_000
+    killed_with_saves_in_flight = 0
+    for _ in range(ROUNDS):
+        before = newest_committed(root)
+        proc, resumed = start(script, root, total)
+        assert resumed == (before.step if before else None)
+        time.sleep(rng.uniform(0.05, 1.5))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        assert proc.stdout is not None
+        proc.stdout.close()
+        if any(".tmp-" in p.name for p in root.iterdir()):
+            killed_with_saves_in_flight += 1
+        newest = newest_committed(root)
+        if newest is None:
+            continue  # killed before the first commit
+        _, problems = catalog.check(newest.path, full=True)
+        assert problems == [], f"newest committed {newest.path} fails verification: {problems}"
+    assert killed_with_saves_in_flight >= ROUNDS // 2
+    final = newest_committed(root)
+    assert final is not None, "no checkpoint committed in any round"
+    proc, resumed = start(script, root, final.step + 3)
+    assert resumed == final.step
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    assert json.loads(out.strip().splitlines()[-1]) == {"done": final.step + 3}
+    done = newest_committed(root)
+    assert done is not None and done.step == final.step + 3
+    assert catalog.check(done.path, full=True)[1] == []
