@@ -56,12 +56,14 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--step-sleep-s", type=float, default=0.0)
+    ap.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
     ctx, vocab = 32, 256
     data = torch.randint(0, vocab, (512, ctx + 1), generator=torch.Generator().manual_seed(args.seed))
-    loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=16, shuffle=True, drop_last=True)
+    loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=16, shuffle=True, drop_last=True,
+                        num_workers=args.workers, persistent_workers=args.workers > 0)
     model = TinyLM(vocab=vocab, ctx=ctx)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))

@@ -44,16 +44,20 @@ def hpcckpt(*args: str, **kw: object) -> list[str]:
     return [sys.executable, "-m", "hpcckpt.cli", *args]
 
 
-def train_cmd(out: Path, *, steps: int = STEPS, seed: int = 1234) -> list[str]:
-    return [sys.executable, str(TRAIN), "--steps", str(steps), "--out", str(out), "--seed", str(seed)]
+def train_cmd(out: Path, *, steps: int = STEPS, seed: int = 1234, workers: int = 0) -> list[str]:
+    return [sys.executable, str(TRAIN), "--steps", str(steps), "--out", str(out), "--seed", str(seed),
+            "--workers", str(workers)]
+
+
+def uninterrupted(out: Path, *, workers: int = 0) -> dict:
+    """The reference: the same command started directly (no supervisor, no dump)."""
+    subprocess.run(train_cmd(out, workers=workers), check=True, stdout=subprocess.DEVNULL, timeout=600)
+    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The uninterrupted run, started directly (no supervisor)."""
-    out = tmp_path_factory.mktemp("ref") / "ref.json"
-    subprocess.run(train_cmd(out), check=True, stdout=subprocess.DEVNULL, timeout=600)
-    return json.loads(out.read_text())
+    return uninterrupted(tmp_path_factory.mktemp("ref") / "ref.json")
 
 
 def job_output(run_dir: Path) -> str:
@@ -71,9 +75,9 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, *, timeout_s
     raise AssertionError(f"the job did not reach step {step} within {timeout_s} s")
 
 
-def start(run_dir: Path, out: Path, *extra: str, cmd: list[str] | None = None) -> subprocess.Popen:
+def start(run_dir: Path, out: Path, *extra: str, cmd: list[str] | None = None, workers: int = 0) -> subprocess.Popen:
     return subprocess.Popen(hpcckpt("run", "--mode", "criu", "--dir", str(run_dir), "--json", *extra, "--",
-                                    *(cmd or train_cmd(out))),
+                                    *(cmd or train_cmd(out, workers=workers))),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -83,17 +87,17 @@ def finish(proc: subprocess.Popen, *, timeout_s: float = 600) -> tuple[int, dict
     return proc.returncode, summary, stderr
 
 
-def run_with_dumps(run_dir: Path, out: Path, at_steps: list[int], *extra: str) -> list[dict]:
+def run_with_dumps(run_dir: Path, out: Path, at_steps: list[int], *extra: str, workers: int = 0) -> list[dict]:
     """One supervised run per dump (signalled at each step), then a last one to the end."""
     summaries = []
     for step in at_steps:
-        proc = start(run_dir, out, *extra)
+        proc = start(run_dir, out, *extra, workers=workers)
         wait_for_step(run_dir, step, proc)
         proc.send_signal(signal.SIGUSR2)
         code, summary, stderr = finish(proc)
         assert code == EXIT_REQUEUE, f"expected exit 75 after the dump, got {code}: {stderr}"
         summaries.append(summary)
-    code, summary, stderr = finish(start(run_dir, out, *extra))
+    code, summary, stderr = finish(start(run_dir, out, *extra, workers=workers))
     assert code == 0, f"final incarnation failed ({code}): {stderr}"
     summaries.append(summary)
     return summaries
@@ -117,6 +121,16 @@ def test_dump_restore_is_bit_identical(criu_ok: None, reference: dict, tmp_path:
     # The first incarnation's stdout stops at the dump; the restored job writes a new file.
     outs = sorted((tmp_path / "run" / "criu" / "stdio").glob("*.out"))
     assert len(outs) == 2 and "step 15 " in outs[0].read_text() and f"done {STEPS}" in outs[1].read_text()
+
+
+def test_dataloader_worker_processes_are_dumped_too(criu_ok: None, tmp_path: Path) -> None:
+    # Two persistent DataLoader workers: a process tree with pipes and shared memory.
+    ref = uninterrupted(tmp_path / "ref.json", workers=2)
+    out = tmp_path / "out.json"
+    run_with_dumps(tmp_path / "run", out, [12], workers=2)
+    result = json.loads(out.read_text())
+    assert result["digest"] == ref["digest"]
+    assert result["losses"] == ref["losses"]
 
 
 def test_two_dumps_and_retention(criu_ok: None, reference: dict, tmp_path: Path) -> None:
