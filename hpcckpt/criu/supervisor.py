@@ -68,6 +68,10 @@ class RunOptions:
         if self.on_restore_failure not in FALLBACKS:
             raise ConfigError(f"unknown --on-restore-failure {self.on_restore_failure!r}; "
                               f"valid: {', '.join(FALLBACKS)}")
+        bad = [s.name for s in self.dump_signals if s in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD)]
+        if bad or not self.dump_signals:
+            raise ConfigError(f"--signal {','.join(bad) or '(empty)'} cannot trigger a dump; use a catchable "
+                              "signal such as USR2 (and `#SBATCH --signal=B:USR2@LEAD`)")
         if self.keep < 1:
             raise ConfigError(f"--keep must be >= 1 (got {self.keep})")
         if not self.cmd:

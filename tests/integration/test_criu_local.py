@@ -40,7 +40,16 @@ def criu_ok() -> None:
     assert result.ok, f"criu check failed on this machine: {result.output}"
 
 
-def hpcckpt(*args: str, **kw: object) -> list[str]:
+def test_install_script_is_idempotent_and_yields_a_working_criu(criu_ok: None) -> None:
+    script = Path(__file__).resolve().parents[2] / "scripts" / "install-criu"
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    path = proc.stdout.strip().splitlines()[-1]
+    criu = find_criu(path)
+    assert criu.major >= 4 and check(criu).ok
+
+
+def hpcckpt(*args: str) -> list[str]:
     return [sys.executable, "-m", "hpcckpt.cli", *args]
 
 

@@ -136,6 +136,7 @@ def test_nsinit_reports_death_by_signal_as_128_plus(tmp_path: Path) -> None:
     ({"on_restore_failure": "retry"}, "unknown --on-restore-failure"),
     ({"keep": 0}, "--keep must be >= 1"),
     ({"cmd": ()}, "no command given"),
+    ({"dump_signals": (signal.SIGKILL,)}, "SIGKILL cannot trigger a dump"),
 ])
 def test_run_options_are_validated(tmp_path: Path, kw: dict, match: str) -> None:
     args = {"dir": tmp_path, "cmd": ("true",), **kw}
