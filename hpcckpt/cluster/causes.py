@@ -164,9 +164,16 @@ def match_run(runs: Iterable[RunRecord], job_id: str | None, when_s: float | Non
 
 
 def classify(stop: Mapping[str, object] | None, signame: str | None, signal_time_s: float | None,
-             run: RunRecord | None) -> Cause:
-    """The cause of one interruption from the ledger's stop and Slurm's run record."""
+             run: RunRecord | None, requeue_cause: str | None = None) -> Cause:
+    """The cause of one interruption from the ledger's stop and Slurm's run record.
+
+    ``requeue_cause`` is what the requeue recorded after asking Slurm (a preemption
+    shows there even when the job stopped early on the moved end time).
+    """
     reason = str(stop.get("reason", "")) if stop else ""
+    site = {Cause.PREEMPTION, Cause.NODE_FAILURE, Cause.MAINTENANCE}
+    if requeue_cause and Cause.parse(requeue_cause) in site:
+        return Cause.parse(requeue_cause)
     if reason in {"deadline", "time_limit"}:
         return Cause.TIME_LIMIT
     if reason in {"maintenance", "drain"}:

@@ -212,6 +212,38 @@ def successor_sbatch_args(job: Mapping[str, str], script: Path, dependency_job_i
     return args
 
 
+def refine_cause(cause: str, job: Mapping[str, str] | None) -> str:
+    """Slurm's own view of why the job must stop, when it knows better than the caller.
+
+    A preemption sets ``PreemptTime`` and pulls ``EndTime`` in to now + GraceTime, so
+    a job that noticed the moved end time ("deadline") was in truth preempted.
+    """
+    if job is None:
+        return cause
+    if job.get("PreemptTime", "None") not in {"None", "", "N/A", "Unknown"}:
+        return Cause.PREEMPTION.value
+    if slurm_is_requeueing(job) and Cause.parse(cause) in {Cause.SIGNAL, Cause.UNKNOWN}:
+        # Requeued by Slurm while still running, with TERM: PreemptMode=REQUEUE.
+        return Cause.PREEMPTION.value
+    return cause
+
+
+# States in which Slurm has already taken the job off its nodes for a requeue.
+_REQUEUEING_STATES = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "PREEMPTED",
+                      "COMPLETING", "RESV_DEL_HOLD"}
+
+
+def slurm_is_requeueing(job: Mapping[str, str]) -> bool:
+    """True when the job we run in is already being requeued by Slurm itself (preemption
+    with PreemptMode=REQUEUE marks it PENDING while its processes get TERM and GraceTime)."""
+    return job.get("JobState", "RUNNING").split("+")[0] in _REQUEUEING_STATES
+
+
+def _already_requeued(message: str) -> bool:
+    text = message.lower()
+    return "pending execution" in text or "already" in text
+
+
 class SlurmCli:
     """Cluster backend over the Slurm command-line tools (the path that always works)."""
 
@@ -241,23 +273,46 @@ class SlurmCli:
                 requeued=True, method="batch-script", cause=Cause.parse(cause).value, job_id=job_id,
                 detail=(f"{REQUEUE_FROM_BATCH_VAR}=1: every rank exits {EXIT_REQUEUE}; the batch "
                         "script runs `hpcckpt requeue` once srun has returned"))
+        job = self._job_record(job_id)
+        cause = refine_cause(cause, job)
         attempt = f"{job_id}:{self.env.restart_count}"
         decision = charge(state_dir, cause, attempt=attempt, committed_step=committed_step,
                           options=self._budget)
+        cause_value = Cause.parse(cause).value
         if not decision.allowed:
             log.warning("not requeueing job %s: %s", job_id, decision.reason)
             return RequeueOutcome(requeued=False, method="none", detail=decision.reason,
-                                  cause=str(Cause.parse(cause).value), job_id=job_id)
-        log.warning("requeueing job %s (cause %s; %s)", job_id, cause, decision.reason)
+                                  cause=cause_value, job_id=job_id)
+        if job is not None and slurm_is_requeueing(job):
+            return self._slurm_outcome(job_id, cause_value, f"JobState={job.get('JobState')}", state_dir)
+        log.warning("requeueing job %s (cause %s; %s)", job_id, cause_value, decision.reason)
         # scontrol requeue ends this process at once: the ledger learns of it first.
-        _ledger_note(state_dir, method="scontrol", cause=Cause.parse(cause).value, job_id=job_id,
+        _ledger_note(state_dir, method="scontrol", cause=cause_value, job_id=job_id,
                      detail=f"scontrol requeue {job_id} issued ({decision.reason})")
         try:
             run_slurm(["scontrol", "requeue", job_id])
         except ClusterError as err:
-            return self._successor_outcome(job_id, cause, err)
-        return RequeueOutcome(requeued=True, method="scontrol", cause=Cause.parse(cause).value,
+            if _already_requeued(str(err)):
+                return self._slurm_outcome(job_id, cause_value, str(err), state_dir)
+            return self._successor_outcome(job_id, cause_value, err)
+        return RequeueOutcome(requeued=True, method="scontrol", cause=cause_value,
                               detail=f"scontrol requeue {job_id} ({decision.reason})", job_id=job_id)
+
+    @staticmethod
+    def _slurm_outcome(job_id: str, cause: str, evidence: str, state_dir: Path) -> RequeueOutcome:
+        detail = (f"Slurm is already requeueing job {job_id} ({evidence}; PreemptMode=REQUEUE "
+                  "preemption or an operator's requeue); no successor needed")
+        log.warning("%s", detail)
+        _ledger_note(state_dir, method="slurm", cause=cause, job_id=job_id, detail=detail)
+        return RequeueOutcome(requeued=True, method="slurm", cause=cause, detail=detail, job_id=job_id)
+
+    @staticmethod
+    def _job_record(job_id: str) -> dict[str, str] | None:
+        try:
+            return show_job(job_id)
+        except ClusterError as err:
+            log.info("could not read job %s before requeueing (%s)", job_id, err)
+            return None
 
     def _successor_outcome(self, job_id: str, cause: str, err: ClusterError) -> RequeueOutcome:
         log.warning("scontrol requeue refused for job %s (%s); submitting a successor", job_id, err)

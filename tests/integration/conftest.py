@@ -102,6 +102,32 @@ class SlurmCluster:
                        check=True, capture_output=True, text=True)
         return out
 
+    def render_demo(self, name: str, run_dir: Path, *, steps: int, sleep_s: float = 0.25,
+                    time_limit: str = "10:00", lead_s: int = 50, **params: str) -> Path:
+        """A template rendered to run the demo training in ``run_dir`` (no periodic saves:
+        only the final checkpoint at a stop, so lost steps would show)."""
+        command = (f'{PYTHON} -m hpcckpt.demo.train --dir "$HPCCKPT_RUN_DIR" --steps {steps} '
+                   f"--every 100000 --step-sleep {sleep_s}")
+        return self.render(name, run_dir / f"{name}.sbatch", TIME=time_limit, LEAD_S=str(lead_s),
+                           RUN_DIR=str(run_dir), OUTPUT=f"{run_dir}/slurm-%j.out", COMMAND=command,
+                           JOB_NAME=f"hpcckpt-{name}", **params)
+
+    def result_digest(self, run_dir: Path) -> str:
+        path = run_dir / "result.json"
+        assert path.exists(), f"no {path}: the training did not finish"
+        return str(json.loads(path.read_text())["param_digest"])
+
+    def history(self, ckpt_dir: Path) -> dict[str, Any]:
+        proc = self.hpcckpt("history", str(ckpt_dir), "--json")
+        assert proc.returncode == 0, proc.stderr
+        return dict(json.loads(proc.stdout))
+
+    def preempt(self, *, nodes: int = 2, seconds: int = 3) -> str:
+        """Submit a high-priority job that needs every node: it preempts whatever runs in `low`."""
+        out = self.run(["sbatch", "--parsable", "-p", "high", "--exclusive", f"-N{nodes}",
+                        "-o", "/dev/null", "-J", "hpcckpt-preemptor", "--wrap", f"sleep {seconds}"])
+        return out.strip().split(";")[0]
+
     @staticmethod
     def hpcckpt(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([PYTHON, "-m", "hpcckpt.cli", *args], capture_output=True, text=True,
