@@ -1,0 +1,96 @@
+"""Training-step overhead on the demo model at several checkpoint intervals.
+
+Each run trains the demo's TinyLM (a larger configuration than ``hpcckpt demo``
+uses, so a step does real work) for the same number of steps from the same seed;
+the time includes waiting for the last checkpoint to be durable. The overhead is
+``time / time_without_checkpoints - 1``; the baseline is the faster of two runs,
+one before and one after the checkpointed runs.
+"""
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from ..engines import SaveContext, SaveHandle, make_engine
+from ..ranks import Ranks
+from ..state import TrainState
+from ..demo.model import MarkovTokens, ModelConfig, TinyLM
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoLoad:
+    d_model: int = 256
+    n_layers: int = 4
+    batch: int = 16
+    samples: int = 512
+    steps: int = 100
+
+
+def _loop(load: DemoLoad, engine_name: str | None, interval: int, root: Path,
+          options: dict[str, Any]) -> float:
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=load.d_model, n_layers=load.n_layers)
+    data = MarkovTokens(load.samples, cfg.seq_len, cfg.vocab, seed=1)
+    model = TinyLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = TrainState()
+    state.register("model", model)
+    state.register("optimizer", opt)
+    engine = None
+    if engine_name is not None:
+        shutil.rmtree(root, ignore_errors=True)
+        engine = make_engine(engine_name, SaveContext(root=root, keep=2, job={}, user={}), Ranks(),
+                             **(options if engine_name == "concurrent" else {}))
+        engine.bind(state)
+    loader = DataLoader(data, batch_size=load.batch, shuffle=True, drop_last=True)
+    handles: list[SaveHandle] = []
+    it = iter(loader)
+    t0 = time.perf_counter()
+    for step in range(1, load.steps + 1):
+        try:
+            batch = next(it)
+        except StopIteration:
+            it = iter(loader)
+            batch = next(it)
+        logits = model(batch[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab), batch[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if engine is not None and step % interval == 0:
+            handles.append(engine.save(state.capture(step=step), step))
+            handles = [h for h in handles if not h.wait(0)]
+    for h in handles:
+        h.wait()
+    elapsed = time.perf_counter() - t0
+    if engine is not None:
+        engine.close()
+        shutil.rmtree(root, ignore_errors=True)
+    return elapsed
+
+
+def measure_overhead(engines: list[str], intervals: list[int], root: Path, load: DemoLoad,
+                     options: dict[str, Any], tick: Any = lambda: None) -> dict[str, Any]:
+    _loop(DemoLoad(**{**load.__dict__, "steps": min(load.steps, 5)}), None, 1, root, options)  # warm-up
+    base = [_loop(load, None, 1, root, options)]
+    tick()
+    times: dict[str, dict[str, float]] = {}
+    for name in engines:
+        for interval in intervals:
+            times.setdefault(name, {})[str(interval)] = _loop(load, name, interval, root, options)
+            tick()
+    base.append(_loop(load, None, 1, root, options))
+    tick()
+    baseline = min(base)
+    return {
+        "overhead": {n: {i: t / baseline - 1.0 for i, t in per.items()} for n, per in times.items()},
+        "overhead_detail": {"baseline_s": baseline, "baseline_runs_s": base, "run_s": times,
+                            "steps": load.steps, "model": {"d_model": load.d_model, "n_layers": load.n_layers,
+                                                           "batch": load.batch}},
+    }

@@ -1,0 +1,43 @@
+"""A synthetic model + Adam state of a requested size, and one measured training step."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..state import TrainState
+
+_FP32 = 4
+_ADAM_COPIES = 3  # parameters, exp_avg, exp_avg_sq
+
+
+class SyntheticRig:
+    """Square bias-free linear layers whose parameters + Adam moments total ``state_bytes``."""
+
+    def __init__(self, state_bytes: int, *, seed: int = 0) -> None:
+        params = max(state_bytes // (_FP32 * _ADAM_COPIES), 64 * 64)
+        width = min(4096, 2 ** int(math.log2(max(64, math.isqrt(params // 2)))))
+        layers = max(1, round(params / (width * width)))
+        torch.manual_seed(seed)
+        self.width = width
+        self.model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+        for p in self.model.parameters():
+            with torch.no_grad():
+                p.uniform_(-1.0 / math.sqrt(width), 1.0 / math.sqrt(width))
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4)
+        self.state = TrainState()
+        self.state.register("model", self.model)
+        self.state.register("optimizer", self.opt)
+        self.forward_backward()
+        self.opt.step()  # creates the Adam moments: the state now has its full size
+
+    def forward_backward(self) -> None:
+        x = torch.randn(4, self.width)
+        loss = self.model(x).square().mean()
+        self.opt.zero_grad(set_to_none=False)
+        loss.backward()
+
+    @property
+    def state_bytes(self) -> int:
+        flat = self.state.capture(step=0)
+        return sum(t.numel() * t.element_size() for t in flat.tensors.values())
