@@ -73,4 +73,24 @@ def render(name: str, overrides: dict[str, str] | None = None) -> str:
     for key, value in values.items():
         if "\n" in value and key != "COMMAND":
             raise ConfigError(f"template parameter {key} must be one line, got {value!r}")
-    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], tpl.text())
+    quoted = {key: _quote(key, value) for key, value in values.items()}
+    return _PLACEHOLDER.sub(lambda m: quoted[m.group(1)], tpl.text())
+
+
+# Values that land in `#SBATCH --opt=VALUE` lines: sbatch splits those at blanks
+# unless the value is double-quoted, and cannot carry a double quote at all.
+_SBATCH_VALUES = {"JOB_NAME", "OUTPUT"}
+# Values that land inside a double-quoted shell string: `$` stays live on purpose
+# (the default RUN_DIR is "$PWD/..."), everything else is taken literally.
+_SHELL_DQ_VALUES = {"RUN_DIR"}
+
+
+def _quote(key: str, value: str) -> str:
+    if key in _SBATCH_VALUES:
+        if '"' in value:
+            raise ConfigError(f"template parameter {key}={value!r}: sbatch directives cannot hold a "
+                              "double quote; choose a name/path without one")
+        return f'"{value}"' if any(c.isspace() or c in "'#;" for c in value) else value
+    if key in _SHELL_DQ_VALUES:
+        return value.replace("\\", "\\\\").replace('"', '\\"').replace("`", "\\`")
+    return value

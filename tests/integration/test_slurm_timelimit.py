@@ -1,0 +1,45 @@
+"""Time limit: `--time=1 --signal=B:USR2@50` warns the demo before Slurm would kill it;
+each run checkpoints at the stop step, requeues, and the last run finishes
+bit-identical to an uninterrupted one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from conftest import SlurmCluster
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+
+def test_time_limit_warning_checkpoints_requeues_and_resumes_identically(
+        slurm_cluster: SlurmCluster, tmp_path: Path, reference_digest: Callable[[int], str]) -> None:
+    steps = 70
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    script = slurm_cluster.render_demo("single", run_dir, steps=steps, time_limit="1", lead_s=50)
+    # The default deadline margin (30 s) plus poll interval would stop a 1-minute job
+    # right away; a margin of 0 leaves each run ~15-30 s of training.
+    job = slurm_cluster.sbatch(script, "--export=ALL,HPCCKPT_DEADLINE_MARGIN_S=0")
+    assert slurm_cluster.wait_done(job, 600, run_dir / f"slurm-{job}.out") == "COMPLETED"
+
+    assert slurm_cluster.result_digest(run_dir) == reference_digest(steps), "not bit-identical"
+    ledger = slurm_cluster.read_ledger(run_dir / "ckpt")
+    starts = [e for e in ledger if e["event"] == "start"]
+    assert len(starts) >= 2, "the 1-minute limit should have interrupted the run at least once"
+    assert [s["restart_count"] for s in starts] == list(range(len(starts)))
+    assert int(slurm_cluster.job(job)["Restarts"]) == len(starts) - 1
+    stops = [e for e in ledger if e["event"] == "stop" and e["reason"] != "done"]
+    for stop in stops:
+        # Warned by USR2 (B: delivery) or by the end time the policy reads from Slurm.
+        assert stop["reason"] in {"signal", "deadline"}, stop
+        assert stop["committed_step"] == stop["step"]
+    history = slurm_cluster.history(run_dir / "ckpt")
+    assert {r["cause"] for r in history["rows"]} == {"time_limit"}, history["rows"]
+    assert history["lost_steps_total"] == 0
+    assert all(r["step_at_signal"] is None or r["step_at_signal"] == r["committed_step"]
+               for r in history["rows"])
