@@ -64,7 +64,10 @@ def build(args: argparse.Namespace, rank: int, world: int) -> tuple[Any, ...]:
     model = TinyLM(cfg)
     net: torch.nn.Module = model
     if world > 1:
-        net = torch.nn.parallel.DistributedDataParallel(model)
+        # find_unused_parameters=True keeps DDP from rebuilding its gradient buckets after
+        # the first iteration: a resumed run would otherwise all-reduce its first step with
+        # another bucket layout (another summation order) than the uninterrupted run.
+        net = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
     sampler = ResumableSampler(len(data), seed=args.seed, num_replicas=world, rank=rank)
