@@ -130,6 +130,10 @@ class Checkpointer:
             return self._loaded
         self._load_attempted = True
         t0 = time.monotonic()
+        if os.environ.get("HPCCKPT_CRIU_FALLBACK") == "fresh":
+            # `hpcckpt run --mode criu --on-restore-failure fresh`: the user asked for a fresh start.
+            log.warning("hpcckpt: HPCCKPT_CRIU_FALLBACK=fresh: not resuming from %s", self.root)
+            return None
         for info in catalog.committed_newest_first(self.root):
             try:
                 flat: Flat | None = load_rank(info, self.ranks.rank, self.ranks.world)
