@@ -20,16 +20,15 @@ import functools
 import logging
 import os
 import time
-from pathlib import Path
 from types import TracebackType
-from typing import Any, Callable, Iterable, Iterator, Mapping, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
 
 from .config import CheckpointOptions, resolve_options
 from .data import ResumableSampler
 from .engines import SaveContext, SaveHandle, load_rank, make_engine
-from .errors import CheckpointCorrupt, ConfigError, NoCheckpoint
+from .errors import CheckpointCorrupt, ConfigError
 from .ledger import Ledger
 from .policy import AutoInterval, Policy, StopReason
 from .ranks import Ranks
@@ -143,7 +142,8 @@ class Checkpointer:
             if not self.ranks.all(flat is not None):
                 log.error("hpcckpt: skipping checkpoint step %d: %s", info.step,
                           problem or "another rank could not read its part")
-                self.ledger.append("skip_corrupt", step=info.step, problem=problem) if self.ranks.is_coordinator else None
+                if self.ranks.is_coordinator:
+                    self.ledger.append("skip_corrupt", step=info.step, problem=problem)
                 continue
             assert flat is not None
             self._loaded = flat
@@ -226,9 +226,8 @@ class Checkpointer:
 
     def _boundary(self) -> None:
         self._reap()
-        for r in self.signals.log_new():
-            if self.ranks.is_coordinator or True:
-                self.ledger.append("signal", signum=r.signum, signame=r.name, step=self.step,
+        for r in self.signals.log_new():  # every rank logs what it received
+            self.ledger.append("signal", signum=r.signum, signame=r.name, step=self.step,
                                    rank=self.ranks.rank, signal_time=r.wall_s)
         local = StopReason.SIGNAL if self.signals.first() else StopReason.NONE
         if local is StopReason.NONE and self.ranks.is_coordinator:

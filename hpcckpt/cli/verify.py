@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from .common import add_json, emit
 
@@ -36,7 +37,7 @@ def _target(args: argparse.Namespace) -> list[tuple[int, Path]]:
 
 def run(args: argparse.Namespace) -> int:
     from ..store import catalog
-    results = []
+    results: list[dict[str, Any]] = []
     for step, path in _target(args):
         _, problems = catalog.check(path, full=True)
         results.append({"step": step, "path": str(path), "ok": not problems, "problems": problems})

@@ -50,6 +50,7 @@ class TinyLM(nn.Module):
         self.ln = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         self.head.weight = self.tok.weight  # tied weights: saving must keep them one tensor
+        self.mask: torch.Tensor
         self.register_buffer("mask", torch.triu(torch.full((cfg.seq_len, cfg.seq_len), -math.inf), 1),
                              persistent=False)
 

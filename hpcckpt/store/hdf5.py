@@ -12,7 +12,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import h5py
 import numpy as np
@@ -65,9 +65,9 @@ class TensorEntry:
                 "nbytes": self.nbytes, "crc32c": self.crc32c}
 
     @staticmethod
-    def from_json(name: str, d: Mapping[str, object]) -> TensorEntry:
-        return TensorEntry(name, str(d["dtype"]), tuple(int(x) for x in d["shape"]),  # type: ignore[union-attr]
-                           int(d["offset"]), int(d["nbytes"]), int(d.get("crc32c", 0)))  # type: ignore[arg-type]
+    def from_json(name: str, d: Mapping[str, Any]) -> TensorEntry:
+        return TensorEntry(name, str(d["dtype"]), tuple(int(x) for x in d["shape"]),
+                           int(d["offset"]), int(d["nbytes"]), int(d.get("crc32c", 0)))
 
 
 def raw_bytes(t: torch.Tensor) -> np.ndarray:
@@ -112,7 +112,7 @@ def plan_file(path: Path, specs: Iterable[tuple[str, torch.dtype, tuple[int, ...
 
 
 def pwrite_all(fd: int, data: np.ndarray | memoryview, offset: int) -> None:
-    view = memoryview(data).cast("B")
+    view = memoryview(data).cast("B")  # type: ignore[arg-type]
     while view:
         n = os.pwrite(fd, view, offset)
         view = view[n:]
@@ -158,7 +158,7 @@ def read_tensors(path: Path, entries: Mapping[str, TensorEntry], *, threads: int
         t = torch.empty(e.shape, dtype=torch_dtype(e.dtype))
         out[name] = t
         if e.nbytes:
-            view = memoryview(raw_bytes(t))
+            view = memoryview(raw_bytes(t))  # type: ignore[arg-type]
             for start in range(0, e.nbytes, _READ_CHUNK):
                 jobs.append((name, view[start:start + _READ_CHUNK], e.offset + start))
     fd = os.open(path, os.O_RDONLY)

@@ -36,7 +36,7 @@ def test_kill9_during_saves(tmp_path: Path, engine: str) -> None:
     root = tmp_path / "ck"
     rng = random.Random(1234)
     steps_seen: list[int | None] = []
-    for attempt in range(12):
+    for _attempt in range(12):
         proc = subprocess.Popen([sys.executable, "-m", "tests.fault.kill_target", str(root), engine, "24"],
                                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"

@@ -1,7 +1,6 @@
 """The Checkpointer end to end in-process: saves, restore, stop on a real signal."""
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import signal

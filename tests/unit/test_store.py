@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import json
-import os
 import stat
 import subprocess
 import shutil
