@@ -58,6 +58,10 @@ LastBusyTime CfgTRES AllocTRES CapWatts CurrentWatts AveWatts ExtSensorsJoules
 ExtSensorsWatts ExtSensorsTemp ResumeAfterTime
 ReservationName Duration Nodes NodeCnt CoreCnt PartitionName Flags Users Groups
 Accounts BurstBuffer Watts MaxStartDelay
+AllowGroups AllowAccounts AllowQos AllocNodes Default DefaultTime DisableRootJobs
+ExclusiveUser GraceTime Hidden MaxNodes MaxTime MinNodes LLN MaxCPUsPerNode PriorityJobFactor
+PriorityTier RootOnly ReqResv OverTimeLimit PreemptMode TotalCPUs TotalNodes
+SelectTypeParameters JobDefaults DefMemPerNode MaxMemPerNode DefMemPerCPU MaxMemPerCPU
 """.split())
 
 _KEY_RE = re.compile(r"(?:^|(?<=\s))([A-Za-z][A-Za-z0-9_:/]*)=")

@@ -1,0 +1,41 @@
+"""``hpcckpt doctor``: will this job survive its next warning? Prints what to change.
+
+    hpcckpt doctor --script train.sbatch --dir /scratch/run1/ckpt [--json]
+
+Checks the --signal lead time against the measured save cost (from the ledger in
+--dir), B: vs step delivery for the launcher in the script, requeue permission,
+JobRequeue, partitions' GraceTime, the NCCL/USR1 clash, and plug-ins (CRIU).
+Exit codes: 0 nothing failed (warnings allowed); 1 a check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from hpcckpt.cli.common import add_json, emit
+from hpcckpt.doctor import build_context, run_checks
+
+_MARK = {"ok": "ok  ", "info": "info", "warn": "WARN", "fail": "FAIL"}
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("doctor", help="check signal lead time, requeue, GraceTime, USR1/NCCL...",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--script", type=Path, default=None, help="the sbatch script to check")
+    p.add_argument("--dir", type=Path, default=None, help="checkpoint directory (measured save costs)")
+    p.add_argument("--no-plugins", action="store_true", help="skip checks of other parts (CRIU)")
+    add_json(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    results = run_checks(build_context(script=args.script, ckpt_dir=args.dir), plugins=not args.no_plugins)
+    lines = []
+    for c in results:
+        lines.append(f"[{_MARK.get(c.severity, c.severity)}] {c.name}: {c.detail}")
+        if c.fix and c.severity in {"warn", "fail"}:
+            lines.append(f"       fix: {c.fix}")
+    failed = [c for c in results if c.severity == "fail"]
+    emit(args, {"ok": not failed, "checks": [c.as_dict() for c in results]}, "\n".join(lines))
+    return 1 if failed else 0
