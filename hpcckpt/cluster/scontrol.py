@@ -69,7 +69,11 @@ _KEY_RE = re.compile(r"(?:^|(?<=\s))([A-Za-z][A-Za-z0-9_:/]*)=")
 
 def parse_kv_line(line: str) -> dict[str, str]:
     """Parse one ``scontrol show ... -o`` line into {key: value} (values stripped)."""
-    cuts = [m for m in _KEY_RE.finditer(line) if m.group(1) in KNOWN_KEYS]
+    found = [m for m in _KEY_RE.finditer(line) if m.group(1) in KNOWN_KEYS]
+    # A free-text value that contains the very next key (a job name ending in
+    # " UserId=x") shows up as that key twice in a row: the last one is Slurm's.
+    cuts = [m for i, m in enumerate(found)
+            if i + 1 >= len(found) or found[i + 1].group(1) != m.group(1)]
     out: dict[str, str] = {}
     for i, match in enumerate(cuts):
         end = cuts[i + 1].start() if i + 1 < len(cuts) else len(line)

@@ -1,0 +1,146 @@
+"""Parsing of Slurm's text output; the inputs were captured from Slurm 22.05 (slurm/localcluster)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from hpcckpt.cluster.base import Cause, Reservation, node_is_draining
+from hpcckpt.cluster.causes import STATE_CAUSE, classify, parse_jobcomp_line, parse_sacct, runs_from_jobcomp
+from hpcckpt.cluster.scontrol import (parse_config, parse_duration_s, parse_kv_line, parse_reservations,
+                                      parse_slurm_time, refine_cause, slurm_is_requeueing,
+                                      successor_environment, successor_sbatch_args)
+
+JOB_HOSTILE = (
+    'JobId=6 JobName=evil "name"; rm -rf / UserId=x UserId=root(0) GroupId=root(0) MCS_label=N/A '
+    "Priority=4294901755 Nice=0 Account=(null) QOS=(null) JobState=RUNNING Reason=None Dependency=(null) "
+    "Requeue=1 Restarts=0 BatchFlag=1 Reboot=0 ExitCode=0:0 RunTime=00:00:01 TimeLimit=00:10:00 "
+    "TimeMin=N/A SubmitTime=2026-11-21T00:05:41 EligibleTime=2026-11-21T00:05:41 "
+    "AccrueTime=2026-11-21T00:05:41 StartTime=2026-11-21T00:05:41 EndTime=2026-11-21T00:15:41 "
+    "Deadline=N/A PreemptEligibleTime=2026-11-21T00:05:41 PreemptTime=None SuspendTime=None "
+    "SecsPreSuspend=0 LastSchedEval=2026-11-21T00:05:41 Scheduler=Main Partition=low "
+    "AllocNode:Sid=localhost:2957 ReqNodeList=(null) ExcNodeList=(null) NodeList=n[1-2] BatchHost=n1 "
+    "NumNodes=2 NumCPUs=4 NumTasks=2 CPUs/Task=1 ReqB:S:C:T=0:0:*:* TRES=cpu=4,node=2,billing=4 "
+    "Socks/Node=* NtasksPerN:B:S:C=0:0:*:* CoreSpec=* MinCPUsNode=1 MinMemoryNode=0 MinTmpDiskNode=0 "
+    "Features=(null) DelayBoot=00:00:00 OverSubscribe=NO Contiguous=0 Licenses=(null) Network=(null) "
+    "Command=(null) WorkDir=/tmp/t1/we ird;\"dir' StdErr=/tmp/t1/we ird;\"dir'/out-6 StdIn=/dev/null "
+    "StdOut=/tmp/t1/we ird;\"dir'/out-6 Power= ")
+
+RESERVATION = (
+    "ReservationName=maint window StartTime=2026-11-21T00:13:35 EndTime=2026-11-21T00:43:35 "
+    "Duration=00:30:00 Nodes=n2 NodeCnt=1 CoreCnt=2 Features=(null) PartitionName=(null) "
+    "Flags=MAINT,IGNORE_JOBS,SPEC_NODES TRES=cpu=2 Users=root Groups=(null) Accounts=(null) "
+    "Licenses=(null) State=INACTIVE BurstBuffer=(null) Watts=n/a MaxStartDelay=(null)")
+
+JOBCOMP = (
+    'JobId=1 UserId=root(0) GroupId=root(0) Name=weird name; "x" JobState=PENDING Partition=low '
+    "TimeLimit=525600 StartTime=2026-11-21T00:01:47 EndTime=2026-11-21T00:01:49 NodeList=n1 NodeCnt=1 "
+    "ProcCnt=1 WorkDir=/tmp/t1 ReservationName= Tres=cpu=1,mem=2000M,node=1,billing=1 Account= QOS= "
+    "WcKey= Cluster=unknown SubmitTime=2026-11-21T00:01:46 EligibleTime=2026-11-21T00:01:46 "
+    "DerivedExitCode=0:0 ExitCode=0:0 \n")
+JOBCOMP_PREEMPTED = JOBCOMP.replace("JobId=1 ", "JobId=2 ").replace("JobState=PENDING", "JobState=PREEMPTED") \
+    .replace("TimeLimit=525600", "TimeLimit=1")
+
+
+def test_job_line_keeps_hostile_name_and_paths_whole() -> None:
+    job = parse_kv_line(JOB_HOSTILE)
+    assert job["JobName"] == 'evil "name"; rm -rf / UserId=x'
+    assert job["UserId"] == "root(0)"
+    assert job["WorkDir"] == "/tmp/t1/we ird;\"dir'"
+    assert job["StdOut"] == "/tmp/t1/we ird;\"dir'/out-6"
+    assert job["JobState"] == "RUNNING" and job["PreemptTime"] == "None"
+    assert job["NodeList"] == "n[1-2]" and job["Power"] == ""
+
+
+@pytest.mark.parametrize(("text", "seconds"), [
+    ("00:10:00", 600.0), ("1-02:03:04", 93784.0), ("10", 600.0), ("45:30", 2730.0),
+    ("2-05", 2 * 86400 + 5 * 3600.0), ("UNLIMITED", None), ("N/A", None), ("", None)])
+def test_durations(text: str, seconds: float | None) -> None:
+    assert parse_duration_s(text) == seconds
+
+
+def test_timestamps_are_local_time() -> None:
+    expected = time.mktime((2026, 11, 21, 0, 5, 41, 0, 0, -1))
+    assert parse_slurm_time("2026-11-21T00:05:41") == expected
+    assert parse_slurm_time("Unknown") is None and parse_slurm_time("None") is None
+
+
+def test_reservations_and_overlap() -> None:
+    (res,) = parse_reservations(RESERVATION + "\n")
+    assert res.name == "maint window" and res.nodes == ("n2",) and res.is_maintenance
+    assert res.end_s - res.start_s == 1800
+    assert res.overlaps(nodes=["n1", "n2"], start_s=res.start_s - 10, end_s=res.start_s + 1)
+    assert not res.overlaps(nodes=["n1"], start_s=res.start_s - 10, end_s=res.end_s)
+    assert not res.overlaps(nodes=["n2"], start_s=0, end_s=res.start_s)
+    assert parse_reservations("No reservations in the system\n") == []
+    everywhere = Reservation(name="all", start_s=10, end_s=20, nodes=(), flags=("MAINT",))
+    assert everywhere.overlaps(nodes=["x"], start_s=0, end_s=11)
+
+
+@pytest.mark.parametrize(("state", "draining"), [
+    ("ALLOCATED+DRAIN", True), ("IDLE+DRAIN", True), ("MIXED", False), ("IDLE", False),
+    ("DOWN+FAIL", True), ("ALLOCATED+NOT_RESPONDING", False), ("drained", True), ("", False)])
+def test_node_draining(state: str, draining: bool) -> None:
+    assert node_is_draining(state) is draining
+
+
+def test_config() -> None:
+    conf = parse_config("Configuration data as of 2026-11-21T00:03:32\nJobRequeue              = 1\n"
+                        "KillWait                = 5 sec\nSLURM_VERSION           = 22.05.8\n")
+    assert conf == {"JobRequeue": "1", "KillWait": "5 sec", "SLURM_VERSION": "22.05.8"}
+
+
+def test_jobcomp_lines() -> None:
+    rec = parse_jobcomp_line(JOBCOMP)
+    assert rec["Name"] == 'weird name; "x"' and rec["JobState"] == "PENDING"
+    runs = runs_from_jobcomp([JOBCOMP, JOBCOMP_PREEMPTED], {"2"})
+    assert len(runs) == 1 and runs[0].cause is Cause.PREEMPTION and runs[0].time_limit_s == 60
+    unlimited = runs_from_jobcomp([JOBCOMP], {"1"})[0]
+    assert unlimited.time_limit_s is None and unlimited.cause is None
+
+
+def test_sacct_rows_skip_steps() -> None:
+    text = ("12|PREEMPTED|2026-11-21T00:01:00|2026-11-21T00:02:00|00:10:00\n"
+            "12.batch|CANCELLED|2026-11-21T00:01:00|2026-11-21T00:02:00|\n"
+            "12|TIMEOUT|2026-11-21T00:03:00|2026-11-21T00:13:00|00:10:00\n")
+    assert [r.cause for r in parse_sacct(text)] == [Cause.PREEMPTION, Cause.TIME_LIMIT]
+    assert STATE_CAUSE["NODE_FAIL"] is Cause.NODE_FAILURE
+
+
+def test_classify_prefers_what_the_job_and_slurm_know() -> None:
+    runs = runs_from_jobcomp([JOBCOMP_PREEMPTED], {"2"})
+    start = runs[0].start_s or 0.0
+    assert classify({"reason": "deadline"}, None, None, None) is Cause.TIME_LIMIT
+    assert classify({"reason": "maintenance"}, None, None, None) is Cause.MAINTENANCE
+    assert classify({"reason": "deadline"}, None, None, None, "preemption") is Cause.PREEMPTION
+    assert classify({"reason": "signal"}, "SIGUSR2", start + 5, runs[0]) is Cause.PREEMPTION
+    pending = runs_from_jobcomp([JOBCOMP.replace("TimeLimit=525600", "TimeLimit=10")], {"1"})[0]
+    t0 = pending.start_s or 0.0
+    assert classify({"reason": "signal"}, "SIGUSR2", t0 + 590, pending) is Cause.TIME_LIMIT
+    assert classify({"reason": "signal"}, "SIGUSR2", t0 + 30, pending) is Cause.SIGNAL
+    assert classify({"reason": "signal"}, "SIGTERM", t0 + 30, pending) is Cause.PREEMPTION
+
+
+def test_refine_cause_from_job_record() -> None:
+    job = parse_kv_line(JOB_HOSTILE)
+    assert refine_cause("signal", job) == "signal" and not slurm_is_requeueing(job)
+    assert refine_cause("time_limit", {**job, "PreemptTime": "2026-11-21T00:06:00"}) == "preemption"
+    pending = {**job, "JobState": "PENDING"}
+    assert slurm_is_requeueing(pending) and refine_cause("signal", pending) == "preemption"
+    assert refine_cause("maintenance", pending) == "maintenance"
+    assert refine_cause("signal", None) == "signal"
+
+
+def test_successor_keeps_environment_but_not_this_jobs_slurm_variables() -> None:
+    env = successor_environment({"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "2", "SLURM_CONF": "/c",
+                                 "SBATCH_PARTITION": "x", "HPCCKPT_DIR": "/ck pt", "PATH": "/bin"}, "7")
+    assert env == {"SLURM_CONF": "/c", "HPCCKPT_DIR": "/ck pt", "PATH": "/bin",
+                   "HPCCKPT_PREDECESSOR_JOB_ID": "7", "HPCCKPT_SUCCESSOR_GENERATION": "1"}
+    from pathlib import Path
+
+    args = successor_sbatch_args(parse_kv_line(JOB_HOSTILE), Path("/s.sbatch"), "6")
+    assert args[:3] == ["sbatch", "--parsable", "--dependency=afterany:6"]
+    assert '--job-name=evil "name"; rm -rf / UserId=x' in args
+    assert "--time=10" in args and "--requeue" in args and "--nodes=2" in args
+    assert "--chdir=/tmp/t1/we ird;\"dir'" in args and args[-1] == "/s.sbatch"

@@ -1,0 +1,105 @@
+"""Job script templates: golden files, jobscripts/ in sync, hostile values, and the CLI.
+
+On a mismatch the diff is printed; regenerate after an intended change with
+    UPDATE_GOLDEN=1 python -m pytest tests/unit/test_template_golden.py
+and, for jobscripts/, `hpcckpt template NAME --out jobscripts/<file>`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpcckpt.cluster import render
+from hpcckpt.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).parent / "golden"
+PARAMS = {
+    "single": {"TIME": "1:00:00", "LEAD_S": "300", "RUN_DIR": "/scratch/my run", "JOB_NAME": "my job",
+               "OUTPUT": "/scratch/my run/%x-%j.out", "COMMAND": 'python train.py --dir "$HPCCKPT_DIR"'},
+    "ddp": {"NODES": "4", "TASKS_PER_NODE": "8", "SIGNAL": "USR2", "LEAD_S": "240",
+            "COMMAND": "python -m mypkg.train --ckpt \"$HPCCKPT_DIR\""},
+    "submitit": {"TIME_MIN": "120", "STEPS": "500"},
+}
+
+
+def _diff(expected: str, actual: str, name: str) -> str:
+    return "".join(difflib.unified_diff(expected.splitlines(True), actual.splitlines(True),
+                                        f"golden/{name}", "rendered"))
+
+
+@pytest.mark.parametrize("name", sorted(render.TEMPLATES))
+def test_rendered_template_matches_golden(name: str) -> None:
+    actual = render.render(name, PARAMS[name])
+    golden = GOLDEN / f"{name}.golden"
+    if os.environ.get("UPDATE_GOLDEN") == "1":
+        golden.write_text(actual)
+    assert golden.exists(), f"missing {golden}; create it with UPDATE_GOLDEN=1"
+    expected = golden.read_text()
+    assert actual == expected, (f"template {name!r} changed:\n{_diff(expected, actual, golden.name)}\n"
+                                "if intended: UPDATE_GOLDEN=1 python -m pytest "
+                                "tests/unit/test_template_golden.py")
+
+
+@pytest.mark.parametrize("name", sorted(render.TEMPLATES))
+def test_jobscripts_are_the_rendered_defaults(name: str) -> None:
+    tpl = render.TEMPLATES[name]
+    shipped = (REPO / "jobscripts" / tpl.output_name).read_text()
+    actual = render.render(name)
+    assert shipped == actual, (f"jobscripts/{tpl.output_name} is stale:\n"
+                               f"{_diff(shipped, actual, tpl.output_name)}\n"
+                               f"regenerate: hpcckpt template {name} --out jobscripts/{tpl.output_name}")
+
+
+def test_sbatch_templates_carry_requeue_signal_and_append() -> None:
+    single = render.render("single")
+    assert "#SBATCH --signal=B:USR2@180" in single and "exec python" in single
+    ddp = render.render("ddp")
+    assert "#SBATCH --signal=USR2@180" in ddp and "HPCCKPT_REQUEUE_FROM_BATCH=1" in ddp
+    for text in (single, ddp):
+        assert "#SBATCH --requeue" in text and "#SBATCH --open-mode=append" in text
+        assert "USR1" in text  # the comment says why not USR1
+
+
+def test_hostile_values_are_quoted_or_refused() -> None:
+    text = render.render("single", {"JOB_NAME": "a b;c", "RUN_DIR": '/x/"y`z'})
+    assert '#SBATCH --job-name="a b;c"' in text
+    assert 'HPCCKPT_RUN_DIR="${HPCCKPT_RUN_DIR:-/x/\\"y\\`z}"' in text
+    with pytest.raises(ConfigError, match="double quote"):
+        render.render("single", {"OUTPUT": 'a"b'})
+    with pytest.raises(ConfigError, match="one line"):
+        render.render("single", {"TIME": "1\n#SBATCH --x"})
+    with pytest.raises(ConfigError, match="no parameter"):
+        render.render("single", {"NODES": "2"})
+    with pytest.raises(ConfigError, match="available: ddp, single, submitit"):
+        render.get("nope")
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (slurm/install-deps)")
+def test_rendered_scripts_are_shellcheck_clean(tmp_path: Path) -> None:
+    for name in ("single", "ddp"):
+        for params in ({}, PARAMS[name]):
+            script = tmp_path / f"{name}.sbatch"
+            script.write_text(render.render(name, params))
+            proc = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True, check=False)
+            assert proc.returncode == 0, proc.stdout
+
+
+def test_cli_lists_and_writes(tmp_path: Path) -> None:
+    listed = subprocess.run([sys.executable, "-m", "hpcckpt.cli", "template", "--list", "--json"],
+                            capture_output=True, text=True, check=True)
+    assert {"single", "ddp", "submitit"} <= {row["name"] for row in __import__("json").loads(listed.stdout)}
+    out = tmp_path / "job.sbatch"
+    subprocess.run([sys.executable, "-m", "hpcckpt.cli", "template", "ddp", "--out", str(out),
+                    "--set", "NODES=3"], check=True, capture_output=True)
+    assert "#SBATCH --nodes=3" in out.read_text() and os.access(out, os.X_OK)
+    bad = subprocess.run([sys.executable, "-m", "hpcckpt.cli", "template", "ddp", "--set", "X"],
+                         capture_output=True, text=True, check=False)
+    assert bad.returncode == 2 and "KEY=VALUE" in bad.stderr
