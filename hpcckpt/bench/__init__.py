@@ -29,13 +29,13 @@ class BenchOptions:
     dir: Path | None = None
     quick: bool = False
     repeats: int = 3
-    overhead_steps: int = 100
+    overhead_steps: int = 50
     max_async: int = 1
     writer_threads: int = 0
-    direct: bool = False
+    direct: bool | None = None
 
     @staticmethod
-    def make(*, size_gb: float | None, dir: Path | None, quick: bool, direct: bool = False) -> BenchOptions:
+    def make(*, size_gb: float | None, dir: Path | None, quick: bool, direct: bool | None = None) -> BenchOptions:
         if quick:
             return BenchOptions(size_bytes=int((size_gb or 0.016) * GB), dir=dir, quick=True, repeats=1,
                                 overhead_steps=6, direct=direct)
@@ -77,7 +77,8 @@ def run_bench(o: BenchOptions, progress: Callable[[str], None] = lambda s: None)
     base = Path(tempfile.mkdtemp(prefix="hpcckpt-bench-", dir=o.dir))
     sizes = o.sizes()
     options = {"max_async": o.max_async, "writer_threads": o.writer_threads, "direct": o.direct}
-    total = 2 + len(sizes) * len(ENGINES) + 3 + len(ENGINES) * len(INTERVALS)
+    rounds = 1 if o.quick else 3
+    total = 2 + len(sizes) * len(ENGINES) + rounds * (1 + len(ENGINES) * len(INTERVALS))
     bar = tqdm(total=total, desc="hpcckpt bench", unit="task", disable=None, leave=False)
     try:
         def tick(what: str = "") -> None:
@@ -87,10 +88,10 @@ def run_bench(o: BenchOptions, progress: Callable[[str], None] = lambda s: None)
             bar.update(1)
 
         bar.set_postfix_str("write/read limits")
-        write, read, cold = write_read_gbps(base, max(o.size_bytes, 64 << 20))
+        limits: dict[str, Any] = write_read_gbps(base, max(o.size_bytes, 64 << 20))
         tick("limits: dd direct write + fsync, cold read")
-        limits = {"write_gbps": write, "read_gbps": read, "memcpy_gbps": memcpy_gbps(min(o.size_bytes, 512 << 20)),
-                  "memcpy_1t_gbps": memcpy_gbps(min(o.size_bytes, 512 << 20), threads=1), "cold_cache": cold}
+        limits["memcpy_gbps"] = memcpy_gbps(min(o.size_bytes, 512 << 20))
+        limits["memcpy_1t_gbps"] = memcpy_gbps(min(o.size_bytes, 512 << 20), threads=1)
         tick("limits: memcpy")
         per_size: list[dict[str, Any]] = []
         for size in sizes:
@@ -103,7 +104,7 @@ def run_bench(o: BenchOptions, progress: Callable[[str], None] = lambda s: None)
             per_size.append(row)
             del rig
         over = measure_overhead(list(ENGINES), list(INTERVALS), base / "overhead",
-                                DemoLoad(steps=o.overhead_steps), options, tick=lambda: tick())
+                                DemoLoad(steps=o.overhead_steps), options, rounds=rounds, tick=lambda: tick())
     finally:
         bar.close()
         shutil.rmtree(base, ignore_errors=True)

@@ -8,7 +8,9 @@ one before and one after the checkpointed runs.
 """
 from __future__ import annotations
 
+import os
 import shutil
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,21 +78,28 @@ def _loop(load: DemoLoad, engine_name: str | None, interval: int, root: Path,
 
 
 def measure_overhead(engines: list[str], intervals: list[int], root: Path, load: DemoLoad,
-                     options: dict[str, Any], tick: Any = lambda: None) -> dict[str, Any]:
+                     options: dict[str, Any], *, rounds: int = 3, tick: Any = lambda: None) -> dict[str, Any]:
+    """Median over ``rounds`` of interleaved runs (baseline, then every engine x interval).
+
+    Interleaving spreads slow phases of a shared machine over all configurations
+    instead of letting one of them absorb them.
+    """
+    os.sync()  # earlier benchmark phases must not leave writeback running into these runs
     _loop(DemoLoad(**{**load.__dict__, "steps": min(load.steps, 5)}), None, 1, root, options)  # warm-up
-    base = [_loop(load, None, 1, root, options)]
-    tick()
-    times: dict[str, dict[str, float]] = {}
-    for name in engines:
-        for interval in intervals:
-            times.setdefault(name, {})[str(interval)] = _loop(load, name, interval, root, options)
-            tick()
-    base.append(_loop(load, None, 1, root, options))
-    tick()
-    baseline = min(base)
+    base: list[float] = []
+    times: dict[str, dict[str, list[float]]] = {n: {str(i): [] for i in intervals} for n in engines}
+    for _ in range(rounds):
+        base.append(_loop(load, None, 1, root, options))
+        tick()
+        for name in engines:
+            for interval in intervals:
+                times[name][str(interval)].append(_loop(load, name, interval, root, options))
+                tick()
+    baseline = statistics.median(base)
     return {
-        "overhead": {n: {i: t / baseline - 1.0 for i, t in per.items()} for n, per in times.items()},
-        "overhead_detail": {"baseline_s": baseline, "baseline_runs_s": base, "run_s": times,
+        "overhead": {n: {i: statistics.median(ts) / baseline - 1.0 for i, ts in per.items()}
+                     for n, per in times.items()},
+        "overhead_detail": {"baseline_s": baseline, "baseline_runs_s": base, "run_s": times, "rounds": rounds,
                             "steps": load.steps, "model": {"d_model": load.d_model, "n_layers": load.n_layers,
                                                            "batch": load.batch}},
     }

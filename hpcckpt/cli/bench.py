@@ -22,7 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--dir", type=Path, default=None, help="file system to measure (default: the system temp dir)")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG figure here")
     p.add_argument("--quick", action="store_true", help="tiny sizes and few steps (seconds; for tests)")
-    p.add_argument("--direct", action="store_true", help="concurrent engine writes with O_DIRECT")
+    p.add_argument("--buffered", dest="direct", action="store_false", default=None,
+                   help="concurrent engine writes through the page cache (default: O_DIRECT, HPCCKPT_DIRECT)")
     add_json(p)
     p.set_defaults(func=run)
 

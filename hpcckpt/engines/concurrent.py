@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from .._core import native
-from ..config import from_env
+from ..config import from_env, parse_bool
 from ..errors import CheckpointFailed, ConfigError
 from ..state import Flat, TrainState
 from ..store.hdf5 import ALIGN, TensorEntry, plan_file, raw_bytes
@@ -192,7 +192,7 @@ class ConcurrentEngine(Engine):
     name = "concurrent"
 
     def __init__(self, ctx: SaveContext, ranks: Ranks, *, max_async: int = 1, writer_threads: int = 0,
-                 memory_budget_bytes: int | None = None, direct: bool = False, on_busy: str | None = None,
+                 memory_budget_bytes: int | None = None, direct: bool | None = None, on_busy: str | None = None,
                  chunk_bytes: int | None = None) -> None:
         super().__init__(ctx, ranks)
         if max_async < 1:
@@ -203,7 +203,10 @@ class ConcurrentEngine(Engine):
             raise ConfigError(f"on_busy={self.on_busy!r}; use one of {', '.join(ON_BUSY)} (HPCCKPT_ON_BUSY)")
         self.memory_budget_bytes = memory_budget_bytes if memory_budget_bytes is not None else from_env(
             "MEMORY_BUDGET_BYTES", None, int)  # type: ignore[arg-type]
-        self.direct = direct
+        # O_DIRECT by default: on the reference VM buffered pwrite + fdatasync of 1 GB ran at
+        # 0.3-0.5 GB/s, O_DIRECT at 1.7-2.0 GB/s (the page cache copy and writeback cost more
+        # than they save). File systems that refuse O_DIRECT fall back to the page cache.
+        self.direct = direct if direct is not None else from_env("DIRECT", True, parse_bool)
         self.stats = EngineStats()
         self._pool = native().WriterPool(writer_threads, chunk_bytes or from_env("CHUNK_BYTES", 8 << 20, int))
         self._bg_ranks = ranks.background()
