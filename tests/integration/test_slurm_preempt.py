@@ -59,10 +59,12 @@ def test_preempted_by_high_priority_job_resumes_identically(
 
 def test_three_preemptions_in_one_run(
         slurm_cluster: SlurmCluster, tmp_path: Path, reference_digest: Callable[[int], str]) -> None:
-    steps = 80
+    # Training goes on while a preemption is on its way (up to a poll interval plus
+    # GraceTime), so the run must be long enough to still be training at the third one.
+    steps = 400
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    job = slurm_cluster.sbatch(slurm_cluster.render_demo("single", run_dir, steps=steps),
+    job = slurm_cluster.sbatch(slurm_cluster.render_demo("single", run_dir, steps=steps, sleep_s=0.2),
                                "-p", "low", "--exclusive")
     for restart in range(3):
         slurm_cluster.wait_until(
