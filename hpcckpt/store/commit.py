@@ -36,10 +36,9 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` atomically and durably."""
-    tmp = path.with_name(f"{path.name}{TMP_MARK}{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+def write_new_durable(path: Path, data: bytes) -> None:
+    """Create ``path`` (it must not exist) holding ``data``, and fsync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         view = memoryview(data)
         while view:
@@ -47,6 +46,12 @@ def atomic_write(path: Path, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically and durably."""
+    tmp = path.with_name(f"{path.name}{TMP_MARK}{secrets.token_hex(4)}")
+    write_new_durable(tmp, data)
     os.replace(tmp, path)
     fsync_path(path.parent)
 
@@ -198,16 +203,7 @@ class Transaction:
                 fsync_path(path)
             for dirpath, _dirs, _files in os.walk(self.path):
                 fsync_path(Path(dirpath))
-        mpath = self.path / MANIFEST
-        fd = os.open(mpath, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            data = seal_manifest(manifest)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_new_durable(self.path / MANIFEST, seal_manifest(manifest))
         fsync_path(self.path)
         if self.final.exists():
             # The same step committed before (a restart re-reached it): swap atomically so
