@@ -114,7 +114,8 @@ def build_context(*, script: Path | None, ckpt_dir: Path | None) -> DoctorContex
 
         costs = tuple(float(e["save_s"]) for e in Ledger(ckpt_dir).read()
                       if e.get("event") == "commit" and isinstance(e.get("save_s"), (int, float)))
-    config, partitions = None, ()
+    config: dict[str, str] | None = None
+    partitions: tuple[dict[str, str], ...] = ()
     if shutil.which("scontrol"):
         try:
             config = show_config()
@@ -271,7 +272,7 @@ def _adopt(found: Any) -> Check:
 
 
 def plugin_checks(providers: Iterable[str] = PROVIDERS) -> list[Check]:
-    out = []
+    out: list[Check] = []
     for name in providers:
         try:
             module = importlib.import_module(name)

@@ -61,7 +61,7 @@ class RunRecord:
 def parse_jobcomp_line(line: str) -> dict[str, str]:
     """Parse one jobcomp/filetxt line; names and paths may hold spaces, quotes, '='."""
     out: dict[str, str] = {}
-    positions = []
+    positions: list[tuple[str, int]] = []
     for key in _JOBCOMP_KEYS:
         marker = f"{key}=" if key == "JobId" else f" {key}="
         start = line.find(marker, positions[-1][1] if positions else 0)

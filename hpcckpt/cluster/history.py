@@ -100,6 +100,7 @@ def _interruption(index: int, run: Sequence[Event], nxt: Sequence[Event] | None,
     resumed = _int(start_next.get("resumed_from")) if start_next else None
     reached = _last_step(run)
     end_time = _float((req or stop or run[-1]).get("time"))
+    next_time = _float(start_next.get("time")) if start_next else None
     return Interruption(
         index=index, job_id=str(job_id) if job_id else None,
         restart_count=_int(head.get("restart_count")),
@@ -112,8 +113,7 @@ def _interruption(index: int, run: Sequence[Event], nxt: Sequence[Event] | None,
         committed_step=committed, resumed_step=resumed,
         lost_steps=(max(0, reached - (resumed or 0)) if reached is not None and start_next else None),
         save_s=_save_s(run, committed),
-        queue_wait_s=(_float(start_next.get("time")) - end_time
-                      if start_next and end_time is not None and _float(start_next.get("time")) else None),
+        queue_wait_s=(next_time - end_time if next_time is not None and end_time is not None else None),
         restore_s=_float(start_next.get("restore_s")) if start_next else None,
         requeue_method=str(req.get("method")) if req else None,
         requeue_detail=str(req.get("detail")) if req else None)
@@ -125,7 +125,7 @@ def interruptions(events: Sequence[Event], *, slurm: Sequence[RunRecord] | None 
     if slurm is None:
         ids = {str(e["job_id"]) for e in events if e.get("job_id")}
         slurm = slurm_runs(ids)
-    out = []
+    out: list[Interruption] = []
     for i, run in enumerate(runs):
         stop = _last(run, "stop")
         if stop is not None and stop.get("reason") == "done":
