@@ -61,6 +61,7 @@ def _targets(top: dict[str, Any], limits: dict[str, float], overhead: dict[str, 
         "load_vs_read": conc["load_gbps"] / limits["read_gbps"], "load_vs_read_target": 0.85,
         "load_vs_torch_load": (torch_load / conc["load_s"]) if torch_load else None, "load_vs_torch_load_target": 3.0,
         "overhead_at_10": {n: v.get("10") for n, v in overhead["overhead"].items()}, "overhead_at_10_target": 0.03,
+        "overhead_blocked_at_10": {n: v.get("10") for n, v in overhead["overhead_blocked"].items()},
     }
 
 

@@ -43,6 +43,7 @@ def text(res: dict[str, Any]) -> str:
                  f"{t['stall_vs_memcpy_bound']:.2f} (<= 1.3); persist vs write {t['persist_vs_write']:.2f} (>= 0.85); "
                  f"load vs read {t['load_vs_read']:.2f} (>= 0.85); load vs torch.load "
                  f"{t['load_vs_torch_load'] or float('nan'):.2f}x (>= 3)")
+    lines.append("blocked fraction @10: " + ", ".join(f"{n} {100 * v:.1f}%" for n, v in t["overhead_blocked_at_10"].items()))
     return "\n".join(lines)
 
 

@@ -17,12 +17,15 @@ Life of one save (step S)::
                       record with per-tensor crc32c, commits over the background
                       process group, frees the slot, finishes the handle
 
-Staging is a ring of ``max_async + 1`` prefaulted, 4 KiB-aligned host buffers
-(pinned when CUDA tensors are saved) sized from the registered state, allocated
-once per layout: the hot path allocates nothing. ``max_async`` saves may be in
-flight; the spare slot lets a save whose bytes are durable finish its commit while
-the next one copies. A failed persist (ENOSPC, EIO) leaves the previous checkpoint
-untouched; its handle carries the error and raises it once.
+Staging is a ring of ``max_async`` prefaulted, 4 KiB-aligned host buffers (pinned
+when CUDA tensors are saved) sized from the registered state, allocated once per
+layout: the hot path allocates nothing. PCcheck keeps ``max_async + 1`` buffers
+because its snapshot fills one buffer before the persist of another may start;
+here the copy and the persist of one save share its slot, so the spare would never
+be used (it would cost a full copy of the state). A slot is freed once its bytes
+are durable, before the commit, so an admitted save never waits for one. A failed
+persist (ENOSPC, EIO) leaves the previous checkpoint untouched; its handle carries
+the error and raises it once.
 """
 from __future__ import annotations
 
@@ -334,7 +337,7 @@ class ConcurrentEngine(Engine):
         return layout
 
     def _slot_count(self, slot_bytes: int) -> int:
-        wanted = self.max_async + 1
+        wanted = self.max_async
         if self.memory_budget_bytes is None:
             return wanted
         fits = self.memory_budget_bytes // slot_bytes
@@ -345,7 +348,7 @@ class ConcurrentEngine(Engine):
         if fits < wanted:
             log.warning("hpcckpt: memory budget allows %d staging slots of %d bytes, not %d; "
                         "max_async lowered to %d", fits, slot_bytes, wanted, fits)
-            self.max_async = max(1, min(self.max_async, fits))
+            self.max_async = fits
         return int(min(wanted, fits))
 
     def _take_slot(self) -> Slot:

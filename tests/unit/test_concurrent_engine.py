@@ -129,7 +129,7 @@ def test_several_saves_in_flight_each_hold_their_own_step(tmp_path: Path) -> Non
         for step, want in wants.items():
             assert_same(rig.load(step), want)
         assert rig.engine.stats.saves == 6
-        assert len(rig.engine._slots) == 4  # max_async + 1, allocated once
+        assert len(rig.engine._slots) == 3  # one per save in flight, allocated once
     finally:
         rig.engine.close()
 
@@ -256,3 +256,18 @@ def test_fifo_error_really_is_espipe(tmp_path: Path) -> None:
         with pytest.raises(OSError) as info:
             b.wait()
     assert info.value.errno in (errno.ESPIPE, errno.EINVAL)
+
+
+def test_memory_budget_bounds_the_saves_in_flight(tmp_path: Path) -> None:
+    probe = Rig(tmp_path / "probe")
+    probe.train_step()
+    probe.engine.save(probe.state.capture(step=1), 1).wait(timeout=60)
+    slot_bytes = probe.engine._slots[0].bytes.nbytes
+    probe.engine.close()
+    rig = Rig(tmp_path / "ckpt", max_async=3, memory_budget_bytes=2 * slot_bytes + slot_bytes // 2)
+    try:
+        rig.train_step()
+        rig.engine.save(rig.state.capture(step=1), 1).wait(timeout=60)
+        assert len(rig.engine._slots) == 2 and rig.engine.max_async == 2
+    finally:
+        rig.engine.close()
