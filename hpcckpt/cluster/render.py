@@ -44,6 +44,9 @@ TEMPLATES: dict[str, Template] = {t.name: t for t in (
              description="multi-node DDP under srun; step-delivered signal; batch script requeues",
              defaults={**_COMMON, "NODES": "2", "TASKS_PER_NODE": "2", "COMMAND":
                        'python -m hpcckpt.demo.train --dir "$HPCCKPT_RUN_DIR" --steps 2000'}),
+    Template(name="criu", source="criu.sbatch.in", output_name="criu.sbatch",
+             description="transparent mode: hpcckpt run --mode criu around an unmodified command",
+             defaults={**_COMMON, "JOB_NAME": "hpcckpt-criu", "CPUS_PER_TASK": "2"}),
     Template(name="submitit", source="submitit.py.in", output_name="submitit_launcher.py",
              description="submitit AutoExecutor launcher (Checkpointable + @preemptible)",
              defaults={"JOB_NAME": "hpcckpt-train", "TIME_MIN": "240", "LEAD_S": "180",
