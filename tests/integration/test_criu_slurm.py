@@ -30,7 +30,10 @@ def submit(cluster: SlurmCluster, run_dir: Path, out: Path) -> tuple[str, Path]:
     # every restart), which the fixture's sbatch helper has no room for.
     args = ["sbatch", "--parsable", "--time=10:00", f"--output={run_dir}/slurm-%j.out",
             f"--export=ALL,HPCCKPT_RUN_DIR={run_dir}", str(TEMPLATE),
-            sys.executable, str(TRAIN), "--steps", str(STEPS), "--out", str(out)]
+            sys.executable, str(TRAIN), "--steps", str(STEPS), "--out", str(out),
+            # slow enough that the signal (scancel -> slurmd -> batch shell) lands within a
+            # few steps of the one aimed at, whatever the machine's speed; numerics unchanged
+            "--step-sleep-s", "0.3"]
     job = cluster.run(args).strip().split(";")[0]
     return job, run_dir / f"slurm-{job}.out"
 
