@@ -137,13 +137,15 @@ def dump(criu: Criu, job: Job, image_dir: Path, *, log: Path, opts: DumpOptions)
     """
     args = ["dump", "-t", str(job.init_pid), "-D", str(image_dir),
             "--ghost-limit", str(opts.ghost_limit_bytes)]
-    if opts.file_locks:
-        args.append("--file-locks")
-    if opts.tcp_established:
-        args.append("--tcp-established")
-    if opts.ext_unix_sk:
-        args.append("--ext-unix-sk")
+    args += _shared_flags(opts)
     _run_criu(criu, args, log=log, timeout_s=opts.timeout_s)
+
+
+def _shared_flags(opts: DumpOptions) -> list[str]:
+    """Options that dump and restore must both be given for the same image."""
+    return ([*(["--file-locks"] if opts.file_locks else []),
+             *(["--tcp-established"] if opts.tcp_established else []),
+             *(["--ext-unix-sk"] if opts.ext_unix_sk else [])])
 
 
 def _inherit_key(path: str) -> str:
@@ -158,12 +160,7 @@ def restore(criu: Criu, image_dir: Path, *, old_stdio: dict[str, str], new_stdou
     pidfile.unlink(missing_ok=True)
     args = ["restore", "-D", str(image_dir), "-W", str(work_dir), "--restore-detached",
             "--pidfile", str(pidfile), "--manage-cgroups=ignore"]
-    if opts.file_locks:
-        args.append("--file-locks")
-    if opts.tcp_established:
-        args.append("--tcp-established")
-    if opts.ext_unix_sk:
-        args.append("--ext-unix-sk")
+    args += _shared_flags(opts)
     fds: list[int] = []
     try:
         for name, target in (("stdout", new_stdout), ("stderr", new_stderr)):
