@@ -69,7 +69,8 @@ def parallel_read_bps(path: Path, *, threads: int = 4, block: int = 16 << 20) ->
 
     def worker(k: int) -> None:
         for off in range(k * block, size, threads * block):
-            os.preadv(fd, [bufs[k][:min(block, size - off)]], off)
+            # O_DIRECT wants whole blocks: the last one is rounded up (a short read at EOF).
+            os.preadv(fd, [bufs[k][:min(block, -(-(size - off) // 4096) * 4096)]], off)
 
     try:
         t0 = time.perf_counter()

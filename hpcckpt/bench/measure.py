@@ -8,6 +8,7 @@ One checkpoint's life as training sees it (both engines, same loop)::
 ``save()`` plus the optimizer pre-hook's wait for the concurrent one (its copy
 overlaps the second forward/backward). ``persist_s`` runs from ``save()`` to the
 committed, fsynced checkpoint. A first, unmeasured save sets up staging.
+Loads are measured afterwards, all engines interleaved (``measure_loads``).
 """
 from __future__ import annotations
 
@@ -15,14 +16,14 @@ import shutil
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..engines import SaveContext, load_rank, make_engine
 from ..ranks import Ranks
 from ..store import catalog
-from .limits import GB, drop_caches
+from .limits import GB, drop_caches, parallel_read_bps
 from .synthetic import SyntheticRig
 
 
@@ -48,6 +49,7 @@ def _one_checkpoint(engine: Any, rig: SyntheticRig, step: int) -> tuple[float, f
 
 def measure_engine(name: str, rig: SyntheticRig, root: Path, *, repeats: int,
                    options: dict[str, Any]) -> dict[str, Any]:
+    """Stall and persist figures; the newest checkpoint stays in ``root`` for ``measure_loads``."""
     shutil.rmtree(root, ignore_errors=True)
     engine = _engine(name, root, options)
     engine.bind(rig.state)
@@ -66,26 +68,58 @@ def measure_engine(name: str, rig: SyntheticRig, root: Path, *, repeats: int,
         "stall_all_s": stalls, "persist_all_s": persists,
     }
     out["persist_gbps"] = nbytes / out["persist_s"] / GB
-    out.update(measure_load(root, nbytes))
-    shutil.rmtree(root, ignore_errors=True)
     return out
 
 
-def measure_load(root: Path, nbytes: int) -> dict[str, Any]:
-    """Cold-cache load of the newest checkpoint (read + per-tensor crc32c verify)."""
-    info = catalog.find(root, None)
-    method = drop_caches([info.path])
+def _rank_file(info: catalog.CheckpointInfo) -> tuple[Path, str]:
+    rec = (info.manifest or {})["ranks"]["0"]
+    return info.path / rec["file"], str(rec["format"])
+
+
+def _timed(f: Callable[[], object]) -> float:
     t0 = time.perf_counter()
-    flat = load_rank(info, 0, 1)
-    load_s = time.perf_counter() - t0
-    del flat
-    out: dict[str, Any] = {"load_s": load_s, "load_gbps": nbytes / load_s / GB, "cold_cache": method}
-    manifest = info.manifest or {}
-    if manifest.get("ranks", {}).get("0", {}).get("format") == "torch":
-        path = info.path / manifest["ranks"]["0"]["file"]
-        drop_caches([path])
-        t0 = time.perf_counter()
-        data = torch.load(path, map_location="cpu", weights_only=True)
-        out["torch_load_s"] = time.perf_counter() - t0
-        del data
+    result = f()
+    elapsed = time.perf_counter() - t0
+    del result
+    return elapsed
+
+
+def measure_loads(roots: dict[str, Path], nbytes: int, *, rounds: int) -> dict[str, dict[str, Any]]:
+    """Cold-cache loads of each engine's newest checkpoint (read + crc32c verify).
+
+    Round by round, each load runs next to a raw parallel O_DIRECT read of the very
+    same file and, for torch archives, a bare ``torch.load``; every run starts from
+    a dropped cache. Ratios are taken within a round (runs seconds apart on the same
+    bytes), then the median over rounds, because this disk's speed drifts by 2x
+    from minute to minute. Keys per engine: ``load_s``/``load_gbps`` (medians),
+    ``raw_read_gbps``, ``load_vs_raw_read``, ``torch_load_s`` (torch archives),
+    ``load_all_s``, ``raw_read_all_s``, ``torch_load_all_s``, ``cold_cache``.
+    """
+    infos = {name: catalog.find(root, None) for name, root in roots.items()}
+    samples: dict[str, dict[str, list[float]]] = {n: {"load": [], "raw": [], "torch_load": []} for n in infos}
+    method = ""
+    for _ in range(max(1, rounds)):
+        for name, info in infos.items():
+            path, fmt = _rank_file(info)
+            got = samples[name]
+            method = drop_caches([path])
+            got["raw"].append(path.stat().st_size / parallel_read_bps(path))
+            drop_caches([path])
+            got["load"].append(_timed(lambda: load_rank(info, 0, 1)))
+            if fmt == "torch":
+                drop_caches([path])
+                got["torch_load"].append(_timed(lambda: torch.load(path, map_location="cpu", weights_only=True)))
+    out: dict[str, dict[str, Any]] = {}
+    for name, got in samples.items():
+        load_s = statistics.median(got["load"])
+        raw_s = statistics.median(got["raw"])
+        e: dict[str, Any] = {
+            "load_s": load_s, "load_gbps": nbytes / load_s / GB, "raw_read_gbps": nbytes / raw_s / GB,
+            "load_vs_raw_read": statistics.median(r / l for r, l in zip(got["raw"], got["load"])),
+            "load_all_s": got["load"], "raw_read_all_s": got["raw"], "cold_cache": method,
+        }
+        if got["torch_load"]:
+            e["torch_load_s"] = statistics.median(got["torch_load"])
+            e["torch_load_all_s"] = got["torch_load"]
+        out[name] = e
     return out

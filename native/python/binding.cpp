@@ -2,6 +2,8 @@
 // around every blocking call, and turns core status codes into exceptions.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include <cerrno>
 #include <cmath>
@@ -14,6 +16,7 @@
 #include "hpcckpt/io.h"
 #include "hpcckpt/memory.h"
 #include "hpcckpt/persist.h"
+#include "hpcckpt/reader.h"
 #include "hpcckpt/writer.h"
 
 namespace nb = nanobind;
@@ -105,6 +108,39 @@ void py_fdatasync(int fd, const std::string& path) {
         rc = hpcckpt_fdatasync(fd, path.c_str(), &st);
     }
     if (rc != 0) raise_os_error(st.err, std::strerror(st.err), path);
+}
+
+
+// read_items(path, [(dst, offset), ...]) -> ([crc, ...], {stats}); dst: writable buffers.
+std::tuple<std::vector<uint32_t>, nb::dict> py_read_items(const std::string& path, nb::list items,
+                                                           unsigned threads, size_t chunk_bytes, bool direct) {
+    std::vector<std::unique_ptr<Buffer>> held;
+    std::vector<hpcckpt_read_item> raw;
+    held.reserve(items.size());
+    raw.reserve(items.size());
+    for (nb::handle h : items) {
+        nb::tuple t = nb::cast<nb::tuple>(h);
+        if (t.size() != 2) throw nb::value_error("read_items: each item must be (writable buffer, file offset)");
+        held.push_back(std::make_unique<Buffer>(t[0], true));
+        raw.push_back(hpcckpt_read_item{held.back()->data(), nb::cast<uint64_t>(t[1]), held.back()->size(), 0});
+    }
+    hpcckpt_status st;
+    hpcckpt_read_stats stats{};
+    int rc = 0;
+    {
+        nb::gil_scoped_release nogil;
+        rc = hpcckpt_read_items(path.c_str(), raw.data(), raw.size(), threads, chunk_bytes, direct ? 1 : 0,
+                                &stats, &st);
+    }
+    if (rc != 0) raise_os_error(st.err, describe(st), st.path);
+    std::vector<uint32_t> crcs;
+    crcs.reserve(raw.size());
+    for (const auto& r : raw) crcs.push_back(r.crc);
+    nb::dict d;
+    d["direct_bytes"] = stats.direct_bytes;
+    d["buffered_bytes"] = stats.buffered_bytes;
+    d["threads"] = stats.threads;
+    return {crcs, d};
 }
 
 // ---- StagingBuffer: aligned, prefaulted memory exporting a writable buffer.
@@ -304,6 +340,22 @@ NB_MODULE(_native, m) {
     m.def("cache_line_bytes", [] { return hpcckpt_cache_line_bytes(); });
     m.def("persist_range", &py_persist_range, nb::arg("buf"));
     m.def("store_fence", [] { hpcckpt_store_fence(); });
+    m.def("read_items", &py_read_items, nb::arg("path"), nb::arg("items"), nb::arg("threads") = 0,
+          nb::arg("chunk_bytes") = 0, nb::arg("direct") = false,
+          "Read (writable buffer, file offset) items of one file in parallel; returns each item's\n"
+          "crc32c and {direct_bytes, buffered_bytes, threads}. OSError carries errno and path\n"
+          "(ENODATA: the file ends before an item does).");
+    m.def("file_resident", [](const std::string& path) {
+              uint64_t resident = 0, size = 0;
+              hpcckpt_status st;
+              int rc;
+              {
+                  nb::gil_scoped_release nogil;
+                  rc = hpcckpt_file_resident(path.c_str(), &resident, &size, &st);
+              }
+              if (rc != 0) raise_os_error(st.err, describe(st), st.path);
+              return std::make_tuple(resident, size);
+          }, nb::arg("path"), "(bytes of path in the page cache, file size)");
     m.def("fdatasync", &py_fdatasync, nb::arg("fd"), nb::arg("path") = "");
 
     nb::class_<StagingBuffer>(m, "StagingBuffer", nb::type_slots(staging_slots))

@@ -1,5 +1,6 @@
 #include "hpcckpt/memory.h"
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -17,12 +18,21 @@ extern "C" void* hpcckpt_aligned_alloc(size_t nbytes, size_t alignment, int pref
         return nullptr;
     }
     void* p = nullptr;
+    // Large blocks start on a huge-page boundary and ask for transparent huge
+    // pages: 512x fewer page faults on first touch (prefault or a kernel
+    // O_DIRECT read into fresh memory) and fewer TLB misses while copying.
+    constexpr size_t kHuge = 2u << 20;
+    const bool huge = nbytes >= 2 * kHuge;
+    if (huge && alignment < kHuge) alignment = kHuge;
     // A zero-byte request still returns a distinct, freeable pointer.
     int rc = posix_memalign(&p, alignment, nbytes == 0 ? alignment : nbytes);
     if (rc != 0) {
         hpcckpt_status_set(st, rc, "posix_memalign", "", -1);
         return nullptr;
     }
+#ifdef MADV_HUGEPAGE
+    if (huge) (void)madvise(p, nbytes & ~(kHuge - 1), MADV_HUGEPAGE);  // advice only; may be refused
+#endif
     if (prefault != 0 && nbytes != 0) {
         const long page = sysconf(_SC_PAGESIZE);
         const size_t step = page > 0 ? static_cast<size_t>(page) : 4096u;

@@ -1,0 +1,54 @@
+/* Parallel reads of one file into caller memory, checksummed on arrival.
+ *
+ * The load path of a checkpoint: every tensor of a rank file is one item
+ * (destination, file offset, length). Items are cut into chunks that several
+ * threads pread at once; each chunk is crc32c'd right after it lands, and the
+ * chunk crcs are combined into the item's crc, so no second pass over the
+ * bytes is needed to verify them. With `direct`, chunks whose destination and
+ * file offset are 4 KiB-aligned bypass the page cache (O_DIRECT); the tail of
+ * a chunk past its last full 4 KiB block, unaligned chunks, and files on file
+ * systems that refuse O_DIRECT go through the page cache instead. */
+#ifndef HPCCKPT_READER_H
+#define HPCCKPT_READER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "hpcckpt/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct hpcckpt_read_item {
+    void* dst;        /* in: len writable bytes */
+    uint64_t offset;  /* in: file offset of the first byte */
+    uint64_t len;     /* in */
+    uint32_t crc;     /* out: crc32c of the bytes read (valid when the call returned 0) */
+} hpcckpt_read_item;
+
+typedef struct hpcckpt_read_stats {
+    uint64_t direct_bytes;    /* bytes that came through O_DIRECT */
+    uint64_t buffered_bytes;  /* bytes that came through the page cache */
+    unsigned threads;         /* threads that ran */
+} hpcckpt_read_stats;
+
+/* Reads every item of `path`. threads == 0: chosen from the CPU count and the
+ * amount of data; chunk_bytes is rounded up to 4 KiB (0: 8 MiB). Returns 0, or
+ * -1 with st filled by the first failure (errno, op, path, offset). A file that
+ * ends before an item does gives err ENODATA with op "pread (unexpected end of
+ * file)". stats may be NULL. */
+int hpcckpt_read_items(const char* path, hpcckpt_read_item* items, size_t n, unsigned threads,
+                       size_t chunk_bytes, int direct, hpcckpt_read_stats* stats,
+                       hpcckpt_status* st);
+
+/* How many bytes of `path` are in the page cache now (mincore over a
+ * read-only mapping); *size gets the file size. Lets a loader skip O_DIRECT
+ * when the file is already cached (a restart on the node that wrote it).
+ * Returns 0, or -1 with st filled. */
+int hpcckpt_file_resident(const char* path, uint64_t* resident, uint64_t* size, hpcckpt_status* st);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
