@@ -88,9 +88,13 @@ class Checkpointer:
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.engine = make_engine(self.options.engine, SaveContext(
             root=self.root, keep=self.options.keep, job=self._job_info(), user={}), self.ranks,
-            **({"max_async": self.options.max_async, "writer_threads": self.options.writer_threads}
-               if self.options.engine == "concurrent" else {}))
+            **(self._concurrent_options() if self.options.engine == "concurrent" else {}))
         self.signals.install()
+
+    def _concurrent_options(self) -> dict[str, Any]:
+        o = self.options
+        return {"max_async": o.max_async, "writer_threads": o.writer_threads, "on_busy": o.on_busy,
+                "memory_budget_bytes": o.memory_budget_bytes, "direct": o.direct}
 
     # -- registration and restore ---------------------------------------------
 

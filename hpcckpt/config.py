@@ -14,6 +14,7 @@ from .errors import ConfigError
 T = TypeVar("T")
 
 ENGINES = ("sync", "concurrent")
+ON_BUSY = ("wait", "skip")
 DEFAULT_SIGNALS = ("SIGUSR2", "SIGTERM")
 
 
@@ -76,6 +77,10 @@ class CheckpointOptions:
     deadline_margin_s: float = 30.0
     max_async: int = 1
     writer_threads: int = 0
+    # concurrent engine: what a save does while max_async are in flight; staging cap; O_DIRECT writes
+    on_busy: str = "wait"
+    memory_budget_bytes: int | None = None
+    direct: bool = True
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -86,6 +91,11 @@ class CheckpointOptions:
             raise ConfigError(f"keep must be >= 1 (the newest verified checkpoint is always kept), got {self.keep}")
         if self.max_async < 1:
             raise ConfigError(f"max_async must be >= 1, got {self.max_async}")
+        if self.on_busy not in ON_BUSY:
+            raise ConfigError(f"on_busy={self.on_busy!r}; use one of {', '.join(ON_BUSY)} (HPCCKPT_ON_BUSY)")
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
+            raise ConfigError(f"memory_budget_bytes must be a positive byte count or None, "
+                              f"got {self.memory_budget_bytes}")
 
 
 def resolve_options(
@@ -99,6 +109,9 @@ def resolve_options(
     deadline_margin_s: float | None = None,
     max_async: int | None = None,
     writer_threads: int | None = None,
+    on_busy: str | None = None,
+    memory_budget_bytes: int | None = None,
+    direct: bool | None = None,
 ) -> CheckpointOptions:
     """Build options from arguments, then ``HPCCKPT_*`` variables, then defaults."""
     raw_dir = dir if dir is not None else os.environ.get("HPCCKPT_DIR")
@@ -123,4 +136,7 @@ def resolve_options(
         deadline_margin_s=pick(deadline_margin_s, "DEADLINE_MARGIN_S", 30.0, float),
         max_async=pick(max_async, "MAX_ASYNC", 1, int),
         writer_threads=pick(writer_threads, "WRITER_THREADS", 0, int),
+        on_busy=pick(on_busy, "ON_BUSY", "wait", str),
+        memory_budget_bytes=pick(memory_budget_bytes, "MEMORY_BUDGET_BYTES", None, int),  # type: ignore[arg-type]
+        direct=pick(direct, "DIRECT", True, parse_bool),
     )

@@ -31,6 +31,7 @@ class BenchOptions:
     quick: bool = False
     repeats: int = 3
     overhead_steps: int = 50
+    rounds: int = 5
     max_async: int = 1
     writer_threads: int = 0
     direct: bool | None = None
@@ -64,7 +65,8 @@ def _targets(top: dict[str, Any], limits: dict[str, float], overhead: dict[str, 
         "stall_vs_sync": conc["stall_s"] / sync["stall_s"], "stall_vs_sync_target": 0.1,
         "stall_vs_memcpy_bound": conc["stall_s"] / memcpy_bound_s, "stall_vs_memcpy_bound_target": 1.3,
         "memcpy_bound_s": memcpy_bound_s,
-        "persist_vs_write": conc["persist_gbps"] / limits["write_gbps"], "persist_vs_write_target": 0.85,
+        "persist_vs_write": conc["persist_vs_raw_write"], "persist_vs_write_target": 0.85,
+        "persist_vs_write_limit": conc["persist_gbps"] / limits["write_gbps"],
         "load_vs_read": conc["load_vs_raw_read"], "load_vs_read_target": 0.85,
         "load_vs_read_limit": conc["load_gbps"] / limits["read_gbps"],
         "load_vs_torch_load": vs_torch, "load_vs_torch_load_target": 3.0,
@@ -88,7 +90,7 @@ def run_bench(o: BenchOptions, progress: Callable[[str], None] = lambda s: None)
     base = Path(tempfile.mkdtemp(prefix="hpcckpt-bench-", dir=o.dir))
     sizes = o.sizes()
     options = {"max_async": o.max_async, "writer_threads": o.writer_threads, "direct": o.direct}
-    rounds = 1 if o.quick else 3
+    rounds = 1 if o.quick else o.rounds
     total = 2 + len(sizes) * (len(ENGINES) + 1) + rounds * (1 + len(ENGINES) * len(INTERVALS))
     bar = tqdm(total=total, desc="hpcckpt bench", unit="task", disable=None, leave=False)
     try:

@@ -81,13 +81,19 @@ def parallel_read_bps(path: Path, *, threads: int = 4, block: int = 16 << 20) ->
         os.close(fd)
 
 
+def direct_write_bps(path: Path, nbytes: int) -> float:
+    """``dd`` of ``nbytes`` (whole 16 MiB blocks) to ``path`` with O_DIRECT + fsync; bytes/s."""
+    block = 16 << 20
+    return _dd(["if=/dev/zero", f"of={path}", f"bs={block}", f"count={max(1, nbytes // block)}",
+                "oflag=direct", "conv=fsync"])
+
+
 def write_read_gbps(directory: Path, nbytes: int) -> dict[str, float | str]:
     """Direct write + fsync and cold read bandwidth (GB/s) with a ``nbytes`` file."""
     path = directory / "bench-dd.bin"
     block = 16 << 20
-    count = max(1, nbytes // block)
     try:
-        write = _dd(["if=/dev/zero", f"of={path}", f"bs={block}", f"count={count}", "oflag=direct", "conv=fsync"])
+        write = direct_write_bps(path, nbytes)
         method = drop_caches([path])
         dd_read = _dd([f"if={path}", "of=/dev/null", f"bs={block}"])
         drop_caches([path])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import shutil
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,7 +24,7 @@ import torch
 from ..engines import SaveContext, load_rank, make_engine
 from ..ranks import Ranks
 from ..store import catalog
-from .limits import GB, drop_caches, parallel_read_bps
+from .limits import GB, direct_write_bps, drop_caches, parallel_read_bps
 from .synthetic import SyntheticRig
 
 
@@ -54,18 +55,26 @@ def measure_engine(name: str, rig: SyntheticRig, root: Path, *, repeats: int,
     engine = _engine(name, root, options)
     engine.bind(rig.state)
     nbytes = rig.state_bytes
+    raw_file = root.parent / f"raw-write-{name}.bin"
     try:
         _one_checkpoint(engine, rig, 1)
-        stalls, persists = [], []
+        stalls, persists, raws = [], [], []
         for i in range(repeats):
+            # The disk's own speed right before this checkpoint: dd O_DIRECT + fsync of the same bytes.
+            raws.append(nbytes / direct_write_bps(raw_file, nbytes))
+            raw_file.unlink()
             stall, persist = _one_checkpoint(engine, rig, 2 + i)
             stalls.append(stall)
             persists.append(persist)
     finally:
         engine.close()
+        raw_file.unlink(missing_ok=True)
     out: dict[str, Any] = {
         "stall_s": statistics.median(stalls), "persist_s": statistics.median(persists),
-        "stall_all_s": stalls, "persist_all_s": persists,
+        "stall_all_s": stalls, "persist_all_s": persists, "raw_write_all_s": raws,
+        "raw_write_gbps": nbytes / statistics.median(raws) / GB,
+        # paired: each checkpoint against the raw write just before it
+        "persist_vs_raw_write": statistics.median(r / p for r, p in zip(raws, persists)),
     }
     out["persist_gbps"] = nbytes / out["persist_s"] / GB
     return out
@@ -105,10 +114,10 @@ def measure_loads(roots: dict[str, Path], nbytes: int, *, rounds: int) -> dict[s
             method = drop_caches([path])
             got["raw"].append(path.stat().st_size / parallel_read_bps(path))
             drop_caches([path])
-            got["load"].append(_timed(lambda: load_rank(info, 0, 1)))
+            got["load"].append(_timed(partial(load_rank, info, 0, 1)))
             if fmt == "torch":
                 drop_caches([path])
-                got["torch_load"].append(_timed(lambda: torch.load(path, map_location="cpu", weights_only=True)))
+                got["torch_load"].append(_timed(partial(torch.load, path, map_location="cpu", weights_only=True)))
     out: dict[str, dict[str, Any]] = {}
     for name, got in samples.items():
         load_s = statistics.median(got["load"])

@@ -35,8 +35,13 @@ class DemoLoad:
 
 
 def _loop(load: DemoLoad, engine_name: str | None, interval: int, root: Path,
-          options: dict[str, Any]) -> tuple[float, float]:
-    """(wall seconds for the run, seconds training was blocked by checkpointing)."""
+          options: dict[str, Any]) -> tuple[float, float, float]:
+    """(seconds for the training steps, seconds of them training was blocked by
+    checkpointing, seconds spent after the last step waiting for saves to be durable).
+
+    The last wait is a one-off at the end of a job, not a per-step cost, so it is
+    reported apart from the steady-state step time.
+    """
     torch.manual_seed(0)
     cfg = ModelConfig(d_model=load.d_model, n_layers=load.n_layers)
     data = MarkovTokens(load.samples, cfg.seq_len, cfg.vocab, seed=1)
@@ -75,45 +80,49 @@ def _loop(load: DemoLoad, engine_name: str | None, interval: int, root: Path,
     t1 = time.perf_counter()
     for h in handles:
         h.wait()
-    elapsed = time.perf_counter() - t0
-    blocked += elapsed - (t1 - t0)
+    drain = time.perf_counter() - t1
     if engine is not None:
         blocked += float(getattr(getattr(engine, "stats", None), "hook_wait_s", 0.0))
         engine.close()
         shutil.rmtree(root, ignore_errors=True)
-    return elapsed, blocked
+    return t1 - t0, blocked, drain
 
 
 def measure_overhead(engines: list[str], intervals: list[int], root: Path, load: DemoLoad,
-                     options: dict[str, Any], *, rounds: int = 3, tick: Any = lambda: None) -> dict[str, Any]:
+                     options: dict[str, Any], *, rounds: int = 5, tick: Any = lambda: None) -> dict[str, Any]:
     """Interleaved runs (baseline, then every engine x interval), ``rounds`` times.
 
-    ``overhead`` compares the fastest run of each configuration with the fastest
-    baseline (the least disturbed run on a shared machine; interleaving spreads slow
-    phases over all configurations). ``overhead_blocked`` is the time training
-    itself was blocked (save() calls, the optimizer pre-hook, the final wait) over
-    the baseline: the part of the cost that does not depend on neighbours' load.
+    ``overhead`` is the median over rounds of (steps time / that round's baseline - 1):
+    each ratio compares runs a minute apart, so slow phases of a shared machine cancel
+    out instead of landing on one configuration. ``overhead_min`` compares fastest with
+    fastest. ``overhead_blocked`` is the time training itself was blocked (save() calls,
+    the optimizer pre-hook) over the baseline: the part that does not depend on
+    neighbours' load. ``drain_s``: the one-off wait for the last save after the last step.
     """
     os.sync()  # earlier benchmark phases must not leave writeback running into these runs
     _loop(DemoLoad(**{**load.__dict__, "steps": min(load.steps, 5)}), None, 1, root, options)  # warm-up
     base: list[float] = []
-    times: dict[str, dict[str, list[float]]] = {n: {str(i): [] for i in intervals} for n in engines}
-    blocked: dict[str, dict[str, list[float]]] = {n: {str(i): [] for i in intervals} for n in engines}
+    keys = [str(i) for i in intervals]
+    times: dict[str, dict[str, list[float]]] = {n: {k: [] for k in keys} for n in engines}
+    blocked: dict[str, dict[str, list[float]]] = {n: {k: [] for k in keys} for n in engines}
+    drain: dict[str, dict[str, list[float]]] = {n: {k: [] for k in keys} for n in engines}
     for _ in range(rounds):
         base.append(_loop(load, None, 1, root, options)[0])
         tick()
         for name in engines:
             for interval in intervals:
-                wall, stuck = _loop(load, name, interval, root, options)
+                wall, stuck, last = _loop(load, name, interval, root, options)
                 times[name][str(interval)].append(wall)
                 blocked[name][str(interval)].append(stuck)
+                drain[name][str(interval)].append(last)
                 tick()
-    baseline = min(base)
     return {
-        "overhead": {n: {i: min(ts) / baseline - 1.0 for i, ts in per.items()} for n, per in times.items()},
-        "overhead_blocked": {n: {i: statistics.median(bs) / baseline for i, bs in per.items()}
+        "overhead": {n: {k: statistics.median(t / b - 1.0 for t, b in zip(ts, base)) for k, ts in per.items()}
+                     for n, per in times.items()},
+        "overhead_min": {n: {k: min(ts) / min(base) - 1.0 for k, ts in per.items()} for n, per in times.items()},
+        "overhead_blocked": {n: {k: statistics.median(b / s for b, s in zip(bs, base)) for k, bs in per.items()}
                              for n, per in blocked.items()},
-        "overhead_detail": {"baseline_s": baseline, "baseline_runs_s": base, "run_s": times, "blocked_s": blocked,
+        "overhead_detail": {"baseline_runs_s": base, "run_s": times, "blocked_s": blocked, "drain_s": drain,
                             "rounds": rounds, "steps": load.steps,
                             "model": {"d_model": load.d_model, "n_layers": load.n_layers, "batch": load.batch}},
     }

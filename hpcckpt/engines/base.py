@@ -103,10 +103,13 @@ class Engine(ABC):
 
     # -- shared by all engines ------------------------------------------------
 
+    def temp_path(self, step: int) -> Path:
+        """The shared temporary directory of this save (same name on every rank; collective)."""
+        return self.ctx.root / f"{catalog.step_name(step)}{TMP_MARK}{self.ranks.token()}"
+
     def temp_dir(self, step: int) -> Path:
-        """The shared temporary directory of this save (same name on every rank)."""
-        token = self.ranks.token()
-        path = self.ctx.root / f"{catalog.step_name(step)}{TMP_MARK}{token}"
+        """``temp_path``, created."""
+        path = self.temp_path(step)
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         return path
 
@@ -118,12 +121,15 @@ class Engine(ABC):
         collectives never interleave with the main thread's on one group.
         """
         ranks = ranks or self.ranks
-        mine = {"ok": error is None, "record": record,
+        mine = {"ok": error is None, "record": record, "step": step, "tmp": str(tmp),
                 "error": f"{type(error).__name__}: {error}" if error else None}
         everyone = ranks.gather_json(mine)
         outcome: dict[str, Any]
         if ranks.is_coordinator:
             failed = {r: str(m["error"]) for r, m in enumerate(everyone) if not m["ok"]}
+            # Never commit a mix of steps: ranks out of step in their saves is a bug to report loudly.
+            failed.update({r: f"rank {r} was committing step {m['step']}, not step {step}"
+                           for r, m in enumerate(everyone) if m["step"] != step})
             if failed:
                 outcome = {"ok": False, "errors": failed}
             else:
@@ -133,7 +139,8 @@ class Engine(ABC):
                     outcome = {"ok": False, "errors": {0: f"commit failed: {type(exc).__name__}: {exc}"}}
             if not outcome["ok"]:
                 import shutil
-                shutil.rmtree(tmp, ignore_errors=True)
+                for path in {str(m["tmp"]) for m in everyone}:  # one, unless ranks were out of step
+                    shutil.rmtree(path, ignore_errors=True)
         else:
             outcome = {}
         outcome = ranks.broadcast_json(outcome)

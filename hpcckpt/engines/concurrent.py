@@ -33,7 +33,6 @@ import json
 import logging
 import os
 import queue
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,7 +43,7 @@ import numpy as np
 import torch
 
 from .._core import native
-from ..config import from_env, parse_bool
+from ..config import ON_BUSY, from_env, parse_bool
 from ..errors import CheckpointFailed, ConfigError
 from ..state import Flat, TrainState
 from ..store.hdf5 import ALIGN, TensorEntry, plan_file, raw_bytes
@@ -53,7 +52,6 @@ from ..ranks import Ranks
 
 log = logging.getLogger("hpcckpt.engines.concurrent")
 
-ON_BUSY = ("wait", "skip")
 _TEMPLATE_MAX_BYTES = 16 << 20  # larger metadata than this: plan each file afresh
 Spec = tuple[str, torch.dtype, tuple[int, ...]]
 
@@ -182,13 +180,14 @@ class _Job:
     tmp: Path
     fname: str
     meta: Any
-    layout: Layout
-    slot: Slot
+    layout: Layout | None
+    slot: Slot | None
     batch: Any
     items: dict[str, int]
     started: float
     copied: threading.Event = field(default_factory=threading.Event)
     cuda_event: Any = None
+    error: BaseException | None = None  # failed before persisting: only the commit exchange is left
 
 
 class ConcurrentEngine(Engine):
@@ -220,6 +219,7 @@ class ConcurrentEngine(Engine):
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._hooks: dict[int, Any] = {}
         self._safe: set[str] = set()
+        self._safe_prefixes: tuple[str, ...] = ()
         self._stream: Any = None
         self._closed = False
         self._finisher = threading.Thread(target=self._finish_loop, name="hpcckpt-finisher", daemon=True)
@@ -230,6 +230,7 @@ class ConcurrentEngine(Engine):
     def bind(self, state: TrainState) -> None:
         """Hook every registered optimizer; main thread."""
         self._safe = state.background_safe()
+        self._safe_prefixes = tuple(s for s in self._safe if s.endswith("/"))
         for obj in state.objects.values():
             if isinstance(obj, torch.optim.Optimizer) and id(obj) not in self._hooks:
                 self._hooks[id(obj)] = obj.register_step_pre_hook(self._before_step)
@@ -257,7 +258,9 @@ class ConcurrentEngine(Engine):
         return waited
 
     def _is_safe(self, name: str) -> bool:
-        return any(name == s or (s.endswith("/") and name.startswith(s)) for s in self._safe)
+        if name in self._safe:  # a parameter: exact name (O(1); states have hundreds of tensors)
+            return True
+        return any(name.startswith(s) for s in self._safe_prefixes)  # optimizer state: one prefix each
 
     # -- save ------------------------------------------------------------------
 
@@ -299,20 +302,39 @@ class ConcurrentEngine(Engine):
         return True
 
     def _start(self, flat: Flat, step: int, handle: SaveHandle, started: float) -> None:
+        """Stage the save and queue it for the finisher.
+
+        A failure here (file creation, staging) still queues the save, marked failed:
+        every rank must take part in each commit exchange, or a rank that failed would
+        leave the others waiting in it, or pair their step with its next one. The
+        failure then reaches every rank through the handle; a ConfigError is also
+        raised here, because the user has to fix it.
+        """
         tensors = dict(flat.tensors)
         specs = tuple((n, t.dtype, tuple(t.shape)) for n, t in tensors.items())
-        tmp = self.temp_dir(step)
+        tmp = self.temp_path(step)
         fname = f"rank-{self.ranks.rank}.h5"
         slot: Slot | None = None
         try:
+            tmp.mkdir(mode=0o700, parents=True, exist_ok=True)
             layout = self._ensure_layout(tmp / fname, specs, tensors)
             slot = self._take_slot()
             job = self._stage(flat, step, handle, tmp, fname, layout, slot, tensors, started)
-        except BaseException:
+        except Exception as exc:
             if slot is not None:
                 self._free_slot(slot)
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            # The temporary directory is shared by all ranks: the coordinator removes it
+            # when the exchange reports the failure.
+            job = _Job(handle, step, tmp, fname, None, None, None, None, {}, started, error=exc)
+            job.copied.set()
+            self._enqueue(job)
+            if isinstance(exc, ConfigError):
+                raise
+            log.error("hpcckpt: checkpoint of step %d could not start on rank %d: %s", step, self.ranks.rank, exc)
+            return
+        self._enqueue(job)
+
+    def _enqueue(self, job: _Job) -> None:
         with self._cond:
             self._inflight.append(job)
         self.stats.saves += 1
@@ -415,21 +437,23 @@ class ConcurrentEngine(Engine):
             self._finish(job)
 
     def _finish(self, job: _Job) -> None:
-        error: BaseException | None = None
+        error: BaseException | None = job.error
         record: dict[str, Any] | None = None
-        try:
-            if job.cuda_event is not None:
-                job.cuda_event.synchronize()
-                job.batch.start()
-            job.batch.wait()
-            job.copied.set()
-            record = self._record(job)
-            self.stats.persist_s.append(time.monotonic() - job.started)
-        except Exception as exc:  # every rank must still take part in the commit exchange
-            error = exc
-            job.copied.set()
-        finally:
-            self._free_slot(job.slot)
+        if error is None:
+            assert job.slot is not None
+            try:
+                if job.cuda_event is not None:
+                    job.cuda_event.synchronize()
+                    job.batch.start()
+                job.batch.wait()
+                job.copied.set()
+                record = self._record(job)
+                self.stats.persist_s.append(time.monotonic() - job.started)
+            except Exception as exc:  # every rank must still take part in the commit exchange
+                error = exc
+                job.copied.set()
+            finally:
+                self._free_slot(job.slot)
         try:
             path = self.commit_step(job.step, job.tmp, record, error, job.started, ranks=self._bg_ranks)
         except Exception as exc:
@@ -441,6 +465,7 @@ class ConcurrentEngine(Engine):
             self._cond.notify_all()
 
     def _record(self, job: _Job) -> dict[str, Any]:
+        assert job.layout is not None
         tensors: dict[str, Any] = {}
         for name, e in job.layout.entries.items():
             crc = job.batch.crc(job.items[name]) if name in job.items else 0

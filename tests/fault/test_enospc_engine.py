@@ -3,9 +3,7 @@ the previous checkpoint stays intact (a real 8 MiB tmpfs as the checkpoint direc
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,28 +18,17 @@ from hpcckpt.store import catalog
 pytestmark = [pytest.mark.native, pytest.mark.fault]
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "full"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], check=True)
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
-def test_enospc_during_persist_training_continues_error_once(small_tmpfs: Path, caplog: pytest.LogCaptureFixture,
+def test_enospc_during_persist_training_continues_error_once(small_tmpfs: Callable[[str], Path],
+                                                            caplog: pytest.LogCaptureFixture,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    full_fs = small_tmpfs("8m")
     monkeypatch.setenv("HPCCKPT_CLUSTER", "local")
     torch.manual_seed(0)
     # 2 x Linear(512, 512) + Adam: about 6.3 MB per checkpoint; the second one cannot fit in 8 MiB.
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     caplog.set_level(logging.ERROR, logger="hpcckpt")
-    with Checkpointer(small_tmpfs, engine="concurrent", every_steps=2, keep=3, max_async=2) as ck:
+    with Checkpointer(full_fs, engine="concurrent", every_steps=2, keep=3, max_async=2) as ck:
         ck.register(model=model, optimizer=opt)
         steps_run = []
         for step in ck.steps(7):  # saves at steps 2, 4, 6
@@ -59,13 +46,13 @@ def test_enospc_during_persist_training_continues_error_once(small_tmpfs: Path, 
         failures = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
         assert len([m for m in failures if "step 4 failed" in m]) == 1
         assert len([m for m in failures if "step 6 failed" in m]) == 1
-        assert all("No space left on device" in m and str(small_tmpfs) in m for m in failures)
-        events = [e for e in Ledger(small_tmpfs).read() if e["event"] == "save_failed"]
+        assert all("No space left on device" in m and str(full_fs) in m for m in failures)
+        events = [e for e in Ledger(full_fs).read() if e["event"] == "save_failed"]
         assert [e["step"] for e in events] == [4, 6]
 
         # The previous checkpoint is intact and no half-written temp directory is left.
-        assert sorted(p.name for p in small_tmpfs.iterdir() if p.name.startswith("step-")) == ["step-2"]
-        info = catalog.find(small_tmpfs, None)
+        assert sorted(p.name for p in full_fs.iterdir() if p.name.startswith("step-")) == ["step-2"]
+        info = catalog.find(full_fs, None)
         assert info.step == 2 and catalog.check(info.path, full=True)[1] == []
         saved = load_rank(info, 0, 1).tensors
         for name, t in want.items():

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import errno
-import os
-import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -16,22 +14,10 @@ from hpcckpt import _native
 pytestmark = [pytest.mark.native, pytest.mark.fault]
 
 
-@pytest.fixture
-def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=True)
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
-def test_enospc_raised_once_with_path_and_pool_stays_usable(tiny_tmpfs: Path, tmp_path: Path) -> None:
+def test_enospc_raised_once_with_path_and_pool_stays_usable(small_tmpfs: Callable[[str], Path], tmp_path: Path) -> None:
+    full_fs = small_tmpfs("4m")
     data = np.random.default_rng(0).integers(0, 256, size=10 << 20, dtype=np.uint8)
-    full = tiny_tmpfs / "shard-0.bin"
+    full = full_fs / "shard-0.bin"
     with _native.WriterPool(threads=2, chunk_bytes=1 << 20) as pool:
         batch = _native.Batch(pool, direct=True)  # tmpfs refuses O_DIRECT: page cache path
         batch.add(str(full), 0, data)

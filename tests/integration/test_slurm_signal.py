@@ -3,7 +3,6 @@ requeues itself, restarts with SLURM_RESTART_COUNT=1 and ends bit-identical."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING

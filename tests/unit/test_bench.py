@@ -13,7 +13,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.native, pytest.mark.slow]
 
-ENGINE_KEYS = {"stall_s", "persist_s", "persist_gbps", "load_s", "load_gbps"}
+ENGINE_KEYS = {"stall_s", "persist_s", "persist_gbps", "load_s", "load_gbps",
+               # side-by-side references: the disk measured next to each checkpoint and load
+               "raw_write_gbps", "persist_vs_raw_write", "raw_read_gbps", "load_vs_raw_read"}
 
 
 def test_bench_quick_json_has_every_key(tmp_path: Path) -> None:
@@ -34,7 +36,13 @@ def test_bench_quick_json_has_every_key(tmp_path: Path) -> None:
         assert set(per) == {"1", "10", "50"}
         assert all(math.isfinite(v) for v in per.values())
     assert len(res["sizes"]) >= 2 and res["sizes"][-1]["state_bytes"] == res["state_bytes"]
-    assert "stall_vs_sync" in res["targets"]
+    assert res["engines"]["sync"]["torch_load_s"] > 0  # the torch.load reference ran on the sync archive
+    assert set(res["overhead_min"]) == set(res["overhead_blocked"]) == {"sync", "concurrent"}
+    t = res["targets"]
+    assert t["load_vs_read"] == res["engines"]["concurrent"]["load_vs_raw_read"]
+    assert t["persist_vs_write"] == res["engines"]["concurrent"]["persist_vs_raw_write"]
+    assert isinstance(t["load_vs_torch_load_reachable"], bool) and t["load_vs_torch_load_ceiling"] > 0
+    assert "stall_vs_sync" in t
     assert plot.stat().st_size > 10_000
     # The scratch files are gone: nothing but the plot is left in --dir.
     assert [p.name for p in tmp_path.iterdir()] == ["bench.png"]

@@ -113,3 +113,24 @@ def test_bad_options_are_named() -> None:
         Checkpointer(None)
     with pytest.raises(ConfigError, match="unknown signal"):
         Checkpointer("/tmp/x-never", signals=("USR9",))
+    with pytest.raises(ConfigError, match="on_busy='later'"):
+        Checkpointer("/tmp/x-never", engine="concurrent", on_busy="later")
+    with pytest.raises(ConfigError, match="memory_budget_bytes"):
+        Checkpointer("/tmp/x-never", engine="concurrent", memory_budget_bytes=0)
+
+
+@pytest.mark.native
+def test_concurrent_engine_options_reach_the_engine(ckdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with Checkpointer(ckdir, engine="concurrent", max_async=2, on_busy="skip",
+                      memory_budget_bytes=1 << 30, direct=False) as ck:
+        e = ck.engine
+        assert (e.max_async, e.on_busy, e.memory_budget_bytes, e.direct) == (2, "skip", 1 << 30, False)
+    monkeypatch.setenv("HPCCKPT_ON_BUSY", "skip")
+    monkeypatch.setenv("HPCCKPT_DIRECT", "no")
+    with Checkpointer(ckdir, engine="concurrent") as ck:
+        assert (ck.engine.on_busy, ck.engine.direct) == ("skip", False)
+    with Checkpointer(ckdir, engine="concurrent", on_busy="wait") as ck:  # an argument beats the environment
+        assert ck.engine.on_busy == "wait"
+    monkeypatch.setenv("HPCCKPT_DIRECT", "sometimes")
+    with pytest.raises(ConfigError, match="HPCCKPT_DIRECT='sometimes'"):
+        Checkpointer(ckdir, engine="concurrent")

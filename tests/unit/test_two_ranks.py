@@ -1,0 +1,56 @@
+"""Two real ranks (gloo over loopback) and the concurrent engine: a save that fails
+to start on one rank fails on both, without hanging, and the next save commits; ranks
+that name different steps never produce a mixed checkpoint."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpcckpt.store import catalog
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.native
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_failure_on_one_rank_fails_the_save_everywhere_and_the_next_commits(tmp_path: Path) -> None:
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPCCKPT_", "SLURM_"))}
+    env["HPCCKPT_CLUSTER"] = "local"
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.unit.two_rank_worker", str(r), str(port), str(tmp_path)],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=120)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("a rank hung in the commit exchange:\n" + "\n".join(q.communicate()[0] for q in procs))
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)
+    results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(2)]
+
+    root = tmp_path / "ckpt"
+    steps = sorted(i.step for i in catalog.scan(root) if i.status == "committed")
+    # step 4 failed on rank 1, so on both; 8 is the end-of-training save; no step 20/21 (mismatch)
+    assert steps == [2, 6, 8], steps
+    assert all(r["committed_step"] == 8 for r in results)
+    assert not [p for p in root.iterdir() if ".tmp-" in p.name], "a failed save left its temporary directory"
+    assert catalog.check(catalog.find(root, None).path, full=True)[1] == []
+    # rank 0 learnt why step 4 failed: rank 1's error, named
+    assert "step 4 failed" in outs[0] and "injected" in outs[0], outs[0]
+    for r in results:
+        assert "rank 1 was committing step 21, not step 20" in r["errors"]["mismatch"], r
+        assert set(r["errors"]) == {"mismatch"}, r
