@@ -9,6 +9,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,9 @@ def _fake_scontrol(bin_dir: Path, name: str, state: str) -> None:
     script.chmod(0o755)
 
 
-def _run(hook: Path, tmp: Path, root: Path, job_id: str = "123", state: str = "RUNNING") -> subprocess.CompletedProcess[str]:
+def _run(hook: Path | str, tmp: Path, root: Path, job_id: str = "123",
+         state: str = "RUNNING") -> subprocess.CompletedProcess[str]:
+    """Run a hook script, or with hook="prolog"/"epilog" the `hpcckpt` verb of that name."""
     bin_dir = tmp / "bin"
     _fake_scontrol(bin_dir, HOSTILE_NAME, state)
     work = tmp / HOSTILE_DIR
@@ -37,7 +40,12 @@ def _run(hook: Path, tmp: Path, root: Path, job_id: str = "123", state: str = "R
            "SLURM_JOB_GID": str(os.getgid()), "SLURMD_NODENAME": "n1", "SLURM_JOB_RESTART_COUNT": "1",
            "SLURM_JOB_WORK_DIR": str(work), "SLURM_JOB_EXIT_CODE2": "0:15",
            "HPCCKPT_STAGING_ROOT": str(root)}
-    return subprocess.run([str(hook)], env=env, cwd=tmp, capture_output=True, text=True, timeout=30, check=False)
+    if isinstance(hook, str):
+        env["PYTHONPATH"] = str(REPO)
+        cmd = [sys.executable, "-m", "hpcckpt.cli", hook, "--json"]
+    else:
+        cmd = [str(hook)]
+    return subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=60, check=False)
 
 
 def _records(root: Path) -> list[dict[str, str]]:
@@ -59,6 +67,25 @@ def test_prolog_prepares_staging_and_epilog_records_and_cleans(tmp_path: Path) -
     assert epilog["work_dir"] == str(tmp_path / HOSTILE_DIR)
     assert (epilog["job_state"], epilog["exit_code"], epilog["restart_count"]) == ("PENDING", "0:15", "1")
     assert not list(tmp_path.rglob("pwned")), "a job name or path was evaluated by the shell"
+
+
+def test_cli_verbs_find_and_run_the_hooks(tmp_path: Path) -> None:
+    for name, script in (("prolog", PROLOG), ("epilog", EPILOG)):
+        out = subprocess.run([sys.executable, "-m", "hpcckpt.cli", name, "--path", "--json"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=60, check=True, env={**os.environ,
+                                                                                          "PYTHONPATH": str(REPO)})
+        assert Path(json.loads(out.stdout)["script"]).resolve() == script.resolve()
+    root = tmp_path / "stage"
+    ran = _run("prolog", tmp_path, root)
+    assert ran.returncode == 0 and json.loads(ran.stdout)["returncode"] == 0, ran.stderr
+    assert (root / "job-123").is_dir()
+    ran = _run("epilog", tmp_path, root, state="PREEMPTED")
+    assert ran.returncode == 0, ran.stderr
+    assert not (root / "job-123").exists() and [r["event"] for r in _records(root)] == ["prolog", "epilog"]
+    # an unusable staging root: the verb passes the hook's failure on
+    blocker = tmp_path / "file-not-dir"
+    blocker.write_text("x")
+    assert _run("prolog", tmp_path, blocker).returncode != 0
 
 
 def test_epilog_never_follows_a_symlinked_staging_dir(tmp_path: Path) -> None:
