@@ -48,10 +48,24 @@ class StagingBuffer:
     def __len__(self) -> int: ...
     def __buffer__(self, flags: int, /) -> memoryview: ...
 
-def aligned_buffer(nbytes: int, alignment: int = 4096, prefault: bool = True) -> StagingBuffer:
-    """posix_memalign'd staging memory; with ``prefault`` every page is touched once
-    now so later copies into it take no first-touch page faults.
+def aligned_buffer(nbytes: int, alignment: int = 4096, prefault: bool = True,
+                   huge: bool | None = None) -> StagingBuffer:
+    """posix_memalign'd memory. ``prefault``: every page is touched once now so later
+    copies into it take no first-touch page faults. ``huge`` (default: ``prefault``):
+    blocks >= 4 MiB are 2 MiB-aligned with MADV_HUGEPAGE; good for memory reused many
+    times, not for one-shot memory (the kernel may compact memory on first touch).
     ValueError if ``alignment`` is not a power of two >= 8."""
+
+def read_items(path: str, items: list[tuple[Buffer, int]], threads: int = 0, chunk_bytes: int = 0,
+               direct: bool = False) -> tuple[list[int], dict[str, int]]:
+    """Read ``(writable buffer, file offset)`` items of one file on ``threads`` threads
+    (0 = from the CPU count) in ``chunk_bytes`` chunks (0 = 8 MiB), each chunk crc32c'd
+    as it lands. ``direct``: O_DIRECT where buffer and offset are 4 KiB-aligned.
+    Returns each item's crc32c and ``{"direct_bytes", "buffered_bytes", "threads"}``.
+    ``OSError(ENODATA)`` when the file ends before an item does."""
+
+def file_resident(path: str) -> tuple[int, int]:
+    """``(bytes of path in the page cache, file size)`` (mincore over a mapping)."""
 
 def barrier_kind() -> str:
     """Persistence barrier chosen at run time: ``"clwb"``, ``"clflushopt"``,

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from .limits import GB, memcpy_gbps, write_read_gbps
+from .limits import GB, fresh_memory_gbps, memcpy_gbps, write_read_gbps
 from .measure import measure_engine, measure_loads
 from .overhead import DemoLoad, measure_overhead
 from .synthetic import SyntheticRig
@@ -69,6 +69,8 @@ def _targets(top: dict[str, Any], limits: dict[str, float], overhead: dict[str, 
         "persist_vs_write_limit": conc["persist_gbps"] / limits["write_gbps"],
         "load_vs_read": conc["load_vs_raw_read"], "load_vs_read_target": 0.85,
         "load_vs_read_limit": conc["load_gbps"] / limits["read_gbps"],
+        # a load returns new tensors: it cannot beat first-touch of fresh memory
+        "load_vs_read_fresh_memory_ceiling": limits["fresh_memory_gbps"] / conc["raw_read_gbps"],
         "load_vs_torch_load": vs_torch, "load_vs_torch_load_target": 3.0,
         "load_vs_torch_load_ceiling": ceiling,
         "load_vs_torch_load_reachable": None if ceiling is None else ceiling >= 3.0,
@@ -105,6 +107,7 @@ def run_bench(o: BenchOptions, progress: Callable[[str], None] = lambda s: None)
         tick("limits: dd direct write + fsync, cold read")
         limits["memcpy_gbps"] = memcpy_gbps(min(o.size_bytes, 512 << 20))
         limits["memcpy_1t_gbps"] = memcpy_gbps(min(o.size_bytes, 512 << 20), threads=1)
+        limits["fresh_memory_gbps"] = fresh_memory_gbps(min(o.size_bytes, 512 << 20))
         tick("limits: memcpy")
         per_size: list[dict[str, Any]] = []
         for size in sizes:

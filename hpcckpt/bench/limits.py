@@ -115,3 +115,18 @@ def memcpy_gbps(nbytes: int, *, threads: int = 0, repeats: int = 3) -> float:
         native().parallel_copy(dst, src, threads)
         best = min(best, time.perf_counter() - t0)
     return n / best / GB
+
+
+def fresh_memory_gbps(nbytes: int, *, repeats: int = 3) -> float:
+    """Best of ``repeats`` parallel copies into never-touched memory (4 KiB pages, as a
+    load's new tensors get): the page-fault bound of any load that returns fresh tensors."""
+    n = max(nbytes, 1 << 20)
+    src = np.frombuffer(native().aligned_buffer(n, 4096, True), dtype=np.uint8)
+    best = float("inf")
+    for _ in range(repeats):
+        dst = native().aligned_buffer(n, 4096, False, False)
+        t0 = time.perf_counter()
+        native().parallel_copy(dst, src)
+        best = min(best, time.perf_counter() - t0)
+        del dst
+    return n / best / GB

@@ -41,7 +41,8 @@ def text(res: dict[str, Any]) -> str:
                      + "".join(f"{100 * ovh.get(i, float('nan')):>8.1f}%" for i in ("1", "10", "50")))
     lines.append(f"stall vs sync {t['stall_vs_sync']:.3f} (<= 0.1); stall vs memcpy bound "
                  f"{t['stall_vs_memcpy_bound']:.2f} (<= 1.3); persist vs write {t['persist_vs_write']:.2f} (>= 0.85); "
-                 f"load vs read {t['load_vs_read']:.2f} (>= 0.85, same file, same round)")
+                 f"load vs read {t['load_vs_read']:.2f} (>= 0.85, same file, same round; fresh memory allows "
+                 f"{t['load_vs_read_fresh_memory_ceiling']:.2f})")
     if t["load_vs_torch_load"] is not None:
         lines.append(f"load vs torch.load {t['load_vs_torch_load']:.2f}x (>= 3); a raw read of the same bytes "
                      f"reaches {t['load_vs_torch_load_ceiling']:.2f}x"

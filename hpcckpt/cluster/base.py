@@ -16,9 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from hpcckpt.cluster.env import JobEnv
+
+if TYPE_CHECKING:
+    from hpcckpt.cluster.budget import BudgetOptions  # budget imports this module
 
 EXIT_REQUEUE = 75  # EX_TEMPFAIL; same value as hpcckpt.api.EXIT_REQUEUE
 
@@ -92,6 +95,20 @@ class Reservation:
         """True when it shares a node with ``nodes`` and a moment with [start_s, end_s)."""
         shares_node = not self.nodes or "ALL" in self.nodes or bool(set(self.nodes) & set(nodes))
         return shares_node and self.start_s < end_s and start_s < self.end_s
+
+
+class ClusterBase:
+    """What every backend shares: the job's environment and the requeue budget options."""
+
+    name = "base"
+
+    def __init__(self, env: JobEnv | None = None, *, budget: BudgetOptions | None = None) -> None:
+        self.env = env or JobEnv()
+        self._budget = budget
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.env.is_coordinator
 
 
 @runtime_checkable

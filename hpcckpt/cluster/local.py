@@ -7,25 +7,16 @@ import logging
 import os
 from pathlib import Path
 
-from hpcckpt.cluster.base import EXIT_REQUEUE, Cause, Reservation, RequeueOutcome
-from hpcckpt.cluster.budget import BudgetOptions, charge
-from hpcckpt.cluster.env import JobEnv
+from hpcckpt.cluster.base import EXIT_REQUEUE, Cause, ClusterBase, Reservation, RequeueOutcome
+from hpcckpt.cluster.budget import charge
 
 log = logging.getLogger("hpcckpt.cluster")
 
 
-class LocalCluster:
+class LocalCluster(ClusterBase):
     """Backend for runs outside Slurm (the demo, laptops, CI unit tiers)."""
 
     name = "local"
-
-    def __init__(self, env: JobEnv | None = None, *, budget: BudgetOptions | None = None) -> None:
-        self.env = env or JobEnv()
-        self._budget = budget
-
-    @property
-    def is_coordinator(self) -> bool:
-        return self.env.is_coordinator
 
     def requeue(self, cause: str, state_dir: Path, *, committed_step: int | None = None) -> RequeueOutcome:
         """Charge the budget; the caller then exits with ``outcome.exit_code``."""

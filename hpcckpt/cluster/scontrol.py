@@ -16,9 +16,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from hpcckpt.cluster.base import EXIT_REQUEUE, Cause, Reservation, RequeueOutcome, node_is_draining
-from hpcckpt.cluster.budget import BudgetOptions, charge
-from hpcckpt.cluster.env import JobEnv
+from hpcckpt.cluster.base import EXIT_REQUEUE, Cause, ClusterBase, Reservation, RequeueOutcome, node_is_draining
+from hpcckpt.cluster.budget import charge
 from hpcckpt.errors import ClusterError
 
 log = logging.getLogger("hpcckpt.cluster")
@@ -252,18 +251,10 @@ def _already_requeued(message: str) -> bool:
     return "pending execution" in text or "already" in text
 
 
-class SlurmCli:
+class SlurmCli(ClusterBase):
     """Cluster backend over the Slurm command-line tools (the path that always works)."""
 
     name = "slurm-cli"
-
-    def __init__(self, env: JobEnv | None = None, *, budget: BudgetOptions | None = None) -> None:
-        self.env = env or JobEnv()
-        self._budget = budget
-
-    @property
-    def is_coordinator(self) -> bool:
-        return self.env.is_coordinator
 
     def _job_id(self) -> str:
         job_id = self.env.job_id

@@ -167,12 +167,15 @@ PyType_Slot staging_slots[] = {
     {Py_bf_releasebuffer, reinterpret_cast<void*>(staging_releasebuffer)},
     {0, nullptr}};
 
-StagingBuffer* make_staging(size_t nbytes, size_t alignment, bool prefault) {
+StagingBuffer* make_staging(size_t nbytes, size_t alignment, bool prefault, nb::object huge) {
+    // huge: default to prefault (memory prefaulted is memory meant to be reused)
+    const bool want_huge = huge.is_none() ? prefault : nb::cast<bool>(huge);
+    const unsigned flags = (prefault ? HPCCKPT_ALLOC_PREFAULT : 0u) | (want_huge ? HPCCKPT_ALLOC_HUGE : 0u);
     hpcckpt_status st;
     void* p = nullptr;
     {
         nb::gil_scoped_release nogil;
-        p = hpcckpt_aligned_alloc(nbytes, alignment, prefault ? 1 : 0, &st);
+        p = hpcckpt_aligned_alloc(nbytes, alignment, flags, &st);
     }
     if (p == nullptr) {
         if (st.err == EINVAL)
@@ -366,7 +369,9 @@ NB_MODULE(_native, m) {
         })
         .def("__len__", [](const StagingBuffer& s) { return s.nbytes; });
     m.def("aligned_buffer", &make_staging, nb::arg("nbytes"), nb::arg("alignment") = 4096,
-          nb::arg("prefault") = true, nb::rv_policy::take_ownership);
+          nb::arg("prefault") = true, nb::arg("huge") = nb::none(), nb::rv_policy::take_ownership,
+          "Aligned memory exporting a writable buffer. prefault: touch every page now;\n"
+          "huge (default: same as prefault): 2 MiB-aligned with MADV_HUGEPAGE for blocks >= 4 MiB.");
 
     nb::class_<WriterPool>(m, "WriterPool")
         .def(nb::init<unsigned, size_t>(), nb::arg("threads") = 0,

@@ -10,7 +10,7 @@
 #include <thread>
 #include <vector>
 
-extern "C" void* hpcckpt_aligned_alloc(size_t nbytes, size_t alignment, int prefault,
+extern "C" void* hpcckpt_aligned_alloc(size_t nbytes, size_t alignment, unsigned flags,
                                        hpcckpt_status* st) {
     hpcckpt_status_clear(st);
     if (alignment < sizeof(void*) || (alignment & (alignment - 1)) != 0) {
@@ -18,11 +18,10 @@ extern "C" void* hpcckpt_aligned_alloc(size_t nbytes, size_t alignment, int pref
         return nullptr;
     }
     void* p = nullptr;
-    // Large blocks start on a huge-page boundary and ask for transparent huge
-    // pages: 512x fewer page faults on first touch (prefault or a kernel
-    // O_DIRECT read into fresh memory) and fewer TLB misses while copying.
+    // Huge: large blocks start on a huge-page boundary and ask for transparent
+    // huge pages: 512x fewer page faults to prefault, fewer TLB misses in copies.
     constexpr size_t kHuge = 2u << 20;
-    const bool huge = nbytes >= 2 * kHuge;
+    const bool huge = (flags & HPCCKPT_ALLOC_HUGE) != 0 && nbytes >= 2 * kHuge;
     if (huge && alignment < kHuge) alignment = kHuge;
     // A zero-byte request still returns a distinct, freeable pointer.
     int rc = posix_memalign(&p, alignment, nbytes == 0 ? alignment : nbytes);
@@ -33,7 +32,7 @@ extern "C" void* hpcckpt_aligned_alloc(size_t nbytes, size_t alignment, int pref
 #ifdef MADV_HUGEPAGE
     if (huge) (void)madvise(p, nbytes & ~(kHuge - 1), MADV_HUGEPAGE);  // advice only; may be refused
 #endif
-    if (prefault != 0 && nbytes != 0) {
+    if ((flags & HPCCKPT_ALLOC_PREFAULT) != 0 && nbytes != 0) {
         const long page = sysconf(_SC_PAGESIZE);
         const size_t step = page > 0 ? static_cast<size_t>(page) : 4096u;
         auto* c = static_cast<volatile unsigned char*>(p);

@@ -112,6 +112,12 @@ class SlurmCluster:
                            RUN_DIR=str(run_dir), OUTPUT=f"{run_dir}/slurm-%j.out", COMMAND=command,
                            JOB_NAME=f"hpcckpt-{name}", **params)
 
+    def submit_demo(self, name: str, run_dir: Path, *sbatch_options: str, **render: Any) -> str:
+        """Create ``run_dir``, render template ``name`` for the demo there (``render_demo``)
+        and submit it; returns the job id."""
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return self.sbatch(self.render_demo(name, run_dir, **render), *sbatch_options)
+
     def result_digest(self, run_dir: Path) -> str:
         path = run_dir / "result.json"
         assert path.exists(), f"no {path}: the training did not finish"

@@ -20,8 +20,7 @@ def test_maintenance_reservation_triggers_checkpoint_and_requeue(
         slurm_cluster: SlurmCluster, tmp_path: Path, reference_digest: Callable[[int], str]) -> None:
     steps = 150
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    job = slurm_cluster.sbatch(slurm_cluster.render_demo("single", run_dir, steps=steps, sleep_s=0.3))
+    job = slurm_cluster.submit_demo("single", run_dir, steps=steps, sleep_s=0.3)
     slurm_cluster.wait_for(job, {"RUNNING"}, 120)
     node = slurm_cluster.job(job)["NodeList"]
     name = f"hpcckpt-maint-{job}"

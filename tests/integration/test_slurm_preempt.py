@@ -50,9 +50,7 @@ def test_preempted_by_high_priority_job_resumes_identically(
         slurm_cluster: SlurmCluster, tmp_path: Path, reference_digest: Callable[[int], str]) -> None:
     steps = 60
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    job = slurm_cluster.sbatch(slurm_cluster.render_demo("single", run_dir, steps=steps),
-                               "-p", "low", "--exclusive")
+    job = slurm_cluster.submit_demo("single", run_dir, "-p", "low", "--exclusive", steps=steps)
     _preempt_after_progress(slurm_cluster, job, run_dir, 8)
     _check_run(slurm_cluster, job, run_dir, reference_digest(steps), 1)
 
@@ -63,9 +61,7 @@ def test_three_preemptions_in_one_run(
     # GraceTime), so the run must be long enough to still be training at the third one.
     steps = 400
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    job = slurm_cluster.sbatch(slurm_cluster.render_demo("single", run_dir, steps=steps, sleep_s=0.2),
-                               "-p", "low", "--exclusive")
+    job = slurm_cluster.submit_demo("single", run_dir, "-p", "low", "--exclusive", steps=steps, sleep_s=0.2)
     for restart in range(3):
         slurm_cluster.wait_until(
             lambda r=restart: sum(1 for e in slurm_cluster.read_ledger(run_dir / "ckpt")

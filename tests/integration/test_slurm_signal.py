@@ -20,8 +20,7 @@ STEPS = 60
 def test_scancel_signal_checkpoints_requeues_and_resumes_identically(
         slurm_cluster: SlurmCluster, tmp_path: Path, reference_digest: Callable[[int], str]) -> None:
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    job = slurm_cluster.sbatch(slurm_cluster.render_demo("single", run_dir, steps=STEPS))
+    job = slurm_cluster.submit_demo("single", run_dir, steps=STEPS)
     out = run_dir / f"slurm-{job}.out"
     slurm_cluster.wait_until(lambda: slurm_cluster.trace_steps(run_dir) >= 10, 120, "10 training steps")
     slurm_cluster.run(["scancel", "--signal=USR2", "--batch", job])

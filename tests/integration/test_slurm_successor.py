@@ -20,8 +20,7 @@ def test_refused_requeue_submits_successor_that_finishes(
         slurm_cluster: SlurmCluster, tmp_path: Path, reference_digest: Callable[[int], str]) -> None:
     steps = 50
     run_dir = tmp_path / "run with space"
-    run_dir.mkdir()
-    job = slurm_cluster.sbatch(slurm_cluster.render_demo("single", run_dir, steps=steps), "--no-requeue")
+    job = slurm_cluster.submit_demo("single", run_dir, "--no-requeue", steps=steps)
     slurm_cluster.wait_until(lambda: slurm_cluster.trace_steps(run_dir) >= 8, 120, "8 training steps")
     slurm_cluster.run(["scancel", "--signal=USR2", "--batch", job])
     slurm_cluster.wait_done(job, 120, run_dir / f"slurm-{job}.out")

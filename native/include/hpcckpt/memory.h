@@ -10,10 +10,15 @@
 extern "C" {
 #endif
 
-/* posix_memalign'd block; when prefault != 0 every page is written once so
- * later copies take no first-touch page faults. Returns NULL and fills st on failure.
- * Free with hpcckpt_aligned_free. */
-void* hpcckpt_aligned_alloc(size_t nbytes, size_t alignment, int prefault, hpcckpt_status* st);
+/* Flags of hpcckpt_aligned_alloc. */
+#define HPCCKPT_ALLOC_PREFAULT 1u /* write every page once now: later copies take no page faults */
+#define HPCCKPT_ALLOC_HUGE 2u     /* blocks >= 4 MiB: 2 MiB-aligned, MADV_HUGEPAGE. Worth it for
+                                     memory reused many times (staging); for one-shot memory the
+                                     kernel's compaction on first touch can cost more than it saves */
+
+/* posix_memalign'd block of nbytes (flags: HPCCKPT_ALLOC_*). Returns NULL and
+ * fills st on failure. Free with hpcckpt_aligned_free. */
+void* hpcckpt_aligned_alloc(size_t nbytes, size_t alignment, unsigned flags, hpcckpt_status* st);
 void hpcckpt_aligned_free(void* p);
 
 /* memcpy split over `threads` threads (0 = choose from size and CPU count). */
