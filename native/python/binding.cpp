@@ -328,7 +328,11 @@ struct Batch {
 }  // namespace
 
 NB_MODULE(_native, m) {
-    m.doc() = "hpcckpt's compiled persist core (crc32c, staging memory, writer pool, barriers).";
+    m.doc() = "hpcckpt's compiled persist core (crc32c, staging memory, writer pool, barriers, reader).";
+    // Tensors restored from a checkpoint live in StagingBuffers; a program that still
+    // holds them when the interpreter exits (the usual case for model and optimizer
+    // state) would otherwise get nanobind's "leaked instances" report at every exit.
+    nb::set_leak_warnings(false);
 
     m.def("crc32c", &py_crc32c, nb::arg("data"), nb::arg("crc") = 0,
           "CRC-32C of a bytes-like object, continuing from crc. Releases the GIL.");
