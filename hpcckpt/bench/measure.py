@@ -12,16 +12,17 @@ Loads are measured afterwards, all engines interleaved (``measure_loads``).
 """
 from __future__ import annotations
 
+import json
 import shutil
 import statistics
+import subprocess
+import sys
 import time
-from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import torch
-
-from ..engines import SaveContext, load_rank, make_engine
+from ..engines import SaveContext, make_engine
+from ..errors import HpcckptError
 from ..ranks import Ranks
 from ..store import catalog
 from .limits import GB, direct_write_bps, drop_caches, parallel_read_bps
@@ -85,12 +86,13 @@ def _rank_file(info: catalog.CheckpointInfo) -> tuple[Path, str]:
     return info.path / rec["file"], str(rec["format"])
 
 
-def _timed(f: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    result = f()
-    elapsed = time.perf_counter() - t0
-    del result
-    return elapsed
+def _timed_in_fresh_process(kind: str, target: Path) -> float:
+    """Seconds of one load in a new interpreter (``hpcckpt.bench.loadproc``)."""
+    out = subprocess.run([sys.executable, "-m", "hpcckpt.bench.loadproc", kind, str(target)],
+                         capture_output=True, text=True, timeout=600, check=False)
+    if out.returncode != 0:
+        raise HpcckptError(f"bench: {kind} load of {target} failed ({out.returncode}): {out.stderr.strip()[-500:]}")
+    return float(json.loads(out.stdout.strip().splitlines()[-1])["load_s"])
 
 
 def measure_loads(roots: dict[str, Path], nbytes: int, *, rounds: int) -> dict[str, dict[str, Any]]:
@@ -98,7 +100,8 @@ def measure_loads(roots: dict[str, Path], nbytes: int, *, rounds: int) -> dict[s
 
     Round by round, each load runs next to a raw parallel O_DIRECT read of the very
     same file and, for torch archives, a bare ``torch.load``; every run starts from
-    a dropped cache. Ratios are taken within a round (runs seconds apart on the same
+    a dropped cache, and each load (hpcckpt's and torch.load) runs in a fresh process
+    as a resumed job would, so both pay the first touch of new memory. Ratios are taken within a round (runs seconds apart on the same
     bytes), then the median over rounds, because this disk's speed drifts by 2x
     from minute to minute. Keys per engine: ``load_s``/``load_gbps`` (medians),
     ``raw_read_gbps``, ``load_vs_raw_read``, ``torch_load_s`` (torch archives),
@@ -114,10 +117,10 @@ def measure_loads(roots: dict[str, Path], nbytes: int, *, rounds: int) -> dict[s
             method = drop_caches([path])
             got["raw"].append(path.stat().st_size / parallel_read_bps(path))
             drop_caches([path])
-            got["load"].append(_timed(partial(load_rank, info, 0, 1)))
+            got["load"].append(_timed_in_fresh_process("hpcckpt", info.path))
             if fmt == "torch":
                 drop_caches([path])
-                got["torch_load"].append(_timed(partial(torch.load, path, map_location="cpu", weights_only=True)))
+                got["torch_load"].append(_timed_in_fresh_process("torch", path))
     out: dict[str, dict[str, Any]] = {}
     for name, got in samples.items():
         load_s = statistics.median(got["load"])
