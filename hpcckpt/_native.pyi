@@ -57,11 +57,13 @@ def aligned_buffer(nbytes: int, alignment: int = 4096, prefault: bool = True,
     ValueError if ``alignment`` is not a power of two >= 8."""
 
 def read_items(path: str, items: list[tuple[Buffer, int]], threads: int = 0, chunk_bytes: int = 0,
-               direct: bool = False) -> tuple[list[int], dict[str, int]]:
+               direct: bool = False, populate: int = 0) -> tuple[list[int], dict[str, int]]:
     """Read ``(writable buffer, file offset)`` items of one file on ``threads`` threads
     (0 = from the CPU count) in ``chunk_bytes`` chunks (0 = 8 MiB), each chunk crc32c'd
     as it lands. ``direct``: O_DIRECT where buffer and offset are 4 KiB-aligned.
-    Returns each item's crc32c and ``{"direct_bytes", "buffered_bytes", "threads"}``.
+    ``populate``: the buffers are fresh memory; that many more threads fault their pages
+    in ahead of the reads. Returns each item's crc32c and ``{"direct_bytes",
+    "buffered_bytes", "threads"}``.
     ``OSError(ENODATA)`` when the file ends before an item does."""
 
 def file_resident(path: str) -> tuple[int, int]:

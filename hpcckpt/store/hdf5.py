@@ -150,6 +150,14 @@ def _destination(e: TensorEntry) -> torch.Tensor:
     return torch.empty(e.nbytes, dtype=torch.uint8)
 
 
+def _usable_cpus() -> int:
+    """CPUs this process may run on (a Slurm job's cpuset, not the whole node)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 def _want_direct(path: Path, direct: bool | None) -> bool:
     """O_DIRECT unless asked otherwise or most of the file is already cached."""
     if direct is not None:
@@ -166,9 +174,9 @@ def read_tensors(path: Path, entries: Mapping[str, TensorEntry], *, threads: int
                  stats: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """Read tensors by raw offset into fresh CPU tensors, checking each crc32c.
 
-    The native reader preads chunks on several threads (``threads``; 0 = from the
-    CPU count) and checksums each chunk as it lands, so verifying costs no second
-    pass. ``direct``: O_DIRECT for the aligned tensors (None: unless half the file
+    The native reader preads chunks on several threads (``threads``; 0 = twice the
+    usable CPUs, 2..16) and checksums each chunk as it lands, so verifying costs no
+    second pass; more threads fault the fresh destination pages in ahead of the reads. ``direct``: O_DIRECT for the aligned tensors (None: unless half the file
     is already in the page cache). ``stats``, if given, receives the reader's
     byte counts. Raises CheckpointCorrupt naming the first damaged tensor, or
     naming the file when it is shorter than the manifest says.
@@ -184,8 +192,14 @@ def read_tensors(path: Path, entries: Mapping[str, TensorEntry], *, threads: int
         dtype = torch_dtype(e.dtype)
         out[name] = raw.view(dtype).reshape(e.shape) if e.nbytes else torch.empty(e.shape, dtype=dtype)
     use_direct = _want_direct(path, direct) if items else False
+    cpus = _usable_cpus()
     try:
-        crcs, info = native().read_items(str(path), items, threads=threads, direct=use_direct)
+        # The destinations are fresh memory: one page-faulting thread per CPU (up to 4)
+        # runs ahead of the readers. Measured on the 2-core VM, 2 GB cold, fresh process:
+        # 0.55x the raw read of the same file without, 0.67x with 1, 0.74-0.79x with 2,
+        # 0.68-0.70x with 3-4 (more threads than cores only contend).
+        crcs, info = native().read_items(str(path), items, threads=threads or min(max(2, 2 * cpus), 16),
+                                         direct=use_direct, populate=min(cpus, 4))
     except OSError as exc:
         if exc.errno == errno.ENODATA:
             raise CheckpointCorrupt(f"{path}: file is shorter than its manifest says ({exc.strerror}); "

@@ -113,7 +113,8 @@ void py_fdatasync(int fd, const std::string& path) {
 
 // read_items(path, [(dst, offset), ...]) -> ([crc, ...], {stats}); dst: writable buffers.
 std::tuple<std::vector<uint32_t>, nb::dict> py_read_items(const std::string& path, nb::list items,
-                                                           unsigned threads, size_t chunk_bytes, bool direct) {
+                                                           unsigned threads, size_t chunk_bytes, bool direct,
+                                                           unsigned populate) {
     std::vector<std::unique_ptr<Buffer>> held;
     std::vector<hpcckpt_read_item> raw;
     held.reserve(items.size());
@@ -130,7 +131,7 @@ std::tuple<std::vector<uint32_t>, nb::dict> py_read_items(const std::string& pat
     {
         nb::gil_scoped_release nogil;
         rc = hpcckpt_read_items(path.c_str(), raw.data(), raw.size(), threads, chunk_bytes, direct ? 1 : 0,
-                                &stats, &st);
+                                populate, &stats, &st);
     }
     if (rc != 0) raise_os_error(st.err, describe(st), st.path);
     std::vector<uint32_t> crcs;
@@ -348,10 +349,11 @@ NB_MODULE(_native, m) {
     m.def("persist_range", &py_persist_range, nb::arg("buf"));
     m.def("store_fence", [] { hpcckpt_store_fence(); });
     m.def("read_items", &py_read_items, nb::arg("path"), nb::arg("items"), nb::arg("threads") = 0,
-          nb::arg("chunk_bytes") = 0, nb::arg("direct") = false,
+          nb::arg("chunk_bytes") = 0, nb::arg("direct") = false, nb::arg("populate") = 0,
           "Read (writable buffer, file offset) items of one file in parallel; returns each item's\n"
           "crc32c and {direct_bytes, buffered_bytes, threads}. OSError carries errno and path\n"
-          "(ENODATA: the file ends before an item does).");
+          "(ENODATA: the file ends before an item does). populate: the buffers are fresh memory;\n"
+          "that many more threads fault their pages in ahead of the reads.");
     m.def("file_resident", [](const std::string& path) {
               uint64_t resident = 0, size = 0;
               hpcckpt_status st;

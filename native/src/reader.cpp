@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cerrno>
 #include <cstdint>
 #include <mutex>
@@ -36,6 +37,9 @@ public:
 
     std::vector<Chunk> chunks;
     std::atomic<std::size_t> next{0};
+    std::vector<char> ready;  // per chunk, when populating: its pages are in (guarded by pm_)
+    std::atomic<std::size_t> pnext{0};
+    bool populate = false;
     std::atomic<bool> failed{false};
     std::atomic<bool> direct_ok{true};
     std::atomic<std::uint64_t> direct_bytes{0};
@@ -46,11 +50,28 @@ public:
             if (failed.load(std::memory_order_relaxed)) return;
             std::size_t i = next.fetch_add(1, std::memory_order_relaxed);
             if (i >= chunks.size()) return;
+            if (populate) wait_ready(i);
             Chunk& c = chunks[i];
             const hpcckpt_read_item& it = items_[c.item];
             auto* dst = static_cast<unsigned char*>(it.dst) + c.start;
             if (!read_chunk(dst, it.offset + c.start, c.len)) return;
             c.crc = hpcckpt_crc32c(0, dst, static_cast<std::size_t>(c.len));
+        }
+    }
+
+    // A populating thread: fault in the destination pages of chunks, in reading order.
+    void populate_run() {
+        const long pg = ::sysconf(_SC_PAGESIZE);
+        const std::uintptr_t page = pg > 0 ? static_cast<std::uintptr_t>(pg) : 4096u;
+        for (;;) {
+            std::size_t i = pnext.fetch_add(1, std::memory_order_relaxed);
+            if (i >= chunks.size()) return;
+            if (!failed.load(std::memory_order_relaxed)) fault_in(chunks[i], page);
+            {
+                std::lock_guard<std::mutex> g(pm_);
+                ready[i] = 1;
+            }
+            pcv_.notify_all();
         }
     }
 
@@ -60,6 +81,36 @@ public:
     }
 
 private:
+    void wait_ready(std::size_t i) {
+        std::unique_lock<std::mutex> g(pm_);
+        pcv_.wait(g, [&] { return ready[i] != 0; });
+    }
+
+    // Only bytes inside the chunk are written (the read overwrites them); whole
+    // pages inside it are populated by the kernel in one call where it can.
+    void fault_in(const Chunk& c, std::uintptr_t page) {
+        auto* dst = static_cast<unsigned char*>(items_[c.item].dst) + c.start;
+        const auto lo = reinterpret_cast<std::uintptr_t>(dst);
+        const auto hi = lo + static_cast<std::uintptr_t>(c.len);
+        const std::uintptr_t a = (lo + page - 1) & ~(page - 1), b = hi & ~(page - 1);
+        bool whole_pages_done = false;
+#ifdef MADV_POPULATE_WRITE
+        if (b > a && madvise_ok_.load(std::memory_order_relaxed)) {
+            if (::madvise(reinterpret_cast<void*>(a), b - a, MADV_POPULATE_WRITE) == 0)
+                whole_pages_done = true;
+            else
+                madvise_ok_.store(false, std::memory_order_relaxed);  // old kernel: touch instead
+        }
+#endif
+        volatile unsigned char* v = dst;
+        if (!whole_pages_done) {
+            for (std::uintptr_t q = lo; q < hi; q = (q + page) & ~(page - 1)) v[q - lo] = 0;
+        } else {
+            if (lo < a) v[0] = 0;
+            if (b < hi) v[b - lo] = 0;
+        }
+    }
+
     void fail(int err, const char* op, std::uint64_t offset) {
         std::lock_guard<std::mutex> g(m_);
         if (!failed.exchange(true)) hpcckpt_status_set(&status_, err, op, path_, static_cast<std::int64_t>(offset));
@@ -117,6 +168,9 @@ private:
     int direct_fd_;
     std::mutex m_;
     hpcckpt_status status_{};
+    std::mutex pm_;
+    std::condition_variable pcv_;
+    std::atomic<bool> madvise_ok_{true};
 };
 
 int open_retry(const char* path, int flags) {
@@ -130,8 +184,8 @@ int open_retry(const char* path, int flags) {
 }  // namespace
 
 extern "C" int hpcckpt_read_items(const char* path, hpcckpt_read_item* items, size_t n, unsigned threads,
-                                  size_t chunk_bytes, int direct, hpcckpt_read_stats* stats,
-                                  hpcckpt_status* st) {
+                                  size_t chunk_bytes, int direct, unsigned populate,
+                                  hpcckpt_read_stats* stats, hpcckpt_status* st) {
     hpcckpt_status_clear(st);
     if (stats != nullptr) *stats = hpcckpt_read_stats{0, 0, 0};
     std::uint64_t chunk = chunk_bytes == 0 ? kDefaultChunk : chunk_bytes;
@@ -161,14 +215,24 @@ extern "C" int hpcckpt_read_items(const char* path, hpcckpt_read_item* items, si
     }
     threads = static_cast<unsigned>(std::max<std::size_t>(1, std::min<std::size_t>(threads, r.chunks.size())));
     std::vector<std::thread> pool;
+    std::vector<std::thread> populaters;
+    if (populate != 0 && !r.chunks.empty()) {
+        r.ready.assign(r.chunks.size(), 0);
+        r.populate = true;
+        try {
+            for (unsigned t = 0; t < populate; ++t) populaters.emplace_back([&r] { r.populate_run(); });
+        } catch (const std::system_error&) {
+            if (populaters.empty()) r.populate = false;  // the reads fault the pages in themselves
+        }
+    }
     try {
         for (unsigned t = 1; t < threads; ++t) pool.emplace_back([&r] { r.run(); });
-    } catch (const std::system_error& e) {
+    } catch (const std::system_error&) {
         // Fewer threads than asked is still correct; the caller's thread reads too.
-        (void)e;
     }
     r.run();
     for (auto& th : pool) th.join();
+    for (auto& th : populaters) th.join();
     if (direct_fd >= 0) ::close(direct_fd);
     ::close(fd);
     if (stats != nullptr)

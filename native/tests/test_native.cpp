@@ -353,7 +353,7 @@ void test_reader(bool direct) {
         items[i] = hpcckpt_read_item{bufs[i], spec[i][0], spec[i][1], 0xdeadbeef};
     }
     hpcckpt_read_stats stats;
-    CHECK(hpcckpt_read_items(path.c_str(), items.data(), n, 3, 1u << 20, direct ? 1 : 0, &stats, &st) == 0);
+    CHECK(hpcckpt_read_items(path.c_str(), items.data(), n, 3, 1u << 20, direct ? 1 : 0, direct ? 2u : 0u, &stats, &st) == 0);
     std::uint64_t want_bytes = 0;
     for (std::size_t i = 0; i < n; ++i) {
         const unsigned char* src = data.data() + spec[i][0];
@@ -369,10 +369,10 @@ void test_reader(bool direct) {
                 static_cast<unsigned long long>(stats.buffered_bytes));
     // Past the end of the file.
     hpcckpt_read_item past{bufs[0], size - 4096, 8192, 0};
-    CHECK(hpcckpt_read_items(path.c_str(), &past, 1, 2, 0, direct ? 1 : 0, nullptr, &st) == -1);
+    CHECK(hpcckpt_read_items(path.c_str(), &past, 1, 2, 0, direct ? 1 : 0, 1u, nullptr, &st) == -1);
     CHECK(st.err == ENODATA && std::string(st.path) == path && st.offset == static_cast<std::int64_t>(size));
     std::string missing = scratch("reader-missing.bin");
-    CHECK(hpcckpt_read_items(missing.c_str(), items.data(), n, 2, 0, 0, nullptr, &st) == -1);
+    CHECK(hpcckpt_read_items(missing.c_str(), items.data(), n, 2, 0, 0, 0u, nullptr, &st) == -1);
     CHECK(st.err == ENOENT && std::string(st.path) == missing);
     for (void* b : bufs) hpcckpt_aligned_free(b);
     // Residency: after fsync + DONTNEED nothing (or little) is cached; after a read, all of it.

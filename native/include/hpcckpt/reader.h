@@ -37,9 +37,13 @@ typedef struct hpcckpt_read_stats {
  * amount of data; chunk_bytes is rounded up to 4 KiB (0: 8 MiB). Returns 0, or
  * -1 with st filled by the first failure (errno, op, path, offset). A file that
  * ends before an item does gives err ENODATA with op "pread (unexpected end of
- * file)". stats may be NULL. */
+ * file)". stats may be NULL.
+ * populate > 0: the destinations are fresh memory; that many more threads fault
+ * their pages in (MADV_POPULATE_WRITE, else a write per page), chunk by chunk in
+ * reading order, and each chunk is read once its pages are in: the page faults
+ * then overlap the I/O of earlier chunks instead of sitting inside each read. */
 int hpcckpt_read_items(const char* path, hpcckpt_read_item* items, size_t n, unsigned threads,
-                       size_t chunk_bytes, int direct, hpcckpt_read_stats* stats,
+                       size_t chunk_bytes, int direct, unsigned populate, hpcckpt_read_stats* stats,
                        hpcckpt_status* st);
 
 /* How many bytes of `path` are in the page cache now (mincore over a
