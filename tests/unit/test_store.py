@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -200,3 +201,17 @@ def test_exit_while_holding_loaded_tensors_is_quiet(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
     assert "leak" not in out.stderr.lower(), out.stderr
+
+
+def test_manifest_is_readable_json_that_round_trips(ckdir: Path) -> None:
+    from hpcckpt.store.commit import readable_json, seal_manifest
+
+    body = {"step": 7, "world_size": 2, "ranks": {"0": {"tensors": {"a/b": {"shape": [2, 3]}}}, "1": {}},
+            "files": {}, "user": {"note": 'quote " and \n newline, é'}, "list": [{"x": {"y": 1}}]}
+    assert json.loads(readable_json(body)) == body
+    sealed = seal_manifest(body).decode()
+    lines = sealed.splitlines()
+    assert '  "0": {"tensors": {"a/b": {"shape": [2, 3]}}},' in lines  # one line per rank
+    with Transaction(ckdir, "step-7") as txn:
+        txn.commit(dict(body))
+    assert read_manifest(ckdir / "step-7")["ranks"] == body["ranks"]
