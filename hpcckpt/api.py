@@ -311,7 +311,8 @@ class Checkpointer:
     # -- lifecycle ---------------------------------------------------------------
 
     def close(self) -> None:
-        self.engine.close()
+        self.engine.close()  # first: its finisher thread uses the background group
+        self.ranks.close()
         self.signals.uninstall()
 
     def __enter__(self) -> Checkpointer:

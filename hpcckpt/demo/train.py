@@ -137,5 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run(argv: list[str] | None = None) -> int:
+    """``main`` that always leaves torch.distributed: a requeue exits through SystemExit(75),
+    and a gloo group alive at interpreter exit can abort the process during finalization."""
+    try:
+        return main(argv)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())
