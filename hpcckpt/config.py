@@ -54,6 +54,13 @@ def parse_signals(raw: str) -> tuple[signal.Signals, ...]:
     return tuple(parse_signal(s) for s in raw.split(",") if s.strip())
 
 
+def check_on_busy(value: str) -> str:
+    """``value`` if it is a valid on_busy policy, else a ConfigError naming the choices."""
+    if value not in ON_BUSY:
+        raise ConfigError(f"on_busy={value!r}; use one of {', '.join(ON_BUSY)} (HPCCKPT_ON_BUSY)")
+    return value
+
+
 def parse_bool(raw: str) -> bool:
     low = raw.strip().lower()
     if low in ("1", "true", "yes", "on"):
@@ -91,8 +98,7 @@ class CheckpointOptions:
             raise ConfigError(f"keep must be >= 1 (the newest verified checkpoint is always kept), got {self.keep}")
         if self.max_async < 1:
             raise ConfigError(f"max_async must be >= 1, got {self.max_async}")
-        if self.on_busy not in ON_BUSY:
-            raise ConfigError(f"on_busy={self.on_busy!r}; use one of {', '.join(ON_BUSY)} (HPCCKPT_ON_BUSY)")
+        check_on_busy(self.on_busy)
         if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
             raise ConfigError(f"memory_budget_bytes must be a positive byte count or None, "
                               f"got {self.memory_budget_bytes}")

@@ -1,6 +1,6 @@
 """One timed load in a fresh process, as a resumed job does it (``hpcckpt bench``).
 
-``python -m hpcckpt.bench.loadproc hpcckpt STEP_DIR`` loads rank 0 of a committed
+``python -m hpcckpt.bench.loadproc hpcckpt ROOT STEP`` loads rank 0 of a committed
 checkpoint with hpcckpt (read + crc32c verify); ``... torch FILE`` runs a bare
 ``torch.load(weights_only=True)``. Prints ``{"load_s": seconds}``. A fresh process
 matters: a resumed job gets its tensors in memory it has never touched, and the
@@ -15,14 +15,14 @@ from pathlib import Path
 
 
 def main(argv: list[str]) -> int:
-    kind, target = argv[0], Path(argv[1])
+    kind, target, rest = argv[0], Path(argv[1]), argv[2:]
     import torch
 
     from ..engines import load_rank
     from ..store import catalog
 
     if kind == "hpcckpt":
-        info = catalog.find(target.parent, int(target.name.removeprefix("step-")))
+        info = catalog.find(target, int(rest[0]))
         t0 = time.perf_counter()
         result: object = load_rank(info, 0, 1)
     elif kind == "torch":

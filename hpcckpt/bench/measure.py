@@ -86,12 +86,12 @@ def _rank_file(info: catalog.CheckpointInfo) -> tuple[Path, str]:
     return info.path / rec["file"], str(rec["format"])
 
 
-def _timed_in_fresh_process(kind: str, target: Path) -> float:
+def _timed_in_fresh_process(kind: str, *args: object) -> float:
     """Seconds of one load in a new interpreter (``hpcckpt.bench.loadproc``)."""
-    out = subprocess.run([sys.executable, "-m", "hpcckpt.bench.loadproc", kind, str(target)],
+    out = subprocess.run([sys.executable, "-m", "hpcckpt.bench.loadproc", kind, *map(str, args)],
                          capture_output=True, text=True, timeout=600, check=False)
     if out.returncode != 0:
-        raise HpcckptError(f"bench: {kind} load of {target} failed ({out.returncode}): {out.stderr.strip()[-500:]}")
+        raise HpcckptError(f"bench: {kind} load of {' '.join(map(str, args))} failed ({out.returncode}): {out.stderr.strip()[-500:]}")
     return float(json.loads(out.stdout.strip().splitlines()[-1])["load_s"])
 
 
@@ -101,9 +101,9 @@ def measure_loads(roots: dict[str, Path], nbytes: int, *, rounds: int) -> dict[s
     Round by round, each load runs next to a raw parallel O_DIRECT read of the very
     same file and, for torch archives, a bare ``torch.load``; every run starts from
     a dropped cache, and each load (hpcckpt's and torch.load) runs in a fresh process
-    as a resumed job would, so both pay the first touch of new memory. Ratios are taken within a round (runs seconds apart on the same
-    bytes), then the median over rounds, because this disk's speed drifts by 2x
-    from minute to minute. Keys per engine: ``load_s``/``load_gbps`` (medians),
+    as a resumed job would, so both pay the first touch of new memory. Ratios are
+    taken within a round (runs seconds apart on the same bytes), then the median over
+    rounds, because this disk's speed drifts by 2x from minute to minute. Keys per engine: ``load_s``/``load_gbps`` (medians),
     ``raw_read_gbps``, ``load_vs_raw_read``, ``torch_load_s`` (torch archives),
     ``load_all_s``, ``raw_read_all_s``, ``torch_load_all_s``, ``cold_cache``.
     """
@@ -117,7 +117,7 @@ def measure_loads(roots: dict[str, Path], nbytes: int, *, rounds: int) -> dict[s
             method = drop_caches([path])
             got["raw"].append(path.stat().st_size / parallel_read_bps(path))
             drop_caches([path])
-            got["load"].append(_timed_in_fresh_process("hpcckpt", info.path))
+            got["load"].append(_timed_in_fresh_process("hpcckpt", roots[name], info.step))
             if fmt == "torch":
                 drop_caches([path])
                 got["torch_load"].append(_timed_in_fresh_process("torch", path))

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from .._core import native
-from ..config import ON_BUSY, from_env, parse_bool
+from ..config import check_on_busy, from_env, parse_bool
 from ..errors import CheckpointFailed, ConfigError
 from ..state import Flat, TrainState
 from ..store.hdf5 import ALIGN, TensorEntry, plan_file, raw_bytes
@@ -200,9 +200,7 @@ class ConcurrentEngine(Engine):
         if max_async < 1:
             raise ConfigError(f"max_async must be >= 1, got {max_async}")
         self.max_async = max_async
-        self.on_busy = on_busy if on_busy is not None else from_env("ON_BUSY", "wait", str)
-        if self.on_busy not in ON_BUSY:
-            raise ConfigError(f"on_busy={self.on_busy!r}; use one of {', '.join(ON_BUSY)} (HPCCKPT_ON_BUSY)")
+        self.on_busy = check_on_busy(on_busy if on_busy is not None else from_env("ON_BUSY", "wait", str))
         self.memory_budget_bytes = memory_budget_bytes if memory_budget_bytes is not None else from_env(
             "MEMORY_BUDGET_BYTES", None, int)  # type: ignore[arg-type]
         # O_DIRECT by default: on the reference VM buffered pwrite + fdatasync of 1 GB ran at
