@@ -56,15 +56,21 @@ def aligned_buffer(nbytes: int, alignment: int = 4096, prefault: bool = True,
     times, not for one-shot memory (the kernel may compact memory on first touch).
     ValueError if ``alignment`` is not a power of two >= 8."""
 
-def read_items(path: str, items: list[tuple[Buffer, int]], threads: int = 0, chunk_bytes: int = 0,
-               direct: bool = False, populate: int = 0) -> tuple[list[int], dict[str, int]]:
-    """Read ``(writable buffer, file offset)`` items of one file on ``threads`` threads
-    (0 = from the CPU count) in ``chunk_bytes`` chunks (0 = 8 MiB), each chunk crc32c'd
-    as it lands. ``direct``: O_DIRECT where buffer and offset are 4 KiB-aligned.
-    ``populate``: the buffers are fresh memory; that many more threads fault their pages
-    in ahead of the reads. Returns each item's crc32c and ``{"direct_bytes",
-    "buffered_bytes", "threads"}``.
+def read_items(path: str, items: list[tuple[Buffer, int] | tuple[Buffer, int, bool]], threads: int = 0,
+               chunk_bytes: int = 0, direct: bool = False, populate: int = 0) -> tuple[list[int], dict[str, int]]:
+    """Read ``(writable buffer, file offset[, fresh])`` items of one file on ``threads``
+    threads (0 = from the usable CPUs) in ``chunk_bytes`` chunks (0 = 8 MiB), each chunk
+    crc32c'd as it lands. ``direct``: O_DIRECT where the file offset is 4 KiB-aligned
+    (through a per-thread bounce buffer when the buffer is not). ``fresh``: the buffer is
+    memory never touched; ``populate``: that many more threads fault fresh pages in ahead
+    of the reads, while the items in use are read first. Returns each item's crc32c and
+    ``{"direct_bytes", "buffered_bytes", "bounced_bytes", "threads"}``.
     ``OSError(ENODATA)`` when the file ends before an item does."""
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask: a Slurm job's cpuset)."""
+
 
 def file_resident(path: str) -> tuple[int, int]:
     """``(bytes of path in the page cache, file size)`` (mincore over a mapping)."""

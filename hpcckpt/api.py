@@ -137,13 +137,19 @@ class Checkpointer:
             # `hpcckpt run --mode criu --on-restore-failure fresh`: the user asked for a fresh start.
             log.warning("hpcckpt: HPCCKPT_CRIU_FALLBACK=fresh: not resuming from %s", self.root)
             return None
+        # Read straight into the live model/optimizer tensors where they match: no first
+        # touch of new memory, no second copy of the state (hdf5.read_tensors).
+        live = self.state.capture(step=self.step).tensors
+        overwritten = False  # live tensors now hold bytes of a checkpoint that was not restored
         for info in catalog.committed_newest_first(self.root):
+            stats: dict[str, Any] = {}
             try:
-                flat: Flat | None = load_rank(info, self.ranks.rank, self.ranks.world)
+                flat: Flat | None = load_rank(info, self.ranks.rank, self.ranks.world, into=live, stats=stats)
                 problem = ""
             except CheckpointCorrupt as exc:
                 flat, problem = None, str(exc)
             if not self.ranks.all(flat is not None):
+                overwritten = overwritten or stats.get("in_place_bytes", 0) > 0
                 log.error("hpcckpt: skipping checkpoint step %d: %s", info.step,
                           problem or "another rank could not read its part")
                 if self.ranks.is_coordinator:
@@ -154,6 +160,12 @@ class Checkpointer:
             self.step = int(flat.meta["step"])
             self.resumed_from = self.committed_step = self.step
             break
+        if self._loaded is None and not self.ranks.all(not overwritten):
+            raise CheckpointCorrupt(
+                f"no committed checkpoint under {self.root} could be restored, and reading them in "
+                "place already overwrote the live model/optimizer tensors, so a fresh start from "
+                f"them would be wrong. See `hpcckpt verify {self.root}`; move the damaged "
+                "checkpoints aside and restart to start fresh.")
         self._restore_s = time.monotonic() - t0
         if self._loaded is not None:
             log.warning("hpcckpt: resumed from step %d under %s (%.2fs)", self.step, self.root, self._restore_s)

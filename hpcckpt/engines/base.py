@@ -22,7 +22,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -175,8 +175,14 @@ class Engine(ABC):
         return path
 
 
-def load_rank(info: catalog.CheckpointInfo, rank: int, world: int) -> Flat:
-    """Read and verify one rank's state from a committed checkpoint (no unpickling)."""
+def load_rank(info: catalog.CheckpointInfo, rank: int, world: int, *, into: Mapping[str, Any] | None = None,
+              stats: dict[str, Any] | None = None) -> Flat:
+    """Read and verify one rank's state from a committed checkpoint (no unpickling).
+
+    ``into``: live tensors by flat name (``TrainState.capture``); HDF5 rank files are
+    read straight into those that match (``hdf5.read_tensors``), torch archives are
+    not. ``stats`` receives the reader's figures, ``in_place_bytes`` included.
+    """
     manifest = info.manifest
     if manifest is None:
         raise CheckpointCorrupt(f"{info.path} has no readable manifest")
@@ -188,7 +194,7 @@ def load_rank(info: catalog.CheckpointInfo, rank: int, world: int) -> Flat:
     path = info.path / rec["file"]
     if rec["format"] == "hdf5":
         _, entries = catalog.rank_entries(manifest, rank)
-        tensors = hdf5.read_tensors(path, entries)
+        tensors = hdf5.read_tensors(path, entries, into=into, stats=stats)
     elif rec["format"] == "torch":
         tensors = torchfile.read(path, rec)
     else:

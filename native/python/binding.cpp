@@ -111,7 +111,7 @@ void py_fdatasync(int fd, const std::string& path) {
 }
 
 
-// read_items(path, [(dst, offset), ...]) -> ([crc, ...], {stats}); dst: writable buffers.
+// read_items(path, [(dst, offset[, fresh]), ...]) -> ([crc, ...], {stats}); dst: writable buffers.
 std::tuple<std::vector<uint32_t>, nb::dict> py_read_items(const std::string& path, nb::list items,
                                                            unsigned threads, size_t chunk_bytes, bool direct,
                                                            unsigned populate) {
@@ -121,9 +121,12 @@ std::tuple<std::vector<uint32_t>, nb::dict> py_read_items(const std::string& pat
     raw.reserve(items.size());
     for (nb::handle h : items) {
         nb::tuple t = nb::cast<nb::tuple>(h);
-        if (t.size() != 2) throw nb::value_error("read_items: each item must be (writable buffer, file offset)");
+        if (t.size() != 2 && t.size() != 3)
+            throw nb::value_error("read_items: each item must be (writable buffer, file offset[, fresh])");
         held.push_back(std::make_unique<Buffer>(t[0], true));
-        raw.push_back(hpcckpt_read_item{held.back()->data(), nb::cast<uint64_t>(t[1]), held.back()->size(), 0});
+        const bool fresh = t.size() == 3 && nb::cast<bool>(t[2]);
+        raw.push_back(hpcckpt_read_item{held.back()->data(), nb::cast<uint64_t>(t[1]), held.back()->size(), 0,
+                                        fresh ? HPCCKPT_READ_FRESH : 0u});
     }
     hpcckpt_status st;
     hpcckpt_read_stats stats{};
@@ -141,6 +144,7 @@ std::tuple<std::vector<uint32_t>, nb::dict> py_read_items(const std::string& pat
     d["direct_bytes"] = stats.direct_bytes;
     d["buffered_bytes"] = stats.buffered_bytes;
     d["threads"] = stats.threads;
+    d["bounced_bytes"] = stats.bounced_bytes;
     return {crcs, d};
 }
 
@@ -351,9 +355,12 @@ NB_MODULE(_native, m) {
     m.def("read_items", &py_read_items, nb::arg("path"), nb::arg("items"), nb::arg("threads") = 0,
           nb::arg("chunk_bytes") = 0, nb::arg("direct") = false, nb::arg("populate") = 0,
           "Read (writable buffer, file offset) items of one file in parallel; returns each item's\n"
-          "crc32c and {direct_bytes, buffered_bytes, threads}. OSError carries errno and path\n"
-          "(ENODATA: the file ends before an item does). populate: the buffers are fresh memory;\n"
-          "that many more threads fault their pages in ahead of the reads.");
+          "crc32c and {direct_bytes, buffered_bytes, bounced_bytes, threads}. OSError carries errno\n"
+          "and path (ENODATA: the file ends before an item does). fresh: the buffer is memory never\n"
+          "touched; populate: that many more threads fault fresh pages in ahead of the reads.\n"
+          "Items in use are read first; unaligned ones go through O_DIRECT via bounce buffers.");
+    m.def("usable_cpus", &hpcckpt_usable_cpus,
+          "CPUs this process may run on (its affinity mask, e.g. a Slurm cpuset).");
     m.def("file_resident", [](const std::string& path) {
               uint64_t resident = 0, size = 0;
               hpcckpt_status st;

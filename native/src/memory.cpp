@@ -1,5 +1,6 @@
 #include "hpcckpt/memory.h"
 
+#include <sched.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -44,12 +45,23 @@ extern "C" void* hpcckpt_aligned_alloc(size_t nbytes, size_t alignment, unsigned
 
 extern "C" void hpcckpt_aligned_free(void* p) { std::free(p); }
 
+extern "C" unsigned hpcckpt_usable_cpus(void) {
+#if defined(__linux__) && defined(CPU_COUNT)
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (::sched_getaffinity(0, sizeof set, &set) == 0) {
+        int n = CPU_COUNT(&set);
+        if (n > 0) return static_cast<unsigned>(n);
+    }
+#endif
+    return std::max(1u, std::thread::hardware_concurrency());
+}
+
 extern "C" void hpcckpt_parallel_copy(void* dst, const void* src, size_t len, unsigned threads) {
     // Below a few MiB a thread start costs more than it saves.
     constexpr size_t kMinPerThread = 4u << 20;
     if (threads == 0) {
-        unsigned hw = std::max(1u, std::thread::hardware_concurrency());
-        threads = static_cast<unsigned>(std::min<size_t>(hw, std::max<size_t>(1, len / kMinPerThread)));
+        threads = static_cast<unsigned>(std::min<size_t>(hpcckpt_usable_cpus(), std::max<size_t>(1, len / kMinPerThread)));
     }
     if (threads <= 1 || len < 2 * 4096) {
         std::memcpy(dst, src, len);

@@ -7,19 +7,23 @@
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <cerrno>
+#include <condition_variable>
+#include <cstring>
 #include <cstdint>
 #include <mutex>
 #include <thread>
 #include <vector>
 
 #include "hpcckpt/crc32c.h"
+#include "hpcckpt/memory.h"
 
 namespace {
 
 constexpr std::uint64_t kDirectAlign = 4096;
 constexpr std::size_t kDefaultChunk = 8u << 20;
+// Bounce copies go piece by piece: checksum a piece, then copy it while it is still in cache.
+constexpr std::uint64_t kBouncePiece = 256u << 10;
 
 struct Chunk {
     std::size_t item;
@@ -35,7 +39,9 @@ public:
     Reader(const char* path, hpcckpt_read_item* items, int fd, int direct_fd)
         : path_(path), items_(items), fd_(fd), direct_fd_(direct_fd) {}
 
-    std::vector<Chunk> chunks;
+    std::vector<Chunk> chunks;  // items in use first, then fresh ones (fresh_begin..)
+    std::size_t fresh_begin = 0;
+    std::uint64_t chunk_bytes = kDefaultChunk;
     std::atomic<std::size_t> next{0};
     std::vector<char> ready;  // per chunk, when populating: its pages are in (guarded by pm_)
     std::atomic<std::size_t> pnext{0};
@@ -44,22 +50,23 @@ public:
     std::atomic<bool> direct_ok{true};
     std::atomic<std::uint64_t> direct_bytes{0};
     std::atomic<std::uint64_t> buffered_bytes{0};
+    std::atomic<std::uint64_t> bounced_bytes{0};
 
     void run() {
+        Bounce bounce;
         for (;;) {
             if (failed.load(std::memory_order_relaxed)) return;
             std::size_t i = next.fetch_add(1, std::memory_order_relaxed);
             if (i >= chunks.size()) return;
-            if (populate) wait_ready(i);
+            if (populate && i >= fresh_begin) wait_ready(i);
             Chunk& c = chunks[i];
             const hpcckpt_read_item& it = items_[c.item];
             auto* dst = static_cast<unsigned char*>(it.dst) + c.start;
-            if (!read_chunk(dst, it.offset + c.start, c.len)) return;
-            c.crc = hpcckpt_crc32c(0, dst, static_cast<std::size_t>(c.len));
+            if (!read_chunk(dst, it.offset + c.start, c.len, &c.crc, bounce)) return;
         }
     }
 
-    // A populating thread: fault in the destination pages of chunks, in reading order.
+    // A populating thread: fault in the destination pages of fresh chunks, in reading order.
     void populate_run() {
         const long pg = ::sysconf(_SC_PAGESIZE);
         const std::uintptr_t page = pg > 0 ? static_cast<std::uintptr_t>(pg) : 4096u;
@@ -81,6 +88,25 @@ public:
     }
 
 private:
+    // One reading thread's aligned buffer for O_DIRECT reads into unaligned destinations.
+    struct Bounce {
+        unsigned char* buf = nullptr;
+        bool tried = false;
+        Bounce() = default;
+        Bounce(const Bounce&) = delete;
+        Bounce& operator=(const Bounce&) = delete;
+        ~Bounce() { hpcckpt_aligned_free(buf); }
+        unsigned char* get(std::uint64_t size) {
+            if (!tried) {
+                tried = true;
+                hpcckpt_status ignored;
+                buf = static_cast<unsigned char*>(
+                    hpcckpt_aligned_alloc(static_cast<std::size_t>(size), kDirectAlign, 0, &ignored));
+            }
+            return buf;  // nullptr: out of memory; the chunk goes through the page cache
+        }
+    };
+
     void wait_ready(std::size_t i) {
         std::unique_lock<std::mutex> g(pm_);
         pcv_.wait(g, [&] { return ready[i] != 0; });
@@ -135,30 +161,49 @@ private:
         return static_cast<std::int64_t>(got);
     }
 
-    bool read_chunk(unsigned char* dst, std::uint64_t off, std::uint64_t len) {
+    // Reads one chunk into dst and leaves its crc32c in *crc. The aligned body goes
+    // through O_DIRECT when allowed (straight into dst, or via the thread's bounce
+    // buffer when dst is not aligned), the rest through the page cache.
+    bool read_chunk(unsigned char* dst, std::uint64_t off, std::uint64_t len, std::uint32_t* crc, Bounce& bounce) {
         std::uint64_t done = 0;
+        std::uint32_t c = 0;
         std::uint64_t body = len & ~(kDirectAlign - 1);
-        if (direct_fd_ >= 0 && body != 0 && direct_ok.load(std::memory_order_relaxed) && aligned(off) &&
-            aligned(reinterpret_cast<std::uintptr_t>(dst))) {
-            std::int64_t r = pread_full(direct_fd_, dst, off, body, true);
-            if (r == -1) return false;
-            if (r == -2) {
-                direct_ok.store(false, std::memory_order_relaxed);
-            } else {
-                done = static_cast<std::uint64_t>(r);
-                direct_bytes.fetch_add(done, std::memory_order_relaxed);
+        if (direct_fd_ >= 0 && body != 0 && direct_ok.load(std::memory_order_relaxed) && aligned(off)) {
+            const bool dst_aligned = aligned(reinterpret_cast<std::uintptr_t>(dst));
+            unsigned char* into = dst_aligned ? dst : bounce.get(chunk_bytes);
+            if (into != nullptr) {
+                std::int64_t r = pread_full(direct_fd_, into, off, body, true);
+                if (r == -1) return false;
+                if (r == -2) {
+                    direct_ok.store(false, std::memory_order_relaxed);
+                } else {
+                    done = static_cast<std::uint64_t>(r);
+                    direct_bytes.fetch_add(done, std::memory_order_relaxed);
+                    if (dst_aligned) {
+                        c = hpcckpt_crc32c(c, dst, static_cast<std::size_t>(done));
+                    } else {
+                        for (std::uint64_t p = 0; p < done; p += kBouncePiece) {
+                            const auto k = static_cast<std::size_t>(std::min(kBouncePiece, done - p));
+                            c = hpcckpt_crc32c(c, into + p, k);
+                            std::memcpy(dst + p, into + p, k);
+                        }
+                        bounced_bytes.fetch_add(done, std::memory_order_relaxed);
+                    }
+                }
             }
         }
         if (done < len) {
             std::int64_t r = pread_full(fd_, dst + done, off + done, len - done, false);
             if (r < 0) return false;
             buffered_bytes.fetch_add(static_cast<std::uint64_t>(r), std::memory_order_relaxed);
+            c = hpcckpt_crc32c(c, dst + done, static_cast<std::size_t>(r));
             done += static_cast<std::uint64_t>(r);
         }
         if (done < len) {
             fail(ENODATA, "pread (unexpected end of file)", off + done);
             return false;
         }
+        *crc = c;
         return true;
     }
 
@@ -187,7 +232,7 @@ extern "C" int hpcckpt_read_items(const char* path, hpcckpt_read_item* items, si
                                   size_t chunk_bytes, int direct, unsigned populate,
                                   hpcckpt_read_stats* stats, hpcckpt_status* st) {
     hpcckpt_status_clear(st);
-    if (stats != nullptr) *stats = hpcckpt_read_stats{0, 0, 0};
+    if (stats != nullptr) *stats = hpcckpt_read_stats{0, 0, 0, 0};
     std::uint64_t chunk = chunk_bytes == 0 ? kDefaultChunk : chunk_bytes;
     chunk = (chunk + kDirectAlign - 1) & ~(kDirectAlign - 1);
 
@@ -203,21 +248,29 @@ extern "C" int hpcckpt_read_items(const char* path, hpcckpt_read_item* items, si
     (void)direct;
 #endif
     Reader r(path, items, fd, direct_fd);
-    for (std::size_t i = 0; i < n; ++i) {
-        items[i].crc = 0;
-        for (std::uint64_t s = 0; s < items[i].len; s += chunk)
-            r.chunks.push_back(Chunk{i, s, std::min<std::uint64_t>(chunk, items[i].len - s)});
+    r.chunk_bytes = chunk;
+    // Memory in use first: its reads keep the disk busy while the populating
+    // threads fault in the fresh memory that comes after it.
+    for (int pass = 0; pass < 2; ++pass) {
+        if (pass == 1) r.fresh_begin = r.chunks.size();
+        for (std::size_t i = 0; i < n; ++i) {
+            const bool fresh = (items[i].flags & HPCCKPT_READ_FRESH) != 0;
+            if (fresh != (pass == 1)) continue;
+            items[i].crc = 0;
+            for (std::uint64_t s = 0; s < items[i].len; s += chunk)
+                r.chunks.push_back(Chunk{i, s, std::min<std::uint64_t>(chunk, items[i].len - s)});
+        }
     }
     if (threads == 0) {
-        unsigned hw = std::max(1u, std::thread::hardware_concurrency());
         // Two requests per core keep the device queue busy while one thread checksums.
-        threads = std::min<unsigned>(std::max(2u, 2 * hw), 16u);
+        threads = std::min<unsigned>(std::max(2u, 2 * hpcckpt_usable_cpus()), 16u);
     }
     threads = static_cast<unsigned>(std::max<std::size_t>(1, std::min<std::size_t>(threads, r.chunks.size())));
     std::vector<std::thread> pool;
     std::vector<std::thread> populaters;
-    if (populate != 0 && !r.chunks.empty()) {
+    if (populate != 0 && r.fresh_begin < r.chunks.size()) {
         r.ready.assign(r.chunks.size(), 0);
+        r.pnext.store(r.fresh_begin);
         r.populate = true;
         try {
             for (unsigned t = 0; t < populate; ++t) populaters.emplace_back([&r] { r.populate_run(); });
@@ -237,12 +290,12 @@ extern "C" int hpcckpt_read_items(const char* path, hpcckpt_read_item* items, si
     ::close(fd);
     if (stats != nullptr)
         *stats = hpcckpt_read_stats{r.direct_bytes.load(), r.buffered_bytes.load(),
-                                    static_cast<unsigned>(pool.size() + 1)};
+                                    static_cast<unsigned>(pool.size() + 1), r.bounced_bytes.load()};
     if (r.failed.load()) {
         r.first_error(st);
         return -1;
     }
-    // Combine chunk crcs in order (chunks of an item are consecutive).
+    // Combine chunk crcs in order (the chunks of an item are consecutive, in order).
     for (const Chunk& c : r.chunks)
         items[c.item].crc = c.start == 0 ? c.crc : hpcckpt_crc32c_combine(items[c.item].crc, c.crc, c.len);
     return 0;

@@ -1,5 +1,7 @@
 #include "hpcckpt/writer.h"
 
+#include "hpcckpt/memory.h"
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -274,7 +276,7 @@ extern "C" hpcckpt_pool* hpcckpt_pool_create(unsigned threads, size_t chunk_byte
         hpcckpt_status_set(st, EINVAL, "WriterPool(chunk_bytes=0)", "", -1);
         return nullptr;
     }
-    if (threads == 0) threads = std::clamp(std::thread::hardware_concurrency(), 2u, 16u);
+    if (threads == 0) threads = std::clamp(hpcckpt_usable_cpus(), 2u, 16u);
     auto* p = new hpcckpt_pool();
     p->chunk_bytes = chunk_bytes;
     try {

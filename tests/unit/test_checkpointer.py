@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hpcckpt.api import EXIT_REQUEUE, Checkpointer, RequeueExit
-from hpcckpt.errors import ConfigError
+from hpcckpt.errors import CheckpointCorrupt, ConfigError
 from hpcckpt.ledger import Ledger
 from hpcckpt.store import catalog
 from tests.helpers import tiny_state, train_step
@@ -134,3 +134,53 @@ def test_concurrent_engine_options_reach_the_engine(ckdir: Path, monkeypatch: py
     monkeypatch.setenv("HPCCKPT_DIRECT", "sometimes")
     with pytest.raises(ConfigError, match="HPCCKPT_DIRECT='sometimes'"):
         Checkpointer(ckdir, engine="concurrent")
+
+
+def _flip_in(path: Path, name: str) -> None:
+    """Damage one tensor's bytes inside an HDF5 rank file (the manifest keeps its crc)."""
+    import h5py
+    with h5py.File(path, "r") as f:
+        offset = f[name].id.get_offset()
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        b = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_concurrent_resume_reads_into_the_live_model_and_stays_exact(ckdir: Path) -> None:
+    ref, ref_objs = run(ckdir.parent / "ref", 12, every=100)
+    with pytest.raises(RequeueExit):
+        run(ckdir, 12, signal_at=7, engine="concurrent")
+    objs = tiny_state(3)  # a resumed process: same model, other initial values
+    ptrs = {n: p.data_ptr() for n, p in objs["model"].named_parameters()}
+    losses: list[str] = []
+    with Checkpointer(ckdir, engine="concurrent", every_steps=100) as ck:
+        assert ck.register(**objs) == 7
+        # parameters were restored into their own memory, not replaced
+        assert {n: p.data_ptr() for n, p in objs["model"].named_parameters()} == ptrs
+        for _ in ck.steps(12):
+            losses.append(float.hex(train_step(objs)))
+    assert ref[7:] == losses
+    for p, q in zip(objs["model"].state_dict().values(), ref_objs["model"].state_dict().values()):
+        assert torch.equal(p, q)
+
+
+def test_damaged_newest_read_in_place_falls_back_and_restores_the_older_exactly(ckdir: Path) -> None:
+    run(ckdir, 9, every=3, engine="concurrent")  # keep=2: steps 6 and 9
+    ref, _ = run(ckdir.parent / "ref", 9, every=100)
+    _flip_in(ckdir / "step-9" / "rank-0.h5", "objects/model/0.weight")
+    objs = tiny_state(4)
+    with Checkpointer(ckdir, engine="concurrent", every_steps=None) as ck:
+        assert ck.register(**objs) == 6  # step 9 was read into the model, failed, then 6 overwrote it
+        losses = [float.hex(train_step(objs)) for _ in ck.steps(9)]
+    assert losses == ref[6:]
+
+
+def test_every_checkpoint_damaged_after_in_place_reads_refuses_a_silent_fresh_start(ckdir: Path) -> None:
+    run(ckdir, 6, every=3, engine="concurrent")  # steps 3 and 6
+    for step in (3, 6):
+        _flip_in(ckdir / f"step-{step}" / "rank-0.h5", "objects/model/0.weight")
+    with Checkpointer(ckdir, engine="concurrent", every_steps=None) as ck:
+        with pytest.raises(CheckpointCorrupt, match="overwrote the live model"):
+            ck.register(**tiny_state(1))

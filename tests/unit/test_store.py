@@ -215,3 +215,48 @@ def test_manifest_is_readable_json_that_round_trips(ckdir: Path) -> None:
     with Transaction(ckdir, "step-7") as txn:
         txn.commit(dict(body))
     assert read_manifest(ckdir / "step-7")["ranks"] == body["ranks"]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_hdf5_reads_in_place_into_matching_live_tensors(tmp_path: Path, direct: bool) -> None:
+    g = torch.Generator().manual_seed(2)
+    saved = {"w": torch.randn(1_500_000, generator=g),  # a few reader chunks; torch memory is not 4 KiB-aligned
+             "half": torch.randn(300, 301, generator=g).to(torch.bfloat16),
+             "shape": torch.randn(40, 50, generator=g), "dtype": torch.randn(1000, generator=g),
+             "strided": torch.randn(64, 64, generator=g), "tied_a": torch.randn(70_000, generator=g)}
+    saved["tied_b"] = saved["tied_a"].clone()
+    path = tmp_path / "rank-0.h5"
+    entries = hdf5.write_tensors(path, saved)
+    tied = torch.zeros(70_000)
+    live = {"w": torch.zeros(1_500_000), "half": torch.zeros(300, 301, dtype=torch.bfloat16),
+            "shape": torch.zeros(50, 40), "dtype": torch.zeros(1000, dtype=torch.float64),
+            "strided": torch.zeros(64, 64).t(), "tied_a": tied, "tied_b": tied.view(-1)}
+    ptrs = {n: t.data_ptr() for n, t in live.items()}
+    stats: dict[str, object] = {}
+    back = hdf5.read_tensors(path, entries, into=live, direct=direct, stats=stats)
+    for k, t in saved.items():
+        assert back[k].dtype == t.dtype and back[k].shape == t.shape and torch.equal(back[k], t), k
+    in_place = {k for k in saved if back[k].data_ptr() == ptrs[k]}
+    # mismatched shape/dtype/layout get fresh memory; of two names on one memory, one is read in place
+    assert in_place == {"w", "half", "tied_a"} or in_place == {"w", "half", "tied_b"}
+    assert back["w"] is live["w"] and torch.equal(live["w"], saved["w"]) and torch.equal(tied, saved["tied_a"])
+    assert stats["in_place_bytes"] == sum(entries[k].nbytes for k in in_place)
+    if direct and _direct_supported(tmp_path):
+        # unaligned live memory still bypasses the page cache, through the readers' bounce buffers
+        assert stats["bounced_bytes"] >= entries["w"].nbytes - 2 * 4096
+    else:
+        assert stats["bounced_bytes"] == 0
+
+
+def test_hdf5_in_place_read_of_a_damaged_tensor_is_reported(tmp_path: Path) -> None:
+    saved = {"w": torch.randn(200_000), "v": torch.randn(100_000)}
+    path = tmp_path / "rank-0.h5"
+    entries = hdf5.write_tensors(path, saved)
+    with open(path, "r+b") as f:
+        f.seek(entries["v"].offset + 5)
+        f.write(b"\xff\xff")
+    live = {"w": torch.zeros(200_000), "v": torch.zeros(100_000)}
+    stats: dict[str, object] = {}
+    with pytest.raises(CheckpointCorrupt, match="'v'"):
+        hdf5.read_tensors(path, entries, into=live, stats=stats)
+    assert stats["in_place_bytes"] == entries["w"].nbytes + entries["v"].nbytes  # the caller must know

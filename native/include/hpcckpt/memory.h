@@ -21,7 +21,11 @@ extern "C" {
 void* hpcckpt_aligned_alloc(size_t nbytes, size_t alignment, unsigned flags, hpcckpt_status* st);
 void hpcckpt_aligned_free(void* p);
 
-/* memcpy split over `threads` threads (0 = choose from size and CPU count). */
+/* CPUs this thread may run on (its affinity mask: a Slurm job's cpuset, not
+ * the whole node), at least 1. The default of every thread count in the core. */
+unsigned hpcckpt_usable_cpus(void);
+
+/* memcpy split over `threads` threads (0 = choose from size and usable CPUs). */
 void hpcckpt_parallel_copy(void* dst, const void* src, size_t len, unsigned threads);
 
 #ifdef __cplusplus

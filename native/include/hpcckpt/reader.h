@@ -7,7 +7,11 @@
  * bytes is needed to verify them. With `direct`, chunks whose destination and
  * file offset are 4 KiB-aligned bypass the page cache (O_DIRECT); the tail of
  * a chunk past its last full 4 KiB block, unaligned chunks, and files on file
- * systems that refuse O_DIRECT go through the page cache instead. */
+ * systems that refuse O_DIRECT go through the page cache instead. A chunk whose
+ * file offset is aligned but whose destination is not (memory from a general
+ * allocator: a live model's parameters) is read with O_DIRECT into a small
+ * aligned bounce buffer of the reading thread and copied over piece by piece,
+ * checksummed while each piece is still in cache. */
 #ifndef HPCCKPT_READER_H
 #define HPCCKPT_READER_H
 
@@ -25,12 +29,20 @@ typedef struct hpcckpt_read_item {
     uint64_t offset;  /* in: file offset of the first byte */
     uint64_t len;     /* in */
     uint32_t crc;     /* out: crc32c of the bytes read (valid when the call returned 0) */
+    uint32_t flags;   /* in: HPCCKPT_READ_* */
 } hpcckpt_read_item;
+
+/* The destination is memory never touched yet: with populate > 0 its pages are
+ * faulted in ahead of the reads. Items without it (memory already in use, e.g.
+ * a live model restored in place) are read first, while the populating threads
+ * work on the fresh ones. */
+#define HPCCKPT_READ_FRESH 1u
 
 typedef struct hpcckpt_read_stats {
     uint64_t direct_bytes;    /* bytes that came through O_DIRECT */
     uint64_t buffered_bytes;  /* bytes that came through the page cache */
     unsigned threads;         /* threads that ran */
+    uint64_t bounced_bytes;   /* of direct_bytes: those that went through a bounce buffer */
 } hpcckpt_read_stats;
 
 /* Reads every item of `path`. threads == 0: chosen from the CPU count and the
@@ -38,10 +50,11 @@ typedef struct hpcckpt_read_stats {
  * -1 with st filled by the first failure (errno, op, path, offset). A file that
  * ends before an item does gives err ENODATA with op "pread (unexpected end of
  * file)". stats may be NULL.
- * populate > 0: the destinations are fresh memory; that many more threads fault
- * their pages in (MADV_POPULATE_WRITE, else a write per page), chunk by chunk in
- * reading order, and each chunk is read once its pages are in: the page faults
- * then overlap the I/O of earlier chunks instead of sitting inside each read. */
+ * populate > 0: that many more threads fault in the pages of HPCCKPT_READ_FRESH
+ * items (MADV_POPULATE_WRITE, else a write per page), chunk by chunk in reading
+ * order, and each such chunk is read once its pages are in: the page faults then
+ * overlap the I/O of earlier chunks instead of sitting inside each read.
+ * threads == 0: hpcckpt_usable_cpus() decides. */
 int hpcckpt_read_items(const char* path, hpcckpt_read_item* items, size_t n, unsigned threads,
                        size_t chunk_bytes, int direct, unsigned populate, hpcckpt_read_stats* stats,
                        hpcckpt_status* st);
