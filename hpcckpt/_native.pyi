@@ -59,7 +59,7 @@ def aligned_buffer(nbytes: int, alignment: int = 4096, prefault: bool = True,
 def read_items(path: str, items: list[tuple[Buffer, int] | tuple[Buffer, int, bool]], threads: int = 0,
                chunk_bytes: int = 0, direct: bool = False, populate: int = 0) -> tuple[list[int], dict[str, int]]:
     """Read ``(writable buffer, file offset[, fresh])`` items of one file on ``threads``
-    threads (0 = from the usable CPUs) in ``chunk_bytes`` chunks (0 = 8 MiB), each chunk
+    threads (0 = from the usable CPUs) in ``chunk_bytes`` chunks (0 = 16 MiB), each chunk
     crc32c'd as it lands. ``direct``: O_DIRECT where the file offset is 4 KiB-aligned
     (through a per-thread bounce buffer when the buffer is not). ``fresh``: the buffer is
     memory never touched; ``populate``: that many more threads fault fresh pages in ahead

@@ -69,7 +69,8 @@ def _targets(top: dict[str, Any], limits: dict[str, float], overhead: dict[str, 
         "persist_vs_write_limit": conc["persist_gbps"] / limits["write_gbps"],
         "load_vs_read": conc["load_vs_raw_read"], "load_vs_read_target": 0.85,
         "load_vs_read_limit": conc["load_gbps"] / limits["read_gbps"],
-        # a load returns new tensors: it cannot beat first-touch of fresh memory
+        "load_fresh_vs_read": conc["load_fresh_vs_raw_read"],
+        # a load into new tensors cannot beat the first touch of fresh memory
         "load_vs_read_fresh_memory_ceiling": limits["fresh_memory_gbps"] / conc["raw_read_gbps"],
         "load_vs_torch_load": vs_torch, "load_vs_torch_load_target": 3.0,
         "load_vs_torch_load_ceiling": ceiling,
@@ -118,7 +119,7 @@ def run_bench(o: BenchOptions, progress: Callable[[str], None] = lambda s: None)
                 row[name] = measure_engine(name, rig, base / name, repeats=o.repeats, options=options)
                 tick()
             bar.set_postfix_str(f"cold loads at {rig.state_bytes / GB:.2f} GB")
-            loads = measure_loads({n: base / n for n in ENGINES}, rig.state_bytes, rounds=rounds)
+            loads = measure_loads({n: base / n for n in ENGINES}, rig.state_bytes, rounds=rounds, rig_bytes=size)
             for name in ENGINES:
                 row[name].update(loads[name])
                 shutil.rmtree(base / name, ignore_errors=True)

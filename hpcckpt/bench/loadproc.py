@@ -1,10 +1,18 @@
 """One timed load in a fresh process, as a resumed job does it (``hpcckpt bench``).
 
-``python -m hpcckpt.bench.loadproc hpcckpt ROOT STEP`` loads rank 0 of a committed
-checkpoint with hpcckpt (read + crc32c verify); ``... torch FILE`` runs a bare
-``torch.load(weights_only=True)``. Prints ``{"load_s": seconds}``. A fresh process
-matters: a resumed job gets its tensors in memory it has never touched, and the
-first touch of that memory is part of what a load costs.
+A fresh process matters: a resumed job restores into memory it has barely touched,
+and the first touch of new memory is part of what a load costs. Kinds::
+
+    resume ROOT STEP RIG_BYTES   hpcckpt restore into a freshly built model + optimizer
+    fresh ROOT STEP              hpcckpt load of rank 0 into new tensors (no model)
+    torch FILE ROOT STEP RIG_BYTES
+                                 torch.load(weights_only=True) + load_state_dict into
+                                 a freshly built model + optimizer
+
+``RIG_BYTES`` is the size the bench built its ``SyntheticRig`` from; the model is
+built from it again (parameters initialised, Adam without moments, as before any
+restore) outside the timed part. Every load verifies what it reads (hpcckpt:
+crc32c of every tensor). Prints ``{"load_s": seconds}``.
 """
 from __future__ import annotations
 
@@ -15,24 +23,37 @@ from pathlib import Path
 
 
 def main(argv: list[str]) -> int:
-    kind, target, rest = argv[0], Path(argv[1]), argv[2:]
     import torch
 
     from ..engines import load_rank
+    from ..state import Flat
     from ..store import catalog
+    from .synthetic import SyntheticRig
 
-    if kind == "hpcckpt":
-        info = catalog.find(target, int(rest[0]))
+    kind = argv[0] if argv else ""
+    if kind == "resume":
+        root, step, rig_bytes = Path(argv[1]), int(argv[2]), int(argv[3])
+        info = catalog.find(root, step)
+        rig = SyntheticRig(rig_bytes, warm=False)
         t0 = time.perf_counter()
-        result: object = load_rank(info, 0, 1)
+        # what Checkpointer.register does: capture the live tensors, read into them, restore
+        flat = load_rank(info, 0, 1, into=rig.state.capture(step=0).tensors)
+        rig.state.restore(flat)
+    elif kind == "fresh":
+        info = catalog.find(Path(argv[1]), int(argv[2]))
+        t0 = time.perf_counter()
+        flat = load_rank(info, 0, 1)
     elif kind == "torch":
+        path, root, step, rig_bytes = Path(argv[1]), Path(argv[2]), int(argv[3]), int(argv[4])
+        meta = (catalog.find(root, step).manifest or {})["ranks"]["0"]["meta"]
+        rig = SyntheticRig(rig_bytes, warm=False)
         t0 = time.perf_counter()
-        result = torch.load(target, map_location="cpu", weights_only=True)
+        archive = torch.load(path, map_location="cpu", weights_only=True)
+        rig.state.restore(Flat(tensors=archive["tensors"], meta=meta))
     else:
-        print(f"loadproc: unknown kind {kind!r} (hpcckpt | torch)", file=sys.stderr)
+        print(f"loadproc: unknown kind {kind!r} (resume | fresh | torch)", file=sys.stderr)
         return 2
     elapsed = time.perf_counter() - t0
-    del result
     print(json.dumps({"load_s": elapsed}))
     return 0
 

@@ -95,20 +95,24 @@ def _timed_in_fresh_process(kind: str, *args: object) -> float:
     return float(json.loads(out.stdout.strip().splitlines()[-1])["load_s"])
 
 
-def measure_loads(roots: dict[str, Path], nbytes: int, *, rounds: int) -> dict[str, dict[str, Any]]:
+def measure_loads(roots: dict[str, Path], nbytes: int, *, rounds: int, rig_bytes: int) -> dict[str, dict[str, Any]]:
     """Cold-cache loads of each engine's newest checkpoint (read + crc32c verify).
 
     Round by round, each load runs next to a raw parallel O_DIRECT read of the very
-    same file and, for torch archives, a bare ``torch.load``; every run starts from
-    a dropped cache, and each load (hpcckpt's and torch.load) runs in a fresh process
-    as a resumed job would, so both pay the first touch of new memory. Ratios are
-    taken within a round (runs seconds apart on the same bytes), then the median over
-    rounds, because this disk's speed drifts by 2x from minute to minute. Keys per engine: ``load_s``/``load_gbps`` (medians),
-    ``raw_read_gbps``, ``load_vs_raw_read``, ``torch_load_s`` (torch archives),
-    ``load_all_s``, ``raw_read_all_s``, ``torch_load_all_s``, ``cold_cache``.
+    same file; every run starts from a dropped cache and each load runs in a fresh
+    process (``hpcckpt.bench.loadproc``). ``load_s`` is a resume: the model and
+    optimizer are built as a requeued job builds them (``SyntheticRig(rig_bytes)``,
+    no Adam moments yet), then restored; ``load_fresh_s`` reads into new tensors with
+    no model at all; ``torch_load_s`` (torch archives) is ``torch.load`` +
+    ``load_state_dict`` into a freshly built model. Ratios are taken within a round
+    (runs seconds apart on the same bytes), then the median over rounds, because
+    this disk's speed drifts by 2x from minute to minute. Keys per engine:
+    ``load_s``/``load_gbps`` (medians), ``load_fresh_s``, ``raw_read_gbps``,
+    ``load_vs_raw_read``, ``torch_load_s``, the ``*_all_s`` samples, ``cold_cache``.
     """
     infos = {name: catalog.find(root, None) for name, root in roots.items()}
-    samples: dict[str, dict[str, list[float]]] = {n: {"load": [], "raw": [], "torch_load": []} for n in infos}
+    kinds = ("load", "fresh", "raw", "torch_load")
+    samples: dict[str, dict[str, list[float]]] = {n: {k: [] for k in kinds} for n in infos}
     method = ""
     for _ in range(max(1, rounds)):
         for name, info in infos.items():
@@ -117,10 +121,12 @@ def measure_loads(roots: dict[str, Path], nbytes: int, *, rounds: int) -> dict[s
             method = drop_caches([path])
             got["raw"].append(path.stat().st_size / parallel_read_bps(path))
             drop_caches([path])
-            got["load"].append(_timed_in_fresh_process("hpcckpt", roots[name], info.step))
+            got["load"].append(_timed_in_fresh_process("resume", roots[name], info.step, rig_bytes))
+            drop_caches([path])
+            got["fresh"].append(_timed_in_fresh_process("fresh", roots[name], info.step))
             if fmt == "torch":
                 drop_caches([path])
-                got["torch_load"].append(_timed_in_fresh_process("torch", path))
+                got["torch_load"].append(_timed_in_fresh_process("torch", path, roots[name], info.step, rig_bytes))
     out: dict[str, dict[str, Any]] = {}
     for name, got in samples.items():
         load_s = statistics.median(got["load"])
@@ -128,7 +134,10 @@ def measure_loads(roots: dict[str, Path], nbytes: int, *, rounds: int) -> dict[s
         e: dict[str, Any] = {
             "load_s": load_s, "load_gbps": nbytes / load_s / GB, "raw_read_gbps": nbytes / raw_s / GB,
             "load_vs_raw_read": statistics.median(r / l for r, l in zip(got["raw"], got["load"])),
-            "load_all_s": got["load"], "raw_read_all_s": got["raw"], "cold_cache": method,
+            "load_fresh_s": statistics.median(got["fresh"]),
+            "load_fresh_vs_raw_read": statistics.median(r / f for r, f in zip(got["raw"], got["fresh"])),
+            "load_all_s": got["load"], "load_fresh_all_s": got["fresh"], "raw_read_all_s": got["raw"],
+            "cold_cache": method,
         }
         if got["torch_load"]:
             e["torch_load_s"] = statistics.median(got["torch_load"])

