@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .errors import HpcckptError
+
 
 class Ranks:
     def __init__(self) -> None:
@@ -24,6 +26,14 @@ class Ranks:
         # A second group for collectives issued from a background thread (async commits):
         # two threads must never interleave collectives on one group.
         self._bg_group = dist.new_group(backend="gloo") if self._group is not None else None
+        self._closed = False
+
+    def _comm(self) -> Any:
+        """The group to talk over (None: a single rank, every call is local)."""
+        if self._closed and self.world > 1:
+            raise HpcckptError(f"rank {self.rank}: hpcckpt's rank agreement was used after Checkpointer.close() "
+                               "destroyed its groups; keep the Checkpointer open while training")
+        return self._group
 
     def background(self) -> Ranks:
         """The same ranks, talking over the background group (use from one background thread)."""
@@ -38,10 +48,11 @@ class Ranks:
 
     def any(self, flag: int) -> int:
         """Maximum of ``flag`` over all ranks (the agreed stop reason code)."""
-        if self._group is None:
+        group = self._comm()
+        if group is None:
             return flag
         t = torch.tensor([flag], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return int(t.item())
 
     def all(self, flag: bool) -> bool:
@@ -49,18 +60,20 @@ class Ranks:
 
     def gather_json(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (JSON-serialisable), on every rank."""
-        if self._group is None:
+        group = self._comm()
+        if group is None:
             return [obj]
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, json.dumps(obj), group=self._group)
+        dist.all_gather_object(out, json.dumps(obj), group=group)
         return [json.loads(s) for s in out]
 
     def broadcast_json(self, obj: Any) -> Any:
         """The coordinator's ``obj`` on every rank."""
-        if self._group is None:
+        group = self._comm()
+        if group is None:
             return obj
         box = [json.dumps(obj) if self.is_coordinator else None]
-        dist.broadcast_object_list(box, src=0, group=self._group)
+        dist.broadcast_object_list(box, src=0, group=group)
         return json.loads(box[0])  # type: ignore[arg-type]
 
     def close(self) -> None:
@@ -70,7 +83,9 @@ class Ranks:
         finalization, when its threads can no longer take the GIL; that aborts the
         process ("terminate called without an active exception") about one exit in
         ten on the development VM. Idempotent; the user's own groups are untouched.
+        Collectives after close raise (rather than silently acting alone).
         """
+        self._closed = True
         for name in ("_bg_group", "_group"):
             group = getattr(self, name)
             setattr(self, name, None)

@@ -71,6 +71,9 @@ def _targets(top: dict[str, Any], limits: dict[str, float], overhead: dict[str, 
         "load_vs_read": conc["load_vs_raw_read"], "load_vs_read_target": 0.85,
         "load_vs_read_limit": conc["load_gbps"] / limits["read_gbps"],
         "load_fresh_vs_read": conc["load_fresh_vs_raw_read"],
+        # the disk's own limit for bytes landing in new memory, and the load against it
+        "raw_read_fresh_vs_read": conc["raw_read_fresh_vs_raw_read"],
+        "load_fresh_vs_raw_read_fresh": conc["load_fresh_vs_raw_read_fresh"],
         # a load into new tensors cannot beat the first touch of fresh memory
         "load_vs_read_fresh_memory_ceiling": limits["fresh_memory_gbps"] / conc["raw_read_gbps"],
         "load_vs_torch_load": vs_torch, "load_vs_torch_load_target": 3.0,

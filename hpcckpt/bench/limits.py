@@ -58,19 +58,26 @@ def _dd(args: list[str]) -> float:
     return int(m.group(1)) / float(m.group(2))
 
 
-def parallel_read_bps(path: Path, *, threads: int = 4, block: int = 16 << 20) -> float:
-    """Read ``path`` with ``threads`` O_DIRECT readers (page cache where refused); bytes/s."""
+def parallel_read_bps(path: Path, *, threads: int = 4, block: int = 16 << 20, fresh: bool = False) -> float:
+    """Read ``path`` with ``threads`` O_DIRECT readers (page cache where refused); bytes/s.
+
+    ``fresh``: into one new, never-touched buffer the size of the file (where a load's
+    bytes must land) instead of a reused block per thread.
+    """
     size = path.stat().st_size
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     except OSError:
         fd = os.open(path, os.O_RDONLY)
-    bufs = [memoryview(native().aligned_buffer(block, 4096, True)) for _ in range(threads)]
+    padded = -(-size // 4096) * 4096
+    whole = memoryview(native().aligned_buffer(padded, 4096, False, False)) if fresh else None
+    bufs = [memoryview(native().aligned_buffer(block, 4096, True)) for _ in range(0 if fresh else threads)]
 
     def worker(k: int) -> None:
         for off in range(k * block, size, threads * block):
             # O_DIRECT wants whole blocks: the last one is rounded up (a short read at EOF).
-            os.preadv(fd, [bufs[k][:min(block, -(-(size - off) // 4096) * 4096)]], off)
+            n = min(block, -(-(size - off) // 4096) * 4096)
+            os.preadv(fd, [whole[off:off + n] if whole is not None else bufs[k][:n]], off)
 
     try:
         t0 = time.perf_counter()

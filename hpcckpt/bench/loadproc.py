@@ -8,6 +8,9 @@ and the first touch of new memory is part of what a load costs. Kinds::
     torch FILE ROOT STEP RIG_BYTES
                                  torch.load(weights_only=True) + load_state_dict into
                                  a freshly built model + optimizer
+    rawfresh FILE                the raw parallel O_DIRECT read of FILE, into new memory
+                                 (the disk's limit for bytes that must land where a
+                                 load's new tensors do)
 
 ``RIG_BYTES`` is the size the bench built its ``SyntheticRig`` from; the model is
 built from it again (parameters initialised, Adam without moments, as before any
@@ -50,8 +53,12 @@ def main(argv: list[str]) -> int:
         t0 = time.perf_counter()
         archive = torch.load(path, map_location="cpu", weights_only=True)
         rig.state.restore(Flat(tensors=archive["tensors"], meta=meta))
+    elif kind == "rawfresh":
+        from .limits import parallel_read_bps
+        path = Path(argv[1])
+        t0 = time.perf_counter() - path.stat().st_size / parallel_read_bps(path, fresh=True)
     else:
-        print(f"loadproc: unknown kind {kind!r} (resume | fresh | torch)", file=sys.stderr)
+        print(f"loadproc: unknown kind {kind!r} (resume | fresh | torch | rawfresh)", file=sys.stderr)
         return 2
     elapsed = time.perf_counter() - t0
     print(json.dumps({"load_s": elapsed}))

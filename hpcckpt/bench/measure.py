@@ -108,10 +108,11 @@ def measure_loads(roots: dict[str, Path], nbytes: int, *, rounds: int, rig_bytes
     (runs seconds apart on the same bytes), then the median over rounds, because
     this disk's speed drifts by 2x from minute to minute. Keys per engine:
     ``load_s``/``load_gbps`` (medians), ``load_fresh_s``, ``raw_read_gbps``,
-    ``load_vs_raw_read``, ``torch_load_s``, the ``*_all_s`` samples, ``cold_cache``.
+    ``load_vs_raw_read``, ``raw_read_fresh_vs_raw_read`` (the raw read into new memory,
+    in a fresh process), ``torch_load_s``, the ``*_all_s`` samples, ``cold_cache``.
     """
     infos = {name: catalog.find(root, None) for name, root in roots.items()}
-    kinds = ("load", "fresh", "raw", "torch_load")
+    kinds = ("load", "fresh", "raw", "raw_fresh", "torch_load")
     samples: dict[str, dict[str, list[float]]] = {n: {k: [] for k in kinds} for n in infos}
     method = ""
     for _ in range(max(1, rounds)):
@@ -124,6 +125,8 @@ def measure_loads(roots: dict[str, Path], nbytes: int, *, rounds: int, rig_bytes
             got["load"].append(_timed_in_fresh_process("resume", roots[name], info.step, rig_bytes))
             drop_caches([path])
             got["fresh"].append(_timed_in_fresh_process("fresh", roots[name], info.step))
+            drop_caches([path])
+            got["raw_fresh"].append(_timed_in_fresh_process("rawfresh", path))
             if fmt == "torch":
                 drop_caches([path])
                 got["torch_load"].append(_timed_in_fresh_process("torch", path, roots[name], info.step, rig_bytes))
@@ -136,6 +139,10 @@ def measure_loads(roots: dict[str, Path], nbytes: int, *, rounds: int, rig_bytes
             "load_vs_raw_read": statistics.median(r / l for r, l in zip(got["raw"], got["load"])),
             "load_fresh_s": statistics.median(got["fresh"]),
             "load_fresh_vs_raw_read": statistics.median(r / f for r, f in zip(got["raw"], got["fresh"])),
+            # the same raw read with its bytes landing in new memory, as a load's new tensors do
+            "raw_read_fresh_vs_raw_read": statistics.median(r / f for r, f in zip(got["raw"], got["raw_fresh"])),
+            "load_fresh_vs_raw_read_fresh": statistics.median(rf / f for rf, f in zip(got["raw_fresh"], got["fresh"])),
+            "raw_read_fresh_all_s": got["raw_fresh"],
             "load_all_s": got["load"], "load_fresh_all_s": got["fresh"], "raw_read_all_s": got["raw"],
             "cold_cache": method,
         }

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.native, pytest.mark.slow]
 ENGINE_KEYS = {"stall_s", "persist_s", "persist_gbps", "load_s", "load_gbps",
                # side-by-side references: the disk measured next to each checkpoint and load
                "raw_write_gbps", "persist_vs_raw_write", "raw_read_gbps", "load_vs_raw_read",
-               "load_fresh_s", "load_fresh_vs_raw_read"}
+               "load_fresh_s", "load_fresh_vs_raw_read", "raw_read_fresh_vs_raw_read"}
 
 
 def test_bench_quick_json_has_every_key(tmp_path: Path) -> None:

@@ -54,3 +54,4 @@ def test_failure_on_one_rank_fails_the_save_everywhere_and_the_next_commits(tmp_
     for r in results:
         assert "rank 1 was committing step 21, not step 20" in r["errors"]["mismatch"], r
         assert set(r["errors"]) == {"mismatch"}, r
+        assert "used after Checkpointer.close()" in r["after_close"], r

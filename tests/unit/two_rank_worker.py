@@ -48,6 +48,10 @@ def main() -> None:
             handle.wait()
         except Exception as exc:  # recorded for the test to check
             errors["mismatch"] = str(exc)
+    try:  # after close the groups are gone: a collective must say so, not act alone
+        ck.ranks.all(True)
+    except Exception as exc:
+        result["after_close"] = str(exc)
     (root / f"result-{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
