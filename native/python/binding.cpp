@@ -145,6 +145,7 @@ std::tuple<std::vector<uint32_t>, nb::dict> py_read_items(const std::string& pat
     d["buffered_bytes"] = stats.buffered_bytes;
     d["threads"] = stats.threads;
     d["bounced_bytes"] = stats.bounced_bytes;
+    d["direct_mem_align"] = stats.direct_mem_align;
     return {crcs, d};
 }
 

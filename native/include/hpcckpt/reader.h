@@ -8,8 +8,9 @@
  * file offset are 4 KiB-aligned bypass the page cache (O_DIRECT); the tail of
  * a chunk past its last full 4 KiB block, unaligned chunks, and files on file
  * systems that refuse O_DIRECT go through the page cache instead. A chunk whose
- * file offset is aligned but whose destination is not (memory from a general
- * allocator: a live model's parameters) is read with O_DIRECT into a small
+ * file offset is aligned but whose destination is not aligned as the file's
+ * O_DIRECT needs (statx STATX_DIOALIGN; 4 KiB when the kernel does not say), e.g.
+ * a live model's parameters on a disk wanting 512, is read with O_DIRECT into a small
  * aligned bounce buffer of the reading thread and copied over piece by piece,
  * checksummed while each piece is still in cache. */
 #ifndef HPCCKPT_READER_H
@@ -43,6 +44,7 @@ typedef struct hpcckpt_read_stats {
     uint64_t buffered_bytes;  /* bytes that came through the page cache */
     unsigned threads;         /* threads that ran */
     uint64_t bounced_bytes;   /* of direct_bytes: those that went through a bounce buffer */
+    uint64_t direct_mem_align; /* memory alignment O_DIRECT used (statx DIOALIGN, else 4096); 0: none */
 } hpcckpt_read_stats;
 
 /* Reads every item of `path`. threads == 0: chosen from the CPU count and the
