@@ -1,6 +1,7 @@
 """Two real ranks (gloo over loopback) and the concurrent engine: a save that fails
 to start on one rank fails on both, without hanging, and the next save commits; ranks
-that name different steps never produce a mixed checkpoint."""
+that name different steps never produce a mixed checkpoint; a restart restores in
+place on both ranks, and a checkpoint damaged on one rank sends both back together."""
 from __future__ import annotations
 
 import json
@@ -55,3 +56,5 @@ def test_failure_on_one_rank_fails_the_save_everywhere_and_the_next_commits(tmp_
         assert "rank 1 was committing step 21, not step 20" in r["errors"]["mismatch"], r
         assert set(r["errors"]) == {"mismatch"}, r
         assert "used after Checkpointer.close()" in r["after_close"], r
+        assert r["restored"] == 8 and r["in_place"] and r["equal"], r
+        assert r["fallback"] == 6, r  # rank 1's damaged step 8 made both ranks skip it

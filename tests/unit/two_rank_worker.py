@@ -3,15 +3,20 @@
 Run by tests/unit/test_two_ranks.py: ``python -m tests.unit.two_rank_worker RANK PORT ROOT``.
 Phase 1: Checkpointer saves every 2 steps; rank 1 cannot start the save of step 4
 (injected ENOSPC while staging). Phase 2: the ranks name different steps in one save.
+Phase 3: a restart restores step 8 in place on both ranks; then, in a copy whose
+step 8 is damaged on rank 1 only, both ranks fall back to step 6 together.
 Writes ROOT/result-RANK.json with what each save reported on this rank.
 """
 from __future__ import annotations
 
 import errno
 import json
+import shutil
 import sys
 from pathlib import Path
 
+import h5py
+import torch
 import torch.distributed as dist
 
 from hpcckpt.api import Checkpointer
@@ -52,8 +57,37 @@ def main() -> None:
         ck.ranks.all(True)
     except Exception as exc:
         result["after_close"] = str(exc)
+    result.update(restart(rank, root, objs))
     (root / f"result-{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
+
+
+def restart(rank: int, root: Path, trained: dict[str, object]) -> dict[str, object]:
+    """Phase 3, as a requeued job would see it (fresh objects, other initial values)."""
+    out: dict[str, object] = {}
+    want = {k: v.clone() for k, v in trained["model"].state_dict().items()}  # type: ignore[attr-defined]
+    objs = tiny_state(rank + 10)
+    ptrs = [p.data_ptr() for p in objs["model"].parameters()]
+    with Checkpointer(root / "ckpt", engine="concurrent", every_steps=None) as ck:
+        out["restored"] = ck.register(**objs)
+    out["in_place"] = ptrs == [p.data_ptr() for p in objs["model"].parameters()]
+    out["equal"] = all(torch.equal(objs["model"].state_dict()[k], v) for k, v in want.items())
+    if rank == 0:
+        shutil.copytree(root / "ckpt", root / "damaged")
+    dist.barrier()
+    if rank == 1:
+        path = root / "damaged" / "step-8" / "rank-1.h5"
+        with h5py.File(path, "r") as f:
+            offset = f["objects/model/0.weight"].id.get_offset()
+        with open(path, "r+b") as fh:
+            fh.seek(offset)
+            b = fh.read(1)
+            fh.seek(offset)
+            fh.write(bytes([b[0] ^ 0xFF]))
+    dist.barrier()
+    with Checkpointer(root / "damaged", engine="concurrent", every_steps=None) as ck:
+        out["fallback"] = ck.register(**tiny_state(rank + 20))
+    return out
 
 
 if __name__ == "__main__":
