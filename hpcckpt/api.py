@@ -137,11 +137,13 @@ class Checkpointer:
             # `hpcckpt run --mode criu --on-restore-failure fresh`: the user asked for a fresh start.
             log.warning("hpcckpt: HPCCKPT_CRIU_FALLBACK=fresh: not resuming from %s", self.root)
             return None
-        # Read straight into the live model/optimizer tensors where they match: no first
-        # touch of new memory, no second copy of the state (hdf5.read_tensors).
-        live = self.state.capture(step=self.step).tensors
+        live: dict[str, Any] | None = None
         overwritten = False  # live tensors now hold bytes of a checkpoint that was not restored
         for info in catalog.committed_newest_first(self.root):
+            if live is None:
+                # Read straight into the live model/optimizer tensors where they match: no
+                # first touch of new memory, no second copy of the state (hdf5.read_tensors).
+                live = self.state.capture(step=self.step).tensors
             stats: dict[str, Any] = {}
             try:
                 flat: Flat | None = load_rank(info, self.ranks.rank, self.ranks.world, into=live, stats=stats)

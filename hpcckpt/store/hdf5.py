@@ -235,7 +235,8 @@ def read_tensors(path: Path, entries: Mapping[str, TensorEntry], *, into: Mappin
     # a resume with 2/3 fresh (parameters in place), 1 thread 0.86-0.96x (2: 0.77-0.86x).
     fresh = sum(item[0].nbytes for item in items if item[2])
     total = sum(item[0].nbytes for item in items)
-    populate = max(1, min(native().usable_cpus(), 4, round(native().usable_cpus() * fresh / total))) if fresh else 0
+    cpus = native().usable_cpus()
+    populate = max(1, min(cpus, 4, round(cpus * fresh / total))) if fresh else 0
     try:
         crcs, info = native().read_items(str(path), items, threads=threads, direct=use_direct, populate=populate)
     except OSError as exc:

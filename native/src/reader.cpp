@@ -253,22 +253,18 @@ extern "C" int hpcckpt_read_items(const char* path, hpcckpt_read_item* items, si
 #else
     (void)direct;
 #endif
+    Reader r(path, items, fd, direct_fd);
+    r.chunk_bytes = chunk;
 #if defined(STATX_DIOALIGN) && defined(AT_EMPTY_PATH)
-    std::uint64_t mem_align = kDirectAlign;
     if (direct_fd >= 0) {
         struct statx sx {};
         if (::statx(direct_fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 && (sx.stx_mask & STATX_DIOALIGN) != 0) {
             // Only a plausible answer relaxes the 4 KiB rule (qemu-user sets the mask and
             // leaves the fields 0); where O_DIRECT is refused, the first read says so (EINVAL).
             const std::uint32_t m = sx.stx_dio_mem_align, o = sx.stx_dio_offset_align;
-            if (m != 0 && (m & (m - 1)) == 0 && m <= kDirectAlign && o != 0 && o <= kDirectAlign) mem_align = m;
+            if (m != 0 && (m & (m - 1)) == 0 && m <= kDirectAlign && o != 0 && o <= kDirectAlign) r.mem_align = m;
         }
     }
-#endif
-    Reader r(path, items, fd, direct_fd);
-    r.chunk_bytes = chunk;
-#if defined(STATX_DIOALIGN) && defined(AT_EMPTY_PATH)
-    r.mem_align = mem_align;
 #endif
     // Memory in use first: its reads keep the disk busy while the populating
     // threads fault in the fresh memory that comes after it.
