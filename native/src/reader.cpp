@@ -9,9 +9,11 @@
 #include <atomic>
 #include <cerrno>
 #include <condition_variable>
-#include <cstring>
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 

@@ -328,3 +328,17 @@ def test_native_cpp_tests_pass_on_arm64_under_qemu() -> None:
     assert "crc32c impl: armv8-crc" in proc.stdout
     assert "crc32c impl: software" in proc.stdout
     assert "barrier: dc cvac" in proc.stdout
+
+
+@pytest.mark.slow
+def test_native_sources_name_every_header_they_use() -> None:
+    """GCC 13+ and libc++ include less transitively than GCC 12: a missing #include
+    that builds here must still fail in CI, not on a user's GPU node."""
+    if shutil.which("clang++-16") is None:
+        pytest.skip("clang++-16 missing: run scripts/native-check-headers --install-only (scripts/bootstrap does)")
+    proc = subprocess.run([str(REPO / "scripts" / "native-check-headers")], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    n = len(list((REPO / "native").glob("src/*.cpp"))) + len(list((REPO / "native").glob("tests/*.cpp"))) + 1
+    assert f"libstdc++ 14: {n} files checked" in proc.stderr
+    assert f"libc++ 16 (no transitive includes): {n} files checked" in proc.stderr
