@@ -11,7 +11,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -19,8 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from ..errors import ConfigError, HpcckptError
 from ..ledger import Ledger
 from ..supervisor import Supervisor
+from .runtime import child_env, module_cmd, work_dir
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,6 +35,35 @@ class DemoOptions:
     dir: Path | None = None
     plot: bool = True
     step_sleep: float = 0.02
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        """Refuse options that would make the demo prove nothing (see ``check_options``)."""
+        check_options(self)
+
+
+def check_options(o: DemoOptions) -> None:
+    """Every preemption must land inside the run and leave steps to resume."""
+    if o.steps < 1:
+        raise ConfigError(f"--steps {o.steps}: the demo needs at least one step (e.g. --steps 60)")
+    if o.every < 1:
+        raise ConfigError(f"--every {o.every}: the checkpoint interval is at least 1 step (e.g. --every 10)")
+    if o.preemptions < 1:
+        raise ConfigError(f"--preemptions {o.preemptions}: the demo preempts at least once (e.g. --preemptions 1)")
+    if o.engine not in ("sync", "concurrent"):
+        raise ConfigError(f"--engine {o.engine!r}: use sync or concurrent (e.g. --engine concurrent)")
+    if o.device not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {o.device!r}: use cpu or cuda (e.g. --device cpu)")
+    bad = [s for s in o.preempt_at if not 1 <= s < o.steps]
+    if bad:
+        raise ConfigError(f"--preempt-at {','.join(map(str, bad))}: each step must lie in 1..{o.steps - 1} "
+                          f"(the run has --steps {o.steps}); e.g. --preempt-at {max(1, o.steps // 2)}")
+    if not o.preempt_at:
+        room = _random_range(o.steps)
+        if len(room) < o.preemptions:
+            raise ConfigError(f"--preemptions {o.preemptions} at random steps needs --steps of at least "
+                              f"{o.preemptions + 5} (got --steps {o.steps}); e.g. --steps 60 --preemptions "
+                              f"{o.preemptions}, or pick the steps with --preempt-at")
 
 
 def read_trace(path: Path) -> dict[int, str]:
@@ -49,17 +79,22 @@ def read_trace(path: Path) -> dict[int, str]:
 
 
 def train_cmd(run_dir: Path, o: DemoOptions, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "hpcckpt.demo.train", "--dir", str(run_dir), "--steps", str(o.steps),
+    """The training child; the working directory is not on its import path (``module_cmd``)."""
+    return [*module_cmd("hpcckpt.demo.train"), "--dir", str(run_dir), "--steps", str(o.steps),
             "--seed", str(o.seed), "--engine", o.engine, "--every", str(o.every),
-            "--step-sleep", str(o.step_sleep), *extra]
+            "--step-sleep", str(o.step_sleep), "--device", o.device, *extra]
+
+
+def _random_range(steps: int) -> range:
+    """Steps a random preemption may target: never the first two or the last three."""
+    return range(2, steps - 3)
 
 
 def pick_preempt_steps(o: DemoOptions) -> list[int]:
     if o.preempt_at:
-        return sorted(o.preempt_at)
+        return sorted(set(o.preempt_at))
     rng = random.Random(o.seed * 7919 + 17)
-    lo, hi = 2, max(3, o.steps - 3)
-    return sorted(rng.sample(range(lo, hi), k=min(o.preemptions, hi - lo)))
+    return sorted(rng.sample(_random_range(o.steps), k=o.preemptions))
 
 
 def run_preempted(run_dir: Path, o: DemoOptions, targets: list[int],
@@ -67,7 +102,7 @@ def run_preempted(run_dir: Path, o: DemoOptions, targets: list[int],
     """Run under the local supervisor, signalling when the trace reaches each target."""
     trace = run_dir / "trace.jsonl"
     sent: list[int] = []
-    sup = Supervisor(train_cmd(run_dir, o), max_restarts=len(targets) + 2)
+    sup = Supervisor(train_cmd(run_dir, o), max_restarts=len(targets) + 2, env=child_env(o.device))
     done = threading.Event()
 
     def watcher() -> None:
@@ -121,16 +156,22 @@ def plot(path: Path, ref: dict[int, str], got: dict[int, str], resumed: list[int
     plt.close(fig)
 
 
+class DemoFailed(HpcckptError):
+    """A demo child failed before there was anything to compare."""
+
+
 def run_demo(o: DemoOptions, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    base = Path(o.dir) if o.dir else Path(tempfile.mkdtemp(prefix="hpcckpt-demo-"))
-    base.mkdir(parents=True, exist_ok=True)
+    base = work_dir(Path(o.dir)) if o.dir else Path(tempfile.mkdtemp(prefix="hpcckpt-demo-"))
     ref_dir, run_dir = base / "reference", base / "preempted"
     for d in (ref_dir, run_dir):
         shutil.rmtree(d, ignore_errors=True)
-    progress(f"reference run: {o.steps} steps without interruption")
-    subprocess.run(train_cmd(ref_dir, o, "--no-checkpoint"), check=True)
+    progress(f"reference run: {o.steps} steps on {o.device} without interruption")
+    ref_code = subprocess.run(train_cmd(ref_dir, o, "--no-checkpoint"), env=child_env(o.device),
+                              check=False).returncode
+    if ref_code != 0:
+        raise DemoFailed(f"the reference run in {ref_dir} exited with status {ref_code} (its error is above)")
     targets = pick_preempt_steps(o)
-    progress(f"preempted run: {o.engine} engine, SIGUSR2 at steps {targets}")
+    progress(f"preempted run: {o.engine} engine on {o.device}, SIGUSR2 at steps {targets}")
     code, sent = run_preempted(run_dir, o, targets, progress)
     ref, got = read_trace(ref_dir / "trace.jsonl"), read_trace(run_dir / "trace.jsonl")
     events = Ledger(run_dir / "ckpt").read()
@@ -139,10 +180,11 @@ def run_demo(o: DemoOptions, progress: Callable[[str], None] = lambda s: None) -
     ref_res = json.loads((ref_dir / "result.json").read_text())
     got_res = json.loads((run_dir / "result.json").read_text()) if (run_dir / "result.json").exists() else {}
     diff = compare_params(ref_dir / "final.pt", run_dir / "final.pt") if got_res else float("inf")
-    identical = (code == 0 and ref == got and len(ref) == o.steps
-                 and got_res.get("param_digest") == ref_res["param_digest"] and diff == 0.0)
+    # Identical means something only if every preemption really happened and was resumed.
+    identical = (code == 0 and ref == got and len(ref) == o.steps and len(stops) == len(targets)
+                 and resumed == stops and got_res.get("param_digest") == ref_res["param_digest"] and diff == 0.0)
     result = {
-        "identical": identical, "steps": o.steps, "engine": o.engine, "seed": o.seed,
+        "identical": identical, "steps": o.steps, "engine": o.engine, "seed": o.seed, "device": o.device,
         "preempted_at": stops, "signalled_at": sent, "resumed_from": resumed,
         "max_abs_param_diff": diff, "losses_equal": ref == got,
         "param_digest": got_res.get("param_digest"), "reference_digest": ref_res["param_digest"],

@@ -38,6 +38,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trace", default=None, help="append per-step losses here (default DIR/trace.jsonl)")
     p.add_argument("--out-json", default=None, help="final result JSON (default DIR/result.json)")
     p.add_argument("--no-checkpoint", action="store_true", help="reference run without hpcckpt")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model trains (default cpu)")
     return p.parse_args(argv)
 
 
@@ -56,12 +57,27 @@ def init_distributed() -> tuple[int, int]:
     return rank, world
 
 
+def deterministic(device: str) -> None:
+    """Bit-for-bit repeatable training on ``device`` (CUDA: the parent sets
+    CUBLAS_WORKSPACE_CONFIG; attention runs on the math kernel, whose backward is
+    deterministic, instead of the fused ones)."""
+    torch.use_deterministic_algorithms(True)
+    if device == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        for name in ("enable_flash_sdp", "enable_mem_efficient_sdp", "enable_cudnn_sdp"):
+            if hasattr(torch.backends.cuda, name):
+                getattr(torch.backends.cuda, name)(False)
+
+
 def build(args: argparse.Namespace, rank: int, world: int) -> tuple[Any, ...]:
     torch.manual_seed(args.seed)
-    torch.use_deterministic_algorithms(True)
+    deterministic(args.device)
     cfg = ModelConfig(d_model=args.d_model, n_layers=args.layers)
     data = MarkovTokens(args.samples, cfg.seq_len, cfg.vocab, seed=1234 + args.seed)
-    model = TinyLM(cfg)
+    model = TinyLM(cfg).to(args.device)
     net: torch.nn.Module = model
     if world > 1:
         # find_unused_parameters=True keeps DDP from rebuilding its gradient buckets after
@@ -75,7 +91,9 @@ def build(args: argparse.Namespace, rank: int, world: int) -> tuple[Any, ...]:
     return model, net, opt, sched, sampler, loader
 
 
-def step_fn(net: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, batch: torch.Tensor) -> float:
+def step_fn(net: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, batch: torch.Tensor,
+            device: str = "cpu") -> float:
+    batch = batch.to(device)
     x, y = batch[:, :-1], batch[:, 1:]
     logits = net(x)
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
@@ -115,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.no_checkpoint:
         for step, batch in plain_loop(loader, sampler, args.steps):
-            record(step, step_fn(net, opt, sched, batch))
+            record(step, step_fn(net, opt, sched, batch, args.device))
     else:
         from ..api import preemptible
 
@@ -123,13 +141,13 @@ def main(argv: list[str] | None = None) -> int:
         def train(ckpt: Any) -> None:
             ckpt.register(model=model, optimizer=opt, scheduler=sched, sampler=sampler)
             for step, batch in ckpt.loop(loader, args.steps):
-                record(step, step_fn(net, opt, sched, batch))
+                record(step, step_fn(net, opt, sched, batch, args.device))
 
         train()
 
     if rank == 0:
-        torch.save({n: p.detach().clone() for n, p in model.state_dict().items()}, root / "final.pt")
-        out = {"steps": args.steps, "param_digest": param_digest(model), "world_size": world}
+        torch.save({n: p.detach().cpu().clone() for n, p in model.state_dict().items()}, root / "final.pt")
+        out = {"steps": args.steps, "param_digest": param_digest(model), "world_size": world, "device": args.device}
         Path(args.out_json or root / "result.json").write_text(json.dumps(out, indent=1) + "\n")
     if dist.is_initialized():
         dist.barrier()
