@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by scripts that take packages from another Debian suite without touching the
 # system's apt sources, dpkg database or C library (install-criu, native-check-headers).
 # private_apt_init DIR SUITE [MIRROR]: sets APT_OPTS (an array) for apt-get/apt-cache
