@@ -17,15 +17,23 @@ Life of one save (step S)::
                       record with per-tensor crc32c, commits over the background
                       process group, frees the slot, finishes the handle
 
-Staging is a ring of ``max_async`` prefaulted, 4 KiB-aligned host buffers (pinned
-when CUDA tensors are saved) sized from the registered state, allocated once per
-layout: the hot path allocates nothing. PCcheck keeps ``max_async + 1`` buffers
-because its snapshot fills one buffer before the persist of another may start;
-here the copy and the persist of one save share its slot, so the spare would never
-be used (it would cost a full copy of the state). A slot is freed once its bytes
-are durable, before the commit, so an admitted save never waits for one. A failed
-persist (ENOSPC, EIO) leaves the previous checkpoint untouched; its handle carries
-the error and raises it once.
+Staging (``staging.py``) is allocated once per layout and, when the engine can,
+off the step path: an optimizer post-hook notices new shapes (the optimizer state
+appears after the first step) and ``prepare()`` lays out the HDF5 file and
+allocates (pins, when CUDA tensors are saved) on a background thread; ``save()``
+only waits for it if it comes too soon. Without ``staging_bytes`` it is
+``max_async`` prefaulted, 4 KiB-aligned slots, each a full copy of the state.
+PCcheck keeps ``max_async + 1`` buffers because its snapshot fills one buffer
+before the persist of another may start; here the copy and the persist of one save
+share its slot, so the spare would never be used. A slot is freed once its bytes
+are durable, before the commit, so an admitted save never waits for one.
+
+With ``staging_bytes`` (smaller than the state, to spare host RAM), staging is a
+ring of chunks the state streams through on the finisher thread (``RingStream``):
+the pre-hook then waits until the last source byte is copied, which with a small
+ring means waiting for part of the persist. Pinned memory is released by
+``close()``. A failed persist (ENOSPC, EIO) leaves the previous checkpoint
+untouched; its handle carries the error and raises it once.
 """
 from __future__ import annotations
 
@@ -33,13 +41,13 @@ import json
 import logging
 import os
 import queue
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from .._core import native
@@ -47,8 +55,9 @@ from ..config import check_on_busy, from_env, parse_bool
 from ..errors import CheckpointFailed, ConfigError
 from ..state import Flat, TrainState
 from ..store.hdf5 import ALIGN, TensorEntry, plan_file, raw_bytes
-from .base import Engine, SaveContext, SaveHandle
 from ..ranks import Ranks
+from .base import Engine, SaveContext, SaveHandle
+from .staging import Ring, RingStream, Slot, flat_bytes, ring_shape
 
 log = logging.getLogger("hpcckpt.engines.concurrent")
 
@@ -103,6 +112,10 @@ class Layout:
     slot_bytes: int
     template: tuple[list[tuple[int, bytes]], int] | None = None
 
+    @property
+    def state_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())
+
     @staticmethod
     def plan(path: Path, specs: tuple[Spec, ...]) -> Layout:
         entries = plan_file(path, specs)
@@ -136,41 +149,81 @@ class Layout:
             os.close(fd)
 
 
-class Slot:
-    """One reusable staging buffer (prefaulted; pinned when CUDA tensors are saved)."""
-
-    def __init__(self, nbytes: int, *, pin: bool) -> None:
-        self.buffer = native().aligned_buffer(nbytes, ALIGN, True)
-        self.bytes = np.frombuffer(self.buffer, dtype=np.uint8)
-        self.tensor = torch.from_numpy(self.bytes)
-        self.pinned = False
-        if pin:
-            rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
-            self.pinned = int(rc) == 0
-            if not self.pinned:
-                log.warning("hpcckpt: cudaHostRegister of %d staging bytes failed (%s); D2H copies will be slower",
-                            nbytes, rc)
-        self.busy = False
-
-    def release(self) -> None:
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-            self.pinned = False
-
-
 @dataclass
 class EngineStats:
-    """What training saw: time inside save() and blocked in the optimizer pre-hook."""
+    """What training saw and what the copies and writes cost; read by ``hpcckpt bench``.
+
+    Names are stable (the bench reads them):
+
+    - ``saves`` / ``skipped``: saves started / skipped with ``on_busy="skip"``.
+    - ``save_call_s``: total seconds inside ``save()``; ``save_calls_s``: each call's
+      seconds, in order; ``first_save_call_s``: the first admitted call (it includes
+      staging allocation when ``prepare`` had not finished it in the background).
+    - ``hook_wait_s``: total seconds the optimizer pre-hook blocked training until
+      sources were staged (with a ring smaller than the state this includes waiting
+      for part of the persist). ``stall_s`` = ``save_call_s + hook_wait_s``.
+    - ``d2h_bytes`` / ``d2h_s``: bytes copied device-to-host and the seconds the
+      copies took on the side stream (CUDA events); 0 when nothing is on a GPU.
+    - ``persist_s``: per save, seconds from ``save()`` to every byte durable (before
+      the commit).
+    - ``prepare_s``: seconds spent laying out files and allocating (and pinning)
+      staging, in the background or, when it was not ready, inside ``save()``.
+    - ``staging_bytes`` / ``staging_pinned``: host staging held now (0 after close);
+      ``ring_chunks`` / ``ring_chunk_bytes``: its ring shape (0 without a budget).
+    """
 
     saves: int = 0
     skipped: int = 0
     save_call_s: float = 0.0
+    save_calls_s: list[float] = field(default_factory=list)
+    first_save_call_s: float | None = None
     hook_wait_s: float = 0.0
+    d2h_bytes: int = 0
+    d2h_s: float = 0.0
     persist_s: list[float] = field(default_factory=list)
+    prepare_s: float = 0.0
+    staging_bytes: int = 0
+    staging_pinned: bool = False
+    ring_chunks: int = 0
+    ring_chunk_bytes: int = 0
 
     @property
     def stall_s(self) -> float:
         return self.save_call_s + self.hook_wait_s
+
+
+@dataclass
+class Staging:
+    """A layout and the host memory that stages it: full slots, or one ring."""
+
+    key: tuple[tuple[Spec, ...], bool]
+    layout: Layout
+    slots: list[Slot]
+    ring: Ring | None
+
+    @property
+    def nbytes(self) -> int:
+        return self.ring.nbytes if self.ring else sum(s.nbytes for s in self.slots)
+
+    @property
+    def pinned(self) -> bool:
+        return self.ring.pinned if self.ring else any(s.pinned for s in self.slots)
+
+    def release(self) -> None:
+        if self.ring:
+            self.ring.release()
+        for s in self.slots:
+            s.release()
+
+
+@dataclass
+class _Prep:
+    """A staging being built on a background thread (``ConcurrentEngine.prepare``)."""
+
+    key: tuple[tuple[Spec, ...], bool]
+    thread: threading.Thread | None = None
+    staging: Staging | None = None
+    error: BaseException | None = None
 
 
 @dataclass
@@ -187,7 +240,18 @@ class _Job:
     started: float
     copied: threading.Event = field(default_factory=threading.Event)
     cuda_event: Any = None
+    d2h_events: tuple[Any, Any, int] | None = None  # (begin, end, bytes) of a slot's D2H copy
+    staging: Staging | None = None
+    ring: RingStream | None = None
+    sources: dict[str, Any] | None = None  # ring: flat byte views by name, held until copied
     error: BaseException | None = None  # failed before persisting: only the commit exchange is left
+
+
+def _specs(tensors: dict[str, torch.Tensor]) -> tuple[tuple[Spec, ...], bool]:
+    """The layout key of a capture: (name, dtype, shape) of each tensor, and whether to pin."""
+    specs = tuple((n, t.dtype, tuple(t.shape)) for n, t in tensors.items())
+    pin = any(t.is_cuda for t in tensors.values()) and torch.cuda.is_available()
+    return specs, pin
 
 
 class ConcurrentEngine(Engine):
@@ -195,7 +259,8 @@ class ConcurrentEngine(Engine):
 
     def __init__(self, ctx: SaveContext, ranks: Ranks, *, max_async: int = 1, writer_threads: int = 0,
                  memory_budget_bytes: int | None = None, direct: bool | None = None, on_busy: str | None = None,
-                 chunk_bytes: int | None = None) -> None:
+                 chunk_bytes: int | None = None, staging_bytes: int | None = None,
+                 ring_chunk_bytes: int | None = None) -> None:
         super().__init__(ctx, ranks)
         if max_async < 1:
             raise ConfigError(f"max_async must be >= 1, got {max_async}")
@@ -203,6 +268,10 @@ class ConcurrentEngine(Engine):
         self.on_busy = check_on_busy(on_busy if on_busy is not None else from_env("ON_BUSY", "wait", str))
         self.memory_budget_bytes = memory_budget_bytes if memory_budget_bytes is not None else from_env(
             "MEMORY_BUDGET_BYTES", None, int)  # type: ignore[arg-type]
+        self.staging_bytes = staging_bytes if staging_bytes is not None else from_env(
+            "STAGING_BYTES", None, int)  # type: ignore[arg-type]
+        self.ring_chunk_bytes = ring_chunk_bytes or from_env("RING_CHUNK_BYTES", None, int)  # type: ignore[arg-type]
+        self._check_budgets()
         # O_DIRECT by default: on the reference VM buffered pwrite + fdatasync of 1 GB ran at
         # 0.3-0.5 GB/s, O_DIRECT at 1.7-2.0 GB/s (the page cache copy and writeback cost more
         # than they save). File systems that refuse O_DIRECT fall back to the page cache.
@@ -210,12 +279,15 @@ class ConcurrentEngine(Engine):
         self.stats = EngineStats()
         self._pool = native().WriterPool(writer_threads, chunk_bytes or from_env("CHUNK_BYTES", 8 << 20, int))
         self._bg_ranks = ranks.background()
-        self._layout: Layout | None = None
-        self._slots: list[Slot] = []
+        self._staging: Staging | None = None
+        self._prep: _Prep | None = None
+        self._state: TrainState | None = None
+        self._prep_sig: tuple[int, ...] | None = None
         self._cond = threading.Condition()
         self._inflight: list[_Job] = []
         self._queue: queue.Queue[_Job | None] = queue.Queue()
-        self._hooks: dict[int, Any] = {}
+        self._hooks: dict[int, list[Any]] = {}
+        self._optimizers: list[torch.optim.Optimizer] = []
         self._safe: set[str] = set()
         self._safe_prefixes: tuple[str, ...] = ()
         self._stream: Any = None
@@ -223,22 +295,92 @@ class ConcurrentEngine(Engine):
         self._finisher = threading.Thread(target=self._finish_loop, name="hpcckpt-finisher", daemon=True)
         self._finisher.start()
 
+    def _check_budgets(self) -> None:
+        if self.staging_bytes is not None and self.staging_bytes <= 0:
+            raise ConfigError(f"staging_bytes must be a positive byte count or None, got {self.staging_bytes} "
+                              "(HPCCKPT_STAGING_BYTES)")
+        if (self.staging_bytes is not None and self.memory_budget_bytes is not None
+                and self.staging_bytes > self.memory_budget_bytes):
+            raise ConfigError(f"staging_bytes={self.staging_bytes} exceeds memory_budget_bytes="
+                              f"{self.memory_budget_bytes}; lower HPCCKPT_STAGING_BYTES or raise the budget")
+
+    @property
+    def _slots(self) -> list[Slot]:
+        """The full-copy slots in use (empty with a ring)."""
+        return self._staging.slots if self._staging else []
+
     # -- registration ----------------------------------------------------------
 
     def bind(self, state: TrainState) -> None:
-        """Hook every registered optimizer; main thread."""
+        """Hook every registered optimizer; main thread.
+
+        The pre-hook keeps ``optimizer.step()`` from overwriting un-staged sources;
+        the post-hook starts laying out staging in the background once the state's
+        shapes are known (optimizer state appears only after the first step).
+        """
+        self._state = state
         self._safe = state.background_safe()
         self._safe_prefixes = tuple(s for s in self._safe if s.endswith("/"))
         for obj in state.objects.values():
             if isinstance(obj, torch.optim.Optimizer) and id(obj) not in self._hooks:
-                self._hooks[id(obj)] = obj.register_step_pre_hook(self._before_step)
+                self._hooks[id(obj)] = [obj.register_step_pre_hook(self._before_step),
+                                        obj.register_step_post_hook(self._after_step)]
+                self._optimizers.append(obj)
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """optimizer.step() may overwrite parameters and state only once they are staged."""
         self.wait_copied()
 
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Main thread, after each step: prepare staging when the optimizer state's shape changed.
+
+        Costs a tuple of lengths per step; a capture (no copy) only when it changed.
+        """
+        sig = tuple(len(o.state) for o in self._optimizers)
+        if sig == self._prep_sig or self._state is None or self._closed:
+            return
+        self._prep_sig = sig
+        self.prepare(self._state.capture(step=0).tensors)
+
+    def prepare(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Lay out files and allocate (pin) staging for these tensors on a background thread.
+
+        Main thread; returns at once. A later ``save()`` of the same shapes uses the
+        result (waiting for it if it is still running) instead of allocating on the
+        step path. Failures are left to ``save()``, which redoes the work and reports.
+        """
+        key = _specs(tensors)
+        if (self._staging is not None and self._staging.key == key) or (self._prep and self._prep.key == key):
+            return
+        self._drop_prep()
+        prep = _Prep(key)
+        prep.thread = threading.Thread(target=self._prepare_in_background, args=(prep,),
+                                       name="hpcckpt-prepare", daemon=True)
+        self._prep = prep
+        prep.thread.start()
+
+    def _prepare_in_background(self, prep: _Prep) -> None:
+        """Runs on the prepare thread."""
+        try:
+            prep.staging = self._build_staging(prep.key)
+        except BaseException as exc:  # reported by save(), which retries on the main thread
+            prep.error = exc
+            log.debug("hpcckpt: background staging preparation failed: %s", exc)
+
+    def _drop_prep(self) -> None:
+        prep, self._prep = self._prep, None
+        if prep is not None:
+            if prep.thread is not None:
+                prep.thread.join()
+            if prep.staging is not None:
+                prep.staging.release()
+
     def wait_copied(self) -> float:
-        """Block until every save in flight has copied its sources; returns the seconds blocked."""
+        """Block until every save in flight has copied its sources; returns the seconds blocked.
+
+        The seconds are added to the blocked saves' ``handle.stall_s`` (the policy's
+        measured overhead) and to ``stats.hook_wait_s``.
+        """
         with self._cond:
             pending = [j for j in self._inflight if not j.copied.is_set()]
         if not pending:
@@ -248,11 +390,15 @@ class ConcurrentEngine(Engine):
             if job.cuda_event is not None:
                 # The GPU orders optimizer.step() after the D2H copy; the host does not wait.
                 torch.cuda.current_stream().wait_event(job.cuda_event)
-            else:
+            elif job.ring is None and job.batch is not None:
                 job.batch.wait_copied()
                 job.copied.set()
+            else:
+                job.copied.wait()  # the finisher streams the ring and sets it
         waited = time.monotonic() - t0
         self.stats.hook_wait_s += waited
+        for job in pending:
+            job.handle.stall_s = (job.handle.stall_s or 0.0) + waited
         return waited
 
     def _is_safe(self, name: str) -> bool:
@@ -268,6 +414,7 @@ class ConcurrentEngine(Engine):
             raise CheckpointFailed(f"checkpoint of step {step} under {self.ctx.root}: the engine is closed")
         t0 = time.monotonic()
         handle = SaveHandle(step)
+        admitted = False
         try:
             if not self._admit(step, final):
                 handle.finish(error=CheckpointFailed(
@@ -276,9 +423,14 @@ class ConcurrentEngine(Engine):
                     "untouched"))
                 self.stats.skipped += 1
                 return handle
+            admitted = True
             self._start(flat, step, handle, t0)
         finally:
-            self.stats.save_call_s += time.monotonic() - t0
+            dt = time.monotonic() - t0
+            self.stats.save_call_s += dt
+            self.stats.save_calls_s.append(dt)
+            if admitted and self.stats.first_save_call_s is None:
+                self.stats.first_save_call_s = dt
         return handle
 
     def _admit(self, step: int, final: bool) -> bool:
@@ -309,15 +461,17 @@ class ConcurrentEngine(Engine):
         raised here, because the user has to fix it.
         """
         tensors = dict(flat.tensors)
-        specs = tuple((n, t.dtype, tuple(t.shape)) for n, t in tensors.items())
         tmp = self.temp_path(step)
         fname = f"rank-{self.ranks.rank}.h5"
         slot: Slot | None = None
         try:
             tmp.mkdir(mode=0o700, parents=True, exist_ok=True)
-            layout = self._ensure_layout(tmp / fname, specs, tensors)
-            slot = self._take_slot()
-            job = self._stage(flat, step, handle, tmp, fname, layout, slot, tensors, started)
+            staging = self._ensure_staging(tmp / fname, _specs(tensors))
+            if staging.ring is not None:
+                job = self._stage_ring(flat, step, handle, tmp, fname, staging, tensors, started)
+            else:
+                slot = self._take_slot()
+                job = self._stage(flat, step, handle, tmp, fname, staging.layout, slot, tensors, started)
         except Exception as exc:
             if slot is not None:
                 self._free_slot(slot)
@@ -338,23 +492,62 @@ class ConcurrentEngine(Engine):
         self.stats.saves += 1
         self._queue.put(job)
 
-    def _ensure_layout(self, path: Path, specs: tuple[Spec, ...], tensors: dict[str, torch.Tensor]) -> Layout:
-        if self._layout is not None and self._layout.specs == specs:
-            self._layout.materialise(path)
-            return self._layout
-        # New tensors (first save, or optimizer state appeared): wait until no batch uses the old slots.
-        with self._cond:
-            self._cond.wait_for(lambda: not any(s.busy for s in self._slots))
-        for s in self._slots:
-            s.release()
-        self._slots = []
-        layout = Layout.plan(path, specs)
-        pin = any(t.is_cuda for t in tensors.values()) and torch.cuda.is_available()
-        n = self._slot_count(layout.slot_bytes)
-        self._slots = [Slot(layout.slot_bytes, pin=pin) for _ in range(n)]
-        self._layout = layout
-        log.info("hpcckpt: staging %d slots x %d bytes (%s)", n, layout.slot_bytes, "pinned" if pin else "pageable")
-        return layout
+    def _ensure_staging(self, path: Path, key: tuple[tuple[Spec, ...], bool]) -> Staging:
+        """The staging for these shapes, prepared in the background if possible; main thread."""
+        st = self._staging
+        if st is None or st.key != key:
+            prep, self._prep = self._prep, None
+            if prep is not None and prep.key == key:
+                assert prep.thread is not None
+                prep.thread.join()  # usually long finished; otherwise the save came too soon
+                st = prep.staging  # None after a failure: rebuilt below, which raises it here
+            elif prep is not None:
+                self._prep = prep
+                self._drop_prep()  # prepared for other shapes
+            if st is None:
+                st = self._build_staging(key)
+            self._install(st)
+        st.layout.materialise(path)
+        return st
+
+    def _build_staging(self, key: tuple[tuple[Spec, ...], bool]) -> Staging:
+        """Plan the HDF5 layout (in a scratch file) and allocate staging. Any thread."""
+        t0 = time.monotonic()
+        specs, pin = key
+        self.ctx.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, scratch = tempfile.mkstemp(dir=self.ctx.root, prefix=".hpcckpt-layout-", suffix=".h5")
+        os.close(fd)
+        try:
+            layout = Layout.plan(Path(scratch), specs)
+        finally:
+            os.unlink(scratch)
+        if self.staging_bytes is None:
+            n = self._slot_count(layout.slot_bytes)
+            staging = Staging(key, layout, [Slot(layout.slot_bytes, pin=pin) for _ in range(n)], None)
+            log.info("hpcckpt: staging %d slots x %d bytes (%s)", n, layout.slot_bytes,
+                     "pinned" if pin else "pageable")
+        else:
+            chunks, size = ring_shape(self.staging_bytes, layout.state_bytes, self.ring_chunk_bytes)
+            ring = Ring(chunks, size, [layout.entries[n] for n, _, _ in specs], pin=pin)
+            staging = Staging(key, layout, [], ring)
+            log.info("hpcckpt: staging ring %d x %d bytes for %d bytes of state in %d rounds (%s)",
+                     len(ring.chunks), size, layout.state_bytes, len(ring.rounds), "pinned" if pin else "pageable")
+        self.stats.prepare_s += time.monotonic() - t0
+        return staging
+
+    def _install(self, staging: Staging) -> None:
+        """Make ``staging`` current; the old one is released once no save in flight uses it."""
+        old = self._staging
+        if old is not None:
+            with self._cond:
+                self._cond.wait_for(lambda: not any(s.busy for s in old.slots)
+                                    and not any(j.staging is old for j in self._inflight))
+            old.release()
+        self._staging = staging
+        self.stats.staging_bytes, self.stats.staging_pinned = staging.nbytes, staging.pinned
+        ring = staging.ring
+        self.stats.ring_chunks = len(ring.chunks) if ring else 0
+        self.stats.ring_chunk_bytes = ring.chunk_bytes if ring else 0
 
     def _slot_count(self, slot_bytes: int) -> int:
         wanted = self.max_async
@@ -364,7 +557,8 @@ class ConcurrentEngine(Engine):
         if fits < 1:
             raise ConfigError(
                 f"memory_budget_bytes={self.memory_budget_bytes} cannot hold one staging copy of this rank's "
-                f"state ({slot_bytes} bytes); raise HPCCKPT_MEMORY_BUDGET_BYTES or use the sync engine")
+                f"state ({slot_bytes} bytes); raise HPCCKPT_MEMORY_BUDGET_BYTES, set HPCCKPT_STAGING_BYTES "
+                "for a smaller staging ring, or use the sync engine")
         if fits < wanted:
             log.warning("hpcckpt: memory budget allows %d staging slots of %d bytes, not %d; "
                         "max_async lowered to %d", fits, slot_bytes, wanted, fits)
@@ -405,24 +599,56 @@ class ConcurrentEngine(Engine):
                 # Mutated outside optimizer.step() (or not contiguous): copy now.
                 slot.tensor[off:off + e.nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
                 items[name] = batch.add(path, e.offset, dst)
-        job = _Job(handle, step, tmp, fname, json.loads(json.dumps(flat.meta)), layout, slot, batch, items, started)
+        job = _Job(handle, step, tmp, fname, json.loads(json.dumps(flat.meta)), layout, slot, batch, items, started,
+                   staging=self._staging)
         if gpu:
-            job.cuda_event = self._copy_to_host(gpu)
+            job.cuda_event, job.d2h_events = self._copy_to_host(gpu)
         else:
             batch.start()
         return job
 
-    def _copy_to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-        """D2H copies on a side stream into pinned staging; returns the event that marks them done."""
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
+    def _stage_ring(self, flat: Flat, step: int, handle: SaveHandle, tmp: Path, fname: str, staging: Staging,
+                    tensors: dict[str, torch.Tensor], started: float) -> _Job:
+        """Ring: keep views of the sources; the finisher streams them through the ring."""
+        assert staging.ring is not None
+        sources: dict[str, Any] = {}
+        cuda_device: torch.device | None = None
+        for name, t in tensors.items():
+            if not staging.layout.entries[name].nbytes:
+                continue
+            if not (self._is_safe(name) and t.is_contiguous()):
+                # Mutated outside optimizer.step() (small) or not contiguous: a private copy now
+                # (on the device for CUDA tensors, queued on the training stream, no host sync).
+                t = t.detach().clone(memory_format=torch.contiguous_format)
+            if t.is_cuda:
+                cuda_device = t.device
+            sources[name] = flat_bytes(t)
+        stream = ready = None
+        if cuda_device is not None:
+            stream = self._side_stream(cuda_device)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(cuda_device))
+        job = _Job(handle, step, tmp, fname, json.loads(json.dumps(flat.meta)), staging.layout, None, None, {},
+                   started, staging=staging, sources=sources,
+                   ring=RingStream(staging.ring, self._pool, direct=self.direct, stream=stream, ready=ready))
+        return job
+
+    def _side_stream(self, device: torch.device) -> Any:
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device=device)
+        return self._stream
+
+    def _copy_to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Any, tuple[Any, Any, int]]:
+        """D2H copies on a side stream into pinned staging; returns the done event and timing events."""
+        stream = self._side_stream(pairs[0][1].device)
+        stream.wait_stream(torch.cuda.current_stream(pairs[0][1].device))
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            begin.record(stream)
             for dst, src in pairs:
                 dst.copy_(src.detach().reshape(-1).view(torch.uint8), non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        return event
+            end.record(stream)
+        return end, (begin, end, sum(d.numel() for d, _ in pairs))
 
     # -- background ------------------------------------------------------------
 
@@ -438,20 +664,17 @@ class ConcurrentEngine(Engine):
         error: BaseException | None = job.error
         record: dict[str, Any] | None = None
         if error is None:
-            assert job.slot is not None
             try:
-                if job.cuda_event is not None:
-                    job.cuda_event.synchronize()
-                    job.batch.start()
-                job.batch.wait()
-                job.copied.set()
-                record = self._record(job)
+                crcs = self._persist_ring(job) if job.ring is not None else self._persist_slot(job)
+                record = self._record(job, crcs)
                 self.stats.persist_s.append(time.monotonic() - job.started)
             except Exception as exc:  # every rank must still take part in the commit exchange
                 error = exc
-                job.copied.set()
             finally:
-                self._free_slot(job.slot)
+                job.copied.set()
+                job.sources = None
+                if job.slot is not None:
+                    self._free_slot(job.slot)
         try:
             path = self.commit_step(job.step, job.tmp, record, error, job.started, ranks=self._bg_ranks)
         except Exception as exc:
@@ -462,12 +685,40 @@ class ConcurrentEngine(Engine):
             self._inflight.remove(job)
             self._cond.notify_all()
 
-    def _record(self, job: _Job) -> dict[str, Any]:
+    def _persist_slot(self, job: _Job) -> dict[str, int]:
+        """Finisher thread: wait for the D2H (if any), then for the batch; crcs by name."""
+        if job.cuda_event is not None:
+            job.cuda_event.synchronize()
+            job.batch.start()
+            if job.d2h_events is not None:
+                begin, end, nbytes = job.d2h_events
+                self.stats.d2h_bytes += nbytes
+                self.stats.d2h_s += begin.elapsed_time(end) / 1000.0
+        job.batch.wait()
+        job.copied.set()
+        return {name: job.batch.crc(i) for name, i in job.items.items()}
+
+    def _persist_ring(self, job: _Job) -> dict[str, int]:
+        """Finisher thread: stream the sources through the ring; crcs by name."""
+        assert job.ring is not None and job.sources is not None
+        stream = job.ring
+        try:
+            stream.copy_all(str(job.tmp / job.fname), job.sources)
+            job.sources = None
+            job.copied.set()  # optimizer.step() may go on
+            crcs = stream.finish()
+        except BaseException:
+            stream.abandon()
+            raise
+        self.stats.d2h_bytes += stream.result.d2h_bytes
+        self.stats.d2h_s += stream.result.d2h_s
+        return crcs
+
+    def _record(self, job: _Job, crcs: dict[str, int]) -> dict[str, Any]:
         assert job.layout is not None
         tensors: dict[str, Any] = {}
         for name, e in job.layout.entries.items():
-            crc = job.batch.crc(job.items[name]) if name in job.items else 0
-            tensors[name] = TensorEntry(e.name, e.dtype, e.shape, e.offset, e.nbytes, crc).to_json()
+            tensors[name] = TensorEntry(e.name, e.dtype, e.shape, e.offset, e.nbytes, crcs.get(name, 0)).to_json()
         return {"file": job.fname, "format": "hdf5", "meta": job.meta, "tensors": tensors}
 
     # -- lifecycle ---------------------------------------------------------------
@@ -482,17 +733,24 @@ class ConcurrentEngine(Engine):
             self._cond.wait_for(lambda: not self._inflight)
 
     def close(self) -> None:
-        """Wait for saves in flight, stop the finisher, unhook optimizers. Idempotent."""
+        """Wait for saves in flight, stop the finisher, unhook optimizers, release staging. Idempotent.
+
+        Pinned staging is unregistered here and its memory freed with the last reference.
+        """
         if self._closed:
             return
         self._closed = True
         self.drain()
         self._queue.put(None)
         self._finisher.join()
-        for hook in self._hooks.values():
-            hook.remove()
+        for hooks in self._hooks.values():
+            for hook in hooks:
+                hook.remove()
         self._hooks.clear()
+        self._optimizers.clear()
         self._pool.close()
-        for s in self._slots:
-            s.release()
-
+        self._drop_prep()
+        if self._staging is not None:
+            self._staging.release()
+            self._staging = None
+        self.stats.staging_bytes, self.stats.staging_pinned = 0, False

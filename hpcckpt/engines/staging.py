@@ -1,0 +1,261 @@
+"""Host staging for the concurrent engine: full slots, or a ring of chunks under a budget.
+
+Two shapes of staging, both allocated once per layout and off the step path when
+the engine can (``ConcurrentEngine.prepare``):
+
+- ``Slot``: one buffer holding a whole copy of the rank's state; one per save in
+  flight (``max_async``). The copy and the persist of one save share it.
+- ``Ring``: ``staging_bytes`` split into chunks that the state streams through.
+  The state is cut into *rounds*, one chunk each (``plan_rounds``); a round's
+  pieces are copied into its chunk (native memcpy for CPU sources, D2H on a side
+  stream for CUDA ones), then written by one native Batch; the chunk is reused
+  once that batch is durable. Sources are fully copied only once the last round
+  is copied, so with a ring smaller than the state, ``optimizer.step()`` waits
+  for part of the persist: that wait is the price of the smaller budget.
+
+State machine of one round (``RingStream``)::
+
+    wait chunk free (the batch of round r - chunks is durable)
+      -> copy pieces into the chunk (CPU: inside the batch; CUDA: D2H + event sync)
+      -> batch.start(): pwrite + fdatasync on the writer pool
+      -> retired: per-piece crc32c collected, chunk free
+
+Memory stays 4 KiB aligned and each piece sits at the same offset modulo 4 KiB in
+the chunk as in the file, so the writers can use O_DIRECT without a bounce buffer.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+import torch
+
+from .._core import native
+from ..errors import ConfigError
+from ..store.hdf5 import ALIGN, TensorEntry
+
+log = logging.getLogger("hpcckpt.engines.staging")
+
+RING_CHUNK_BYTES = 64 << 20  # default size of one ring chunk: big enough for full-speed pwrite
+MIN_RING_CHUNKS = 2  # one chunk being written while the next is filled
+
+
+def round_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+class Slot:
+    """One reusable, prefaulted, 4 KiB-aligned host buffer (pinned when CUDA tensors are saved).
+
+    Pinning uses ``cudaHostRegister`` on memory the native core allocated (torch's
+    pinned allocator rounds sizes up to a power of two: up to twice the memory).
+    Torch's binding releases the GIL, so a background thread may pin gigabytes
+    while training runs. ``release()`` unregisters; the memory itself is freed when
+    the last reference (this object, a numpy or torch view) is gone.
+    """
+
+    def __init__(self, nbytes: int, *, pin: bool) -> None:
+        self.buffer = native().aligned_buffer(nbytes, ALIGN, True)
+        self.bytes = np.frombuffer(self.buffer, dtype=np.uint8)
+        self.tensor = torch.from_numpy(self.bytes)
+        self.pinned = False
+        if pin:
+            rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
+            self.pinned = int(rc) == 0
+            if not self.pinned:
+                log.warning("hpcckpt: cudaHostRegister of %d staging bytes failed (%s); D2H copies will be slower",
+                            nbytes, rc)
+        self.busy = False
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.bytes.nbytes)
+
+    def release(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A byte range of one tensor: where it comes from, goes to in the file and sits in its chunk."""
+
+    name: str
+    src_off: int
+    nbytes: int
+    file_off: int
+    chunk_off: int
+
+
+def plan_rounds(entries: Iterable[TensorEntry], chunk_bytes: int) -> list[list[Piece]]:
+    """Cut tensors into pieces, packed into rounds of at most ``chunk_bytes`` each.
+
+    A piece sits at its file offset modulo 4 KiB inside the chunk; a tensor split
+    across rounds is cut where the chunk ends, which is then 4 KiB aligned in the
+    file too, so every piece's middle can go to disk with O_DIRECT.
+    """
+    if chunk_bytes < 2 * ALIGN or chunk_bytes % ALIGN:
+        raise ConfigError(f"ring chunk of {chunk_bytes} bytes: use a multiple of {ALIGN} of at least {2 * ALIGN}")
+    rounds: list[list[Piece]] = [[]]
+    cursor = 0
+    for e in entries:
+        done = 0
+        while done < e.nbytes:
+            f = e.offset + done
+            at = round_up(cursor, ALIGN) + f % ALIGN
+            if at >= chunk_bytes:
+                rounds.append([])
+                cursor, at = 0, f % ALIGN
+            n = min(e.nbytes - done, chunk_bytes - at)
+            rounds[-1].append(Piece(e.name, done, n, f, at))
+            cursor = at + n
+            done += n
+    return [r for r in rounds if r]
+
+
+def ring_shape(staging_bytes: int, state_bytes: int, chunk_bytes: int | None = None) -> tuple[int, int]:
+    """``(chunks, chunk_bytes)`` for a ring within ``staging_bytes``.
+
+    Never more than the state needs (plus alignment slack), at least
+    ``MIN_RING_CHUNKS`` chunks so the copy of one round overlaps the write of another.
+    """
+    if staging_bytes < MIN_RING_CHUNKS * 2 * ALIGN:
+        raise ConfigError(
+            f"staging_bytes={staging_bytes} is too small for a staging ring (at least "
+            f"{MIN_RING_CHUNKS * 2 * ALIGN} bytes); raise HPCCKPT_STAGING_BYTES or leave it unset "
+            "for a full copy per save in flight")
+    budget = min(staging_bytes, round_up(state_bytes, ALIGN) + MIN_RING_CHUNKS * 2 * ALIGN)
+    size = chunk_bytes or RING_CHUNK_BYTES
+    size = min(size, budget // MIN_RING_CHUNKS) // ALIGN * ALIGN
+    size = max(size, 2 * ALIGN)
+    return max(MIN_RING_CHUNKS, budget // size), size
+
+
+class Ring:
+    """``chunks`` staging chunks of ``chunk_bytes`` and the rounds of one layout."""
+
+    def __init__(self, chunks: int, chunk_bytes: int, entries: Iterable[TensorEntry], *, pin: bool) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.rounds = plan_rounds(entries, chunk_bytes)
+        # No more chunks than rounds: a state smaller than the budget needs no spare memory.
+        self.chunks = [Slot(chunk_bytes, pin=pin) for _ in range(max(1, min(chunks, len(self.rounds))))]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.chunks)
+
+    @property
+    def pinned(self) -> bool:
+        return any(c.pinned for c in self.chunks)
+
+    def release(self) -> None:
+        for c in self.chunks:
+            c.release()
+
+
+@dataclass
+class StreamResult:
+    """What one pass of the state through the ring produced."""
+
+    crcs: dict[str, int] = field(default_factory=dict)
+    d2h_bytes: int = 0
+    d2h_s: float = 0.0
+
+
+class RingStream:
+    """Stream one save's sources through a ``Ring``; runs on the finisher thread.
+
+    ``sources``: flat uint8 views by tensor name, a NumPy array (CPU, copied by the
+    native writers) or a CUDA tensor (copied on ``stream`` after ``ready``, an
+    event recorded on the training stream when the save began).
+    """
+
+    def __init__(self, ring: Ring, pool: Any, *, direct: bool, stream: Any = None, ready: Any = None) -> None:
+        self.ring, self.pool, self.direct = ring, pool, direct
+        self.stream, self.ready = stream, ready
+        self._inflight: deque[tuple[Any, list[tuple[Piece, int]]]] = deque()
+        self._pieces: dict[str, list[tuple[int, int, int]]] = {}
+        self.result = StreamResult()
+
+    def copy_all(self, path: str, sources: Mapping[str, np.ndarray | torch.Tensor]) -> None:
+        """Issue every round; returns once every source byte is in host staging.
+
+        With a ring smaller than the state this waits for earlier rounds to be
+        durable (their chunks are reused). Raises the first I/O error.
+        """
+        if self.stream is not None and self.ready is not None:
+            self.stream.wait_event(self.ready)
+        n = len(self.ring.chunks)
+        for r, pieces in enumerate(self.ring.rounds):
+            if len(self._inflight) >= n:
+                self._retire()
+            self._issue(path, self.ring.chunks[r % n], pieces, sources)
+        for batch, _ in self._inflight:
+            batch.wait_copied()
+
+    def finish(self) -> dict[str, int]:
+        """Wait until every round is durable; return each tensor's crc32c (pieces combined)."""
+        while self._inflight:
+            self._retire()
+        combine = native().crc32c_combine
+        for name, parts in self._pieces.items():
+            crc = 0
+            for i, (_, c, n) in enumerate(sorted(parts)):
+                crc = c if i == 0 else combine(crc, c, n)
+            self.result.crcs[name] = crc
+        return self.result.crcs
+
+    def abandon(self) -> None:
+        """After a failure: wait for the batches in flight so no chunk is written while reused."""
+        while self._inflight:
+            batch, _ = self._inflight.popleft()
+            try:
+                batch.wait()
+            except OSError:
+                pass  # the first error is already on its way to the handle
+
+    def _issue(self, path: str, chunk: Slot, pieces: list[Piece],
+               sources: Mapping[str, np.ndarray | torch.Tensor]) -> None:
+        batch = native().Batch(self.pool, self.direct)
+        items: list[tuple[Piece, int]] = []
+        gpu: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for p in pieces:
+            dst = chunk.bytes[p.chunk_off:p.chunk_off + p.nbytes]
+            src = sources[p.name]
+            if isinstance(src, torch.Tensor):
+                gpu.append((chunk.tensor[p.chunk_off:p.chunk_off + p.nbytes], src[p.src_off:p.src_off + p.nbytes]))
+                items.append((p, batch.add(path, p.file_off, dst)))
+            else:
+                items.append((p, batch.add(path, p.file_off, dst, src[p.src_off:p.src_off + p.nbytes])))
+        if gpu:
+            self._copy_to_host(gpu)
+        batch.start()
+        self._inflight.append((batch, items))
+
+    def _copy_to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """D2H of one round on the side stream; waits for it (the batch reads the chunk next)."""
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            begin.record(self.stream)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            end.record(self.stream)
+        end.synchronize()
+        self.result.d2h_bytes += sum(d.numel() for d, _ in pairs)
+        self.result.d2h_s += begin.elapsed_time(end) / 1000.0
+
+    def _retire(self) -> None:
+        batch, items = self._inflight.popleft()
+        batch.wait()
+        for p, item in items:
+            self._pieces.setdefault(p.name, []).append((p.src_off, batch.crc(item), p.nbytes))
+
+
+def flat_bytes(t: torch.Tensor) -> np.ndarray | torch.Tensor:
+    """A flat uint8 view of a contiguous tensor: NumPy for CPU, a CUDA tensor otherwise."""
+    flat = t.detach().reshape(-1).view(torch.uint8)
+    return flat if flat.is_cuda else flat.numpy()
