@@ -1,0 +1,231 @@
+"""The concurrent engine's staging: background preparation and the ring under a budget (CPU tensors).
+
+The ring streams the state through chunks smaller than it; the CUDA path of the
+same ring (D2H on a side stream) is covered by tests/gpu/test_engine_gpu.py.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpcckpt.engines.concurrent import ConcurrentEngine, Layout
+from hpcckpt.engines.staging import ALIGN, plan_rounds, ring_shape
+from hpcckpt.errors import CheckpointFailed, ConfigError
+from hpcckpt.store import catalog
+from hpcckpt.store.hdf5 import TensorEntry
+
+from .test_concurrent_engine import Rig, _fifo_instead_of_rank_file, assert_same
+
+pytestmark = pytest.mark.native
+
+
+def _state_bytes(tmp_path: Path, **options: object) -> int:
+    probe = Rig(tmp_path / "probe", width=256, **options)
+    try:
+        probe.train_step()
+        probe.engine.save(probe.state.capture(step=1), 1).wait(timeout=60)
+        assert probe.engine._staging is not None
+        return probe.engine._staging.layout.state_bytes
+    finally:
+        probe.engine.close()
+
+
+# -- the plan ------------------------------------------------------------------
+
+@pytest.mark.parametrize("chunk", [2 * ALIGN, 3 * ALIGN, 64 << 10])
+def test_rounds_cover_every_byte_once_aligned_as_in_the_file(chunk: int) -> None:
+    sizes = [1, 3, 4095, 4096, 4097, 0, 70_001, 2 * ALIGN, 123_457, 7]
+    entries, offset = [], 2048 + 5  # odd start: heads and tails are unaligned
+    for i, n in enumerate(sizes):
+        entries.append(TensorEntry(f"t{i}", "uint8", (n,), offset, n))
+        offset += n + (ALIGN if n > 60_000 else 3)
+    rounds = plan_rounds(entries, chunk)
+    covered: dict[str, list[tuple[int, int]]] = {}
+    for pieces in rounds:
+        spans = sorted((p.chunk_off, p.chunk_off + p.nbytes) for p in pieces)
+        assert all(hi <= chunk for _, hi in spans)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no overlap inside a chunk
+        for p in pieces:
+            assert p.nbytes > 0
+            assert p.chunk_off % ALIGN == p.file_off % ALIGN  # O_DIRECT needs both aligned alike
+            covered.setdefault(p.name, []).append((p.src_off, p.nbytes))
+    for e in entries:
+        parts = sorted(covered.get(e.name, []))
+        assert sum(n for _, n in parts) == e.nbytes
+        assert all(a[0] + a[1] == b[0] for a, b in zip(parts, parts[1:]))
+        pieces = [p for r in rounds for p in r if p.name == e.name]
+        for p in pieces[1:]:
+            assert p.file_off % ALIGN == 0  # a tensor is only cut at a 4 KiB boundary of the file
+            assert p.file_off == e.offset + p.src_off
+
+
+def test_ring_shape_stays_within_the_budget_and_is_refused_when_tiny() -> None:
+    for budget in (16 << 10, 100_003, 1 << 20, 300 << 20):
+        chunks, size = ring_shape(budget, 10 << 30)
+        assert chunks >= 2 and size % ALIGN == 0 and chunks * size <= budget
+    chunks, size = ring_shape(1 << 30, 1 << 20)  # a budget beyond the state is not all allocated
+    assert chunks * size <= (1 << 20) + 4 * 2 * ALIGN + size
+    with pytest.raises(ConfigError, match="staging_bytes"):
+        ring_shape(4096, 1 << 20)
+    with pytest.raises(ConfigError, match="multiple"):
+        plan_rounds([], 5000)
+
+
+# -- the ring in the engine, bit for bit ------------------------------------------
+
+@pytest.mark.parametrize("share", [1.0, 0.5, 0.25, "odd"])
+def test_ring_round_trip_is_exact_at_every_budget(tmp_path: Path, share: float | str) -> None:
+    state = _state_bytes(tmp_path)
+    budget = state // 4 + 3 * 4097 if share == "odd" else int(state * float(share))
+    rig = Rig(tmp_path / "ckpt", width=256, staging_bytes=budget, writer_threads=2, chunk_bytes=16 << 10)
+    try:
+        rig.train_step()
+        wants, handles = {}, []
+        for step in range(1, 5):
+            wants[step] = rig.snapshot(step)
+            handles.append(rig.engine.save(rig.state.capture(step=step), step))
+            rig.train_step()  # the pre-hook keeps this from overwriting un-copied sources
+        for h in handles:
+            assert h.wait(timeout=120)
+        for step, want in wants.items():
+            assert_same(rig.load(step), want)
+            _, problems = catalog.check(catalog.find(rig.root, step).path, full=True)
+            assert problems == []
+        st = rig.engine.stats
+        assert st.ring_chunks >= 1 and st.ring_chunks * st.ring_chunk_bytes == st.staging_bytes
+        assert st.staging_bytes <= max(budget, 0)
+        assert rig.engine._slots == []  # no full copy anywhere
+        assert len(st.save_calls_s) == 4 and st.first_save_call_s == st.save_calls_s[0]
+        assert len(st.persist_s) == 4 and st.d2h_bytes == 0  # nothing on a GPU
+    finally:
+        rig.engine.close()
+
+
+def test_ring_pre_hook_returns_only_once_every_source_byte_is_copied(tmp_path: Path) -> None:
+    state = _state_bytes(tmp_path)
+    rig = Rig(tmp_path / "ckpt", width=256, staging_bytes=state // 4, writer_threads=1, chunk_bytes=8 << 10)
+    try:
+        rig.train_step()
+        rig.model(torch.randn(8, rig.width)).square().mean().backward()
+        want = rig.snapshot(1)
+        seen: dict[str, bool] = {}
+
+        def after_engine_hook(opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+            job = rig.engine._inflight[0]
+            seen["copied"] = job.copied.is_set() and job.sources is None
+
+        hook = rig.opt.register_step_pre_hook(after_engine_hook)
+        handle = rig.engine.save(rig.state.capture(step=1), 1)
+        rig.opt.step()
+        hook.remove()
+        assert seen == {"copied": True}
+        assert handle.wait(timeout=60)
+        assert not torch.equal(rig.model.a.weight, want["objects/model/a.weight"])
+        assert_same(rig.load(1), want)
+        assert handle.stall_s is not None and handle.stall_s >= 0.0
+    finally:
+        rig.engine.close()
+
+
+def test_ring_with_several_saves_in_flight(tmp_path: Path) -> None:
+    state = _state_bytes(tmp_path)
+    rig = Rig(tmp_path / "ckpt", width=256, staging_bytes=state // 3, max_async=3, chunk_bytes=16 << 10)
+    try:
+        rig.train_step()
+        wants, handles = {}, []
+        for step in range(1, 7):
+            wants[step] = rig.snapshot(step)
+            handles.append(rig.engine.save(rig.state.capture(step=step), step))
+            rig.train_step()
+        for h in handles:
+            assert h.wait(timeout=120)
+        for step, want in wants.items():
+            assert_same(rig.load(step), want)
+    finally:
+        rig.engine.close()
+
+
+def test_ring_write_error_is_raised_once_and_the_ring_keeps_working(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    state = _state_bytes(tmp_path)
+    rig = Rig(tmp_path / "ckpt", width=256, staging_bytes=state // 4)
+    try:
+        rig.train_step()
+        want = rig.snapshot(1)
+        rig.engine.save(rig.state.capture(step=1), 1).wait(timeout=60)
+        rig.train_step()
+        monkeypatch.setattr(Layout, "materialise", lambda self, path: _fifo_instead_of_rank_file(path))
+        handle = rig.engine.save(rig.state.capture(step=2), 2)
+        rig.train_step()  # the hook must not hang on a failed stream
+        with pytest.raises(CheckpointFailed, match="step 2"):
+            handle.wait(timeout=60)
+        assert handle.wait(timeout=1) is True
+        assert_same(rig.load(1), want)
+        monkeypatch.undo()
+        want3 = rig.snapshot(3)
+        rig.engine.save(rig.state.capture(step=3), 3).wait(timeout=60)
+        assert_same(rig.load(3), want3)
+    finally:
+        rig.engine.close()
+
+
+def test_staging_budget_options_are_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match="staging_bytes"):
+        Rig(tmp_path / "a", staging_bytes=0)
+    with pytest.raises(ConfigError, match="memory_budget_bytes"):
+        Rig(tmp_path / "b", staging_bytes=1 << 20, memory_budget_bytes=1 << 19)
+    monkeypatch.setenv("HPCCKPT_STAGING_BYTES", "65536")
+    rig = Rig(tmp_path / "c")
+    try:
+        assert rig.engine.staging_bytes == 65536
+    finally:
+        rig.engine.close()
+    rig = Rig(tmp_path / "d", staging_bytes=8192)  # too small for a ring: said at the first save
+    try:
+        rig.train_step()
+        with pytest.raises(ConfigError, match="HPCCKPT_STAGING_BYTES"):
+            rig.engine.save(rig.state.capture(step=1), 1)
+        rig.engine.drain()
+    finally:
+        rig.engine.close()
+
+
+# -- preparation off the step path, release on close --------------------------------
+
+@pytest.mark.parametrize("budget", [None, "quarter"])
+def test_staging_is_prepared_after_the_first_step_and_used_by_the_first_save(tmp_path: Path,
+                                                                             budget: str | None) -> None:
+    staging_bytes = _state_bytes(tmp_path) // 4 if budget else None
+    rig = Rig(tmp_path / "ckpt", width=256, staging_bytes=staging_bytes)
+    try:
+        assert rig.engine._prep is None  # no optimizer state yet: nothing to lay out
+        rig.train_step()  # the optimizer state appears; the post-hook starts the preparation
+        prep = rig.engine._prep
+        assert prep is not None and prep.thread is not None
+        prep.thread.join(timeout=60)
+        assert prep.error is None and prep.staging is not None
+        assert rig.engine.stats.prepare_s > 0 and rig.engine.stats.saves == 0
+        assert not [p for p in rig.root.iterdir() if p.name.startswith(".hpcckpt-layout-")]  # scratch removed
+        want = rig.snapshot(1)
+        rig.engine.save(rig.state.capture(step=1), 1).wait(timeout=60)
+        assert rig.engine._staging is prep.staging  # the save allocated nothing itself
+        assert_same(rig.load(1), want)
+        rig.train_step()
+        assert rig.engine._prep is None  # same shapes: nothing more to prepare
+    finally:
+        rig.engine.close()
+    assert rig.engine._staging is None and rig.engine.stats.staging_bytes == 0
+
+
+def test_close_releases_staging_and_a_preparation_in_progress(tmp_path: Path) -> None:
+    rig = Rig(tmp_path / "ckpt", width=256)
+    rig.train_step()
+    prep = rig.engine._prep
+    rig.engine.close()
+    assert prep is not None and prep.thread is not None and not prep.thread.is_alive()
+    assert rig.engine._staging is None and rig.engine._prep is None
+    assert rig.engine.stats.staging_bytes == 0 and rig.engine.stats.staging_pinned is False
+    assert not [p for p in os.listdir(rig.root) if p.startswith(".hpcckpt-layout-")]
