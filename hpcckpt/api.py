@@ -29,6 +29,7 @@ from .config import CheckpointOptions, resolve_options
 from .data import ResumableSampler
 from .engines import SaveContext, SaveHandle, load_rank, make_engine
 from .errors import CheckpointCorrupt, ConfigError
+from .exitcodes import EXIT_REQUEUE
 from .ledger import Ledger
 from .policy import AutoInterval, Policy, StopReason
 from .ranks import Ranks
@@ -37,8 +38,6 @@ from .state import Flat, TrainState
 from .store import catalog
 
 log = logging.getLogger("hpcckpt")
-
-EXIT_REQUEUE = 75  # EX_TEMPFAIL: "restart me"; the local supervisor and templates rely on it
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -1,64 +1,74 @@
 """Tunables in one place. Each has an ``HPCCKPT_*`` environment override;
 an explicit argument always beats the environment.
+
+Every option and environment variable is validated here, once: its range, its
+unit, and for signals whether it can be caught and makes sense as a stop warning.
+A bad value is a ``ConfigError`` that names the option (or variable) and gives a
+valid example; nothing invalid reaches an engine or the native core.
 """
 from __future__ import annotations
 
+import logging
+import math
 import os
 import signal
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 from .errors import ConfigError
 
 T = TypeVar("T")
+log = logging.getLogger("hpcckpt.config")
 
 ENGINES = ("sync", "concurrent")
 ON_BUSY = ("wait", "skip")
+CLUSTERS = ("local", "slurm-cli", "pyslurm")
 DEFAULT_SIGNALS = ("SIGUSR2", "SIGTERM")
+# Signals that a scheduler sends as a warning and a handler can catch. Excluded on
+# purpose: KILL/STOP cannot be caught; SEGV/BUS/FPE/ILL/ABRT/TRAP/SYS are faults of
+# the process itself; CHLD/CONT/WINCH/URG/PIPE/TSTP/TTIN/TTOU/PROF/VTALRM/IO are
+# routine events that would stop training for no reason.
+STOP_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGALRM", "SIGXCPU")
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
-def from_env(name: str, default: T, parse: Callable[[str], T]) -> T:
-    """Read ``HPCCKPT_<name>``; a malformed value is an error naming the variable."""
-    raw = os.environ.get(f"HPCCKPT_{name}")
-    if raw is None or raw == "":
-        return default
-    try:
-        return parse(raw)
-    except (ValueError, KeyError) as exc:
-        raise ConfigError(f"environment variable HPCCKPT_{name}={raw!r} is invalid: {exc}") from exc
-
-
-def pick(explicit: T | None, name: str, default: T, parse: Callable[[str], T]) -> T:
-    """An explicit argument if given, else the environment, else the default."""
-    return explicit if explicit is not None else from_env(name, default, parse)
-
+# --- parsers: text -> value, ValueError with the rule on failure -----------------------------
 
 def parse_signal(name: str | int | signal.Signals) -> signal.Signals:
-    """'USR2', 'SIGUSR2', 12 or signal.SIGUSR2 -> signal.SIGUSR2."""
-    if isinstance(name, signal.Signals):
-        return name
-    if isinstance(name, int) or (isinstance(name, str) and name.isdigit()):
-        return signal.Signals(int(name))
-    key = name.strip().upper()
-    if not key.startswith("SIG"):
-        key = "SIG" + key
+    """'USR2', 'SIGUSR2', 12 or signal.SIGUSR2 -> signal.SIGUSR2; only ``STOP_SIGNALS``."""
+    valid = ", ".join(s.removeprefix("SIG") for s in STOP_SIGNALS)
     try:
-        return signal.Signals[key]
-    except KeyError:
-        valid = ", ".join(s.name for s in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT))
+        if isinstance(name, int) or (isinstance(name, str) and name.strip().isdigit()):
+            sig = signal.Signals(int(name))
+        else:
+            key = str(name).strip().upper()
+            sig = signal.Signals[key if key.startswith("SIG") else "SIG" + key]
+    except (KeyError, ValueError):
         raise ConfigError(f"unknown signal {name!r}; use one of {valid} (with or without SIG)") from None
+    if sig.name not in STOP_SIGNALS:
+        raise ConfigError(f"signal {sig.name} cannot serve as a stop warning (it cannot be caught, or it "
+                          f"reports a fault or a routine event); use one of {valid}")
+    return sig
 
 
-def parse_signals(raw: str) -> tuple[signal.Signals, ...]:
-    return tuple(parse_signal(s) for s in raw.split(",") if s.strip())
+def parse_signals(raw: str | tuple[str | int | signal.Signals, ...], *,
+                  option: str | None = None) -> tuple[signal.Signals, ...]:
+    """'SIGUSR2,SIGTERM' (or a tuple of names) -> signals, at least one, duplicates dropped.
 
-
-def check_on_busy(value: str) -> str:
-    """``value`` if it is a valid on_busy policy, else a ConfigError naming the choices."""
-    if value not in ON_BUSY:
-        raise ConfigError(f"on_busy={value!r}; use one of {', '.join(ON_BUSY)} (HPCCKPT_ON_BUSY)")
-    return value
+    ``option`` (e.g. "--signal") is named in the error.
+    """
+    items = raw.split(",") if isinstance(raw, str) else list(raw)
+    names = [s for s in items if not isinstance(s, str) or s.strip()]
+    try:
+        if not names:
+            raise ConfigError(f"no signal named in {raw!r}; name at least one, e.g. SIGUSR2,SIGTERM")
+        return tuple(dict.fromkeys(parse_signal(s) for s in names))
+    except ConfigError as exc:
+        if option is None:
+            raise
+        raise ConfigError(f"{option}={raw!r} is invalid: {exc}") from None
 
 
 def parse_bool(raw: str) -> bool:
@@ -70,6 +80,133 @@ def parse_bool(raw: str) -> bool:
     raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
 
 
+def parse_int(raw: str) -> int:
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise ValueError("expected a whole number") from None
+
+
+def parse_float(raw: str) -> float:
+    value = float(raw.strip())
+    if not math.isfinite(value):
+        raise ValueError("expected a finite number")
+    return value
+
+
+def parse_bytes(raw: str) -> int:
+    """'8388608', '8M', '8MiB', '1.5G' -> bytes (binary units)."""
+    text = raw.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = text[-1] if text and text[-1] in _UNITS else ""
+    try:
+        number = float(text.removesuffix(unit) if unit else text)
+    except ValueError:
+        raise ValueError("expected a byte count such as 8388608, 8M or 2GiB") from None
+    if not math.isfinite(number):
+        raise ValueError("expected a finite byte count")
+    return int(number * _UNITS[unit])
+
+
+def check_on_busy(value: str) -> str:
+    """``value`` if it is a valid on_busy policy, else a ConfigError naming the choices."""
+    if value not in ON_BUSY:
+        raise ConfigError(f"on_busy={value!r}; use one of {', '.join(ON_BUSY)} (HPCCKPT_ON_BUSY)")
+    return value
+
+
+# --- the table: every HPCCKPT_* tunable with its rule and an example --------------------------
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@dataclass(frozen=True)
+class Tunable:
+    """One option: ``env`` is its variable, ``rule`` says what is valid, ``ok`` tests a value."""
+
+    env: str
+    parse: Callable[[str], Any]
+    ok: Callable[[Any], bool]
+    rule: str
+    example: str
+
+
+TUNABLES: dict[str, Tunable] = {t.env.removeprefix("HPCCKPT_").lower(): t for t in (
+    Tunable("HPCCKPT_ENGINE", str, lambda v: v in ENGINES, f"one of {', '.join(ENGINES)}", "concurrent"),
+    Tunable("HPCCKPT_KEEP", parse_int, lambda v: _is_int(v) and v >= 1,
+            "a whole number >= 1 (the newest verified checkpoint is always kept)", "3"),
+    Tunable("HPCCKPT_OVERHEAD_BOUND", parse_float, lambda v: _is_num(v) and 0 < v <= 1,
+            "a fraction of step time in (0, 1]", "0.03"),
+    Tunable("HPCCKPT_DEADLINE_MARGIN_S", parse_float, lambda v: _is_num(v) and v >= 0,
+            "seconds >= 0 before the job's end time to stop", "30"),
+    Tunable("HPCCKPT_MAX_ASYNC", parse_int, lambda v: _is_int(v) and 1 <= v <= 64,
+            "a whole number of checkpoints in flight, 1 to 64", "2"),
+    Tunable("HPCCKPT_WRITER_THREADS", parse_int, lambda v: _is_int(v) and 0 <= v <= 1024,
+            "a whole number of threads, 0 (one per core) to 1024", "4"),
+    Tunable("HPCCKPT_ON_BUSY", str, lambda v: v in ON_BUSY, f"one of {', '.join(ON_BUSY)}", "skip"),
+    Tunable("HPCCKPT_MEMORY_BUDGET_BYTES", parse_bytes, lambda v: v is None or (_is_int(v) and v > 0),
+            "a positive byte count (K, M, G, T suffixes are binary)", "4GiB"),
+    Tunable("HPCCKPT_CHUNK_BYTES", parse_bytes, lambda v: _is_int(v) and 4096 <= v <= 1 << 32,
+            "a byte count from 4 KiB to 4 GiB", "8M"),
+    Tunable("HPCCKPT_DIRECT", parse_bool, lambda v: isinstance(v, bool), "1/0, true/false, yes/no, on/off",
+            "0"),
+    Tunable("HPCCKPT_CLUSTER", lambda s: s.strip().lower(), lambda v: v in CLUSTERS,
+            f"one of {', '.join(CLUSTERS)}", "slurm-cli"),
+    *(Tunable(f"HPCCKPT_REQUEUE_MAX_{key}", parse_int, lambda v: _is_int(v) and v >= 0,
+              "a whole number of requeues >= 0", "10")
+      for key in ("TIME_LIMIT", "PREEMPTION", "SIGNAL", "FAILURE", "FAILURES_WITHOUT_PROGRESS")),
+)}
+
+
+def validate(option: str, value: T, *, source: str | None = None) -> T:
+    """``value`` if valid for ``option`` (a key of TUNABLES), else a ConfigError naming it."""
+    spec = TUNABLES[option]
+    if spec.ok(value):
+        return value
+    where = source or f"{option}={value!r}"
+    raise ConfigError(f"{where} is invalid: expected {spec.rule}; e.g. {option}={spec.example} "
+                      f"or {spec.env}={spec.example}")
+
+
+def from_env(name: str, default: T, parse: Callable[[str], T]) -> T:
+    """Read ``HPCCKPT_<name>``; a malformed or out-of-range value is an error naming the variable.
+
+    Variables listed in TUNABLES are parsed and checked by their own rule (``parse`` is
+    then only the fallback for names the table does not know).
+    """
+    raw = os.environ.get(f"HPCCKPT_{name}")
+    if raw is None or raw.strip() == "":
+        return default
+    spec = TUNABLES.get(name.lower())
+    try:
+        value = (spec.parse if spec else parse)(raw)
+    except (ValueError, KeyError, ConfigError) as exc:
+        hint = f"; e.g. HPCCKPT_{name}={spec.example}" if spec else ""
+        raise ConfigError(f"environment variable HPCCKPT_{name}={raw!r} is invalid: {exc}{hint}") from None
+    if spec is not None:
+        validate(name.lower(), value, source=f"environment variable HPCCKPT_{name}={raw!r}")
+    return value  # type: ignore[no-any-return]
+
+
+def env_value(option: str, default: T) -> T:
+    """The validated ``HPCCKPT_<OPTION>`` for a key of TUNABLES, or ``default`` when unset."""
+    spec = TUNABLES[option]
+    return from_env(spec.env.removeprefix("HPCCKPT_"), default, spec.parse)
+
+
+def pick(explicit: T | None, name: str, default: T, parse: Callable[[str], T]) -> T:
+    """An explicit argument if given (checked by its rule), else the environment, else the default."""
+    if explicit is None:
+        return from_env(name, default, parse)
+    return validate(name.lower(), explicit) if name.lower() in TUNABLES else explicit
+
+
+# --- the options ------------------------------------------------------------------------------
+
 @dataclass(frozen=True, kw_only=True)
 class CheckpointOptions:
     """Where, how and how often to checkpoint (resolved; see ``resolve``)."""
@@ -80,7 +217,7 @@ class CheckpointOptions:
     auto_interval: bool = False
     overhead_bound: float = 0.03
     keep: int = 3
-    signals: tuple[signal.Signals, ...] = field(default_factory=lambda: tuple(parse_signal(s) for s in DEFAULT_SIGNALS))
+    signals: tuple[signal.Signals, ...] = field(default_factory=lambda: parse_signals(DEFAULT_SIGNALS))
     deadline_margin_s: float = 30.0
     max_async: int = 1
     writer_threads: int = 0
@@ -90,18 +227,51 @@ class CheckpointOptions:
     direct: bool = True
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ConfigError(f"unknown engine {self.engine!r}; valid engines: {', '.join(ENGINES)}")
-        if self.every_steps is not None and self.every_steps <= 0:
-            raise ConfigError(f"every_steps must be a positive integer or None, got {self.every_steps}")
-        if self.keep < 1:
-            raise ConfigError(f"keep must be >= 1 (the newest verified checkpoint is always kept), got {self.keep}")
-        if self.max_async < 1:
-            raise ConfigError(f"max_async must be >= 1, got {self.max_async}")
-        check_on_busy(self.on_busy)
-        if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
-            raise ConfigError(f"memory_budget_bytes must be a positive byte count or None, "
-                              f"got {self.memory_budget_bytes}")
+        if self.every_steps is not None and not (_is_int(self.every_steps) and self.every_steps > 0):
+            raise ConfigError(f"every_steps={self.every_steps!r} is invalid: use a positive integer, 'auto' "
+                              "or None; e.g. every_steps=100 or HPCCKPT_EVERY_STEPS=100")
+        for option in ("engine", "overhead_bound", "keep", "deadline_margin_s", "max_async", "writer_threads",
+                       "on_busy", "memory_budget_bytes", "direct"):
+            validate(option, getattr(self, option))
+        if not self.signals:
+            raise ConfigError("signals=() leaves no stop signal; e.g. signals=('SIGUSR2', 'SIGTERM') "
+                              "or HPCCKPT_SIGNALS=SIGUSR2,SIGTERM")
+        for sig in self.signals:
+            parse_signal(sig)
+
+
+def _every(raw: int | str | None) -> tuple[int | None, bool]:
+    """(every_steps, auto) from an argument or HPCCKPT_EVERY_STEPS: N, 'auto' or None."""
+    every = raw if raw is not None else from_env("EVERY_STEPS", None, str)
+    if isinstance(every, str) and every.strip().lower() == "auto":
+        return None, True
+    try:
+        n = None if every is None else int(every)
+    except ValueError:
+        n = 0
+    if n is not None and (n <= 0 or isinstance(every, (bool, float))):
+        where = "every_steps" if raw is not None else "environment variable HPCCKPT_EVERY_STEPS"
+        raise ConfigError(f"{where}={every!r} is invalid: use a positive integer, 'auto', or None; "
+                          "e.g. every_steps=100 or HPCCKPT_EVERY_STEPS=auto")
+    return n, False
+
+
+def warn_if_shared(root: Path) -> bool:
+    """Warn (once per call) when ``root`` exists and other users may write in it.
+
+    In a world-writable checkpoint directory another user can hold ``.hpcckpt.lock``
+    (stalling every commit) or plant files beside the checkpoints.
+    """
+    try:
+        mode = root.stat().st_mode
+    except OSError:
+        return False
+    if not stat.S_ISDIR(mode) or not mode & stat.S_IWOTH:
+        return False
+    log.warning("hpcckpt: checkpoint directory %s is writable by every user (mode %o): another user "
+                "could hold its lock and stall commits; use a private directory (chmod o-w %s, or "
+                "a subdirectory created with mode 0700)", root, stat.S_IMODE(mode), root)
+    return True
 
 
 def resolve_options(
@@ -121,28 +291,29 @@ def resolve_options(
 ) -> CheckpointOptions:
     """Build options from arguments, then ``HPCCKPT_*`` variables, then defaults."""
     raw_dir = dir if dir is not None else os.environ.get("HPCCKPT_DIR")
-    if not raw_dir:
-        raise ConfigError("no checkpoint directory: pass dir=... or set HPCCKPT_DIR")
-    sigs = tuple(parse_signal(s) for s in signals) if signals is not None else from_env(
-        "SIGNALS", tuple(parse_signal(s) for s in DEFAULT_SIGNALS), parse_signals)
-    every: int | str | None = pick(every_steps, "EVERY_STEPS", None, str)  # type: ignore[arg-type]
-    auto = isinstance(every, str) and every.strip().lower() == "auto"
-    try:
-        every_n = None if every is None or auto else int(every)
-    except ValueError:
-        raise ConfigError(f"every_steps={every!r}: use a positive integer, 'auto', or None") from None
+    if raw_dir is None or not str(raw_dir).strip():
+        raise ConfigError("no checkpoint directory: pass dir=... or set HPCCKPT_DIR, e.g. "
+                          "HPCCKPT_DIR=/scratch/$USER/run1/ckpt")
+    sigs = parse_signals(signals) if signals is not None else from_env(
+        "SIGNALS", parse_signals(DEFAULT_SIGNALS), parse_signals)
+    every_n, auto = _every(every_steps)
+    root = Path(raw_dir).expanduser().absolute()
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"checkpoint directory {root} is a file, not a directory; pass a directory, "
+                          "e.g. dir=/scratch/$USER/run1/ckpt")
+    warn_if_shared(root)
     return CheckpointOptions(
-        dir=Path(raw_dir).expanduser().absolute(),
+        dir=root,
         engine=pick(engine, "ENGINE", "sync", str),
         every_steps=every_n,
         auto_interval=auto,
-        overhead_bound=pick(overhead_bound, "OVERHEAD_BOUND", 0.03, float),
-        keep=pick(keep, "KEEP", 3, int),
+        overhead_bound=pick(overhead_bound, "OVERHEAD_BOUND", 0.03, parse_float),
+        keep=pick(keep, "KEEP", 3, parse_int),
         signals=sigs,
-        deadline_margin_s=pick(deadline_margin_s, "DEADLINE_MARGIN_S", 30.0, float),
-        max_async=pick(max_async, "MAX_ASYNC", 1, int),
-        writer_threads=pick(writer_threads, "WRITER_THREADS", 0, int),
+        deadline_margin_s=pick(deadline_margin_s, "DEADLINE_MARGIN_S", 30.0, parse_float),
+        max_async=pick(max_async, "MAX_ASYNC", 1, parse_int),
+        writer_threads=pick(writer_threads, "WRITER_THREADS", 0, parse_int),
         on_busy=pick(on_busy, "ON_BUSY", "wait", str),
-        memory_budget_bytes=pick(memory_budget_bytes, "MEMORY_BUDGET_BYTES", None, int),  # type: ignore[arg-type]
+        memory_budget_bytes=pick(memory_budget_bytes, "MEMORY_BUDGET_BYTES", None, parse_bytes),  # type: ignore[arg-type]
         direct=pick(direct, "DIRECT", True, parse_bool),
     )

@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-EXIT_REQUEUE = 75
+from .exitcodes import EXIT_REQUEUE
 
 log = logging.getLogger("hpcckpt.supervisor")
 

@@ -6,7 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
-from hpcckpt.cli.common import add_json, emit
+from hpcckpt.cli.common import add_json, directory, emit
 from hpcckpt.cluster.history import interruptions, load_events, summary
 from hpcckpt.errors import NoCheckpoint
 
@@ -32,7 +32,7 @@ def _when(epoch: float | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    events = load_events(args.dir)
+    events = load_events(directory(args.dir, option="DIR"))
     if not events:
         raise NoCheckpoint(f"{args.dir}/ledger.jsonl is missing or empty: no run has started "
                            "with this checkpoint directory (check the path)")

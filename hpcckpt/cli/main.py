@@ -8,6 +8,7 @@ its parser sets ``func=run`` with ``run(args) -> int``. Exit codes:
   2  bad usage or configuration (argparse, ConfigError)
   3  nothing to act on (no checkpoint, no job)
   4  an external tool or the scheduler failed (criu, scontrol, CUDA driver)
+ 70  an internal error (a bug; -vv prints the traceback)
  75  the job asked to be requeued (EX_TEMPFAIL; from `hpcckpt run`)
 """
 from __future__ import annotations
@@ -21,15 +22,17 @@ import sys
 from typing import Sequence
 
 from ..errors import ClusterError, ConfigError, CriuError, CudaCheckpointError, HpcckptError, NoCheckpoint
+from ..exitcodes import (EXIT_EXTERNAL, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NOTHING, EXIT_PROBLEM,
+                         EXIT_USAGE)
 
-EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, EXIT_NOTHING, EXIT_EXTERNAL = 0, 1, 2, 3, 4
+log = logging.getLogger("hpcckpt.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hpcckpt", description="Keep PyTorch training jobs alive on Slurm.",
         epilog="Exit codes: 0 ok, 1 problem found, 2 usage/config error, 3 nothing to act on, "
-               "4 external tool failed, 75 requeue requested.")
+               "4 external tool failed, 70 internal error, 75 requeue requested.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     sub.required = True
@@ -43,6 +46,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _code(exc: BaseException) -> int:
+    if isinstance(exc, ConfigError):
+        return EXIT_USAGE
+    if isinstance(exc, NoCheckpoint):
+        return EXIT_NOTHING
+    if isinstance(exc, (ClusterError, CriuError, CudaCheckpointError)):
+        return EXIT_EXTERNAL
+    return EXIT_PROBLEM
+
+
+def _os_message(exc: OSError) -> str:
+    """An OSError as a person reads it: what failed on which path, and what to check."""
+    where = f" {exc.filename!r}" if exc.filename is not None else ""
+    if exc.filename2 is not None:
+        where += f" -> {exc.filename2!r}"
+    hint = {NotADirectoryError: "a file was given (or is in the path) where a directory is expected",
+            IsADirectoryError: "a directory was given where a file is expected",
+            FileNotFoundError: "check the path",
+            PermissionError: "check the owner and mode (ls -ld) of the path"}.get(type(exc), "")
+    return f"{exc.strerror or exc}{where}" + (f" ({hint})" if hint else "")
+
+
+def _report(args: argparse.Namespace, message: str, kind: str) -> None:
+    if getattr(args, "json", False):
+        print(json.dumps({"error": message, "type": kind}))
+    else:
+        print(f"hpcckpt {args.verb}: error: {message}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -51,13 +83,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
     except HpcckptError as exc:
-        code = (EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_NOTHING if isinstance(exc, NoCheckpoint)
-                else EXIT_EXTERNAL if isinstance(exc, (ClusterError, CriuError, CudaCheckpointError))
-                else EXIT_PROBLEM)
-        if getattr(args, "json", False):
-            print(json.dumps({"error": str(exc), "type": type(exc).__name__}))
-        else:
-            print(f"hpcckpt {args.verb}: error: {exc}", file=sys.stderr)
-        return code
+        _report(args, str(exc), type(exc).__name__)
+        return _code(exc)
+    except OSError as exc:
+        _report(args, _os_message(exc), type(exc).__name__)
+        return EXIT_USAGE if isinstance(exc, (NotADirectoryError, IsADirectoryError)) else EXIT_PROBLEM
+    except Exception as exc:  # never a bare traceback for a user; the bug stays findable with -vv
+        log.debug("traceback of the internal error", exc_info=True)
+        _report(args, f"internal error {type(exc).__name__}: {exc}; this is a bug in hpcckpt: rerun with -vv "
+                      "to see the traceback and report it", type(exc).__name__)
+        return EXIT_INTERNAL

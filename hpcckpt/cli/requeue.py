@@ -15,10 +15,11 @@ import argparse
 import os
 from pathlib import Path
 
-from hpcckpt.cli.common import add_json, emit
-from hpcckpt.cluster import EXIT_REQUEUE, detect
+from hpcckpt.cli.common import add_json, directory, emit
+from hpcckpt.cluster import detect
 from hpcckpt.cluster.base import Cause
 from hpcckpt.errors import ConfigError
+from hpcckpt.exitcodes import EXIT_REQUEUE
 from hpcckpt.ledger import Ledger
 
 _STOP_REASON_CAUSE = {"deadline": Cause.TIME_LIMIT, "maintenance": Cause.MAINTENANCE,
@@ -41,7 +42,7 @@ def _state_dir(arg: Path | None) -> Path:
     raw = arg or (Path(os.environ["HPCCKPT_DIR"]) if os.environ.get("HPCCKPT_DIR") else None)
     if raw is None:
         raise ConfigError("hpcckpt requeue needs the checkpoint directory: pass --dir DIR or set HPCCKPT_DIR")
-    return raw
+    return directory(raw, option="--dir" if arg else "HPCCKPT_DIR", must_exist=False)
 
 
 def _last_stop(events: list[dict[str, object]]) -> dict[str, object] | None:

@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .common import add_json, emit
+from .common import add_json, directory, emit, positive_int, positive_seconds
 
 if TYPE_CHECKING:
     from ..criu.supervisor import RunOptions
@@ -28,14 +28,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--signal", default="USR2",
                    help="signal(s) that trigger a dump, comma-separated (default USR2; match "
                         "`#SBATCH --signal=B:USR2@90`; USR1 may be taken by NCCL)")
-    p.add_argument("--keep", type=int, default=2, help="images to keep (default 2)")
+    p.add_argument("--keep", type=positive_int, default=2, help="images to keep (default 2)")
     p.add_argument("--on-restore-failure", choices=("app", "fresh", "fail"), default="app",
                    help="app: start CMD again, it resumes from its own checkpoint (default); "
                         "fresh: start CMD with HPCCKPT_CRIU_FALLBACK=fresh; fail: exit 1")
     p.add_argument("--tcp-established", action="store_true",
                    help="dump/restore established TCP connections (same addresses needed at restore)")
     p.add_argument("--ext-unix-sk", action="store_true", help="allow unix sockets connected outside the job")
-    p.add_argument("--cuda-lock-timeout-s", type=float, default=60.0,
+    p.add_argument("--cuda-lock-timeout-s", type=positive_seconds, default=60.0,
                    help="how long CUDA lock may wait for submitted GPU work (default 60)")
     p.add_argument("--criu", default=None, help="criu binary (default: HPCCKPT_CRIU, site criu >= 4, "
                                                 "or the private install of scripts/install-criu)")
@@ -52,7 +52,8 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
-    return RunOptions(dir=args.dir, cmd=tuple(cmd), mode=args.mode, dump_signals=parse_signals(args.signal),
+    run_dir = directory(args.dir, option="--dir", must_exist=False)
+    return RunOptions(dir=run_dir, cmd=tuple(cmd), mode=args.mode, dump_signals=parse_signals(args.signal, option="--signal"),
                       keep=args.keep, on_restore_failure=args.on_restore_failure,
                       dump=DumpOptions(tcp_established=args.tcp_established, ext_unix_sk=args.ext_unix_sk),
                       cuda_lock_timeout_ms=int(args.cuda_lock_timeout_s * 1000), criu_path=args.criu)

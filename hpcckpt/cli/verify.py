@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from .common import add_json, emit
+from .common import add_json, directory, emit
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -24,8 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def _target(args: argparse.Namespace) -> list[tuple[int, Path]]:
     from ..errors import NoCheckpoint
     from ..store import catalog
-    infos = [i for i in catalog.scan(args.dir) if catalog.STEP_RE.match(i.path.name)]
-    if args.all:
+    infos = [i for i in catalog.scan(directory(args.dir, option="DIR")) if catalog.STEP_RE.match(i.path.name)]
+    if args.all and infos:
         return [(i.step, i.path) for i in infos]
     if args.step is not None:
         return [(i.step, i.path) for i in [catalog.find(args.dir, args.step)]]

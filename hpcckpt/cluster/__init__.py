@@ -12,11 +12,11 @@ import logging
 import os
 import shutil
 
-from hpcckpt.cluster.base import (EXIT_REQUEUE, Cause, Cluster, RequeueOutcome, Reservation,
-                                  node_is_draining)
+from hpcckpt.cluster.base import Cause, Cluster, RequeueOutcome, Reservation, node_is_draining
 from hpcckpt.cluster.env import JobEnv
 from hpcckpt.cluster.local import LocalCluster
 from hpcckpt.cluster.scontrol import SlurmCli
+from hpcckpt.exitcodes import EXIT_REQUEUE
 
 __all__ = ["EXIT_REQUEUE", "Cause", "Cluster", "JobEnv", "LocalCluster", "RequeueOutcome",
            "Reservation", "SlurmCli", "detect", "node_is_draining"]

@@ -23,8 +23,6 @@ from hpcckpt.cluster.env import JobEnv
 if TYPE_CHECKING:
     from hpcckpt.cluster.budget import BudgetOptions  # budget imports this module
 
-EXIT_REQUEUE = 75  # EX_TEMPFAIL; same value as hpcckpt.api.EXIT_REQUEUE
-
 
 class Cause(str, Enum):
     """Why a job stops; also the key of the per-cause requeue budgets."""

@@ -17,6 +17,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from hpcckpt.cluster.base import Cause
+from hpcckpt.config import env_value
 from hpcckpt.errors import ConfigError
 
 BUDGET_FILE = "requeue-budget.json"
@@ -36,16 +37,6 @@ _BUDGET_KEY = {
 }
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    if value in (None, ""):
-        return default
-    try:
-        return int(value)
-    except ValueError as err:
-        raise ConfigError(f"{name}={value!r} must be an integer (a requeue count)") from err
-
-
 @dataclass(frozen=True, kw_only=True)
 class BudgetOptions:
     """Maximum requeues per cause; each has an ``HPCCKPT_REQUEUE_MAX_<KEY>`` override."""
@@ -59,14 +50,9 @@ class BudgetOptions:
     @classmethod
     def from_env(cls) -> BudgetOptions:
         base = cls()
-        return cls(
-            max_time_limit=_env_int("HPCCKPT_REQUEUE_MAX_TIME_LIMIT", base.max_time_limit),
-            max_preemption=_env_int("HPCCKPT_REQUEUE_MAX_PREEMPTION", base.max_preemption),
-            max_signal=_env_int("HPCCKPT_REQUEUE_MAX_SIGNAL", base.max_signal),
-            max_failure=_env_int("HPCCKPT_REQUEUE_MAX_FAILURE", base.max_failure),
-            max_failures_without_progress=_env_int(
-                "HPCCKPT_REQUEUE_MAX_FAILURES_WITHOUT_PROGRESS", base.max_failures_without_progress),
-        )
+        return cls(**{name: env_value(f"requeue_{name}", getattr(base, name))
+                      for name in ("max_time_limit", "max_preemption", "max_signal", "max_failure",
+                                   "max_failures_without_progress")})
 
     def limit(self, key: str) -> int:
         return int(getattr(self, f"max_{key}"))
@@ -109,7 +95,9 @@ class _BudgetState:
                "last_failure_step": self.last_failure_step, "charged": self.charged[-50:],
                "history": self.history[-200:]}
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        with open(tmp, "w", encoding="utf-8") as fh:
+        # 0600: the budget is this job's own state, not for other users to read or edit.
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600),
+                  "w", encoding="utf-8") as fh:
             json.dump(doc, fh, indent=1, sort_keys=True)
             fh.flush()
             os.fsync(fh.fileno())
@@ -134,7 +122,7 @@ def charge(state_dir: Path, cause: Cause | str, *, attempt: str,
     key = _BUDGET_KEY[cause]
     state_dir.mkdir(parents=True, exist_ok=True)
     path = state_dir / BUDGET_FILE
-    with FileLock(str(path) + ".lock"):
+    with FileLock(str(path) + ".lock", mode=0o600):
         state = _BudgetState.load(path)
         decision = _decide(state, key, cause, attempt, committed_step, opts)
         if decision.allowed and attempt not in state.charged:

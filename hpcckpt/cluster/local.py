@@ -7,8 +7,9 @@ import logging
 import os
 from pathlib import Path
 
-from hpcckpt.cluster.base import EXIT_REQUEUE, Cause, ClusterBase, Reservation, RequeueOutcome
+from hpcckpt.cluster.base import Cause, ClusterBase, Reservation, RequeueOutcome
 from hpcckpt.cluster.budget import charge
+from hpcckpt.exitcodes import EXIT_REQUEUE
 
 log = logging.getLogger("hpcckpt.cluster")
 

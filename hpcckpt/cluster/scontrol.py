@@ -16,8 +16,9 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from hpcckpt.cluster.base import EXIT_REQUEUE, Cause, ClusterBase, Reservation, RequeueOutcome, node_is_draining
+from hpcckpt.cluster.base import Cause, ClusterBase, Reservation, RequeueOutcome, node_is_draining
 from hpcckpt.cluster.budget import charge
+from hpcckpt.exitcodes import EXIT_REQUEUE
 from hpcckpt.errors import ClusterError
 
 log = logging.getLogger("hpcckpt.cluster")

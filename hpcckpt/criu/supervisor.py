@@ -1,16 +1,41 @@
 """``hpcckpt run``: the supervisor a batch script runs instead of the bare command.
 
-Call sequence (``--mode criu``):
-  start:  newest committed image under DIR/criu? -> verify every file -> criu restore
-          (detached; we are the child subreaper) -> CUDA restore + unlock -> wait.
-          No image, or restore fails -> fallback: start CMD in a new PID namespace
-          (``app``: the application resumes from its own checkpoint; ``fresh``: the
-          job is told to ignore it via HPCCKPT_CRIU_FALLBACK=fresh), or exit (``fail``).
+Namespaces (``--mode criu``), and why. libcuda builds /proc paths from its own
+getpid()/gettid(), so a job in a new PID namespace needs a /proc of that namespace,
+hence its own mount namespace too; but criu serialises every mount of a mount
+namespace it dumps, and real GPU nodes have mounts it refuses (squashfs driver
+mounts, Lustre, GPFS, NFS, autofs). CRIU's criu-ns shape solves both:
+  * the job runs as PID 2 under nsinit (PID 1) in fresh PID + mount namespaces with
+    a fresh /proc (``unshare --pid --fork --mount-proc``; fds above 2 closed first);
+  * CUDA lock + checkpoint act on the job's host PIDs, only for processes that have
+    a CUDA context (see hpcckpt.cuda.group);
+  * ``criu dump -t 2`` runs from INSIDE the job's PID + mount namespaces (nsjoin.py):
+    neither is serialised, files reopen by path on the next node;
+  * ``criu restore`` runs inside fresh PID + mount namespaces under a new nsinit,
+    which sets the PID counter above the image's PIDs; the restored PID 2 cannot
+    clash with anything on the node; CUDA restore + unlock act on its host PID,
+    onto the same GPUs or, by UUID pairs, onto GPUs of the same model (driver >= 580).
+After a restore the job looks exactly like a fresh start, so every later dump takes
+the same path. Parent, signals, waiting: the job's parent is always nsinit (criu runs
+``--restore-detached`` under it and the orphaned PID 2 is re-parented to it); signals
+go from the supervisor to nsinit, which forwards them to PID 2; the supervisor waits
+for ``unshare`` (its own child), whose exit status is nsinit's, which is the job's.
+
+Call sequence:
+  start:  newest committed image under DIR/criu? -> verify every file -> GPUs here fit?
+          -> criu restore -> CUDA restore + unlock -> wait. No image, or restore
+          fails -> fallback: start CMD fresh (``app``: the application resumes from its
+          own checkpoint; ``fresh``: it is told to ignore it via
+          HPCCKPT_CRIU_FALLBACK=fresh), or exit (``fail``).
   signal: a dump signal -> CUDA lock + checkpoint -> criu dump into a Transaction ->
           commit (checksummed, fsync, rename, LATEST) -> retention -> requeue and exit.
           Any other catchable signal is forwarded to the job.
-          A dump that fails leaves the job running and forwards the signal to it, so an
-          application with its own handler can still save.
+  failed dump: the job keeps running (criu resumes it, CUDA is unlocked). The trigger
+          signal is forwarded only to the job's processes that catch it (SigCgt): a job
+          that does not would be killed by it and lose everything since its last save.
+          The failure is reported on stderr and in the ledger (``hpcckpt history``)
+          with the reason and what to change. No requeue from an older image: the
+          running job is ahead of it, and that image stays the one a later run restores.
   exit:   the job's exit status becomes ours; the newest image is marked consumed so a
           later run in the same DIR does not resurrect a finished job.
 Signal handlers only record; all work happens in the main loop.
@@ -30,18 +55,19 @@ from types import FrameType
 from typing import Any, Callable
 
 from ..errors import CheckpointCorrupt, CriuError, CudaCheckpointError, HpcckptError, NoCheckpoint
+from ..exitcodes import EXIT_REQUEUE
 from ..ledger import Ledger
 from ..store.commit import Transaction, atomic_write
 from ..store.lock import writer_lock
 from . import images, ops, proctree
 from .locate import Criu, find_criu
 
-EXIT_REQUEUE = 75  # EX_TEMPFAIL, the local supervisor's "restart me" (hpcckpt.api.EXIT_REQUEUE)
 MODES = ("criu", "app")
 FALLBACKS = ("app", "fresh", "fail")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGQUIT, signal.SIGALRM, signal.SIGXCPU, signal.SIGCONT)
 CONSUMED = "CONSUMED"
+NS_LAYOUT = 2  # images of the job tree at PID 2, dumped from inside its namespaces
 
 
 class _CommitFailed(CriuError):
@@ -141,10 +167,10 @@ class Supervisor:
         self._install_signals()
         if self.opts.mode == "app":
             proc = subprocess.Popen(list(self.opts.cmd))
-            job = ops.Job(init_pid=proc.pid, wait_pid=proc.pid, stdout=Path("/dev/stdout"), stderr=Path("/dev/stderr"))
+            job = ops.Job(init_pid=proc.pid, app_pid=proc.pid, wait_pid=proc.pid, stdout=Path("/dev/stdout"),
+                          stderr=Path("/dev/stderr"))
             self.outcome.exit_code = self._loop(job, dumps=False)
             return self.outcome
-        ops.set_child_subreaper()
         job = self._restore_or_start()
         if job is None:
             return self.outcome
@@ -217,7 +243,7 @@ class Supervisor:
             env["HPCCKPT_CRIU_FALLBACK"] = fallback
         job = ops.launch(list(self.opts.cmd), stdout=out, stderr=err, env=env,
                          log=self.root / "logs" / f"unshare-{self.tag}.log")
-        self.log(f"started {' '.join(self.opts.cmd)!r} in a new PID namespace (init PID {job.init_pid}); "
+        self.log(f"started {' '.join(self.opts.cmd)!r} in new PID + mount namespaces (host PID {job.app_pid}); "
                  f"stdout {out}, stderr {err}")
         return job
 
@@ -249,36 +275,58 @@ class Supervisor:
         t0 = time.monotonic()
         with writer_lock(self.root):
             manifest = images.verify(image)
+            if manifest.get("ns_layout") != NS_LAYOUT:
+                raise CriuError(f"{image.path} was dumped by an older hpcckpt (the job's namespace init inside "
+                                "the image); this version restores only images it made itself")
             verify_s = time.monotonic() - t0
+            pairs = self._gpu_plan(manifest)
             criu = self.criu()
             out, err = self._stdio_paths()
             logs = self.root / "logs"
-            logs.mkdir(parents=True, exist_ok=True)
             t1 = time.monotonic()
             job = ops.restore(criu, image.path, old_stdio=manifest.get("stdio", {}), new_stdout=out, new_stderr=err,
-                              log=logs / f"restore-{self.tag}.log", work_dir=logs, opts=self.opts.dump)
+                              log=logs / f"restore-{self.tag}.log", work_dir=logs, opts=self.opts.dump,
+                              last_pid=int(manifest["max_inner_id"]))
             criu_s = time.monotonic() - t1
-            self._restore_cuda(job, manifest)
+            self._restore_cuda(job, manifest, pairs)
         restore_s = time.monotonic() - t0
-        self.log(f"restored {image.name} in {restore_s:.2f} s (verify {verify_s:.2f} s, criu {criu_s:.2f} s); "
-                 f"init PID {job.init_pid}; stdout now {out}")
+        self.log(f"restored {image.name} in {restore_s:.2f} s (verify {verify_s:.2f} s, criu {criu_s:.2f} s) into "
+                 f"fresh namespaces; job host PID {job.app_pid}; stdout now {out}")
         self.ledger.append("criu_restore", image=image.name, restore_s=restore_s, verify_s=verify_s,
                            criu_s=criu_s, bytes=image.bytes_total())
         self.outcome.restored_from = image.name
         return job
 
-    def _restore_cuda(self, job: ops.Job, manifest: dict[str, Any]) -> None:
+    def _gpu_plan(self, manifest: dict[str, Any]) -> list[tuple[str, str]] | None:
+        """Before criu runs: can this node's GPUs take the image's CUDA processes?"""
         if not manifest.get("cuda_pids"):
-            return
-        from ..cuda import CudaCheckpoint, cuda_pids, restore_all
+            return None
+        from ..cuda import CudaCheckpoint
+        from ..cuda.gpumap import plan
 
-        pids = cuda_pids(job.init_pid)
+        cu = CudaCheckpoint()
+        pairs = plan(manifest.get("gpus", []), cu.gpus(), can_remap=cu.can_remap)
+        if pairs:
+            self.log("GPUs differ from the dump's; restoring CUDA state by UUID pairs "
+                     + ", ".join(f"{a} -> {b}" for a, b in pairs))
+        return pairs
+
+    def _restore_cuda(self, job: ops.Job, manifest: dict[str, Any], pairs: list[tuple[str, str]] | None) -> None:
+        inner = set(manifest.get("cuda_pids") or [])
+        if not inner:
+            return
+        from ..cuda import CudaCheckpoint, restore_all
+
+        pids = [p for p in proctree.tree(job.app_pid) if proctree.inner_pid(p) in inner]
         try:
-            restore_all(CudaCheckpoint(), pids)
+            if len(pids) != len(inner):
+                raise CudaCheckpointError(f"restored tree lacks CUDA processes {sorted(inner)} (found {pids})")
+            restore_all(CudaCheckpoint(), pids, pairs)
         except CudaCheckpointError:
             ops.kill_tree(job)
+            self._wait_gone(job)
             raise
-        self.log(f"CUDA state restored and unlocked for PIDs {pids}")
+        self.log(f"CUDA state restored and unlocked for host PIDs {pids}")
 
     # -- dump -------------------------------------------------------------------------
     def _on_dump_signal(self, job: ops.Job, sig: signal.Signals) -> int | None:
@@ -294,10 +342,8 @@ class Supervisor:
             self.ledger.append("criu_dump_failed", error=str(exc), signame=sig.name, job_ended=True)
             self._wait_gone(job)
             return self._requeue(None)
-        except (CriuError, CudaCheckpointError, OSError) as exc:
-            self.log(f"dump failed, the job keeps running: {exc}; forwarding {sig.name} so it can save itself")
-            self.ledger.append("criu_dump_failed", error=str(exc), signame=sig.name, job_ended=False)
-            ops.kill_tree(job, sig)
+        except (HpcckptError, OSError) as exc:
+            self._dump_failed(job, sig, exc)
             return None
         self._wait_gone(job)
         self.outcome.images.append(name)
@@ -311,38 +357,52 @@ class Supervisor:
             time.sleep(0.01)
         self._reap(job)
 
-    def _cuda_checkpoint(self, job: ops.Job) -> list[int]:
-        from ..cuda import cuda_pids
+    def _dump_failed(self, job: ops.Job, sig: signal.Signals, exc: BaseException) -> None:
+        from .failure import report
 
-        pids = cuda_pids(job.init_pid)
+        rep = report(job, sig, exc, root=self.root, consumed=self._consumed())
+        for line in rep.lines():
+            self.log(line)
+        self.ledger.append("criu_dump_failed", job_ended=False, **rep.as_dict())
+        ops.signal_pids(rep.forwarded_to, sig)
+
+    def _cuda_checkpoint(self, job: ops.Job) -> tuple[list[int], list[dict[str, Any]]]:
+        from ..cuda import CudaCheckpoint, checkpoint_all, cuda_pids
+
+        pids = cuda_pids(job.app_pid, log=self.log)
         if not pids:
-            return []
-        from ..cuda import CudaCheckpoint, checkpoint_all
-
+            return [], []
         t0 = time.monotonic()
-        checkpoint_all(CudaCheckpoint(), pids, lock_timeout_ms=self.opts.cuda_lock_timeout_ms)
-        self.log(f"CUDA state of PIDs {pids} locked and checkpointed in {time.monotonic() - t0:.2f} s")
-        return pids
+        cu = CudaCheckpoint()
+        gpus = [g.as_dict() for g in cu.gpus()]
+        pids = checkpoint_all(cu, pids, lock_timeout_ms=self.opts.cuda_lock_timeout_ms)
+        self.log(f"CUDA state of host PIDs {pids} locked and checkpointed in {time.monotonic() - t0:.2f} s")
+        return pids, gpus
 
     def _dump(self, job: ops.Job, sig: signal.Signals) -> str:
         criu = self.criu()
         seq = images.next_seq(self.root)
         name = images.image_name(seq)
-        cuda = self._cuda_checkpoint(job)
+        cuda, gpus = self._cuda_checkpoint(job)
+        cuda_inner = [proctree.inner_pid(p) or p for p in cuda]
         with Transaction(self.root, name) as tx:
             t0 = time.monotonic()
             try:
                 ops.dump(criu, job, tx.path, log=self.root / "logs" / f"dump-{seq:06d}.log", opts=self.opts.dump)
-            except CriuError:
-                if cuda:
+            except CriuError as exc:
+                if cuda:  # criu resumed the tree; give it its GPUs back before it needs them
                     from ..cuda import CudaCheckpoint, restore_all
 
-                    restore_all(CudaCheckpoint(), cuda)
+                    try:
+                        restore_all(CudaCheckpoint(), cuda)
+                    except CudaCheckpointError as cuda_exc:
+                        raise CriuError(f"{exc}; and bringing CUDA state back failed: {cuda_exc}") from exc
                 raise
             dump_s = time.monotonic() - t0
             t1 = time.monotonic()
             try:
-                tx.commit(self._manifest(job, seq, sig, criu, dump_s, cuda))
+                tx.commit(self._manifest(job, seq, sig, criu, dump_s, cuda_inner, gpus,
+                                         max_inner_id=images.max_task_id(tx.path)))
             except OSError as exc:
                 raise _CommitFailed(f"criu dumped the job but committing {tx.path} failed: {exc}") from exc
             commit_s = time.monotonic() - t1
@@ -356,14 +416,15 @@ class Supervisor:
         return name
 
     def _manifest(self, job: ops.Job, seq: int, sig: signal.Signals, criu: Criu, dump_s: float,
-                  cuda: list[int]) -> dict[str, Any]:
+                  cuda_inner: list[int], gpus: list[dict[str, Any]], *, max_inner_id: int) -> dict[str, Any]:
         return {
             "kind": images.KIND, "seq": seq, "created": time.time(), "host": socket.gethostname(),
             "job_id": os.environ.get("SLURM_JOB_ID"),
             "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
             "cmd": list(self.opts.cmd), "signal": sig.name, "criu_version": criu.version, "dump_s": dump_s,
             "stdio": {"stdout": str(job.stdout), "stderr": str(job.stderr)},
-            "cuda_pids": [proctree.inner_pid(p) or p for p in cuda],
+            "ns_layout": NS_LAYOUT, "max_inner_id": max_inner_id,
+            "cuda_pids": cuda_inner, "gpus": gpus,
             "dump_options": {"file_locks": self.opts.dump.file_locks,
                              "tcp_established": self.opts.dump.tcp_established,
                              "ext_unix_sk": self.opts.dump.ext_unix_sk},
