@@ -16,10 +16,69 @@ hooks_staging_root() {
     printf '%s\n' "${root//%n/${SLURMD_NODENAME:-$(hostname)}}"
 }
 
+# hooks_dir_problem DIR [OWNER_UIDS]: prints why root must not write in DIR, nothing when
+# it may. DIR must be a real directory owned by one of OWNER_UIDS (default: us, i.e.
+# root in Slurm), and nobody else may rename entries in it: no group/other write
+# unless the sticky bit is set (a shared 1777 directory like /tmp is fine).
+hooks_dir_problem() {
+    local dir="$1" owners="${2:-$EUID}" owner mode
+    if [[ -L $dir ]]; then
+        echo "it is a symbolic link"
+        return 0
+    fi
+    if [[ ! -d $dir ]]; then
+        echo "it is not a directory"
+        return 0
+    fi
+    owner="$(stat -c %u -- "$dir")" || { echo "it cannot be read (stat failed)"; return 0; }
+    mode="$(stat -c %a -- "$dir")" || { echo "it cannot be read (stat failed)"; return 0; }
+    if [[ " $owners " != *" $owner "* ]]; then
+        echo "it is owned by uid $owner, not by uid ${owners// / or uid }"
+        return 0
+    fi
+    if (((8#$mode & 8#022) && !(8#$mode & 8#1000))); then
+        echo "group or other users may write in it (mode $mode) and it has no sticky bit"
+    fi
+    return 0
+}
+
+# hooks_root_problem ROOT: hooks_dir_problem for the staging root itself (ours) and
+# every directory above it (ours or root's): otherwise a user could swap a parent.
+hooks_root_problem() {
+    local root="$1" dir problem
+    problem="$(hooks_dir_problem "$root")"
+    if [[ -n $problem ]]; then
+        printf '%s\n' "$problem"
+        return 0
+    fi
+    dir="$(dirname -- "$root")"
+    while [[ $dir != / && $dir != . ]]; do
+        problem="$(hooks_dir_problem "$dir" "$EUID 0")"
+        if [[ -n $problem ]]; then
+            printf '%s\n' "its parent $dir is unsafe: $problem"
+            return 0
+        fi
+        dir="$(dirname -- "$dir")"
+    done
+    return 0
+}
+
+# hooks_log HOOK MESSAGE: one line on stderr (slurmd's log) and in syslog when it is there.
+hooks_log() {
+    echo "hpcckpt $1: $2" >&2
+    command -v logger >/dev/null 2>&1 && logger -t "hpcckpt-$1" -- "$2" 2>/dev/null
+    return 0
+}
+
 # JSON string escaping in pure bash: the hooks must not depend on a Python on the node.
+# Valid UTF-8 passes through; a string that is not UTF-8 (Slurm takes any bytes as a
+# job name) has each byte >= 0x80 written as \u00XX, so the line stays valid JSON.
 hooks_json_string() {
-    local s="$1" out="" c i code
+    local s="$1" out="" c i code utf8=0
     local LC_ALL=C
+    if printf '%s' "$s" | iconv -f UTF-8 -t UTF-8 >/dev/null 2>&1; then
+        utf8=1
+    fi
     for ((i = 0; i < ${#s}; i++)); do
         c="${s:i:1}"
         case "$c" in
@@ -30,7 +89,8 @@ hooks_json_string() {
         $'\t') out+='\t' ;;
         *)
             printf -v code '%d' "'$c"
-            if ((code >= 0 && code < 32)) || ((code == 127)); then
+            ((code < 0)) && code=$((code + 256))
+            if ((code < 32 || code == 127 || (code >= 128 && !utf8))); then
                 printf -v c '\\u%04x' "$code"
             fi
             out+="$c"
@@ -38,6 +98,31 @@ hooks_json_string() {
         esac
     done
     printf '"%s"' "$out"
+}
+
+# hooks_append HOOK FILE LINE: append LINE to FILE without ever following a symlink
+# (O_NOFOLLOW), and only to a file of ours with one link; new files are 0600. A file
+# a user planted is logged and skipped: a hook never fails over a user's file.
+hooks_append() {
+    local hook="$1" file="$2" line="$3" owner links
+    if [[ -L $file || (-e $file && ! -f $file) ]]; then
+        hooks_log "$hook" "not writing to '$file': it is a symbolic link or not a regular file; remove it"
+        return 0
+    fi
+    if [[ -e $file ]]; then
+        owner="$(stat -c %u -- "$file")" links="$(stat -c %h -- "$file")"
+        if [[ $owner != "$EUID" || $links != 1 ]]; then
+            hooks_log "$hook" "not writing to '$file': owned by uid $owner with $links link(s), expected uid $EUID with 1; remove it"
+            return 0
+        fi
+    fi
+    # One write(2) of the whole line (fullblock) to an O_APPEND file does not
+    # interleave with another node's or job's record.
+    if ! printf '%s\n' "$line" | (umask 077 && exec dd of="$file" oflag=append,nofollow conv=notrunc \
+        bs=65536 iflag=fullblock status=none 2>/dev/null); then
+        hooks_log "$hook" "could not append a record to '$file'"
+    fi
+    return 0
 }
 
 # hooks_record ROOT EVENT KEY VALUE [KEY VALUE]...: append one JSON line to
@@ -52,9 +137,7 @@ hooks_record() {
         shift 2
     done
     line+="}"
-    # One write(2) of a short line to an O_APPEND file does not interleave with
-    # another node's or job's record.
-    printf '%s\n' "$line" >>"$root/hooks.jsonl"
+    hooks_append "$event" "$root/hooks.jsonl" "$line"
 }
 
 # The job's name as Slurm holds it (may contain anything but NUL); "" when unknown.

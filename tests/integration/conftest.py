@@ -1,7 +1,9 @@
 """Real-Slurm fixtures: a 2-node cluster on loopback (slurm/localcluster) for the session.
 
-The cluster is started once and left running at the end (``slurm/localcluster down``
-stops it); jobs run the project's own venv Python, so nothing is mocked.
+The cluster is started once per session and stopped at its end (slurmctld, both
+slurmd, and munged when the suite started it) unless it was already up before the
+session: then it is the user's and is left running. Jobs run the project's own venv
+Python, so nothing is mocked.
 """
 
 from __future__ import annotations
@@ -150,9 +152,33 @@ def _require_tools() -> None:
         pytest.skip("slurm/localcluster runs slurmctld/slurmd as root; run the slurm tier as root")
 
 
+def _already_up() -> bool:
+    """True when a local cluster is running before the suite touches it (status exits 0)."""
+    proc = subprocess.run([str(LOCALCLUSTER), "status"], capture_output=True, text=True, timeout=60,
+                          check=False)
+    return proc.returncode == 0
+
+
+def _down() -> None:
+    """Stop what the suite started; a failure here is reported, not hidden."""
+    proc = subprocess.run([str(LOCALCLUSTER), "down"], capture_output=True, text=True, timeout=180,
+                          check=False)
+    if proc.returncode != 0:
+        pytest.fail(f"slurm/localcluster down failed:\n{proc.stdout}\n{proc.stderr}")
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[SlurmCluster]:
     _require_tools()
+    was_up = _already_up()
+    try:
+        yield from _cluster_up()
+    finally:
+        if not was_up:
+            _down()
+
+
+def _cluster_up() -> Iterator[SlurmCluster]:
     proc = subprocess.run([str(LOCALCLUSTER), "up", "--nodes", "2"], capture_output=True,
                           text=True, timeout=180, check=False)
     if proc.returncode != 0:

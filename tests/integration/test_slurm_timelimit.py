@@ -1,6 +1,9 @@
 """Time limit: `--time=1 --signal=B:USR2@50` warns the demo before Slurm would kill it;
 each run checkpoints at the stop step, requeues, and the last run finishes
-bit-identical to an uninterrupted one."""
+bit-identical to an uninterrupted one.
+
+The job outlasts its limit by construction: its per-step sleeps alone add up to more
+than the limit, so however fast the machine trains, one allocation cannot finish it."""
 
 from __future__ import annotations
 
@@ -15,13 +18,19 @@ if TYPE_CHECKING:
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
+TIME_LIMIT_S = 60  # --time=1
+STEP_SLEEP_S = 1.0
+STEPS = 70
+assert STEPS * STEP_SLEEP_S > TIME_LIMIT_S, "the job must not fit in one allocation"
+
 
 def test_time_limit_warning_checkpoints_requeues_and_resumes_identically(
         slurm_cluster: SlurmCluster, tmp_path: Path, reference_digest: Callable[[int], str]) -> None:
-    steps = 70
+    steps = STEPS
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    script = slurm_cluster.render_demo("single", run_dir, steps=steps, time_limit="1", lead_s=50)
+    script = slurm_cluster.render_demo("single", run_dir, steps=steps, sleep_s=STEP_SLEEP_S,
+                                       time_limit=str(TIME_LIMIT_S // 60), lead_s=50)
     # The default deadline margin (30 s) plus poll interval would stop a 1-minute job
     # right away; a margin of 0 leaves each run ~15-30 s of training.
     job = slurm_cluster.sbatch(script, "--export=ALL,HPCCKPT_DEADLINE_MARGIN_S=0")
@@ -30,10 +39,12 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes_identically(
     assert slurm_cluster.result_digest(run_dir) == reference_digest(steps), "not bit-identical"
     ledger = slurm_cluster.read_ledger(run_dir / "ckpt")
     starts = [e for e in ledger if e["event"] == "start"]
-    assert len(starts) >= 2, "the 1-minute limit should have interrupted the run at least once"
+    assert len(starts) >= 2, f"a {STEPS * STEP_SLEEP_S:.0f} s job was not interrupted by a 1-minute limit"
     assert [s["restart_count"] for s in starts] == list(range(len(starts)))
     assert int(slurm_cluster.job(job)["Restarts"]) == len(starts) - 1
     stops = [e for e in ledger if e["event"] == "stop" and e["reason"] != "done"]
+    # Every allocation but the last ended in a warned stop, not in Slurm's kill.
+    assert len(stops) == len(starts) - 1, ledger
     for stop in stops:
         # Warned by USR2 (B: delivery) or by the end time the policy reads from Slurm.
         assert stop["reason"] in {"signal", "deadline"}, stop

@@ -1,6 +1,8 @@
 """slurm/prolog and slurm/epilog run as Slurm runs them (environment only), with hostile
-job names and paths. `scontrol` is replaced by a script printing a captured-format
-job line: the hooks' parsing of it is what is under test."""
+job names and paths, and with staging roots and files a user planted (they run as
+root: a planted file must never redirect a write, nor fail the hook, which would
+drain the node). `scontrol` is replaced by a script printing a captured-format job
+line: the hooks' parsing of it is what is under test."""
 
 from __future__ import annotations
 
@@ -20,20 +22,21 @@ HOSTILE_NAME = 'evil "name"; rm -rf / $(touch pwned) `x`\nline2\ttab \\ UserId=f
 HOSTILE_DIR = "we ird;\"dir'$(touch pwned)\nx"
 
 
-def _fake_scontrol(bin_dir: Path, name: str, state: str) -> None:
+def _fake_scontrol(bin_dir: Path, name: str | bytes, state: str) -> None:
     bin_dir.mkdir(exist_ok=True)
-    line = (f"JobId=123 JobName={name} UserId=root(0) GroupId=root(0) MCS_label=N/A JobState={state} "
-            "Reason=None Dependency=(null) Requeue=1 Restarts=1")
+    raw = name if isinstance(name, bytes) else name.encode()
+    line = (b"JobId=123 JobName=" + raw + b" UserId=root(0) GroupId=root(0) MCS_label=N/A JobState="
+            + state.encode() + b" Reason=None Dependency=(null) Requeue=1 Restarts=1")
     script = bin_dir / "scontrol"
-    script.write_text("#!/bin/bash\ncat <<'EOF_JOB'\n" + line + "\nEOF_JOB\n")
+    script.write_bytes(b"#!/bin/bash\ncat <<'EOF_JOB'\n" + line + b"\nEOF_JOB\n")
     script.chmod(0o755)
 
 
-def _run(hook: Path | str, tmp: Path, root: Path, job_id: str = "123",
-         state: str = "RUNNING") -> subprocess.CompletedProcess[str]:
+def _run(hook: Path | str, tmp: Path, root: Path, job_id: str = "123", state: str = "RUNNING",
+         name: str | bytes = HOSTILE_NAME) -> subprocess.CompletedProcess[str]:
     """Run a hook script, or with hook="prolog"/"epilog" the `hpcckpt` verb of that name."""
     bin_dir = tmp / "bin"
-    _fake_scontrol(bin_dir, HOSTILE_NAME, state)
+    _fake_scontrol(bin_dir, name, state)
     work = tmp / HOSTILE_DIR
     work.mkdir(exist_ok=True)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": job_id, "SLURM_JOB_UID": str(os.getuid()),
@@ -82,10 +85,11 @@ def test_cli_verbs_find_and_run_the_hooks(tmp_path: Path) -> None:
     ran = _run("epilog", tmp_path, root, state="PREEMPTED")
     assert ran.returncode == 0, ran.stderr
     assert not (root / "job-123").exists() and [r["event"] for r in _records(root)] == ["prolog", "epilog"]
-    # an unusable staging root: the verb passes the hook's failure on
+    # an unusable staging root: logged, and the node is not drained over it
     blocker = tmp_path / "file-not-dir"
     blocker.write_text("x")
-    assert _run("prolog", tmp_path, blocker).returncode != 0
+    ran = _run("prolog", tmp_path, blocker)
+    assert ran.returncode == 0 and "refusing staging root" in ran.stderr, ran.stderr
 
 
 def test_epilog_never_follows_a_symlinked_staging_dir(tmp_path: Path) -> None:
@@ -100,13 +104,99 @@ def test_epilog_never_follows_a_symlinked_staging_dir(tmp_path: Path) -> None:
     assert not (root / "job-123").exists()
 
 
-def test_prolog_fails_only_when_staging_root_is_unusable(tmp_path: Path) -> None:
+def test_prolog_never_fails_over_an_unusable_staging_root(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
-    failed = _run(PROLOG, tmp_path, blocker)
-    assert failed.returncode == 1 and "HPCCKPT_STAGING_ROOT" in failed.stderr
+    ran = _run(PROLOG, tmp_path, blocker)
+    assert ran.returncode == 0 and "refusing staging root" in ran.stderr and "HPCCKPT_STAGING_ROOT" in ran.stderr
+    assert blocker.read_text() == ""
     assert _run(PROLOG, tmp_path, tmp_path / "r", job_id="../../etc").returncode == 0
     assert not (tmp_path / "r").exists()
+
+
+def _refused(tmp_path: Path, root: Path) -> None:
+    """Both hooks exit 0, say why, and write nothing into ``root``."""
+    before = sorted(p.name for p in root.iterdir())
+    for hook in (PROLOG, EPILOG):
+        ran = _run(hook, tmp_path, root)
+        assert ran.returncode == 0 and "refusing staging root" in ran.stderr, (hook, ran.stderr)
+    assert sorted(p.name for p in root.iterdir()) == before
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root (the hooks run as root)")
+def test_a_root_owned_by_another_user_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "planted"
+    root.mkdir(mode=0o755)
+    os.chown(root, 65534, 65534)  # nobody pre-created the default /tmp/hpcckpt-staging
+    _refused(tmp_path, root)
+
+
+def test_a_root_others_can_write_is_refused_unless_sticky(tmp_path: Path) -> None:
+    open_root = tmp_path / "open"
+    open_root.mkdir()
+    open_root.chmod(0o777)
+    _refused(tmp_path, open_root)
+    assert stat.S_IMODE(open_root.stat().st_mode) == 0o777
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # a shared scratch like /tmp: used, and its mode left alone
+    assert _run(PROLOG, tmp_path, shared).returncode == 0
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o1777
+    assert (shared / "job-123").is_dir() and _records(shared)[0]["event"] == "prolog"
+
+
+def test_records_never_go_through_a_planted_symlink(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    victim = tmp_path / "root-only"
+    victim.write_text("secret\n")
+    victim.chmod(0o600)
+    (root / "hooks.jsonl").symlink_to(victim)
+    for hook in (PROLOG, EPILOG):
+        ran = _run(hook, tmp_path, root)
+        assert ran.returncode == 0 and "not writing to" in ran.stderr, ran.stderr
+    assert victim.read_text() == "secret\n"
+    assert (root / "hooks.jsonl").is_symlink()
+
+
+def test_records_skip_a_planted_file_or_directory(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "hooks.jsonl").mkdir()
+    ran = _run(PROLOG, tmp_path, root)
+    assert ran.returncode == 0 and "not a regular file" in ran.stderr
+    assert (root / "job-123").is_dir(), "a planted record file must not cost the job its staging"
+    (root / "hooks.jsonl").rmdir()
+    (root / "hooks.jsonl").write_text("")
+    os.link(root / "hooks.jsonl", tmp_path / "second-link")
+    ran = _run(EPILOG, tmp_path, root)
+    assert ran.returncode == 0 and "2 link(s)" in ran.stderr, ran.stderr
+    assert (tmp_path / "second-link").read_text() == ""
+
+
+def test_record_file_is_private_and_staging_of_another_user_is_left_alone(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    assert _run(PROLOG, tmp_path, root).returncode == 0
+    assert stat.S_IMODE((root / "hooks.jsonl").stat().st_mode) == 0o600
+    assert stat.S_IMODE(root.stat().st_mode) == 0o755
+    # A job-<id> entry that is not the job user's directory: logged, not taken over.
+    (root / "job-124").write_text("planted")
+    ran = _run(PROLOG, tmp_path, root, job_id="124")
+    assert ran.returncode == 0 and "runs without staging" in ran.stderr
+    assert (root / "job-124").read_text() == "planted"
+    assert _records(root)[-1]["staging"] == ""
+
+
+@pytest.mark.parametrize("name", [b"caf\xe9 \xff\xfe latin-1", "caf\u00e9 \u65e5\u672c".encode()])
+def test_job_names_of_any_bytes_give_valid_json(tmp_path: Path, name: bytes) -> None:
+    root = tmp_path / "root"
+    for hook in (PROLOG, EPILOG):
+        assert _run(hook, tmp_path, root, name=name).returncode == 0
+    lines = (root / "hooks.jsonl").read_bytes().splitlines()
+    names = [json.loads(line.decode("utf-8"))["job_name"] for line in lines]  # strict UTF-8, valid JSON
+    expected = name.decode("utf-8") if name.startswith(b"caf\xc3") else name.decode("latin-1")
+    assert names == [expected, expected]
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (slurm/install-deps)")
