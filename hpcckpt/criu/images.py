@@ -21,6 +21,7 @@ CRIU_SUBDIR = "criu"
 IMAGE_PREFIX = "image-"
 KIND = "criu-image"
 _NAME_RE = re.compile(rf"^{IMAGE_PREFIX}(\d+)$")
+_CORE_RE = re.compile(r"^core-(\d+)\.img$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +76,14 @@ def newest(root: Path) -> Image:
     if not images:
         raise NoCheckpoint(f"no committed CRIU image under {root}")
     return images[-1]
+
+
+def max_task_id(image_dir: Path) -> int:
+    """The highest PID/TID in an image: criu writes one ``core-<tid>.img`` per thread."""
+    ids = [int(m.group(1)) for p in Path(image_dir).iterdir() if (m := _CORE_RE.match(p.name))]
+    if not ids:
+        raise CheckpointCorrupt(f"{image_dir} holds no core-*.img: not a criu image")
+    return max(ids)
 
 
 def verify(image: Image) -> dict[str, Any]:

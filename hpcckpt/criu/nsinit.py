@@ -1,19 +1,50 @@
-"""PID 1 of a CRIU-mode job's own PID namespace (run as a script, never imported).
+"""PID 1 of a CRIU-mode job's own PID + mount namespace (run as a script, never imported).
 
-A namespace's init ignores every signal it has no handler for, so an application
-that is PID 1 would silently drop the SIGTERM/SIGUSR1 the supervisor forwards.
-This init becomes the session leader (CRIU dumps a session only from inside the
-namespace), points stdio at the job's own files, runs the command as PID 2,
-forwards every catchable signal to it, reaps orphans, and exits with its status.
-It imports nothing from hpcckpt: it is part of every CRIU image, so it stays small.
+``unshare --pid --fork --mount-proc`` starts this as PID 1 of fresh namespaces with
+a /proc of their own (libcuda builds /proc paths from its own getpid()/gettid(), so
+the /proc must match the PID namespace). It imports nothing from hpcckpt and is never
+part of a CRIU image: images hold only the job's tree, rooted at PID 2.
 
-usage: python -I -S nsinit.py STDOUT STDERR -- CMD [ARGS...]
+``start STDOUT STDERR -- CMD...``: closes every inherited fd above 2 (an fd opened in
+the parent's mount namespace names a mount criu cannot find in this one: "Can't lookup
+mount=N for fd=..."), opens the job's stdio here, and forks CMD as PID 2 in a session
+of its own (criu dumps a tree whose session leader is inside it).
+
+``restore STATUS_FD LAST_PID PIDFILE OLD_OUT NEW_OUT OLD_ERR NEW_ERR -- CRIU restore ARGS...``:
+opens the new stdio files here (same reason), moves the PID counter past every PID
+and TID in the image (``ns_last_pid``) so criu itself cannot take one of them, runs
+``criu restore --restore-detached --pidfile F``; the restored root, orphaned when criu
+exits, becomes our child. Writes ``restored <pid>`` or ``failed <why>`` to STATUS_FD.
+
+Either way we then stay PID 1 for the job: forward every catchable signal to the job's
+root (an init drops signals it has no handler for, so the job must not be PID 1), reap
+orphans, and exit with the job's status once it is gone and no dump holder is left
+(a process named ``hpcckpt-hold`` that the dump helper parks here: criu kills the job
+at the end of a dump while it still runs inside this namespace, and must not die with it).
 """
 import os
 import signal
+import subprocess
 import sys
 
+HOLD_NAME = "hpcckpt-hold"
 _NOT_FORWARDED = {signal.SIGCHLD, signal.SIGKILL, signal.SIGSTOP}
+
+
+def _close_inherited(keep=()):
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _open_append(path):
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.set_inheritable(fd, True)
+    return fd
 
 
 def _redirect(stdout_path, stderr_path):
@@ -21,51 +52,154 @@ def _redirect(stdout_path, stderr_path):
     os.dup2(fd, 0)
     os.close(fd)
     for target, path in ((1, stdout_path), (2, stderr_path)):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fd = _open_append(path)
         os.dup2(fd, target)
         os.close(fd)
 
 
-def _run(cmd):
+def _spawn_job(cmd):
     child = os.fork()
     if child == 0:
         try:
+            os.setsid()
             os.execvp(cmd[0], cmd)
         except OSError as exc:
             os.write(2, ("hpcckpt nsinit: cannot run %r: %s\n" % (cmd[0], exc)).encode())
-            os._exit(127)
+        os._exit(127)
+    return child
 
-    def forward(signum, _frame):
+
+class Init:
+    """Signal forwarding and reaping for one job root."""
+
+    def __init__(self):
+        self.job = None
+        self.pending = []
+        self.statuses = {}
+        for sig in signal.valid_signals():
+            if sig not in _NOT_FORWARDED:
+                try:
+                    signal.signal(sig, self._on_signal)
+                except (OSError, ValueError):
+                    pass
+
+    def _on_signal(self, signum, _frame):
+        if self.job is None:
+            self.pending.append(signum)  # restore still running: deliver once the job is back
+            return
         try:
-            os.kill(child, signum)
+            os.kill(self.job, signum)
         except ProcessLookupError:
             pass
 
-    for sig in signal.valid_signals():
-        if sig not in _NOT_FORWARDED:
-            try:
-                signal.signal(sig, forward)
-            except (OSError, ValueError):
-                pass
-    while True:
+    def adopt(self, pid):
+        self.job = pid
+        for signum in self.pending:
+            self._on_signal(signum, None)
+        self.pending = []
+
+    def _holders(self):
         try:
-            pid, status = os.wait()
-        except ChildProcessError:
-            os._exit(1)
-        if pid == child:
-            if os.WIFSIGNALED(status):
-                os._exit(128 + os.WTERMSIG(status))
-            os._exit(os.WEXITSTATUS(status))
+            kids = open("/proc/self/task/%d/children" % os.getpid()).read().split()
+        except OSError:
+            return False
+        for kid in kids:
+            try:
+                if open("/proc/%s/comm" % kid).read().strip() == HOLD_NAME:
+                    return True
+            except OSError:
+                continue
+        return False
+
+    def wait_job(self):
+        """Reap until the job is gone and no dump holder remains; return its exit code."""
+        while self.job not in self.statuses or self._holders():
+            try:
+                pid, status = os.wait()
+            except ChildProcessError:
+                break
+            except InterruptedError:
+                continue
+            self.statuses[pid] = status
+        status = self.statuses.get(self.job)
+        if status is None:
+            return 1
+        return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def main(argv):
+def start(argv):
     if len(argv) < 4 or argv[2] != "--":
         sys.stderr.write(__doc__)
         return 2
-    os.setsid()
+    _close_inherited()
     _redirect(argv[0], argv[1])
-    _run(argv[3:])
-    return 1
+    init = Init()
+    init.adopt(_spawn_job(argv[3:]))
+    return init.wait_job()
+
+
+def _set_last_pid(last):
+    # Only for this namespace: the next fork (criu) gets last + 1.
+    with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+        f.write(str(last))
+
+
+def _report(fd, text):
+    os.write(fd, (text + "\n").encode())
+    os.close(fd)
+
+
+def _restore_job(last_pid, pidfile, stdio, criu_args):
+    fds = []
+    for old, new in stdio:
+        if old and new:
+            fd = _open_append(new)
+            fds.append(fd)
+            criu_args += ["--inherit-fd", "fd[%d]:%s" % (fd, old.lstrip("/"))]
+    _set_last_pid(last_pid)
+    criu_args += ["--restore-detached", "--pidfile", pidfile]
+    proc = subprocess.Popen(criu_args, stdin=subprocess.DEVNULL, pass_fds=fds)
+    rc = proc.wait()
+    for fd in fds:
+        os.close(fd)
+    if rc != 0:
+        return None, "criu restore exited with status %d" % rc
+    try:
+        with open(pidfile) as f:
+            pid = int(f.read().strip())
+        os.unlink(pidfile)
+    except (OSError, ValueError) as exc:
+        return None, "criu restore wrote no usable pidfile %s (%s)" % (pidfile, exc)
+    return pid, ""
+
+
+def restore(argv):
+    if len(argv) < 9 or argv[7] != "--":
+        sys.stderr.write(__doc__)
+        return 2
+    status_fd, last_pid, pidfile = int(argv[0]), int(argv[1]), argv[2]
+    stdio = [(argv[3], argv[4]), (argv[5], argv[6])]
+    _close_inherited(keep=(status_fd,))
+    init = Init()
+    try:
+        pid, why = _restore_job(last_pid, pidfile, stdio, list(argv[8:]))
+    except OSError as exc:
+        pid, why = None, "restore setup failed: %s" % exc
+    if pid is None:
+        _report(status_fd, "failed " + why)
+        return 1
+    init.adopt(pid)
+    _report(status_fd, "restored %d" % pid)
+    return init.wait_job()
+
+
+def main(argv):
+    if argv and argv[0] == "start":
+        return start(argv[1:])
+    if argv and argv[0] == "restore":
+        return restore(argv[1:])
+    sys.stderr.write(__doc__)
+    return 2
 
 
 if __name__ == "__main__":

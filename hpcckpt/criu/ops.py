@@ -1,16 +1,17 @@
-"""Start a job in its own PID namespace, dump it with criu, restore it.
+"""Start a job in fresh PID + mount namespaces, dump it from inside them, restore it.
 
-Process tree of a fresh start, outer PIDs::
+Process tree, outer (host) PIDs; ``N`` inside the job's namespaces::
 
-    supervisor ── unshare --pid --fork ── nsinit (PID 1 inside) ── CMD (PID 2) ...
+    supervisor ── unshare --pid --fork --mount-proc ── nsinit (1) ── CMD (2) ...
 
-The dump target is nsinit's outer PID: because it is the namespace's init and the
-session leader, criu dumps the whole namespace and restores it into a NEW PID
-namespace, so the job's PIDs never collide with processes on the next node.
-
-Restore runs ``criu restore --restore-detached``: the restored init is re-parented
-to the nearest child subreaper, which the supervisor makes itself, so it can wait
-for the job as if it had started it.
+Fresh start: nsinit is PID 1, the command PID 2 in a session of its own (see nsinit).
+Dump: ``nsjoin.py INIT -- criu dump -t 2`` runs criu inside the job's namespaces, so
+criu dumps the tree rooted at PID 2 and neither namespace (no mount table).
+Restore: ``unshare ... nsinit restore`` makes fresh namespaces again; nsinit runs
+``criu restore`` there and the restored PID 2 becomes its child. Restored PIDs live
+only in the new namespace, so they cannot clash with anything on the node, and the
+restored job looks exactly like a fresh start (nsinit at 1, the job at 2): the same
+path serves every later dump.
 
 Dump flags, and why:
 - ``--file-locks``: the job may hold flock/POSIX locks (HDF5 opens files locked,
@@ -43,6 +44,8 @@ from . import proctree
 from .locate import Criu
 
 NSINIT = Path(__file__).with_name("nsinit.py")
+NSJOIN = Path(__file__).with_name("nsjoin.py")
+JOB_INNER_PID = 2  # the job's root inside its namespace; nsinit is 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,10 +59,13 @@ class DumpOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class Job:
-    """A running job: ``init_pid`` is the namespace init's outer PID (dump and
-    signal target); ``wait_pid`` is the supervisor's child whose exit ends the job."""
+    """A running job. ``init_pid``: nsinit's host PID (signals go through it; the
+    namespaces to join); ``app_pid``: the job root's host PID (PID 2 inside; CUDA
+    and SigCgt look at its tree); ``wait_pid``: unshare, the supervisor's child whose
+    exit status is the job's."""
 
     init_pid: int
+    app_pid: int
     wait_pid: int
     stdout: Path
     stderr: Path
@@ -69,42 +75,57 @@ def _find_unshare() -> str:
     path = shutil.which("unshare")
     if path is None:
         raise CriuError("`unshare` (util-linux) is not on PATH; CRIU mode runs the job in its own PID "
-                        "namespace with it: apt-get install util-linux")
+                        "and mount namespaces with it: apt-get install util-linux")
     return path
 
 
-def _wait_for_child(parent: int, *, timeout_s: float) -> int:
+def unshare_argv() -> list[str]:
+    """Fresh PID + mount namespaces with their own /proc; host mounts still propagate in
+    (slave), so a filesystem automounted later is visible to the job."""
+    return [_find_unshare(), "--pid", "--fork", "--mount-proc", "--propagation", "slave"]
+
+
+def _nsinit(*args: str) -> list[str]:
+    return [*unshare_argv(), sys.executable, "-I", "-S", str(NSINIT), *args]
+
+
+def _child_with_inner_pid(parent: int, inner: int, *, timeout_s: float, what: str) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        kids = proctree.children(parent)
-        if kids:
-            return kids[0]
+        for kid in proctree.children(parent):
+            if proctree.inner_pid(kid) == inner:
+                return kid
         if not proctree.alive(parent):
             break
         time.sleep(0.005)
-    raise CriuError(f"unshare (PID {parent}) did not start the job's namespace init within {timeout_s:.0f} s; "
-                    "does this kernel allow PID namespaces (unshare --pid needs root or user namespaces)?")
+    raise CriuError(f"{what}: no process with PID {inner} inside the namespace of PID {parent} "
+                    f"within {timeout_s:.0f} s")
+
+
+def _job_of(unshare: subprocess.Popen, log: Path, *, timeout_s: float, stdout: Path, stderr: Path) -> Job:
+    try:
+        init = _child_with_inner_pid(unshare.pid, 1, timeout_s=timeout_s, what="unshare")
+        app = _child_with_inner_pid(init, JOB_INNER_PID, timeout_s=timeout_s, what="nsinit")
+    except CriuError as exc:
+        raise CriuError(f"{exc}; does this kernel allow PID and mount namespaces (root, or user "
+                        f"namespaces)? unshare said: {_log_tail(log)}") from None
+    return Job(init_pid=init, app_pid=app, wait_pid=unshare.pid, stdout=stdout, stderr=stderr)
 
 
 def launch(cmd: list[str], *, stdout: Path, stderr: Path, log: Path, env: dict[str, str] | None = None,
            cwd: Path | None = None) -> Job:
-    """Start ``cmd`` as PID 2 of a new PID namespace with stdio to the given files.
+    """Start ``cmd`` as PID 2 of fresh PID + mount namespaces with stdio to the given files.
 
-    unshare's own messages go to ``log``, never to the job's files: anything
-    written to those after a dump would make the image unrestorable.
+    unshare's and nsinit's own messages go to ``log``, never to the job's files:
+    anything written to those after a dump would make the image unrestorable.
     """
     stdout, stderr = Path(os.path.realpath(stdout)), Path(os.path.realpath(stderr))
     for p in (stdout, stderr, log):
         p.parent.mkdir(parents=True, exist_ok=True)
-    argv = [_find_unshare(), "--pid", "--fork", sys.executable, "-I", "-S", str(NSINIT),
-            str(stdout), str(stderr), "--", *cmd]
     with open(log, "ab") as log_f:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_f, stderr=log_f, env=env, cwd=cwd)
-    try:
-        init = _wait_for_child(proc.pid, timeout_s=30.0)
-    except CriuError as exc:
-        raise CriuError(f"{exc}; unshare said: {_log_tail(log)}") from None
-    return Job(init_pid=init, wait_pid=proc.pid, stdout=stdout, stderr=stderr)
+        proc = subprocess.Popen(_nsinit("start", str(stdout), str(stderr), "--", *cmd), stdin=subprocess.DEVNULL,
+                                stdout=log_f, stderr=log_f, env=env, cwd=cwd)
+    return _job_of(proc, log, timeout_s=30.0, stdout=stdout, stderr=stderr)
 
 
 def _log_tail(path: Path, *, lines: int = 6) -> str:
@@ -113,32 +134,32 @@ def _log_tail(path: Path, *, lines: int = 6) -> str:
     except FileNotFoundError:
         return "(no log)"
     errors = [ln for ln in text if "Error" in ln and "RLIMIT_NOFILE" not in ln]
-    return " | ".join((errors or text)[-lines:])
+    return " | ".join((errors or text)[-lines:]) or "(nothing)"
 
 
-def _run_criu(criu: Criu, args: list[str], *, log: Path, timeout_s: float,
-              pass_fds: tuple[int, ...] = ()) -> None:
+def _run_criu(argv: list[str], what: str, *, log: Path, timeout_s: float) -> None:
     log.parent.mkdir(parents=True, exist_ok=True)
-    out_path = log.with_suffix(".out")
-    with open(out_path, "ab") as out:
+    with open(log.with_suffix(".out"), "ab") as out:
         try:
-            proc = subprocess.run([str(criu.path), *args, "-o", str(log), "-v4"], stdin=subprocess.DEVNULL,
-                                  stdout=out, stderr=out, timeout=timeout_s, pass_fds=pass_fds)
+            proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            raise CriuError(f"criu {args[0]} did not finish within {timeout_s:.0f} s; see {log}") from None
+            raise CriuError(f"criu {what} did not finish within {timeout_s:.0f} s; see {log}") from None
+    if proc.returncode == 125:
+        raise CriuError(f"cannot enter the job's namespaces for criu {what}: "
+                        f"{_log_tail(log.with_suffix('.out'))}")
     if proc.returncode != 0:
-        raise CriuError(f"criu {args[0]} failed (exit {proc.returncode}): {_log_tail(log)}; full log: {log}")
+        raise CriuError(f"criu {what} failed (exit {proc.returncode}): {_log_tail(log)}; full log: {log}")
 
 
 def dump(criu: Criu, job: Job, image_dir: Path, *, log: Path, opts: DumpOptions) -> None:
-    """Dump the job's whole namespace into ``image_dir``; the job is gone afterwards.
+    """Dump the job's tree (PID 2 and below) into ``image_dir`` from inside its namespaces.
 
-    On failure criu resumes the tree, so the job keeps running.
+    The job is gone afterwards. On failure criu resumes the tree, so the job keeps running.
     """
-    args = ["dump", "-t", str(job.init_pid), "-D", str(image_dir),
-            "--ghost-limit", str(opts.ghost_limit_bytes)]
-    args += _shared_flags(opts)
-    _run_criu(criu, args, log=log, timeout_s=opts.timeout_s)
+    argv = [sys.executable, "-I", "-S", str(NSJOIN), str(job.init_pid), "--", str(criu.path),
+            "dump", "-t", str(JOB_INNER_PID), "-D", str(image_dir), "--ghost-limit", str(opts.ghost_limit_bytes),
+            *_shared_flags(opts), "-o", str(log), "-v4"]
+    _run_criu(argv, "dump", log=log, timeout_s=opts.timeout_s)
 
 
 def _shared_flags(opts: DumpOptions) -> list[str]:
@@ -148,53 +169,79 @@ def _shared_flags(opts: DumpOptions) -> list[str]:
              *(["--ext-unix-sk"] if opts.ext_unix_sk else [])])
 
 
-def _inherit_key(path: str) -> str:
-    # criu names a regular file by its path relative to the root, without the leading "/".
-    return path.lstrip("/")
+def _read_status(fd: int, *, timeout_s: float) -> str:
+    """nsinit's one-line report (unshare's parent also holds the pipe: read a line, not to EOF)."""
+    import select
+
+    buf = b""
+    deadline = time.monotonic() + timeout_s
+    while b"\n" not in buf:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise CriuError(f"criu restore did not report within {timeout_s:.0f} s")
+        data = os.read(fd, 4096)
+        if not data:
+            break
+        buf += data
+    return buf.decode(errors="replace").strip()
 
 
 def restore(criu: Criu, image_dir: Path, *, old_stdio: dict[str, str], new_stdout: Path, new_stderr: Path,
-            log: Path, work_dir: Path, opts: DumpOptions) -> Job:
-    """Restore the image detached; return the restored init (our child via subreaper)."""
+            log: Path, work_dir: Path, opts: DumpOptions, last_pid: int) -> Job:
+    """Restore the image into fresh PID + mount namespaces under a new nsinit.
+
+    ``last_pid``: the highest PID or TID inside the image; criu itself must start above it.
+    """
+    work_dir.mkdir(parents=True, exist_ok=True)
+    new_stdout.parent.mkdir(parents=True, exist_ok=True)
     pidfile = work_dir / (log.stem + ".pid")
     pidfile.unlink(missing_ok=True)
-    args = ["restore", "-D", str(image_dir), "-W", str(work_dir), "--restore-detached",
-            "--pidfile", str(pidfile), "--manage-cgroups=ignore"]
-    args += _shared_flags(opts)
-    fds: list[int] = []
+    criu_argv = [str(criu.path), "restore", "-D", str(image_dir), "-W", str(work_dir), "--manage-cgroups=ignore",
+                 *_shared_flags(opts), "-o", str(log), "-v4"]
+    stdio = [old_stdio.get("stdout", ""), str(new_stdout), old_stdio.get("stderr", ""), str(new_stderr)]
+    r, w = os.pipe()
+    nsinit_log = log.with_suffix(".out")
     try:
-        for name, target in (("stdout", new_stdout), ("stderr", new_stderr)):
-            if name not in old_stdio:
-                continue
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            fds.append(fd)
-            args += ["--inherit-fd", f"fd[{fd}]:{_inherit_key(old_stdio[name])}"]
-        _run_criu(criu, args, log=log, timeout_s=opts.timeout_s, pass_fds=tuple(fds))
+        with open(nsinit_log, "ab") as log_f:
+            proc = subprocess.Popen(_nsinit("restore", str(w), str(last_pid), str(pidfile), *stdio, "--", *criu_argv),
+                                    stdin=subprocess.DEVNULL, stdout=log_f, stderr=log_f, pass_fds=(w,))
+        os.close(w)
+        w = -1
+        try:
+            status = _read_status(r, timeout_s=opts.timeout_s)
+        except CriuError:
+            _abort(proc)
+            raise
     finally:
-        for fd in fds:
-            os.close(fd)
-    try:
-        pid = int(pidfile.read_text().strip())
-    except (FileNotFoundError, ValueError) as exc:
-        raise CriuError(f"criu restore succeeded but wrote no usable pidfile {pidfile} ({exc})") from exc
-    return Job(init_pid=pid, wait_pid=pid, stdout=new_stdout, stderr=new_stderr)
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+    if not status.startswith("restored "):
+        proc.wait()
+        why = status[len("failed "):] if status.startswith("failed ") else f"nsinit exited ({proc.returncode})"
+        raise CriuError(f"criu restore of {image_dir} failed: {why}: {_log_tail(log)}; full log: {log}, "
+                        f"{nsinit_log}")
+    return _job_of(proc, nsinit_log, timeout_s=30.0, stdout=new_stdout, stderr=new_stderr)
 
 
-def set_child_subreaper() -> None:
-    """Make orphaned descendants (the detached restored tree) our children."""
-    import ctypes
-
-    pr_set_child_subreaper = 36
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(pr_set_child_subreaper, 1, 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise CriuError(f"prctl(PR_SET_CHILD_SUBREAPER) failed: {os.strerror(err)}")
+def _abort(unshare: subprocess.Popen) -> None:
+    # unshare ignores TERM/INT; killing the namespace's init ends everything inside.
+    signal_pids(proctree.children(unshare.pid), signal.SIGKILL)
+    unshare.wait()
 
 
 def kill_tree(job: Job, sig: signal.Signals = signal.SIGKILL) -> None:
-    """Signal the namespace init; SIGKILL to a namespace's init ends the whole namespace."""
+    """Signal nsinit: it forwards a catchable signal to the job; SIGKILL to a
+    namespace's init ends the whole namespace."""
     try:
         os.kill(job.init_pid, sig)
     except ProcessLookupError:
         pass
+
+
+def signal_pids(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass

@@ -1,6 +1,7 @@
 """Reading a process tree from /proc (outer PIDs, as the supervisor sees them)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 PROC = Path("/proc")
@@ -31,15 +32,66 @@ def tree(root: int) -> list[int]:
     return order
 
 
-def ns_pids(pid: int) -> list[int]:
-    """The NSpid line: the PID in each namespace, outermost first (empty when gone)."""
+def status_field(pid: int, name: str, *, task: int | None = None) -> str | None:
+    """One ``Name:`` line of /proc/PID/status (or of one of its threads); None when gone."""
+    path = PROC / str(pid) / ("status" if task is None else f"task/{task}/status")
     try:
-        for line in (PROC / str(pid) / "status").read_text().splitlines():
-            if line.startswith("NSpid:"):
-                return [int(tok) for tok in line.split()[1:]]
+        for line in path.read_text().splitlines():
+            if line.startswith(name + ":"):
+                return line.split(":", 1)[1].strip()
     except (FileNotFoundError, ProcessLookupError):
         pass
-    return []
+    return None
+
+
+def ns_pids(pid: int, *, task: int | None = None) -> list[int]:
+    """The NSpid line: the PID in each namespace, outermost first (empty when gone)."""
+    value = status_field(pid, "NSpid", task=task)
+    return [int(tok) for tok in value.split()] if value else []
+
+
+def tasks(pid: int) -> list[int]:
+    """Thread ids of ``pid`` (host view)."""
+    try:
+        return sorted(int(t.name) for t in (PROC / str(pid) / "task").iterdir())
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+
+
+def max_inner_id(root: int) -> int:
+    """The highest PID or TID, inside its own namespace, of any thread in ``root``'s tree.
+
+    A restore must start criu above it: criu gives every restored thread its old TID."""
+    top = 0
+    for pid in tree(root):
+        for tid in tasks(pid):
+            ids = ns_pids(pid, task=tid)
+            top = max(top, ids[-1] if ids else 0)
+    return top
+
+
+def catches(pid: int, sig: int) -> bool:
+    """True when ``pid`` has a handler installed for ``sig`` (SigCgt in /proc/PID/status)."""
+    value = status_field(pid, "SigCgt")
+    return bool(value) and bool(int(value, 16) >> (sig - 1) & 1)
+
+
+def nvidia_handles(pid: int) -> list[str]:
+    """/dev/nvidia* files ``pid`` holds open or mapped (a CUDA context or its leftovers)."""
+    found: set[str] = set()
+    try:
+        for fd in (PROC / str(pid) / "fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("/dev/nvidia"):
+                found.add(target)
+        with open(PROC / str(pid) / "maps", encoding="utf-8", errors="replace") as f:
+            found.update(line.split()[-1] for line in f if " /dev/nvidia" in line)
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        pass
+    return sorted(found)
 
 
 def inner_pid(pid: int) -> int | None:

@@ -403,7 +403,7 @@ class Supervisor:
             try:
                 tx.commit(self._manifest(job, seq, sig, criu, dump_s, cuda_inner, gpus,
                                          max_inner_id=images.max_task_id(tx.path)))
-            except OSError as exc:
+            except (OSError, CheckpointCorrupt) as exc:
                 raise _CommitFailed(f"criu dumped the job but committing {tx.path} failed: {exc}") from exc
             commit_s = time.monotonic() - t1
         image = images.Image(path=self.root / name, seq=seq)

@@ -26,7 +26,13 @@ MAPPED_DRIVER = "/libcuda.so"
 # cuDriverGetVersion encodes 1000*major + 10*minor; the checkpoint API came with 12.8.
 MIN_DRIVER_API = 12080
 MIN_DRIVER_TEXT = "CUDA 12.8 (NVIDIA driver >= 570)"
+# Restoring onto other GPUs (CUcheckpointRestoreArgs.gpuPairs) needs CUDA 13.0 (driver >= 580).
+MIN_REMAP_API = 13000
+MIN_REMAP_TEXT = "CUDA 13.0 (NVIDIA driver >= 580)"
 _CUDA_SUCCESS = 0
+# What the state query or lock returns for a process that maps libcuda but never
+# created a context (a CPU-only job with a CUDA build of torch): not a CUDA process.
+NO_CONTEXT_CODES = (1, 3)  # CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_INITIALIZED
 _CUDA_ERROR_NO_DEVICE = 100
 _CUDA_ERROR_NOT_FOUND = 500
 
@@ -75,6 +81,30 @@ class _RestoreArgs(ctypes.Structure):
 
 class _ReservedArgs(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_uint64 * 8)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Gpu:
+    """One visible device: its index as this process sees it, UUID (``GPU-...``) and model."""
+
+    index: int
+    uuid: str
+    name: str
+
+    def as_dict(self) -> dict[str, object]:
+        return {"index": self.index, "uuid": self.uuid, "name": self.name}
+
+
+def uuid_text(raw: bytes) -> str:
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+def uuid_bytes(text: str) -> bytes:
+    raw = bytes.fromhex(text.removeprefix("GPU-").replace("-", ""))
+    if len(raw) != 16:
+        raise CudaCheckpointError(f"{text!r} is not a GPU UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)")
+    return raw
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,6 +188,38 @@ class CudaCheckpoint:
         except ValueError:
             raise CudaCheckpointError(f"PID {pid}: the driver reports an unknown process state {out.value}") from None
 
+    def probe(self, pid: int) -> ProcessState | None:
+        """``pid``'s CUDA state, or None when it has no CUDA context (NO_CONTEXT_CODES)."""
+        try:
+            return self.state(pid)
+        except CudaCallFailed as exc:
+            if exc.code in NO_CONTEXT_CODES:
+                return None
+            raise
+
+    @property
+    def can_remap(self) -> bool:
+        return self.info.api_version >= MIN_REMAP_API
+
+    def gpus(self) -> list[Gpu]:
+        """The devices this process sees (CUDA_VISIBLE_DEVICES applies), in CUDA's order."""
+        count = ctypes.c_int(0)
+        self._check(self._lib.cuDeviceGetCount(ctypes.byref(count)), "cuDeviceGetCount")
+        get_uuid = getattr(self._lib, "cuDeviceGetUuid_v2", None) or self._lib.cuDeviceGetUuid
+        out = []
+        for i in range(count.value):
+            dev, raw = ctypes.c_int(0), (ctypes.c_ubyte * 16)()
+            name = ctypes.create_string_buffer(256)
+            self._check(self._lib.cuDeviceGet(ctypes.byref(dev), i), "cuDeviceGet")
+            self._check(get_uuid(raw, dev), "cuDeviceGetUuid")
+            self._check(self._lib.cuDeviceGetName(name, len(name), dev), "cuDeviceGetName")
+            out.append(Gpu(index=i, uuid=uuid_text(bytes(raw)), name=name.value.decode(errors="replace")))
+        return out
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != _CUDA_SUCCESS:
+            raise CudaCallFailed(f"{what} failed: {self.error_name(rc)}", code=int(rc), name=self.error_name(rc))
+
     def lock(self, pid: int, *, timeout_ms: int = 0) -> None:
         """Block new CUDA work in ``pid`` and wait for submitted work (0 = no timeout)."""
         require_cuda_process(pid)
@@ -168,9 +230,22 @@ class CudaCheckpoint:
         require_cuda_process(pid)
         self._call("Checkpoint", pid, ctypes.byref(_ReservedArgs()))
 
-    def restore(self, pid: int) -> None:
+    def restore(self, pid: int, pairs: list[tuple[str, str]] | None = None) -> None:
+        """Bring ``pid``'s device memory back; ``pairs`` (old UUID, new UUID) remap GPUs
+        and must name every GPU the process used (driver >= 580)."""
         require_cuda_process(pid)
-        self._call("Restore", pid, ctypes.byref(_RestoreArgs()))
+        args = _RestoreArgs()
+        if pairs:
+            if not self.can_remap:
+                raise CudaDriverTooOld(f"restoring onto other GPUs needs {MIN_REMAP_TEXT}; the driver at "
+                                       f"{self.path} supports CUDA {self.info.text}")
+            table = (_GpuPair * len(pairs))()
+            for i, (old, new) in enumerate(pairs):
+                table[i].oldUuid[:] = list(uuid_bytes(old))
+                table[i].newUuid[:] = list(uuid_bytes(new))
+            args.gpuPairs = ctypes.cast(table, ctypes.POINTER(_GpuPair))
+            args.gpuPairsCount = len(pairs)
+        self._call("Restore", pid, ctypes.byref(args))
 
     def unlock(self, pid: int) -> None:
         require_cuda_process(pid)

@@ -1,21 +1,65 @@
 """Checkpointing every CUDA process of a process tree as one unit.
 
+A CUDA process is one with CUDA state, not one that maps libcuda: a CPU-only job
+with a CUDA build of torch maps the driver but never creates a context, and the
+driver answers its state query with CUDA_ERROR_NOT_INITIALIZED (or INVALID_VALUE).
+Such a process is skipped, unless it still holds /dev/nvidia* files or mappings (a
+child forked from a CUDA parent without exec): criu cannot dump those and the CUDA
+API cannot release them, which is a clear error, never a dump.
+
 Order matters: every process is LOCKED before any is CHECKPOINTED. Locking one
 process while a peer still runs can leave the peer waiting on work the locked one
 will never do; the two-phase order keeps the tree consistent. On failure the
 processes already moved are brought back to RUNNING, so a failed CUDA checkpoint
-leaves the job running and the caller can fall back to the application's own save.
+leaves the job running.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from ..criu import proctree
 from ..errors import CudaCheckpointError
-from .driver import MAPPED_DRIVER, CudaCheckpoint, ProcessState
+from .driver import MAPPED_DRIVER, NO_CONTEXT_CODES, CudaCallFailed, CudaCheckpoint, CudaDriverMissing, ProcessState
 
 
-def cuda_pids(root: int) -> list[int]:
-    """PIDs in the tree under ``root`` that have the CUDA driver mapped."""
+def driver_mappers(root: int) -> list[int]:
+    """PIDs in the tree under ``root`` that have the CUDA driver library mapped."""
     return [p for p in proctree.tree(root) if proctree.maps_library(p, MAPPED_DRIVER)]
+
+
+def _no_context(pid: int) -> None:
+    """``pid`` has no CUDA context: fine, unless it holds GPU device files."""
+    held = proctree.nvidia_handles(pid)
+    if held:
+        raise CudaCheckpointError(
+            f"PID {pid} has no CUDA context but holds {', '.join(held)} (typically a process forked "
+            "from a CUDA process without exec, or one using NVML): criu cannot dump it and the CUDA "
+            "checkpoint API cannot release it. Start such workers with the 'spawn' method (e.g. "
+            "DataLoader(multiprocessing_context='spawn')), or use --mode app")
+
+
+def cuda_pids(root: int, *, driver: Callable[[], CudaCheckpoint] = CudaCheckpoint,
+              log: Callable[[str], None] = lambda _m: None) -> list[int]:
+    """PIDs in the tree under ``root`` that have CUDA state (see the module docstring)."""
+    mappers = driver_mappers(root)
+    if not mappers:
+        return []
+    try:
+        cu = driver()
+    except CudaDriverMissing as exc:
+        # No driver here: nothing can hold a context; a process mapping a libcuda is a CPU job.
+        for pid in mappers:
+            _no_context(pid)
+        log(f"PIDs {mappers} map a CUDA driver library, but {exc}; treating them as CPU processes")
+        return []
+    found = []
+    for pid in mappers:
+        if cu.probe(pid) is None:
+            _no_context(pid)
+            log(f"PID {pid} maps libcuda but has no CUDA context: dumped as a CPU process")
+        else:
+            found.append(pid)
+    return found
 
 
 def _undo(cu: CudaCheckpoint, pids: list[int]) -> list[str]:
@@ -33,26 +77,42 @@ def _undo(cu: CudaCheckpoint, pids: list[int]) -> list[str]:
     return problems
 
 
-def checkpoint_all(cu: CudaCheckpoint, pids: list[int], *, lock_timeout_ms: int) -> None:
-    """Lock every PID, then checkpoint every PID; undo all on any failure."""
+def _lock_all(cu: CudaCheckpoint, pids: list[int], moved: list[int], *, lock_timeout_ms: int) -> list[int]:
+    locked = []
+    for pid in pids:
+        try:
+            cu.lock(pid, timeout_ms=lock_timeout_ms)
+        except CudaCallFailed as exc:
+            if exc.code not in NO_CONTEXT_CODES:
+                raise
+            _no_context(pid)  # the lock, not only the query, says: no context
+            continue
+        moved.append(pid)
+        locked.append(pid)
+    return locked
+
+
+def checkpoint_all(cu: CudaCheckpoint, pids: list[int], *, lock_timeout_ms: int) -> list[int]:
+    """Lock every PID, then checkpoint every PID; undo all on any failure.
+
+    Returns the PIDs checkpointed (those that turned out to have no context are left out)."""
     moved: list[int] = []
     try:
-        for pid in pids:
-            cu.lock(pid, timeout_ms=lock_timeout_ms)
-            moved.append(pid)
-        for pid in pids:
+        locked = _lock_all(cu, pids, moved, lock_timeout_ms=lock_timeout_ms)
+        for pid in locked:
             cu.checkpoint(pid)
     except CudaCheckpointError as exc:
         problems = _undo(cu, moved)
         extra = f" (and undoing it failed: {'; '.join(problems)})" if problems else " (processes resumed)"
         raise CudaCheckpointError(f"CUDA checkpoint of PIDs {pids} failed: {exc}{extra}") from exc
+    return locked
 
 
-def restore_all(cu: CudaCheckpoint, pids: list[int]) -> None:
-    """Restore every PID's device state, then unlock every PID."""
+def restore_all(cu: CudaCheckpoint, pids: list[int], pairs: list[tuple[str, str]] | None = None) -> None:
+    """Restore every PID's device state (onto other GPUs per ``pairs``), then unlock every PID."""
     for pid in pids:
         if cu.state(pid) is ProcessState.CHECKPOINTED:
-            cu.restore(pid)
+            cu.restore(pid, pairs)
     for pid in pids:
         if cu.state(pid) is ProcessState.LOCKED:
             cu.unlock(pid)

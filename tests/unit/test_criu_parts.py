@@ -107,7 +107,7 @@ def _nsinit(tmp_path: Path, script: str) -> tuple[subprocess.Popen, Path]:
     body = tmp_path / "child.py"
     body.write_text(script)
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-I", "-S", str(NSINIT), str(out), str(tmp_path / "err"), "--",
+    proc = subprocess.Popen([sys.executable, "-I", "-S", str(NSINIT), "start", str(out), str(tmp_path / "err"), "--",
                              sys.executable, str(body)])
     deadline = time.monotonic() + 30
     while "ready" not in (out.read_text() if out.exists() else ""):
