@@ -227,7 +227,7 @@ def test_final_save_never_skips(tmp_path: Path) -> None:
     try:
         rig.train_step()
         first = rig.engine.save(rig.state.capture(step=1), 1)
-        final = rig.engine.save(rig.state.capture(step=1), 2, final=True)
+        final = rig.engine.save(rig.state.capture(step=2), 2, final=True)
         assert first.wait(timeout=60) and final.wait(timeout=60)
         assert catalog.find(rig.root, None).step == 2
     finally:

@@ -13,9 +13,10 @@ import torch
 
 from hpcckpt.engines.concurrent import ConcurrentEngine, Layout
 from hpcckpt.engines.staging import ALIGN, plan_rounds, ring_shape
-from hpcckpt.errors import CheckpointFailed, ConfigError
+from hpcckpt.errors import CheckpointCorrupt, CheckpointFailed, ConfigError
 from hpcckpt.store import catalog
-from hpcckpt.store.hdf5 import TensorEntry
+from hpcckpt.store.hdf5 import TensorEntry, read_tensors, write_tensors
+from hpcckpt.store.staged_read import read_staged
 
 from .test_concurrent_engine import Rig, _fifo_instead_of_rank_file, assert_same
 
@@ -229,3 +230,43 @@ def test_close_releases_staging_and_a_preparation_in_progress(tmp_path: Path) ->
     assert rig.engine._staging is None and rig.engine._prep is None
     assert rig.engine.stats.staging_bytes == 0 and rig.engine.stats.staging_pinned is False
     assert not [p for p in os.listdir(rig.root) if p.startswith(".hpcckpt-layout-")]
+
+
+# -- staged restore (the GPU restore pipeline, exercised with CPU targets) ----------
+
+@pytest.mark.parametrize(("chunk", "chunks", "direct"), [(2 * ALIGN, 2, False), (3 * ALIGN, 3, True),
+                                                         (1 << 20, 1, True)])
+def test_staged_read_lands_every_tensor_and_its_crc(tmp_path: Path, chunk: int, chunks: int, direct: bool) -> None:
+    torch.manual_seed(1)
+    tensors = {"a": torch.randn(5000), "b": torch.randint(0, 255, (7, 333), dtype=torch.uint8),
+               "c": torch.randn(3, dtype=torch.float64), "d": torch.randn(128, 129).to(torch.bfloat16),
+               "e": torch.zeros(0)}
+    path = tmp_path / "rank-0.h5"
+    entries = write_tensors(path, tensors)
+    targets = [(entries[n], torch.full_like(t, 7) if t.dtype != torch.uint8 else torch.zeros_like(t))
+               for n, t in tensors.items()]
+    info: dict[str, int] = {}
+    crcs = read_staged(path, targets, direct=direct, threads=2, chunk_bytes=chunk, chunks=chunks, info=info)
+    for e, live in targets:
+        assert torch.equal(live, tensors[e.name]), e.name
+        if e.nbytes:
+            assert crcs[e.name] == e.crc32c, e.name
+    assert info["staged_bytes"] == sum(e.nbytes for e in entries.values())
+    assert info["rounds"] >= (2 if chunk < (1 << 20) else 1)
+
+
+def test_staged_read_crc_shows_a_flipped_byte_in_a_later_round(tmp_path: Path) -> None:
+    tensors = {"a": torch.arange(20_000, dtype=torch.float32), "b": torch.arange(9_000, dtype=torch.int64)}
+    path = tmp_path / "rank-0.h5"
+    entries = write_tensors(path, tensors)
+    e = entries["b"]
+    with open(path, "r+b") as f:
+        f.seek(e.offset + e.nbytes - 3)
+        byte = f.read(1)
+        f.seek(e.offset + e.nbytes - 3)
+        f.write(bytes([byte[0] ^ 0x01]))
+    targets = [(entries[n], torch.empty_like(t)) for n, t in tensors.items()]
+    crcs = read_staged(path, targets, direct=False, chunk_bytes=2 * ALIGN, chunks=2)
+    assert crcs["a"] == entries["a"].crc32c and crcs["b"] != e.crc32c
+    with pytest.raises(CheckpointCorrupt, match="'b'"):
+        read_tensors(path, entries)

@@ -1,0 +1,98 @@
+"""Host memory for moving tensor bytes between files and devices: staging buffers and round plans.
+
+Shared by the concurrent engine's staging ring (device -> host -> file) and the
+staged restore (file -> host -> device): both cut tensors into pieces that fit in
+fixed-size chunks of 4 KiB-aligned host memory, each piece at the same offset
+modulo 4 KiB in its chunk as in the file, so the native core can use O_DIRECT
+without bounce buffers.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from .._core import native
+from ..errors import ConfigError
+from .hdf5 import ALIGN, TensorEntry
+
+log = logging.getLogger("hpcckpt.store.hostmem")
+
+
+def round_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+class Slot:
+    """One reusable, prefaulted, 4 KiB-aligned host buffer (pinned when CUDA tensors are saved).
+
+    Pinning uses ``cudaHostRegister`` on memory the native core allocated (torch's
+    pinned allocator rounds sizes up to a power of two: up to twice the memory).
+    Torch's binding releases the GIL, so a background thread may pin gigabytes
+    while training runs. ``release()`` unregisters; the memory itself is freed when
+    the last reference (this object, a numpy or torch view) is gone.
+    """
+
+    def __init__(self, nbytes: int, *, pin: bool) -> None:
+        self.buffer = native().aligned_buffer(nbytes, ALIGN, True)
+        self.bytes = np.frombuffer(self.buffer, dtype=np.uint8)
+        self.tensor = torch.from_numpy(self.bytes)
+        self.pinned = False
+        if pin:
+            rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
+            self.pinned = int(rc) == 0
+            if not self.pinned:
+                log.warning("hpcckpt: cudaHostRegister of %d staging bytes failed (%s); D2H copies will be slower",
+                            nbytes, rc)
+        self.busy = False
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.bytes.nbytes)
+
+    def release(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A byte range of one tensor: where it comes from, goes to in the file and sits in its chunk."""
+
+    name: str
+    src_off: int
+    nbytes: int
+    file_off: int
+    chunk_off: int
+
+
+def plan_rounds(entries: Iterable[TensorEntry], chunk_bytes: int) -> list[list[Piece]]:
+    """Cut tensors into pieces, packed into rounds of at most ``chunk_bytes`` each.
+
+    A piece sits at its file offset modulo 4 KiB inside the chunk; a tensor split
+    across rounds is cut where the chunk ends, which is then 4 KiB aligned in the
+    file too, so every piece's middle can go to disk with O_DIRECT.
+    """
+    if chunk_bytes < 2 * ALIGN or chunk_bytes % ALIGN:
+        raise ConfigError(f"ring chunk of {chunk_bytes} bytes: use a multiple of {ALIGN} of at least {2 * ALIGN}")
+    rounds: list[list[Piece]] = [[]]
+    cursor = 0
+    for e in entries:
+        done = 0
+        while done < e.nbytes:
+            f = e.offset + done
+            at = round_up(cursor, ALIGN) + f % ALIGN
+            if at >= chunk_bytes:
+                rounds.append([])
+                cursor, at = 0, f % ALIGN
+            n = min(e.nbytes - done, chunk_bytes - at)
+            rounds[-1].append(Piece(e.name, done, n, f, at))
+            cursor = at + n
+            done += n
+    return [r for r in rounds if r]
+
+

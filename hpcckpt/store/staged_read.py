@@ -1,0 +1,155 @@
+"""Restore onto the GPU: file -> pinned host chunks -> device tensors, reads overlapped with copies.
+
+A CUDA tensor cannot be a target of ``pread``, so its bytes pass through host
+memory. Reading the whole state into fresh host tensors and letting
+``load_state_dict`` copy it up costs a first touch of every page and a second
+full copy; instead the tensors are cut into rounds (``hostmem.plan_rounds``) that
+stream through a few pinned chunks::
+
+    reader thread   read round r into chunk r % n (native read_items: parallel
+                    preads, O_DIRECT, crc32c of every piece as it lands)
+    calling thread  H2D copies of round r on a side stream, straight into the
+                    live tensors; the chunk is reused once its copies are done
+
+so the copies of round r overlap the reads of rounds r+1 .. r+n-1. Checksums are
+verified per tensor (pieces combined) by the caller. CPU targets work too (a
+plain copy instead of the H2D), which is how the pipeline is tested without a GPU.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+from typing import Any, Sequence
+
+import torch
+
+from .._core import native
+from ..config import from_env
+from .hdf5 import ALIGN, TensorEntry
+from .hostmem import Piece, Slot, plan_rounds
+
+log = logging.getLogger("hpcckpt.store.staged_read")
+
+ROUND_BYTES = 128 << 20  # one read_items call: enough pieces to keep every reader thread busy
+ROUND_CHUNKS = 3  # one being read, one being copied up, one spare so the reader never waits
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+class StagedReader:
+    """Reads ``(entry, live tensor)`` targets of one file through pinned chunks.
+
+    ``read()`` returns each target's crc32c (its pieces combined) and fills
+    ``info`` with the reader's byte counts plus ``staged_bytes`` and ``rounds``.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], targets: Sequence[tuple[TensorEntry, torch.Tensor]], *,
+                 direct: bool, threads: int = 0, chunk_bytes: int | None = None,
+                 chunks: int | None = None) -> None:
+        self.path = str(path)
+        self.targets = {e.name: (e, _flat(t)) for e, t in targets if e.nbytes}
+        self.direct, self.threads = direct, threads
+        size = chunk_bytes or from_env("RESTORE_CHUNK_BYTES", ROUND_BYTES, int)
+        size = max(2 * ALIGN, size // ALIGN * ALIGN)
+        self.rounds = plan_rounds([e for e, _ in self.targets.values()], size)
+        cuda = [t for _, t in self.targets.values() if t.is_cuda]
+        self.device = cuda[0].device if cuda else None
+        n = max(1, min(chunks or ROUND_CHUNKS, len(self.rounds)))
+        pin = self.device is not None
+        self.chunks = [Slot(size, pin=pin) for _ in range(n)] if self.rounds else []
+        self.info: dict[str, int] = {"staged_bytes": 0, "rounds": len(self.rounds)}
+
+    def read(self) -> dict[str, int]:
+        """Read every round; returns crc32c by tensor name. Calling thread, blocks until done."""
+        pieces: dict[str, list[tuple[int, int, int]]] = {}
+        stream = torch.cuda.Stream(device=self.device) if self.device is not None else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # pending work on the targets first
+        n = len(self.chunks)
+        done: list[Any] = [None] * n  # per chunk: the event after its last copies
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpcckpt-read") as pool:
+            futures: dict[int, concurrent.futures.Future[list[int]]] = {}
+
+            def submit(r: int) -> None:
+                if r < len(self.rounds):
+                    if done[r % n] is not None:
+                        done[r % n].synchronize()  # the chunk's previous copies are finished
+                    futures[r] = pool.submit(self._read_round, r)
+            try:
+                for r in range(n):
+                    submit(r)
+                for r, round_pieces in enumerate(self.rounds):
+                    crcs = futures.pop(r).result()
+                    for p, crc in zip(round_pieces, crcs):
+                        pieces.setdefault(p.name, []).append((p.src_off, crc, p.nbytes))
+                    done[r % n] = self._copy_up(self.chunks[r % n], round_pieces, stream)
+                    submit(r + n)
+            finally:
+                for f in futures.values():
+                    f.cancel()
+                concurrent.futures.wait(list(futures.values()))
+                if stream is not None:
+                    stream.synchronize()
+        return _combine(pieces)
+
+    def release(self) -> None:
+        for c in self.chunks:
+            c.release()
+        self.chunks = []
+
+    def _read_round(self, r: int) -> list[int]:
+        """Reader thread: one native read_items call for round r into its chunk."""
+        chunk = self.chunks[r % len(self.chunks)]
+        items = [(chunk.bytes[p.chunk_off:p.chunk_off + p.nbytes], p.file_off, False) for p in self.rounds[r]]
+        crcs, info = native().read_items(self.path, items, threads=self.threads, direct=self.direct)
+        for key in ("direct_bytes", "buffered_bytes", "bounced_bytes"):
+            self.info[key] = self.info.get(key, 0) + int(info.get(key, 0))
+        self.info["threads"] = int(info.get("threads", 0))
+        self.info["staged_bytes"] += sum(p.nbytes for p in self.rounds[r])
+        return [int(c) for c in crcs]
+
+    def _copy_up(self, chunk: Slot, pieces: list[Piece], stream: Any) -> Any:
+        """Copy one round from its chunk into the targets; an event marking the copies done (CUDA)."""
+        if stream is None:
+            for p in pieces:
+                self.targets[p.name][1][p.src_off:p.src_off + p.nbytes].copy_(
+                    chunk.tensor[p.chunk_off:p.chunk_off + p.nbytes])
+            return None
+        with torch.cuda.stream(stream):
+            for p in pieces:
+                self.targets[p.name][1][p.src_off:p.src_off + p.nbytes].copy_(
+                    chunk.tensor[p.chunk_off:p.chunk_off + p.nbytes], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+
+def _combine(pieces: dict[str, list[tuple[int, int, int]]]) -> dict[str, int]:
+    combine = native().crc32c_combine
+    out: dict[str, int] = {}
+    for name, parts in pieces.items():
+        crc = 0
+        for i, (_, c, n) in enumerate(sorted(parts)):
+            crc = c if i == 0 else int(combine(crc, c, n))
+        out[name] = crc
+    return out
+
+
+def read_staged(path: str | os.PathLike[str], targets: Sequence[tuple[TensorEntry, torch.Tensor]], *,
+                direct: bool, threads: int = 0, chunk_bytes: int | None = None, chunks: int | None = None,
+                info: dict[str, int] | None = None) -> dict[str, int]:
+    """Read ``targets`` in place through pinned chunks; returns crc32c by name (not yet verified).
+
+    The chunks are pinned for CUDA targets and unpinned (and freed) before returning.
+    """
+    reader = StagedReader(path, targets, direct=direct, threads=threads, chunk_bytes=chunk_bytes, chunks=chunks)
+    try:
+        crcs = reader.read()
+    finally:
+        reader.release()
+    if info is not None:
+        info.update(reader.info)
+    return crcs
