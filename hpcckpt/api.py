@@ -250,7 +250,7 @@ class Checkpointer:
         if local is StopReason.NONE and self.ranks.is_coordinator:
             self.policy.poll(self.cluster)
             local = self.policy.stop_reason()
-        reason = StopReason(self.ranks.any(int(local)))
+        reason = StopReason(self.ranks.max(int(local)))
         if reason is not StopReason.NONE:
             self._stop(reason)
         elif self.policy.periodic_due(self.step):

@@ -24,6 +24,7 @@ log = logging.getLogger("hpcckpt.config")
 
 ENGINES = ("sync", "concurrent")
 ON_BUSY = ("wait", "skip")
+ON_CORRUPT = ("raise", "fresh")  # when every checkpoint is damaged: stop and say so, or start fresh as asked
 CLUSTERS = ("local", "slurm-cli", "pyslurm")
 DEFAULT_SIGNALS = ("SIGUSR2", "SIGTERM")
 # Signals that a scheduler sends as a warning and a handler can catch. Excluded on
@@ -136,7 +137,8 @@ class Tunable:
 
 
 TUNABLES: dict[str, Tunable] = {t.env.removeprefix("HPCCKPT_").lower(): t for t in (
-    Tunable("HPCCKPT_ENGINE", str, lambda v: v in ENGINES, f"one of {', '.join(ENGINES)}", "concurrent"),
+    Tunable("HPCCKPT_ENGINE", str, lambda v: v in ENGINES, f"one of the valid engines: {', '.join(ENGINES)}",
+            "concurrent"),
     Tunable("HPCCKPT_KEEP", parse_int, lambda v: _is_int(v) and v >= 1,
             "a whole number >= 1 (the newest verified checkpoint is always kept)", "3"),
     Tunable("HPCCKPT_OVERHEAD_BOUND", parse_float, lambda v: _is_num(v) and 0 < v <= 1,
@@ -148,8 +150,12 @@ TUNABLES: dict[str, Tunable] = {t.env.removeprefix("HPCCKPT_").lower(): t for t 
     Tunable("HPCCKPT_WRITER_THREADS", parse_int, lambda v: _is_int(v) and 0 <= v <= 1024,
             "a whole number of threads, 0 (one per core) to 1024", "4"),
     Tunable("HPCCKPT_ON_BUSY", str, lambda v: v in ON_BUSY, f"one of {', '.join(ON_BUSY)}", "skip"),
+    Tunable("HPCCKPT_ON_CORRUPT", lambda s: s.strip().lower(), lambda v: v in ON_CORRUPT,
+            f"one of {', '.join(ON_CORRUPT)} (what to do when every checkpoint is damaged)", "fresh"),
     Tunable("HPCCKPT_MEMORY_BUDGET_BYTES", parse_bytes, lambda v: v is None or (_is_int(v) and v > 0),
             "a positive byte count (K, M, G, T suffixes are binary)", "4GiB"),
+    Tunable("HPCCKPT_STAGING_BYTES", parse_bytes, lambda v: v is None or (_is_int(v) and v > 0),
+            "a positive byte count of host staging per rank, a ring when below the state's size", "1GiB"),
     Tunable("HPCCKPT_CHUNK_BYTES", parse_bytes, lambda v: _is_int(v) and 4096 <= v <= 1 << 32,
             "a byte count from 4 KiB to 4 GiB", "8M"),
     Tunable("HPCCKPT_DIRECT", parse_bool, lambda v: isinstance(v, bool), "1/0, true/false, yes/no, on/off",
@@ -224,14 +230,16 @@ class CheckpointOptions:
     # concurrent engine: what a save does while max_async are in flight; staging cap; O_DIRECT writes
     on_busy: str = "wait"
     memory_budget_bytes: int | None = None
+    staging_bytes: int | None = None  # concurrent engine: staging ring smaller than the state (None: full copies)
     direct: bool = True
+    on_corrupt: str = "raise"
 
     def __post_init__(self) -> None:
         if self.every_steps is not None and not (_is_int(self.every_steps) and self.every_steps > 0):
             raise ConfigError(f"every_steps={self.every_steps!r} is invalid: use a positive integer, 'auto' "
                               "or None; e.g. every_steps=100 or HPCCKPT_EVERY_STEPS=100")
         for option in ("engine", "overhead_bound", "keep", "deadline_margin_s", "max_async", "writer_threads",
-                       "on_busy", "memory_budget_bytes", "direct"):
+                       "on_busy", "memory_budget_bytes", "staging_bytes", "direct", "on_corrupt"):
             validate(option, getattr(self, option))
         if not self.signals:
             raise ConfigError("signals=() leaves no stop signal; e.g. signals=('SIGUSR2', 'SIGTERM') "
@@ -287,7 +295,9 @@ def resolve_options(
     writer_threads: int | None = None,
     on_busy: str | None = None,
     memory_budget_bytes: int | None = None,
+    staging_bytes: int | None = None,
     direct: bool | None = None,
+    on_corrupt: str | None = None,
 ) -> CheckpointOptions:
     """Build options from arguments, then ``HPCCKPT_*`` variables, then defaults."""
     raw_dir = dir if dir is not None else os.environ.get("HPCCKPT_DIR")
@@ -315,5 +325,7 @@ def resolve_options(
         writer_threads=pick(writer_threads, "WRITER_THREADS", 0, parse_int),
         on_busy=pick(on_busy, "ON_BUSY", "wait", str),
         memory_budget_bytes=pick(memory_budget_bytes, "MEMORY_BUDGET_BYTES", None, parse_bytes),  # type: ignore[arg-type]
+        staging_bytes=pick(staging_bytes, "STAGING_BYTES", None, parse_bytes),  # type: ignore[arg-type]
         direct=pick(direct, "DIRECT", True, parse_bool),
+        on_corrupt=pick(on_corrupt, "ON_CORRUPT", "raise", str),
     )

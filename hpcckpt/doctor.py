@@ -1,15 +1,16 @@
 """``hpcckpt doctor``: checks that a job will survive its next warning, each a small function.
 
-A check takes a ``DoctorContext`` and returns ``Check`` results. Other parts plug
-in their own: a module exposing ``checks() -> list[Check-like]`` (name, ok, detail,
-data; e.g. ``hpcckpt.criu.doctor``) is listed in ``PROVIDERS`` and its results are
-adopted as they are.
+A check takes a ``DoctorContext`` and returns ``Check`` results. ``Check`` is the one
+finding type of the project: other parts plug in their own checks through a module
+exposing ``checks() -> list[Check]`` (e.g. ``hpcckpt.criu.doctor``) listed in
+``PROVIDERS``; a plug-in that fails, or returns something else, is itself a finding.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import math
 import os
 import re
 import shutil
@@ -20,7 +21,8 @@ from typing import Any
 
 from hpcckpt.cluster.env import JobEnv
 from hpcckpt.cluster.scontrol import parse_duration_s, parse_records, run_slurm, show_config
-from hpcckpt.errors import ClusterError
+from hpcckpt.config import parse_signal, parse_signals
+from hpcckpt.errors import ClusterError, ConfigError
 
 log = logging.getLogger("hpcckpt.doctor")
 
@@ -59,13 +61,19 @@ class SignalSpec:
 
     @classmethod
     def parse(cls, text: str) -> SignalSpec:
+        """``--signal`` as sbatch reads it; a value sbatch or hpcckpt cannot use is a ConfigError."""
         flags, _, rest = text.rpartition(":")
         sig, _, lead = rest.partition("@")
-        name = sig.upper().removeprefix("SIG")
-        if name.isdigit():
-            import signal as _signal
-            name = _signal.Signals(int(name)).name.removeprefix("SIG")
-        return cls(name=name, lead_s=float(lead or 60), batch_only="B" in flags.upper())
+        try:
+            lead_s = float(lead or 60)
+            name = parse_signal(sig).name.removeprefix("SIG")
+        except (ValueError, ConfigError) as err:
+            raise ConfigError(f"#SBATCH --signal={text} in the script is invalid: {err}; "
+                              "e.g. #SBATCH --signal=B:USR2@180") from None
+        if not math.isfinite(lead_s) or lead_s < 0:
+            raise ConfigError(f"#SBATCH --signal={text}: the lead time must be seconds >= 0; "
+                              "e.g. #SBATCH --signal=B:USR2@180")
+        return cls(name=name, lead_s=lead_s, batch_only="B" in flags.upper())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,8 +236,12 @@ def check_signal_choice(ctx: DoctorContext) -> list[Check]:
                          fix=f"use USR2: --signal={'B:' if spec.batch_only else ''}USR2@{spec.lead_s:.0f} "
                              "and HPCCKPT_SIGNALS=SIGUSR2,SIGTERM"))
     handled = os.environ.get("HPCCKPT_SIGNALS") or (
-        re.search(r"HPCCKPT_SIGNALS=\"?([A-Z0-9,]+)", ctx.script_text or "") or [None, None])[1]
-    names = {s.strip().upper().removeprefix("SIG") for s in (handled or "SIGUSR2,SIGTERM").split(",")}
+        re.search(r"HPCCKPT_SIGNALS=\"?([A-Za-z0-9,]+)", ctx.script_text or "") or [None, None])[1]
+    try:
+        names = {s.name.removeprefix("SIG") for s in parse_signals(handled or "SIGUSR2,SIGTERM")}
+    except ConfigError as err:
+        return [*out, Check(name="HPCCKPT_SIGNALS", ok=False, detail=f"HPCCKPT_SIGNALS={handled!r}: {err}",
+                            fix="set HPCCKPT_SIGNALS=SIGUSR2,SIGTERM (match the script's --signal)")]
     ok = spec.name in names
     out.append(Check(name="signal handled", ok=ok,
                      detail=f"--signal sends {spec.name}; hpcckpt listens for {', '.join(sorted(names))}",
@@ -263,22 +275,18 @@ CHECKS: list[Callable[[DoctorContext], list[Check]]] = [
 ]
 
 
-def _adopt(found: Any) -> Check:
-    if isinstance(found, Check):
-        return found
-    return Check(name=str(getattr(found, "name", "?")), ok=bool(getattr(found, "ok", False)),
-                 detail=str(getattr(found, "detail", "")), fix=str(getattr(found, "fix", "") or ""),
-                 data=dict(getattr(found, "data", {}) or {}))
-
-
 def plugin_checks(providers: Iterable[str] = PROVIDERS) -> list[Check]:
     out: list[Check] = []
     for name in providers:
         try:
-            module = importlib.import_module(name)
-            out.extend(_adopt(c) for c in module.checks())
+            found = list(importlib.import_module(name).checks())
         except Exception as err:  # a broken plug-in is itself a finding, not a crash
             out.append(Check(name=name, ok=False, level="warn", detail=f"could not run its checks: {err}"))
+            continue
+        for item in found:
+            out.append(item if isinstance(item, Check) else Check(
+                name=name, ok=False, level="warn",
+                detail=f"returned a {type(item).__name__}, not an hpcckpt.doctor.Check: {item!r}"))
     return out
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Callable
 
+from .cluster.base import Cause
+
 log = logging.getLogger("hpcckpt.policy")
 
 
@@ -27,10 +29,11 @@ class StopReason(IntEnum):
     SIGNAL = 4
 
     @property
-    def cause(self) -> str:
-        return {StopReason.SIGNAL: "signal", StopReason.DEADLINE: "time_limit",
-                StopReason.MAINTENANCE: "maintenance", StopReason.DRAIN: "maintenance",
-                StopReason.NONE: "done"}[self]
+    def cause(self) -> Cause:
+        """The ``Cause`` this stop is charged to (per-cause requeue budgets, history)."""
+        return {StopReason.SIGNAL: Cause.SIGNAL, StopReason.DEADLINE: Cause.TIME_LIMIT,
+                StopReason.MAINTENANCE: Cause.MAINTENANCE, StopReason.DRAIN: Cause.MAINTENANCE,
+                StopReason.NONE: Cause.DONE}[self]
 
 
 @dataclass

@@ -46,8 +46,8 @@ class Ranks:
     def is_coordinator(self) -> bool:
         return self.rank == 0
 
-    def any(self, flag: int) -> int:
-        """Maximum of ``flag`` over all ranks (the agreed stop reason code)."""
+    def max(self, flag: int) -> int:
+        """Maximum of ``flag`` over all ranks (the agreed stop reason code; 1 if any rank says 1)."""
         group = self._comm()
         if group is None:
             return flag
@@ -56,7 +56,7 @@ class Ranks:
         return int(t.item())
 
     def all(self, flag: bool) -> bool:
-        return self.any(0 if flag else 1) == 0
+        return self.max(0 if flag else 1) == 0
 
     def gather_json(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (JSON-serialisable), on every rank."""

@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hpcckpt.cli.common import add_json, emit
+from hpcckpt.cli.common import add_json, directory, emit
 from hpcckpt.doctor import build_context, run_checks
+from hpcckpt.errors import ConfigError
 
 _MARK = {"ok": "ok  ", "info": "info", "warn": "WARN", "fail": "FAIL"}
 
@@ -30,7 +31,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
-    results = run_checks(build_context(script=args.script, ckpt_dir=args.dir), plugins=not args.no_plugins)
+    if args.script is not None and not args.script.is_file():
+        raise ConfigError(f"--script={args.script} is not a file; pass the sbatch script, e.g. --script train.sbatch")
+    ckpt_dir = directory(args.dir, option="--dir", must_exist=False) if args.dir is not None else None
+    results = run_checks(build_context(script=args.script, ckpt_dir=ckpt_dir), plugins=not args.no_plugins)
     lines = []
     for c in results:
         lines.append(f"[{_MARK.get(c.severity, c.severity)}] {c.name}: {c.detail}")

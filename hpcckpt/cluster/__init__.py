@@ -9,13 +9,13 @@ logged once.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 
 from hpcckpt.cluster.base import Cause, Cluster, RequeueOutcome, Reservation, node_is_draining
 from hpcckpt.cluster.env import JobEnv
 from hpcckpt.cluster.local import LocalCluster
 from hpcckpt.cluster.scontrol import SlurmCli
+from hpcckpt.config import env_value
 from hpcckpt.exitcodes import EXIT_REQUEUE
 
 __all__ = ["EXIT_REQUEUE", "Cause", "Cluster", "JobEnv", "LocalCluster", "RequeueOutcome",
@@ -27,7 +27,7 @@ log = logging.getLogger("hpcckpt.cluster")
 def detect(env: JobEnv | None = None) -> Cluster:
     """The backend for this process. ``HPCCKPT_CLUSTER=local|slurm-cli|pyslurm`` forces one."""
     env = env or JobEnv()
-    forced = os.environ.get("HPCCKPT_CLUSTER", "").strip().lower()
+    forced = env_value("cluster", "")
     if forced == "local" or (not forced and not env.in_slurm):
         log.info("cluster backend: local (%s)", "forced" if forced else "no SLURM_JOB_ID")
         return LocalCluster(env)

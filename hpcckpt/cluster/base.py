@@ -37,6 +37,14 @@ class Cause(str, Enum):
     DONE = "done"
     UNKNOWN = "unknown"
 
+    # A Cause is its value wherever a string is expected (f-strings, logs, JSON): Python
+    # 3.11 formats a plain (str, Enum) member as "Cause.TIME_LIMIT" otherwise.
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
     @classmethod
     def parse(cls, text: str) -> Cause:
         norm = text.strip().lower().replace("-", "_")

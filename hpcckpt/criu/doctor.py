@@ -1,28 +1,15 @@
 """What ``hpcckpt doctor`` reports about CRIU mode: which criu, its version, ``criu check``,
 PID namespaces, and whether the CUDA checkpoint API is at hand.
 
-``Check`` is defined here because the shared ``hpcckpt.doctor`` type was not in the
-tree when this was written; it has the same shape (name, ok, detail, data).
+A plug-in of ``hpcckpt doctor``: ``checks()`` returns ``hpcckpt.doctor.Check`` findings.
 """
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass, field
-from typing import Any
 
+from ..doctor import Check
 from ..errors import CudaCheckpointError, CriuError
 from .locate import check, find_criu
-
-
-@dataclass(frozen=True, kw_only=True)
-class Check:
-    name: str
-    ok: bool
-    detail: str
-    data: dict[str, Any] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "ok": self.ok, "detail": self.detail, **self.data}
 
 
 def _criu_checks() -> list[Check]:

@@ -439,7 +439,7 @@ class ConcurrentEngine(Engine):
             busy = len(self._inflight) >= self.max_async
         if self.on_busy == "skip" and not final:
             # Every rank must take the same decision, or the commit exchange would mismatch.
-            if self.ranks.any(int(busy)):
+            if self.ranks.max(int(busy)):
                 log.warning("hpcckpt: skipping checkpoint of step %d: %d saves in flight (on_busy=skip)",
                             step, self.max_async)
                 return False
