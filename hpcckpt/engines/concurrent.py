@@ -37,6 +37,7 @@ untouched; its handle carries the error and raises it once.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -196,7 +197,7 @@ class EngineStats:
 class Staging:
     """A layout and the host memory that stages it: full slots, or one ring."""
 
-    key: tuple[tuple[Spec, ...], bool]
+    key: Key
     layout: Layout
     slots: list[Slot]
     ring: Ring | None
@@ -220,7 +221,7 @@ class Staging:
 class _Prep:
     """A staging being built on a background thread (``ConcurrentEngine.prepare``)."""
 
-    key: tuple[tuple[Spec, ...], bool]
+    key: Key
     thread: threading.Thread | None = None
     staging: Staging | None = None
     error: BaseException | None = None
@@ -247,11 +248,16 @@ class _Job:
     error: BaseException | None = None  # failed before persisting: only the commit exchange is left
 
 
-def _specs(tensors: dict[str, torch.Tensor]) -> tuple[tuple[Spec, ...], bool]:
-    """The layout key of a capture: (name, dtype, shape) of each tensor, and whether to pin."""
+Key = tuple[tuple[Spec, ...], int | None]
+
+
+def _specs(tensors: dict[str, torch.Tensor]) -> Key:
+    """The layout key of a capture: (name, dtype, shape) of each tensor, and the CUDA device
+    whose copies the staging serves (pinned then), None when nothing is on a GPU."""
     specs = tuple((n, t.dtype, tuple(t.shape)) for n, t in tensors.items())
-    pin = any(t.is_cuda for t in tensors.values()) and torch.cuda.is_available()
-    return specs, pin
+    device = next((t.device for t in tensors.values() if t.is_cuda), None)
+    index = None if device is None else (device.index if device.index is not None else torch.cuda.current_device())
+    return specs, index
 
 
 class ConcurrentEngine(Engine):
@@ -492,7 +498,7 @@ class ConcurrentEngine(Engine):
         self.stats.saves += 1
         self._queue.put(job)
 
-    def _ensure_staging(self, path: Path, key: tuple[tuple[Spec, ...], bool]) -> Staging:
+    def _ensure_staging(self, path: Path, key: Key) -> Staging:
         """The staging for these shapes, prepared in the background if possible; main thread."""
         st = self._staging
         if st is None or st.key != key:
@@ -510,10 +516,11 @@ class ConcurrentEngine(Engine):
         st.layout.materialise(path)
         return st
 
-    def _build_staging(self, key: tuple[tuple[Spec, ...], bool]) -> Staging:
+    def _build_staging(self, key: Key) -> Staging:
         """Plan the HDF5 layout (in a scratch file) and allocate staging. Any thread."""
         t0 = time.monotonic()
-        specs, pin = key
+        specs, device = key
+        pin = device is not None
         self.ctx.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd, scratch = tempfile.mkstemp(dir=self.ctx.root, prefix=".hpcckpt-layout-", suffix=".h5")
         os.close(fd)
@@ -521,17 +528,24 @@ class ConcurrentEngine(Engine):
             layout = Layout.plan(Path(scratch), specs)
         finally:
             os.unlink(scratch)
-        if self.staging_bytes is None:
-            n = self._slot_count(layout.slot_bytes)
-            staging = Staging(key, layout, [Slot(layout.slot_bytes, pin=pin) for _ in range(n)], None)
-            log.info("hpcckpt: staging %d slots x %d bytes (%s)", n, layout.slot_bytes,
+        # Pinning on this (maybe background) thread must use the training device's context,
+        # not create one on device 0.
+        with torch.cuda.device(device) if pin else contextlib.nullcontext():
+            if self.staging_bytes is None:
+                n = self._slot_count(layout.slot_bytes)
+                staging = Staging(key, layout, [Slot(layout.slot_bytes, pin=pin) for _ in range(n)], None)
+            else:
+                chunks, size = ring_shape(self.staging_bytes, layout.state_bytes, self.ring_chunk_bytes)
+                staging = Staging(key, layout, [], Ring(chunks, size, [layout.entries[n] for n, _, _ in specs],
+                                                        pin=pin))
+        ring = staging.ring
+        if ring is None:
+            log.info("hpcckpt: staging %d slots x %d bytes (%s)", len(staging.slots), layout.slot_bytes,
                      "pinned" if pin else "pageable")
         else:
-            chunks, size = ring_shape(self.staging_bytes, layout.state_bytes, self.ring_chunk_bytes)
-            ring = Ring(chunks, size, [layout.entries[n] for n, _, _ in specs], pin=pin)
-            staging = Staging(key, layout, [], ring)
             log.info("hpcckpt: staging ring %d x %d bytes for %d bytes of state in %d rounds (%s)",
-                     len(ring.chunks), size, layout.state_bytes, len(ring.rounds), "pinned" if pin else "pageable")
+                     len(ring.chunks), ring.chunk_bytes, layout.state_bytes, len(ring.rounds),
+                     "pinned" if pin else "pageable")
         self.stats.prepare_s += time.monotonic() - t0
         return staging
 

@@ -18,6 +18,7 @@ plain copy instead of the H2D), which is how the pipeline is tested without a GP
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 from typing import Any, Sequence
@@ -59,7 +60,8 @@ class StagedReader:
         self.device = cuda[0].device if cuda else None
         n = max(1, min(chunks or ROUND_CHUNKS, len(self.rounds)))
         pin = self.device is not None
-        self.chunks = [Slot(size, pin=pin) for _ in range(n)] if self.rounds else []
+        with torch.cuda.device(self.device) if pin else contextlib.nullcontext():
+            self.chunks = [Slot(size, pin=pin) for _ in range(n)] if self.rounds else []
         self.info: dict[str, int] = {"staged_bytes": 0, "rounds": len(self.rounds)}
 
     def read(self) -> dict[str, int]:
