@@ -160,6 +160,8 @@ TUNABLES: dict[str, Tunable] = {t.env.removeprefix("HPCCKPT_").lower(): t for t 
             "a byte count from 4 KiB to 4 GiB", "8M"),
     Tunable("HPCCKPT_DIRECT", parse_bool, lambda v: isinstance(v, bool), "1/0, true/false, yes/no, on/off",
             "0"),
+    Tunable("HPCCKPT_SIGNALS", parse_signals, lambda v: bool(v), "catchable stop signals, comma-separated",
+            "SIGUSR2,SIGTERM"),
     Tunable("HPCCKPT_CLUSTER", lambda s: s.strip().lower(), lambda v: v in CLUSTERS,
             f"one of {', '.join(CLUSTERS)}", "slurm-cli"),
     *(Tunable(f"HPCCKPT_REQUEUE_MAX_{key}", parse_int, lambda v: _is_int(v) and v >= 0,

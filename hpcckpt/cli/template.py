@@ -59,6 +59,11 @@ def run(args: argparse.Namespace) -> int:
         else:
             sys.stdout.write(text)
         return 0
+    if not args.out.parent.is_dir():
+        raise ConfigError(f"--out={args.out}: its directory {args.out.parent} does not exist; create it "
+                          "first or write elsewhere, e.g. --out train.sbatch")
+    if args.out.is_dir():
+        raise ConfigError(f"--out={args.out} is a directory; name the file, e.g. --out {args.out}/train.sbatch")
     tmp = args.out.with_name(f".{args.out.name}.tmp-{os.getpid()}")
     tmp.write_text(text, encoding="utf-8")
     mode = 0o755 if text.startswith("#!") else 0o644

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
+
+import pytest
 
 from hpcckpt.cluster import render
 from hpcckpt.cluster.env import JobEnv
@@ -69,6 +72,24 @@ def test_foreign_checks_are_adopted() -> None:
     assert all(isinstance(c, Check) for c in plugin_checks(("hpcckpt.criu.doctor",)))
     (broken,) = plugin_checks(("hpcckpt.no_such_module",))
     assert not broken.ok and broken.severity == "warn"
+
+
+def test_a_plugin_must_return_the_one_check_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hpcckpt.criu.doctor
+
+    assert hpcckpt.criu.doctor.Check is Check  # one framework, not a look-alike
+    fake = types.ModuleType("fake_doctor_plugin")
+    fake.checks = lambda: [Check(name="fine", ok=True, detail="x"), {"name": "dict", "ok": True}]  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fake_doctor_plugin", fake)
+    good, odd = plugin_checks(("fake_doctor_plugin",))
+    assert good.name == "fine" and not odd.ok and "not an hpcckpt.doctor.Check" in odd.detail
+
+
+def test_an_invalid_hpcckpt_signals_is_a_failed_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HPCCKPT_SIGNALS", "SIGKILL")
+    results = check_signal_choice(_ctx("#SBATCH --signal=B:USR2@120\n"))
+    (bad,) = [r for r in results if r.name == "HPCCKPT_SIGNALS"]
+    assert not bad.ok and "SIGKILL" in bad.detail and "SIGUSR2" in bad.fix
 
 
 def test_cli_json_reads_save_cost_from_ledger(tmp_path: Path) -> None:

@@ -4,6 +4,8 @@ backend and the interruption history built from a ledger."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,9 @@ from hpcckpt.cluster import EXIT_REQUEUE, Cluster, LocalCluster, SlurmCli, detec
 from hpcckpt.cluster.budget import BUDGET_FILE, BudgetOptions, charge
 from hpcckpt.cluster.env import JobEnv, staging_root
 from hpcckpt.cluster.history import interruptions, summary
+from hpcckpt.cluster.base import Cause
 from hpcckpt.errors import ConfigError
+from hpcckpt.policy import StopReason
 
 
 def test_env_table_reads_slurm_variables() -> None:
@@ -78,6 +82,29 @@ def test_budget_env_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
         charge(tmp_path, "signal", attempt="b")
 
 
+def test_budget_files_are_private(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        charge(tmp_path, "signal", attempt="m:0", options=BudgetOptions())
+    finally:
+        os.umask(old)
+    for name in (BUDGET_FILE, BUDGET_FILE + ".lock"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600, name
+
+
+def test_one_exit_requeue_and_stop_reasons_map_to_causes() -> None:
+    import hpcckpt.api
+    import hpcckpt.criu.supervisor
+    import hpcckpt.supervisor
+    from hpcckpt import exitcodes
+
+    assert (hpcckpt.api.EXIT_REQUEUE is hpcckpt.supervisor.EXIT_REQUEUE is hpcckpt.criu.supervisor.EXIT_REQUEUE
+            is EXIT_REQUEUE is exitcodes.EXIT_REQUEUE)
+    assert StopReason.DEADLINE.cause is Cause.TIME_LIMIT and StopReason.DRAIN.cause is Cause.MAINTENANCE
+    # A Cause reads as its value wherever text is expected (logs, budgets, JSON).
+    assert f"{StopReason.SIGNAL.cause}" == "signal" and json.dumps([Cause.PREEMPTION]) == '["preemption"]'
+
+
 def test_local_backend_requeues_by_exit_status(tmp_path: Path) -> None:
     cluster = LocalCluster(JobEnv(environ={}))
     assert isinstance(cluster, Cluster)
@@ -93,6 +120,9 @@ def test_detect_picks_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(detect(JobEnv(environ={"SLURM_JOB_ID": "3"})), SlurmCli)
     monkeypatch.setenv("HPCCKPT_CLUSTER", "local")
     assert isinstance(detect(JobEnv(environ={"SLURM_JOB_ID": "3"})), LocalCluster)
+    monkeypatch.setenv("HPCCKPT_CLUSTER", "slurm")  # a typo must not silently pick a backend
+    with pytest.raises(ConfigError, match="HPCCKPT_CLUSTER.*slurm-cli"):
+        detect(JobEnv(environ={"SLURM_JOB_ID": "3"}))
 
 
 def _ev(event: str, t: float, **fields: object) -> dict[str, object]:

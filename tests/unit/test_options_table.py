@@ -1,0 +1,175 @@
+"""Bad options and environment variables, table-driven: each row is an input, and each
+must give a non-zero exit (or a ConfigError), a message naming the option, and never a
+traceback. The rows are the campaign's cases plus their neighbours."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpcckpt.cli.main import main
+from hpcckpt.config import from_env, resolve_options
+from hpcckpt.doctor import SignalSpec
+from hpcckpt.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+BAD_ENV = [
+    ("HPCCKPT_SIGNALS", "SIGKILL"), ("HPCCKPT_SIGNALS", "STOP"), ("HPCCKPT_SIGNALS", "SIGSEGV"),
+    ("HPCCKPT_SIGNALS", "SIGCHLD"), ("HPCCKPT_SIGNALS", ","), ("HPCCKPT_SIGNALS", "USR9"),
+    ("HPCCKPT_SIGNALS", "99"), ("HPCCKPT_SIGNALS", "USR2,KILL"),
+    ("HPCCKPT_DEADLINE_MARGIN_S", "nan"), ("HPCCKPT_DEADLINE_MARGIN_S", "-1"),
+    ("HPCCKPT_DEADLINE_MARGIN_S", "inf"), ("HPCCKPT_DEADLINE_MARGIN_S", "soon"),
+    ("HPCCKPT_WRITER_THREADS", "-4"), ("HPCCKPT_WRITER_THREADS", "2.5"), ("HPCCKPT_WRITER_THREADS", "100000"),
+    ("HPCCKPT_KEEP", "0"), ("HPCCKPT_KEEP", "-1"), ("HPCCKPT_KEEP", "all"),
+    ("HPCCKPT_MAX_ASYNC", "0"), ("HPCCKPT_OVERHEAD_BOUND", "0"), ("HPCCKPT_OVERHEAD_BOUND", "1.5"),
+    ("HPCCKPT_OVERHEAD_BOUND", "nan"), ("HPCCKPT_EVERY_STEPS", "0"), ("HPCCKPT_EVERY_STEPS", "-3"),
+    ("HPCCKPT_EVERY_STEPS", "often"), ("HPCCKPT_ENGINE", "fast"), ("HPCCKPT_ON_BUSY", "later"),
+    ("HPCCKPT_MEMORY_BUDGET_BYTES", "0"), ("HPCCKPT_MEMORY_BUDGET_BYTES", "-1G"),
+    ("HPCCKPT_MEMORY_BUDGET_BYTES", "lots"), ("HPCCKPT_DIRECT", "maybe"),
+]
+
+
+@pytest.mark.parametrize(("var", "value"), BAD_ENV)
+def test_bad_environment_is_refused_by_name_before_anything_runs(
+        var: str, value: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcckpt import Checkpointer
+
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError) as err:
+        Checkpointer(tmp_path / "ckpt")
+    assert var in str(err.value) and "e.g." in str(err.value), err.value
+    assert not (tmp_path / "ckpt").exists(), "nothing may be created before the options are valid"
+
+
+BAD_ARGS = [
+    {"writer_threads": -4}, {"writer_threads": True}, {"deadline_margin_s": float("nan")},
+    {"deadline_margin_s": -5.0}, {"keep": 0}, {"max_async": 0}, {"overhead_bound": 2.0},
+    {"every_steps": 0}, {"every_steps": 2.5}, {"signals": ()}, {"signals": ("SIGKILL",)},
+    {"signals": ("SIGSEGV", "SIGTERM")}, {"memory_budget_bytes": -1}, {"engine": "fast"},
+]
+
+
+@pytest.mark.parametrize("kwargs", BAD_ARGS, ids=lambda kw: next(iter(kw)))
+def test_bad_arguments_are_refused_by_name(kwargs: dict[str, object], tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        resolve_options(tmp_path, **kwargs)  # type: ignore[arg-type]
+    name = next(iter(kwargs))
+    assert name in str(err.value) or "signal" in str(err.value).lower(), err.value
+
+
+def test_good_values_pass_with_units(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HPCCKPT_MEMORY_BUDGET_BYTES", "2GiB")
+    monkeypatch.setenv("HPCCKPT_SIGNALS", "usr1, SIGTERM,USR1")
+    monkeypatch.setenv("HPCCKPT_DEADLINE_MARGIN_S", "0")
+    opts = resolve_options(tmp_path)
+    assert opts.memory_budget_bytes == 2 << 30 and opts.deadline_margin_s == 0.0
+    assert [s.name for s in opts.signals] == ["SIGUSR1", "SIGTERM"]
+    monkeypatch.setenv("HPCCKPT_CHUNK_BYTES", "8M")
+    assert from_env("CHUNK_BYTES", 1, int) == 8 << 20
+    monkeypatch.setenv("HPCCKPT_CHUNK_BYTES", "1")  # read by the concurrent engine: checked all the same
+    with pytest.raises(ConfigError, match="HPCCKPT_CHUNK_BYTES"):
+        from_env("CHUNK_BYTES", 1, int)
+
+
+def test_a_world_writable_checkpoint_directory_is_warned_about(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with caplog.at_level(logging.WARNING, logger="hpcckpt.config"):
+        resolve_options(shared)
+    assert any("writable by every user" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    with caplog.at_level(logging.WARNING, logger="hpcckpt.config"):
+        resolve_options(private)
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("text", ["B:KILL@60", "B:USR2@soon", "USR2@-5", "B:USR9@60", "B:USR2@nan"])
+def test_doctor_refuses_a_script_signal_it_cannot_use(text: str) -> None:
+    with pytest.raises(ConfigError, match="--signal"):
+        SignalSpec.parse(text)
+
+
+def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own usage errors
+        code = int(exc.code or 0)
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+@pytest.fixture()
+def places(tmp_path: Path) -> dict[str, str]:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    script = tmp_path / "x.sbatch"
+    script.write_text("#!/bin/bash\n")
+    return {"FILE": str(a_file), "MISSING": str(tmp_path / "missing"), "RUNDIR": str(tmp_path / "run"),
+            "NODIR_OUT": str(tmp_path / "no" / "such" / "x.sbatch")}
+
+
+CLI_ROWS = [
+    (["ls", "FILE"], "DIR"),
+    (["history", "FILE"], "DIR"),
+    (["requeue", "--dir", "FILE"], "--dir"),
+    (["run", "--dir", "FILE", "--", "true"], "--dir"),
+    (["verify", "--all", "MISSING"], "DIR"),
+    (["verify", "FILE"], "DIR"),
+    (["run", "--dir", "RUNDIR", "--signal", "KILL", "--", "true"], "--signal"),
+    (["run", "--dir", "RUNDIR", "--signal", ",", "--", "true"], "--signal"),
+    (["run", "--dir", "RUNDIR", "--signal", "SEGV", "--", "true"], "--signal"),
+    (["run", "--dir", "RUNDIR", "--keep", "0", "--", "true"], "--keep"),
+    (["run", "--dir", "RUNDIR", "--cuda-lock-timeout-s", "nan", "--", "true"], "--cuda-lock-timeout-s"),
+    (["template", "single", "--set", "NOEQUALS"], "--set"),
+    (["template", "single", "--out", "NODIR_OUT"], "NODIR_OUT"),
+    (["doctor", "--script", "MISSING", "--no-plugins"], "--script"),
+    (["doctor", "--dir", "FILE", "--no-plugins"], "--dir"),
+]
+
+
+@pytest.mark.parametrize(("argv", "named"), CLI_ROWS, ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+def test_bad_cli_input_exits_nonzero_naming_the_option(argv: list[str], named: str, places: dict[str, str],
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    code, text = _cli([places.get(a, a) for a in argv], capsys)
+    assert code != 0, text
+    assert places.get(named, named) in text, text
+    assert "Traceback" not in text
+
+
+ENV_CLI_ROWS = [
+    ({"HPCCKPT_CLUSTER": "bogus"}, ["requeue", "--dir", "RUNDIR"], "HPCCKPT_CLUSTER"),
+    ({"HPCCKPT_REQUEUE_MAX_FAILURE": "-1"}, ["requeue", "--dir", "RUNDIR", "--cause", "failure"],
+     "HPCCKPT_REQUEUE_MAX_FAILURE"),
+    ({"HPCCKPT_REQUEUE_MAX_TIME_LIMIT": "many"}, ["requeue", "--dir", "RUNDIR", "--cause", "time_limit"],
+     "HPCCKPT_REQUEUE_MAX_TIME_LIMIT"),
+    ({"HPCCKPT_DIR": "FILE"}, ["requeue"], "HPCCKPT_DIR"),
+]
+
+
+@pytest.mark.parametrize(("env", "argv", "named"), ENV_CLI_ROWS, ids=lambda v: str(v))
+def test_bad_environment_at_the_cli_exits_2_naming_the_variable(
+        env: dict[str, str], argv: list[str], named: str, places: dict[str, str],
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("SLURM_JOB_ID", "SLURM_JOBID", "HPCCKPT_CLUSTER", "HPCCKPT_DIR"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, places.get(value, value))
+    code, text = _cli([places.get(a, a) for a in argv], capsys)
+    assert code == 2 and named in text and "Traceback" not in text, text
+
+
+def test_the_real_command_prints_one_line_not_a_traceback(places: dict[str, str]) -> None:
+    for argv in (["ls", places["FILE"]], ["run", "--dir", places["FILE"], "--", "true"]):
+        proc = subprocess.run([sys.executable, "-m", "hpcckpt.cli", *argv], capture_output=True, text=True,
+                              cwd=REPO, timeout=120, check=False)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.strip().count("\n") == 0 and "not a directory" in proc.stderr
