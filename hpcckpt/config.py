@@ -15,7 +15,7 @@ import signal
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 from .errors import ConfigError
 
@@ -164,6 +164,14 @@ TUNABLES: dict[str, Tunable] = {t.env.removeprefix("HPCCKPT_").lower(): t for t 
             "SIGUSR2,SIGTERM"),
     Tunable("HPCCKPT_CLUSTER", lambda s: s.strip().lower(), lambda v: v in CLUSTERS,
             f"one of {', '.join(CLUSTERS)}", "slurm-cli"),
+    Tunable("HPCCKPT_SUCCESSOR_GENERATION", parse_int, lambda v: _is_int(v) and v >= 0,
+            "a whole number >= 0 (set by hpcckpt on successor jobs)", "1"),
+    Tunable("HPCCKPT_RESTART_COUNT", parse_int, lambda v: _is_int(v) and v >= 0,
+            "a whole number >= 0 (set by the local supervisor)", "1"),
+    Tunable("HPCCKPT_LOCAL_RESTART", parse_int, lambda v: _is_int(v) and v >= 0,
+            "a whole number >= 0 (set by the local supervisor)", "1"),
+    Tunable("HPCCKPT_END_TIME", parse_float, lambda v: _is_num(v) and v > 0,
+            "epoch seconds when the job will be stopped", "1767225600"),
     *(Tunable(f"HPCCKPT_REQUEUE_MAX_{key}", parse_int, lambda v: _is_int(v) and v >= 0,
               "a whole number of requeues >= 0", "10")
       for key in ("TIME_LIMIT", "PREEMPTION", "SIGNAL", "FAILURE", "FAILURES_WITHOUT_PROGRESS")),
@@ -180,13 +188,15 @@ def validate(option: str, value: T, *, source: str | None = None) -> T:
                       f"or {spec.env}={spec.example}")
 
 
-def from_env(name: str, default: T, parse: Callable[[str], T]) -> T:
-    """Read ``HPCCKPT_<name>``; a malformed or out-of-range value is an error naming the variable.
+def from_env(name: str, default: T, parse: Callable[[str], T],
+             environ: Mapping[str, str] | None = None) -> T:
+    """Read ``HPCCKPT_<name>`` (from ``environ``, default ``os.environ``); a malformed or
+    out-of-range value is an error naming the variable.
 
     Variables listed in TUNABLES are parsed and checked by their own rule (``parse`` is
     then only the fallback for names the table does not know).
     """
-    raw = os.environ.get(f"HPCCKPT_{name}")
+    raw = (os.environ if environ is None else environ).get(f"HPCCKPT_{name}")
     if raw is None or raw.strip() == "":
         return default
     spec = TUNABLES.get(name.lower())
@@ -200,10 +210,10 @@ def from_env(name: str, default: T, parse: Callable[[str], T]) -> T:
     return value  # type: ignore[no-any-return]
 
 
-def env_value(option: str, default: T) -> T:
+def env_value(option: str, default: T, environ: Mapping[str, str] | None = None) -> T:
     """The validated ``HPCCKPT_<OPTION>`` for a key of TUNABLES, or ``default`` when unset."""
     spec = TUNABLES[option]
-    return from_env(spec.env.removeprefix("HPCCKPT_"), default, spec.parse)
+    return from_env(spec.env.removeprefix("HPCCKPT_"), default, spec.parse, environ)
 
 
 def pick(explicit: T | None, name: str, default: T, parse: Callable[[str], T]) -> T:

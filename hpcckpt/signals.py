@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Callable, Iterable
 
+from .config import parse_signals
+
 log = logging.getLogger("hpcckpt.signals")
 
 Handler = Callable[[int, FrameType | None], Any] | int | None
@@ -37,7 +39,9 @@ class SignalRecorder:
     """Install recording handlers for ``signals``; ``first()`` is the stop trigger."""
 
     def __init__(self, signals: Iterable[signal.Signals]) -> None:
-        self.signals = tuple(dict.fromkeys(signals))
+        # Checked again here (not only in config): a handler for SIGSEGV or SIGCHLD would
+        # turn a crash or a finished child into a "stop", and SIGKILL cannot be caught.
+        self.signals = parse_signals(tuple(signals))
         self.received: list[Received] = []
         self._previous: dict[int, Handler] = {}
         self._logged = 0

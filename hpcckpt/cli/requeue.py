@@ -45,6 +45,15 @@ def _state_dir(arg: Path | None) -> Path:
     return directory(raw, option="--dir" if arg else "HPCCKPT_DIR", must_exist=False)
 
 
+def _cause(text: str) -> Cause:
+    cause = Cause.parse(text)
+    if cause is Cause.UNKNOWN and text.strip().lower() != Cause.UNKNOWN.value:
+        valid = ", ".join(c.value for c in Cause if c not in (Cause.UNKNOWN, Cause.DONE))
+        raise ConfigError(f"--cause={text!r} is not a cause hpcckpt knows; use one of {valid}, "
+                          "e.g. --cause time_limit")
+    return cause
+
+
 def _last_stop(events: list[dict[str, object]]) -> dict[str, object] | None:
     return next((e for e in reversed(events) if e.get("event") == "stop"), None)
 
@@ -53,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     state_dir = _state_dir(args.dir)
     events = Ledger(state_dir).read()
     stop = _last_stop(events)
-    cause = (Cause.parse(args.cause) if args.cause
+    cause = (_cause(args.cause) if args.cause
              else _STOP_REASON_CAUSE.get(str(stop.get("reason")) if stop else "", Cause.SIGNAL))
     committed = stop.get("committed_step") if stop else None
     # The in-step ranks deferred to us; the batch shell itself is not a step.

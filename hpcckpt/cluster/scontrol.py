@@ -18,6 +18,7 @@ from pathlib import Path
 
 from hpcckpt.cluster.base import Cause, ClusterBase, Reservation, RequeueOutcome, node_is_draining
 from hpcckpt.cluster.budget import charge
+from hpcckpt.config import env_value
 from hpcckpt.exitcodes import EXIT_REQUEUE
 from hpcckpt.errors import ClusterError
 
@@ -195,7 +196,7 @@ def successor_environment(environ: Mapping[str, str], predecessor: str) -> dict[
     env = {k: v for k, v in environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))
            or k in keep}
     env["HPCCKPT_PREDECESSOR_JOB_ID"] = predecessor
-    generation = int(environ.get("HPCCKPT_SUCCESSOR_GENERATION", "0") or 0)
+    generation = env_value("successor_generation", 0, environ)
     env["HPCCKPT_SUCCESSOR_GENERATION"] = str(generation + 1)
     return env
 

@@ -5,6 +5,7 @@ traceback. The rows are the campaign's cases plus their neighbours."""
 from __future__ import annotations
 
 import logging
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -60,6 +61,18 @@ def test_bad_arguments_are_refused_by_name(kwargs: dict[str, object], tmp_path: 
         resolve_options(tmp_path, **kwargs)  # type: ignore[arg-type]
     name = next(iter(kwargs))
     assert name in str(err.value) or "signal" in str(err.value).lower(), err.value
+
+
+def test_successor_generation_and_signal_recorder_check_their_input() -> None:
+    from hpcckpt.cluster.scontrol import successor_environment
+    from hpcckpt.signals import SignalRecorder
+
+    env = successor_environment({"HPCCKPT_SUCCESSOR_GENERATION": "2", "SLURM_JOB_ID": "7"}, "7")
+    assert env["HPCCKPT_SUCCESSOR_GENERATION"] == "3" and "SLURM_JOB_ID" not in env
+    with pytest.raises(ConfigError, match="HPCCKPT_SUCCESSOR_GENERATION"):
+        successor_environment({"HPCCKPT_SUCCESSOR_GENERATION": "-1"}, "7")
+    with pytest.raises(ConfigError, match="SIGCHLD"):
+        SignalRecorder([signal.SIGUSR2, signal.SIGCHLD])
 
 
 def test_good_values_pass_with_units(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -152,6 +165,7 @@ ENV_CLI_ROWS = [
     ({"HPCCKPT_REQUEUE_MAX_TIME_LIMIT": "many"}, ["requeue", "--dir", "RUNDIR", "--cause", "time_limit"],
      "HPCCKPT_REQUEUE_MAX_TIME_LIMIT"),
     ({"HPCCKPT_DIR": "FILE"}, ["requeue"], "HPCCKPT_DIR"),
+    ({}, ["requeue", "--dir", "RUNDIR", "--cause", "lunch"], "--cause"),
 ]
 
 
