@@ -27,15 +27,16 @@ import torch
 
 from .config import CheckpointOptions, resolve_options
 from .data import ResumableSampler
-from .engines import SaveContext, SaveHandle, load_rank, make_engine
-from .errors import CheckpointCorrupt, ConfigError
+from .engines import SaveContext, SaveHandle, make_engine
+from .errors import CheckpointCorrupt, CheckpointFailed, ConfigError, HpcckptError
 from .exitcodes import EXIT_REQUEUE
 from .ledger import Ledger
 from .policy import AutoInterval, Policy, StopReason
 from .ranks import Ranks
+from .resume import Outcome, load_newest
 from .signals import SignalRecorder
 from .state import Flat, TrainState
-from .store import catalog
+from .store.lock import WriterBusy, WriterLease
 
 log = logging.getLogger("hpcckpt")
 
@@ -85,15 +86,34 @@ class Checkpointer:
         self._handles: list[SaveHandle] = []
         self._started = False
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.engine = make_engine(self.options.engine, SaveContext(
-            root=self.root, keep=self.options.keep, job=self._job_info(), user={}), self.ranks,
-            **(self._concurrent_options() if self.options.engine == "concurrent" else {}))
+        self._lease = WriterLease(self.root)
+        self._take_lease()
+        try:
+            self.engine = make_engine(self.options.engine, SaveContext(
+                root=self.root, keep=self.options.keep, job=self._job_info(), user={}), self.ranks,
+                **(self._concurrent_options() if self.options.engine == "concurrent" else {}))
+        except BaseException:
+            self._lease.release()
+            raise
         self.signals.install()
+
+    def _take_lease(self) -> None:
+        """The coordinator holds the directory's writer lease until ``close``; every rank learns a refusal."""
+        refusal: str | None = None
+        if self.ranks.is_coordinator:
+            try:
+                self._lease.acquire()
+            except WriterBusy as exc:
+                refusal = str(exc)
+        refusal = self.ranks.broadcast_json(refusal)
+        if refusal is not None:
+            self.ranks.close()
+            raise WriterBusy(refusal)
 
     def _concurrent_options(self) -> dict[str, Any]:
         o = self.options
         return {"max_async": o.max_async, "writer_threads": o.writer_threads, "on_busy": o.on_busy,
-                "memory_budget_bytes": o.memory_budget_bytes, "direct": o.direct}
+                "memory_budget_bytes": o.memory_budget_bytes, "direct": o.direct, "staging_bytes": o.staging_bytes}
 
     # -- registration and restore ---------------------------------------------
 
@@ -136,41 +156,42 @@ class Checkpointer:
             # `hpcckpt run --mode criu --on-restore-failure fresh`: the user asked for a fresh start.
             log.warning("hpcckpt: HPCCKPT_CRIU_FALLBACK=fresh: not resuming from %s", self.root)
             return None
-        live: dict[str, Any] | None = None
-        overwritten = False  # live tensors now hold bytes of a checkpoint that was not restored
-        for info in catalog.committed_newest_first(self.root):
-            if live is None:
-                # Read straight into the live model/optimizer tensors where they match: no
-                # first touch of new memory, no second copy of the state (hdf5.read_tensors).
-                live = self.state.capture(step=self.step).tensors
-            stats: dict[str, Any] = {}
-            try:
-                flat: Flat | None = load_rank(info, self.ranks.rank, self.ranks.world, into=live, stats=stats)
-                problem = ""
-            except CheckpointCorrupt as exc:
-                flat, problem = None, str(exc)
-            if not self.ranks.all(flat is not None):
-                overwritten = overwritten or stats.get("in_place_bytes", 0) > 0
-                log.error("hpcckpt: skipping checkpoint step %d: %s", info.step,
-                          problem or "another rank could not read its part")
-                if self.ranks.is_coordinator:
-                    self.ledger.append("skip_corrupt", step=info.step, problem=problem)
-                continue
-            assert flat is not None
-            self._loaded = flat
-            self.step = int(flat.meta["step"])
-            self.resumed_from = self.committed_step = self.step
-            break
-        if self._loaded is None and not self.ranks.all(not overwritten):
-            raise CheckpointCorrupt(
-                f"no committed checkpoint under {self.root} could be restored, and reading them in "
-                "place already overwrote the live model/optimizer tensors, so a fresh start from "
-                f"them would be wrong. See `hpcckpt verify {self.root}`; move the damaged "
-                "checkpoints aside and restart to start fresh.")
+        fresh_ok = self.options.on_corrupt == "fresh"
+        # Read straight into the live model/optimizer tensors where they match (no first touch of
+        # new memory, no second copy: hdf5.read_tensors), unless a fresh start must stay possible.
+        live = None if fresh_ok else (lambda: self.state.capture(step=self.step).tensors)
+        outcome = load_newest(self.root, self.ranks, into=live, on_skip=self._skipped)
         self._restore_s = time.monotonic() - t0
-        if self._loaded is not None:
+        if outcome.flat is not None:
+            self._loaded = outcome.flat
+            self.step = int(outcome.flat.meta["step"])
+            self.resumed_from = self.committed_step = self.step
             log.warning("hpcckpt: resumed from step %d under %s (%.2fs)", self.step, self.root, self._restore_s)
+        elif outcome.damaged or outcome.unusable:
+            self._nothing_restored(outcome, fresh_ok)
         return self._loaded
+
+    def _skipped(self, step: int, problem: str) -> None:
+        log.error("hpcckpt: skipping checkpoint step %d: %s", step, problem)
+        if self.ranks.is_coordinator:
+            self.ledger.append("skip_corrupt", step=step, problem=problem)
+
+    def _nothing_restored(self, outcome: Outcome, fresh_ok: bool) -> None:
+        """Every checkpoint is damaged: raise, unless the user asked for a fresh start (on_corrupt)."""
+        seen = {d[0] for d in outcome.damaged}
+        bad = sorted(outcome.damaged + [u for u in outcome.unusable if u[0] not in seen], reverse=True)
+        listing = "; ".join(f"step {s}: {p}" for s, p in bad[:5])
+        if fresh_ok and not outcome.overwritten:
+            log.warning("hpcckpt: no checkpoint under %s could be restored (%s); starting fresh as "
+                        "on_corrupt='fresh' asks", self.root, listing)
+            if self.ranks.is_coordinator:
+                self.ledger.append("fresh_start", reason="every checkpoint damaged", steps=[s for s, _ in bad])
+            return
+        raise CheckpointCorrupt(
+            f"no checkpoint under {self.root} could be restored: {len(bad)} damaged ({listing}). Nothing was "
+            f"loaded{' (reading in place already overwrote the live model/optimizer tensors)' if outcome.overwritten else ''}. "
+            f"See `hpcckpt verify {self.root} --all`; to start fresh, move the damaged step-* directories aside, "
+            "or run with on_corrupt='fresh' (HPCCKPT_ON_CORRUPT=fresh).")
 
     def _job_info(self) -> dict[str, Any]:
         env = getattr(self.cluster, "env", None)
@@ -270,8 +291,24 @@ class Checkpointer:
         return handle
 
     def _settle(self, handle: SaveHandle) -> None:
-        handle.wait()
-        self._handles.remove(handle)
+        """Account for one finished save: a commit moves ``committed_step``; a failure raises.
+
+        A failure is recorded as ``save_failed`` (never as a ``commit``), whoever saw the
+        handle's error first (an engine may have waited on it already).
+        """
+        if handle in self._handles:
+            self._handles.remove(handle)
+        try:
+            handle.wait()
+        except Exception:
+            pass  # read back below, whether or not this was the first wait
+        if handle.error is not None or handle.path is None:
+            error = handle.error or CheckpointFailed(f"checkpoint of step {handle.step} under {self.root} "
+                                                     "produced no checkpoint")
+            log.error("hpcckpt: checkpoint of step %d failed: %s", handle.step, error)
+            if self.ranks.is_coordinator:
+                self.ledger.append("save_failed", step=handle.step, error=str(error), final=handle.final)
+            raise error
         self.committed_step = handle.step
         if handle.save_s is not None:
             self.policy.observe_save(handle.save_s, getattr(handle, "stall_s", None))
@@ -280,44 +317,62 @@ class Checkpointer:
                                stall_s=getattr(handle, "stall_s", None), final=handle.final,
                                path=str(handle.path))
 
-    def _reap(self) -> None:
-        """Account for finished background saves; a failed one is reported once and training goes on."""
-        for h in [h for h in self._handles if h.done()]:
+    def _settle_quietly(self, handles: list[SaveHandle]) -> None:
+        """Settle each; a failed one is already logged and recorded, and training goes on."""
+        for h in handles:
             try:
                 self._settle(h)
-            except Exception as exc:
-                log.error("hpcckpt: checkpoint of step %d failed: %s", h.step, exc)
-                if self.ranks.is_coordinator:
-                    self.ledger.append("save_failed", step=h.step, error=str(exc))
+            except Exception:  # noqa: BLE001 - reported by _settle; the previous checkpoint stands
+                pass
+
+    def _reap(self) -> None:
+        """Account for finished background saves; a failed one is reported once and training goes on."""
+        self._settle_quietly([h for h in self._handles if h.done()])
+
+    def _final_save(self) -> bool:
+        """The stop's checkpoint; False when it failed (the previous committed one then stands)."""
+        self._settle_quietly(list(self._handles))  # older saves first, so the final one is the newest
+        if self.committed_step == self.step:
+            return True
+        try:
+            self.save(final=True)
+            return True
+        except (HpcckptError, OSError) as exc:
+            prev = (f"the previous committed checkpoint, step {self.committed_step}" if self.committed_step
+                    is not None else "the beginning (no checkpoint was ever committed)")
+            log.error("hpcckpt: the final checkpoint of step %d failed (%s); requeueing anyway: the job "
+                      "resumes from %s", self.step, exc, prev)
+            return False
 
     def _stop(self, reason: StopReason) -> None:
         first = self.signals.first()
         log.warning("hpcckpt: stopping at step %d (%s); taking the final checkpoint", self.step, reason.name.lower())
-        for h in list(self._handles):  # older saves first, so the final one is the newest
-            try:
-                self._settle(h)
-            except Exception as exc:
-                log.error("hpcckpt: checkpoint of step %d failed: %s", h.step, exc)
-        if self.committed_step != self.step:
-            self.save(final=True)
+        final_ok = self._final_save()
         requeue = reason is not StopReason.NONE
         if self.ranks.is_coordinator:
             self.ledger.append("stop", reason=reason.name.lower(), step=self.step, committed_step=self.committed_step,
-                               requeue=requeue, signame=first.name if first else None,
+                               requeue=requeue, final_saved=final_ok, signame=first.name if first else None,
                                signal_time=first.wall_s if first else None)
         outcome: dict[str, Any] = {}
         if self.ranks.is_coordinator:
-            out = self.cluster.requeue(reason.cause, self.root, committed_step=self.committed_step)
-            outcome = out.as_dict() if hasattr(out, "as_dict") else dict(out)
-            log.warning("hpcckpt: requeue decision: %s", outcome)
-            self.ledger.append("requeue", **{k: v for k, v in outcome.items() if k not in ("time",)})
+            outcome = self._requeue(reason)
         self.ranks.broadcast_json(outcome)
         self.close()
         raise RequeueExit(reason.name.lower(), self.step)
 
+    def _requeue(self, reason: StopReason) -> dict[str, Any]:
+        """Ask the cluster to requeue (coordinator only); a failure is logged, and exit 75 still follows."""
+        try:
+            out = self.cluster.requeue(reason.cause, self.root, committed_step=self.committed_step)
+            outcome = out.as_dict() if hasattr(out, "as_dict") else dict(out)
+        except Exception as exc:  # noqa: BLE001 - exit 75 lets the job script or supervisor retry
+            outcome = {"requeued": False, "method": "error", "detail": f"{type(exc).__name__}: {exc}"}
+        log.warning("hpcckpt: requeue decision: %s", outcome)
+        self.ledger.append("requeue", **{k: v for k, v in outcome.items() if k not in ("time",)})
+        return outcome
+
     def _finish(self) -> None:
-        for h in list(self._handles):
-            self._settle(h)
+        self._settle_quietly(list(self._handles))
         if self.ranks.is_coordinator:
             self.ledger.append("stop", reason="done", step=self.step, committed_step=self.committed_step, requeue=False)
 
@@ -327,6 +382,7 @@ class Checkpointer:
         self.engine.close()  # first: its finisher thread uses the background group
         self.ranks.close()
         self.signals.uninstall()
+        self._lease.release()  # last: saves in flight are durable before another writer may start
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -9,6 +9,7 @@ turns them into one row per interruption.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -17,46 +18,73 @@ from typing import Any
 
 from filelock import FileLock
 
+from .supervisor import RESTART_ENV
+
 LEDGER = "ledger.jsonl"
+
+log = logging.getLogger("hpcckpt")
 
 
 class Ledger:
+    """Appends never raise: a full disk or a read-only directory costs an event, never training."""
+
     def __init__(self, ckpt_dir: Path | str) -> None:
         self.dir = Path(ckpt_dir)
         self.path = self.dir / LEDGER
 
     def append(self, event: str, **fields: Any) -> dict[str, Any]:
+        """Append one event durably; on failure log it and go on (the event is returned either way)."""
         rec: dict[str, Any] = {
             "event": event,
             "time": time.time(),
             "job_id": os.environ.get("SLURM_JOB_ID"),
-            "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
-            "local_restart": int(os.environ.get("HPCCKPT_LOCAL_RESTART", "0") or 0),
+            "restart_count": _env_int("SLURM_RESTART_COUNT"),
+            "local_restart": _env_int(RESTART_ENV),
             "host": socket.gethostname(),
             "pid": os.getpid(),
         }
         rec.update(fields)
-        line = (json.dumps(rec, sort_keys=True) + "\n").encode()
-        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        with FileLock(str(self.dir / ".ledger.lock")):
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            try:
-                os.write(fd, line)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        try:
+            line = (json.dumps(rec, sort_keys=True, default=str) + "\n").encode("utf-8", "backslashreplace")
+            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with FileLock(str(self.dir / ".ledger.lock"), mode=0o600):
+                self._write(line)
+        except Exception as exc:  # never let bookkeeping stop training
+            log.error("hpcckpt: could not record %r in %s (%s); training goes on", event, self.path, exc)
         return rec
 
-    def read(self) -> list[dict[str, Any]]:
-        """Every well-formed event; a torn last line (crash mid-append) is skipped."""
+    def _write(self, line: bytes) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            lines = self.path.read_text().splitlines()
-        except FileNotFoundError:
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                line = b"\n" + line  # an earlier append was torn (crash, full disk): keep this one whole
+            view = memoryview(line)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def read(self) -> list[dict[str, Any]]:
+        """Every well-formed event; torn, non-UTF-8 or non-object lines are skipped."""
+        try:
+            raw = self.path.read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
             return []
         out = []
-        for line in lines:
+        for line in raw.splitlines():
             try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
+                rec = json.loads(line.decode("utf-8"))
+            except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
                 continue
+            if isinstance(rec, dict) and isinstance(rec.get("event"), str):
+                out.append(rec)
         return out
+
+
+def _env_int(name: str) -> int:
+    try:
+        return int(os.environ.get(name, "0") or 0)
+    except ValueError:
+        return 0

@@ -19,6 +19,8 @@ from .exitcodes import EXIT_REQUEUE
 
 log = logging.getLogger("hpcckpt.supervisor")
 
+RESTART_ENV = "HPCCKPT_LOCAL_RESTART"  # the restart number, read by the local cluster's requeue budget
+
 
 @dataclass
 class Supervisor:
@@ -35,7 +37,7 @@ class Supervisor:
         """Run until the command exits with anything but 75 (or restarts run out)."""
         while True:
             env = dict(os.environ if self.env is None else self.env)
-            env["HPCCKPT_LOCAL_RESTART"] = str(self.restarts)
+            env[RESTART_ENV] = str(self.restarts)
             with self._lock:
                 self.current = subprocess.Popen(list(self.cmd), env=env)
             if self.on_start:

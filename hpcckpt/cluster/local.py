@@ -5,13 +5,29 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 from pathlib import Path
 
 from hpcckpt.cluster.base import Cause, ClusterBase, Reservation, RequeueOutcome
 from hpcckpt.cluster.budget import charge
 from hpcckpt.exitcodes import EXIT_REQUEUE
+from hpcckpt.supervisor import RESTART_ENV
 
 log = logging.getLogger("hpcckpt.cluster")
+
+_PROCESS_TAG = secrets.token_hex(4)  # tells apart processes that happen to reuse a PID
+
+
+def _attempt() -> str:
+    """This run, for the budget: each restart by the local supervisor is a new attempt.
+
+    Under ``hpcckpt.supervisor`` the restart number it sets counts; a process started
+    some other way is its own attempt (charging twice within it counts once).
+    """
+    restart = os.environ.get(RESTART_ENV)
+    if restart is not None:
+        return f"local-{os.getppid()}:{restart}"
+    return f"local-pid-{os.getpid()}-{_PROCESS_TAG}"
 
 
 class LocalCluster(ClusterBase):
@@ -21,9 +37,7 @@ class LocalCluster(ClusterBase):
 
     def requeue(self, cause: str, state_dir: Path, *, committed_step: int | None = None) -> RequeueOutcome:
         """Charge the budget; the caller then exits with ``outcome.exit_code``."""
-        restarts = os.environ.get("HPCCKPT_RESTART_COUNT", "0")
-        decision = charge(state_dir, cause, attempt=f"local-{os.getppid()}:{restarts}",
-                          committed_step=committed_step, options=self._budget)
+        decision = charge(state_dir, cause, attempt=_attempt(), committed_step=committed_step, options=self._budget)
         cause_value = Cause.parse(cause).value
         if not decision.allowed:
             log.warning("not requeueing: %s", decision.reason)

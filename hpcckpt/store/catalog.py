@@ -1,17 +1,19 @@
 """Reading the checkpoint root: list, verify, pick the newest good one, prune."""
 from __future__ import annotations
 
+import os
 import re
-import shutil
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import CheckpointCorrupt, NoCheckpoint
-from .commit import LATEST, TMP_MARK, read_latest, read_manifest, verify_files
+from .commit import LATEST, MANIFEST, TMP_MARK, discard, open_member, read_latest, read_manifest, verify_files
 from . import torchfile
 from .hdf5 import TensorEntry, verify_tensors
+from .manifest import validate
 
 STEP_RE = re.compile(r"^step-(\d+)$")
 STEP_TMP_RE = re.compile(r"^step-(\d+)\.tmp-")
@@ -30,6 +32,7 @@ class CheckpointInfo:
     bytes: int
     problems: list[str] = field(default_factory=list)
     manifest: dict[str, Any] | None = None
+    ident: tuple[int, int] | None = None  # (st_dev, st_ino) when scanned: see ``vanished``
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"step": self.step, "status": self.status, "path": str(self.path), "bytes": self.bytes}
@@ -43,7 +46,37 @@ class CheckpointInfo:
 
 
 def _dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    """Bytes of the regular files under ``path`` (symlinks not followed; vanishing files skipped)."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+    return total
+
+
+def identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the entry itself, or None when it is gone."""
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+def vanished(info: CheckpointInfo) -> bool:
+    """True when ``info.path`` was removed or replaced since it was scanned.
+
+    Retention renames a directory aside before deleting it (``commit.discard``) and a
+    re-commit of a step swaps directories atomically, so a reader that fails on a
+    checkpoint can tell "damaged" from "gone while I read it": only the latter changes
+    the entry's identity. A vanished checkpoint is never evidence of corruption.
+    """
+    return info.ident is None or identity(info.path) != info.ident
 
 
 def rank_entries(manifest: dict[str, Any], rank: int) -> tuple[str, dict[str, TensorEntry]]:
@@ -51,51 +84,98 @@ def rank_entries(manifest: dict[str, Any], rank: int) -> tuple[str, dict[str, Te
     return rec["file"], {n: TensorEntry.from_json(n, e) for n, e in rec.get("tensors", {}).items()}
 
 
-def check(path: Path, *, full: bool) -> tuple[dict[str, Any] | None, list[str]]:
-    """(manifest, problems) for one step directory.
+def _dir_step(path: Path) -> int | None:
+    m = STEP_RE.match(path.name)
+    return int(m.group(1)) if m else None
 
-    Cheap mode checks the manifest's own checksum and file sizes; full mode also
-    re-reads every byte (whole-file and per-tensor crc32c).
+
+def check(path: Path, *, full: bool) -> tuple[dict[str, Any] | None, list[str]]:
+    """(manifest, problems) for one step directory; the manifest only if it can be trusted.
+
+    Cheap mode checks the manifest's own checksum, every field of it
+    (``manifest.validate``: before anything reads a byte or sizes memory from it) and
+    the files' sizes; full mode also re-reads every byte (whole-file and per-tensor crc32c).
     """
     try:
         manifest = read_manifest(path)
+        validate(manifest, step=_dir_step(path))
     except CheckpointCorrupt as exc:
-        return None, [str(exc)]
+        text = str(exc)
+        return None, [text if str(path) in text else f"{path / MANIFEST}: {text}"]
     problems = verify_files(path, full=full)
     if full:
-        for rank in range(int(manifest.get("world_size", 1))):
-            rec = manifest.get("ranks", {}).get(str(rank))
-            if rec is None:
-                problems.append(f"{path}: manifest has no record for rank {rank}")
-                continue
-            if not (path / rec["file"]).exists():
-                continue  # already reported as missing
-            if rec.get("format") == "hdf5":
-                fname, entries = rank_entries(manifest, rank)
-                problems += verify_tensors(path / fname, entries)
-            elif rec.get("format") == "torch":
-                problems += torchfile.verify(path / rec["file"], rec)
+        for rank in range(int(manifest["world_size"])):
+            problems += _verify_rank(path, manifest, rank)
     return manifest, problems
 
 
-def scan(root: Path, *, full: bool = False) -> list[CheckpointInfo]:
-    """Every step directory under ``root`` (committed, incomplete or corrupt), oldest first."""
-    out: list[CheckpointInfo] = []
-    if not root.is_dir():
-        return out
-    for p in root.iterdir():
+def _verify_rank(path: Path, manifest: dict[str, Any], rank: int) -> list[str]:
+    """Every damaged tensor of one rank's file (a missing or resized file is reported by verify_files)."""
+    rec = manifest["ranks"][str(rank)]
+    try:
+        _, st = open_member(path, rec["file"])
+        if st.st_size != manifest["files"][rec["file"]]["bytes"]:
+            return []
+        if rec["format"] == "hdf5":
+            fname, entries = rank_entries(manifest, rank)
+            return verify_tensors(path / fname, entries)
+        return torchfile.verify(path / rec["file"], rec)
+    except CheckpointCorrupt:
+        return []  # a symlink or special file: verify_files reported it
+    except OSError as exc:
+        return [f"{path / rec['file']}: cannot be read ({exc.strerror or exc})"]
+
+
+def _inspect(p: Path, step: int, *, full: bool) -> CheckpointInfo | None:
+    """One step directory's status, or None when it vanished while being looked at."""
+    for _attempt in range(3):
+        ident = identity(p)
+        if ident is None:
+            return None
+        if p.is_symlink():
+            return CheckpointInfo(step, "corrupt", p, 0, [f"{p} is a symlink; hpcckpt never creates one, "
+                                                          "so it is not trusted as a checkpoint"], ident=ident)
         if not p.is_dir():
-            continue
+            return None
+        manifest, problems = check(p, full=full)
+        nbytes = _dir_bytes(p)
+        if identity(p) != ident:
+            continue  # removed or re-committed while being checked: look again
+        if manifest is None and not (p / MANIFEST).exists():
+            status = "incomplete"
+        else:
+            status = "corrupt" if problems else "committed"
+        return CheckpointInfo(step, status, p, nbytes, problems, manifest, ident=ident)
+    return None
+
+
+def inspect_step(root: Path, step: int, *, full: bool = False) -> CheckpointInfo | None:
+    """``root/step-<step>`` as ``scan`` would report it (None when it is not there)."""
+    return _inspect(root / step_name(step), step, full=full)
+
+
+def scan(root: Path, *, full: bool = False) -> list[CheckpointInfo]:
+    """Every step directory under ``root`` (committed, incomplete or corrupt), oldest first.
+
+    Safe while another process commits and prunes: an entry that disappears while it
+    is looked at is left out (it is not reported as incomplete or corrupt).
+    """
+    out: list[CheckpointInfo] = []
+    try:
+        entries = sorted(root.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    for p in entries:
+        info: CheckpointInfo | None = None
         if m := STEP_RE.match(p.name):
-            manifest, problems = check(p, full=full)
-            if manifest is None and not (p / "manifest.json").exists():
-                status = "incomplete"
-            else:
-                status = "corrupt" if problems else "committed"
-            out.append(CheckpointInfo(int(m.group(1)), status, p, _dir_bytes(p), problems, manifest))
+            info = _inspect(p, int(m.group(1)), full=full)
         elif m := STEP_TMP_RE.match(p.name):
-            out.append(CheckpointInfo(int(m.group(1)), "incomplete", p, _dir_bytes(p),
-                                      [f"{p}: temporary directory of a save that never committed"]))
+            ident = identity(p)
+            if ident is not None and not p.is_symlink():
+                info = CheckpointInfo(int(m.group(1)), "incomplete", p, _dir_bytes(p),
+                                      [f"{p}: temporary directory of a save that never committed"], ident=ident)
+        if info is not None:
+            out.append(info)
     out.sort(key=lambda c: (c.step, c.status != "committed"))
     return out
 
@@ -122,14 +202,23 @@ def find(root: Path, step: int | None) -> CheckpointInfo:
     raise NoCheckpoint(f"no checkpoint for step {step} under {root} (steps present: {have})")
 
 
+def _stale_tmp(path: Path) -> bool:
+    try:
+        return time.time() - os.lstat(path).st_mtime >= STALE_TMP_AGE_S
+    except FileNotFoundError:
+        return False
+
+
 def prune(root: Path, keep: int, *, protect: set[Path] | None = None) -> list[Path]:
     """Delete old checkpoints beyond the newest ``keep`` committed ones; call under the writer lock.
 
     The newest checkpoint that verifies (manifest checksum and file sizes; the
     bytes were checksummed as they were written) is never deleted, nor are corrupt
     ones newer than it (evidence for a human); stale temporary directories go too.
+    Deletion renames aside first (``commit.discard``): a kill mid-way never leaves a
+    half-deleted directory under a checkpoint's name.
     """
-    removed: list[Path] = []
+    victims: list[Path] = []
     infos = scan(root)
     committed = [i for i in infos if i.status == "committed"]
     newest_good = committed[-1] if committed else None
@@ -140,13 +229,12 @@ def prune(root: Path, keep: int, *, protect: set[Path] | None = None) -> list[Pa
             continue
         if info.status == "corrupt" and (newest_good is None or info.step > newest_good.step):
             continue
-        if info.status == "incomplete" and TMP_MARK in info.path.name:
-            if time.time() - info.path.stat().st_mtime < STALE_TMP_AGE_S:
-                continue  # may belong to a save still in flight (here or in a racing instance)
-        shutil.rmtree(info.path, ignore_errors=True)
-        removed.append(info.path)
-    return removed
+        if info.status == "incomplete" and TMP_MARK in info.path.name and not _stale_tmp(info.path):
+            continue  # may belong to a save still in flight (here or in a racing instance)
+        victims.append(info.path)
+    discard(root, victims)
+    return victims
 
 
 __all__ = ["CheckpointInfo", "scan", "check", "find", "prune", "committed_newest_first",
-           "rank_entries", "step_name", "LATEST"]
+           "rank_entries", "step_name", "vanished", "identity", "inspect_step", "LATEST"]

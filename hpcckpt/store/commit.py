@@ -10,10 +10,12 @@ A directory without a manifest, or whose checksums fail, does not exist for load
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import secrets
 import shutil
+import stat
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Iterator
@@ -24,6 +26,8 @@ from ..errors import CheckpointCorrupt
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
 TMP_MARK = ".tmp-"
+TRASH_PREFIX = ".trash-"  # directories being deleted: never listed (see ``discard``)
+MAX_MANIFEST_BYTES = 256 << 20
 _READ_CHUNK = 16 << 20
 
 
@@ -62,7 +66,7 @@ def file_crc32c(path: Path) -> tuple[int, int]:
     size = 0
     buf = bytearray(_READ_CHUNK)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb", buffering=0) as f:
         while n := f.readinto(buf):
             crc = crc32c(view[:n], crc)
             size += n
@@ -105,23 +109,60 @@ def readable_json(obj: dict[str, Any]) -> str:
 
 
 def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
-    """Parse and self-verify ``manifest.json``; raise CheckpointCorrupt naming the problem."""
+    """Parse and self-verify ``manifest.json``; raise CheckpointCorrupt naming the problem.
+
+    The self-checksum proves the manifest was not damaged, not that its fields make
+    sense: ``manifest.validate`` (run by ``catalog.check``) does that.
+    """
     path = ckpt_dir / MANIFEST
     try:
-        raw = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         raise CheckpointCorrupt(f"{path} is missing: the checkpoint was never committed") from None
+    except OSError as exc:  # ELOOP: a symlink; EACCES...
+        raise CheckpointCorrupt(f"{path} cannot be opened ({exc.strerror}); hpcckpt writes it as a plain file") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise CheckpointCorrupt(f"{path} is {size} bytes, more than any manifest ({MAX_MANIFEST_BYTES}); "
+                                    "it is not an hpcckpt manifest")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+    finally:
+        os.close(fd)
     try:
         data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointCorrupt(f"{path} is not valid JSON ({exc}); the manifest is damaged") from None
+    except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, absurd nesting or numbers
+        raise CheckpointCorrupt(f"{path} is not valid JSON ({str(exc)[:200]}); the manifest is damaged") from None
     if not isinstance(data, dict) or "manifest_crc32c" not in data:
         raise CheckpointCorrupt(f"{path} has no manifest_crc32c field; not an hpcckpt manifest")
     body = {k: v for k, v in data.items() if k != "manifest_crc32c"}
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    try:
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointCorrupt(f"{path} cannot be re-encoded ({exc}); the manifest is damaged") from None
     if crc32c(canonical) != data["manifest_crc32c"]:
         raise CheckpointCorrupt(f"{path} fails its own checksum: the manifest is damaged")
     return data
+
+
+def open_member(ckpt_dir: Path, rel: str) -> tuple[Path, os.stat_result]:
+    """(path, lstat) of a file a manifest names, refusing anything but a regular file.
+
+    ``rel`` was checked to be a plain relative path (``manifest.safe_relpath``); here no
+    component may be a symlink, so nothing outside the step directory is ever read.
+    """
+    path = ckpt_dir
+    parts = rel.split("/")
+    for i, part in enumerate(parts):
+        path = path / part
+        st = os.lstat(path)  # FileNotFoundError: missing
+        want_dir = i < len(parts) - 1
+        if stat.S_ISLNK(st.st_mode) or (stat.S_ISDIR(st.st_mode) != want_dir) or \
+                (not want_dir and not stat.S_ISREG(st.st_mode)):
+            raise CheckpointCorrupt(f"{path}: not a regular {'directory' if want_dir else 'file'} "
+                                    "(hpcckpt never writes symlinks or special files into a checkpoint)")
+    return path, st
 
 
 def verify_files(ckpt_dir: Path, *, full: bool = True) -> list[str]:
@@ -134,30 +175,100 @@ def verify_files(ckpt_dir: Path, *, full: bool = True) -> list[str]:
         manifest = read_manifest(ckpt_dir)
     except CheckpointCorrupt as exc:
         return [str(exc)]
+    files = manifest.get("files", {})
+    if not isinstance(files, dict):
+        return [f"{ckpt_dir / MANIFEST}: 'files' is not an object; the manifest is damaged"]
     problems: list[str] = []
-    for rel, info in sorted(manifest.get("files", {}).items()):
-        path = ckpt_dir / rel
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            problems.append(f"{path}: missing")
-            continue
-        if size != info["bytes"]:
-            problems.append(f"{path}: size {size} bytes, manifest says {info['bytes']} (truncated or extended)")
-            continue
-        if full and "crc32c" in info:
-            _, crc = file_crc32c(path)
-            if crc != info["crc32c"]:
-                problems.append(f"{path}: crc32c {crc:#010x}, manifest says {info['crc32c']:#010x} (file content damaged)")
+    for rel, info in sorted(files.items()):
+        problems += _verify_one(ckpt_dir, rel, info, full=full)
     return problems
 
 
-def read_latest(root: Path) -> str | None:
+def _verify_one(ckpt_dir: Path, rel: str, info: Any, *, full: bool) -> list[str]:
+    from .manifest import safe_relpath
     try:
-        name = (root / LATEST).read_text().strip()
+        safe_relpath(rel, "manifest file")
+        want = info["bytes"]
+        path, st = open_member(ckpt_dir, rel)
     except FileNotFoundError:
+        return [f"{ckpt_dir / rel}: missing"]
+    except (CheckpointCorrupt, TypeError, KeyError) as exc:
+        return [f"{ckpt_dir}: {exc}"]
+    except OSError as exc:
+        return [f"{ckpt_dir / rel}: cannot be read ({exc.strerror})"]
+    if st.st_size != want:
+        return [f"{path}: size {st.st_size} bytes, manifest says {want} (truncated or extended)"]
+    if full and "crc32c" in info:
+        try:
+            _, crc = file_crc32c(path)
+        except OSError as exc:
+            return [f"{path}: cannot be read ({exc.strerror})"]
+        if crc != info["crc32c"]:
+            return [f"{path}: crc32c {crc:#010x}, manifest says {info['crc32c']!r} (file content damaged)"]
+    return []
+
+
+def read_latest(root: Path) -> str | None:
+    """The entry name ``LATEST`` holds, or None (absent, empty, not UTF-8, or not a plain name)."""
+    try:
+        raw = (root / LATEST).read_bytes()[:4096]
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         return None
-    return name or None
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return None
+    if not name or name in (".", "..") or "/" in name or not name.isprintable():
+        return None
+    return name
+
+
+def discard(root: Path, paths: list[Path]) -> None:
+    """Delete directories of ``root`` so that none is ever seen half-deleted.
+
+    Each is first renamed aside to a hidden ``.trash-`` name that the catalog never
+    lists (atomic), the renames are made durable, then the trees are deleted. A kill
+    at any instant leaves either the whole directory or an invisible leftover, which
+    the next ``discard`` (``sweep_trash``) removes. Call under the writer lock.
+    """
+    aside: list[Path] = []
+    for path in paths:
+        target = root / f"{TRASH_PREFIX}{path.name}-{secrets.token_hex(4)}"
+        try:
+            os.rename(path, target)
+        except FileNotFoundError:
+            continue  # already gone
+        aside.append(target)
+    if aside:
+        fsync_path(root)
+    for target in aside + sweep_candidates(root, exclude=set(aside)):
+        _remove_tree(target)
+
+
+def sweep_candidates(root: Path, *, exclude: set[Path]) -> list[Path]:
+    """Leftovers of earlier discards that a kill interrupted."""
+    try:
+        return [p for p in root.iterdir() if p.name.startswith(TRASH_PREFIX) and p not in exclude]
+    except OSError:
+        return []
+
+
+def _remove_tree(path: Path) -> None:
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def explain_os_error(exc: OSError, root: Path, path: Path | str) -> OSError:
+    """``exc`` with a message a user can act on (ENOSPC names the device's directory)."""
+    if exc.errno == errno.ENOSPC:
+        return OSError(errno.ENOSPC, f"No space left on device: no space left on the device holding {root}; "
+                                     "free space there or give the job another checkpoint directory", str(path))
+    if exc.errno == errno.EDQUOT:
+        return OSError(errno.EDQUOT, f"Disk quota exceeded on the file system holding {root}; "
+                                     "free space or raise the quota", str(path))
+    return exc
 
 
 def exchange_dirs(a: Path, b: Path) -> None:
@@ -231,7 +342,7 @@ class Transaction:
             # that a crash at any instant leaves one complete step directory in place.
             exchange_dirs(self.path, self.final)
             fsync_path(self.root)
-            shutil.rmtree(self.path, ignore_errors=True)
+            discard(self.root, [self.path])
         else:
             os.replace(self.path, self.final)
             fsync_path(self.root)

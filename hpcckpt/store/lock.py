@@ -1,19 +1,227 @@
-"""A lock file that serialises writers of one checkpoint root.
+"""Locks on one checkpoint root: a short commit lock and a lease held by the live writer.
 
-Two job instances after a requeue race (the old one still flushing, the new one
-starting) must not interleave commits or retention.
+- ``writer_lock``: serialises commits and retention (held for milliseconds). Two job
+  instances after a requeue race (the old one still flushing, the new one starting)
+  must not interleave commits or retention.
+- ``WriterLease``: held by the training job (its coordinator) from start to close, so
+  that a second live job in the same directory (a requeued job overlapping its
+  previous instance, or a user's mistake) is refused with the holder's host, PID and
+  Slurm job id instead of resuming from the other's checkpoints. It is an ``flock``
+  on ``.hpcckpt.writer``: the kernel drops it when the holder dies, so a killed job
+  never blocks its requeued successor. A holder recorded on this host whose process
+  is gone (its lock kept alive only by an orphaned child that inherited it) is
+  broken. A previous instance of the same Slurm job (lower restart count) is waited
+  for a while: Slurm is still killing it.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from filelock import FileLock
 
+from ..errors import HpcckptError
+
 LOCK_NAME = ".hpcckpt.lock"
+LEASE_NAME = ".hpcckpt.writer"
+SAME_JOB_WAIT_S = 60.0  # how long a requeued job waits for its previous instance to die
+_POLL_S = 0.25
+
+log = logging.getLogger("hpcckpt")
 
 
 def writer_lock(root: Path, timeout_s: float = -1) -> FileLock:
     """A ``filelock.FileLock`` on ``root/.hpcckpt.lock`` (use as a context manager)."""
     root = Path(root)
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return FileLock(str(root / LOCK_NAME), timeout=timeout_s)
+    return FileLock(str(root / LOCK_NAME), timeout=timeout_s, mode=0o600)
+
+
+class WriterBusy(HpcckptError):
+    """Another live job holds the writer lease of this checkpoint directory."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Holder:
+    """Who holds (or last held) a lease, as written into the lease file."""
+
+    host: str
+    pid: int
+    job_id: str | None = None
+    restart: int = 0
+    started: float = 0.0
+    proc_start: str | None = None  # /proc/PID/stat start time: tells a reused PID apart
+
+    @classmethod
+    def me(cls) -> Holder:
+        return cls(host=socket.gethostname(), pid=os.getpid(), job_id=os.environ.get("SLURM_JOB_ID") or None,
+                   restart=_restart_count(), started=time.time(), proc_start=_proc_start(os.getpid()))
+
+    @classmethod
+    def parse(cls, raw: bytes) -> Holder | None:
+        try:
+            d = json.loads(raw.decode("utf-8"))
+            return cls(host=str(d["host"]), pid=int(d["pid"]), job_id=d.get("job_id") and str(d["job_id"]),
+                       restart=int(d.get("restart") or 0), started=float(d.get("started") or 0.0),
+                       proc_start=d.get("proc_start") and str(d["proc_start"]))
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            return None
+
+    def describe(self) -> str:
+        job = f"Slurm job {self.job_id} (restart {self.restart})" if self.job_id else "no Slurm job"
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started)) if self.started else "?"
+        return f"host {self.host}, PID {self.pid}, {job}, since {since}"
+
+    def gone(self) -> bool:
+        """True only when certainly dead: on this host, and its PID is free or reused."""
+        if self.host != socket.gethostname():
+            return False
+        now = _proc_start(self.pid)
+        return now is None or (self.proc_start is not None and now != self.proc_start)
+
+    def predecessor_of(self, me: Holder) -> bool:
+        """An earlier instance of my own Slurm job (requeued): it is being killed, wait for it."""
+        return self.job_id is not None and self.job_id == me.job_id and self.restart < me.restart
+
+
+def _restart_count() -> int:
+    for name in ("SLURM_RESTART_COUNT", "HPCCKPT_LOCAL_RESTART"):
+        try:
+            return int(os.environ.get(name) or 0) or 0
+        except ValueError:
+            continue
+    return 0
+
+
+def _proc_start(pid: int) -> str | None:
+    """Field 22 of /proc/PID/stat (start time in clock ticks), or None when no such process."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(b")") + 2:].split()
+    return fields[19].decode() if len(fields) > 19 else None
+
+
+class WriterLease:
+    """The lease on ``root/.hpcckpt.writer``; ``acquire`` raises ``WriterBusy`` naming the holder.
+
+    Leases of one process on one root are shared (counted): a second Checkpointer in
+    the same process is the same writer, not a rival.
+    """
+
+    _held: dict[str, list[Any]] = {}  # realpath of the lease file -> [fd, count]
+    _mutex = threading.Lock()
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.path = self.root / LEASE_NAME
+        self._key: str | None = None
+
+    def acquire(self, *, wait_s: float = SAME_JOB_WAIT_S) -> None:
+        key = os.path.realpath(self.path)
+        with self._mutex:
+            if key in self._held:
+                self._held[key][1] += 1
+                self._key = key
+                return
+            fd = self._take(wait_s)
+            self._held[key] = [fd, 1]
+            self._key = key
+
+    def release(self) -> None:
+        """Give the lease up (the last holder in this process unlocks and closes)."""
+        if self._key is None:
+            return
+        with self._mutex:
+            entry = self._held.get(self._key)
+            self._key, key = None, self._key
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._held[key]
+                # Unlock explicitly: forked children (DataLoader workers) share the descriptor.
+                fcntl.flock(entry[0], fcntl.LOCK_UN)
+                os.close(entry[0])
+
+    def _take(self, wait_s: float) -> int:
+        me = Holder.me()
+        deadline = time.monotonic() + wait_s
+        while True:
+            with writer_lock(self.root):  # lock + record as one step, as ``_break`` sees them
+                fd = self._open()
+                if _try_flock(fd):
+                    _record(fd, me)
+                    return fd
+                holder = Holder.parse(_read(fd))
+                os.close(fd)
+            if holder is not None and holder.gone():
+                self._break(holder)
+                continue
+            if holder is not None and holder.predecessor_of(me) and time.monotonic() < deadline:
+                time.sleep(_POLL_S)
+                continue
+            raise WriterBusy(self._busy_message(holder, me))
+
+    def _open(self) -> int:
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+    def _break(self, holder: Holder) -> None:
+        """Replace a lease file whose recorded holder is dead (an orphan keeps its old inode locked)."""
+        with writer_lock(self.root):
+            try:
+                fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return
+            try:
+                if Holder.parse(_read(fd)) == holder and not _try_flock(fd):
+                    log.warning("hpcckpt: the writer lease of %s was held for %s, which is gone; taking it over",
+                                self.root, holder.describe())
+                    os.unlink(self.path)
+            finally:
+                os.close(fd)
+
+    def _busy_message(self, holder: Holder | None, me: Holder) -> str:
+        who = holder.describe() if holder is not None else "a process that did not record itself"
+        waited = " (waited for it as the previous instance of this job)" if holder and holder.predecessor_of(me) else ""
+        return (f"another live job is writing checkpoints in {self.root}: {who}{waited}. Two writers in one "
+                "directory would resume from each other's checkpoints. Stop that job (e.g. scancel), or give "
+                f"this one its own directory (dir=... or HPCCKPT_DIR); the lease is {self.path}")
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+
+
+def _read(fd: int) -> bytes:
+    try:
+        return os.pread(fd, 4096, 0)
+    except OSError:
+        return b""
+
+
+def _record(fd: int, me: Holder) -> None:
+    """Write the holder record; best effort (a full disk must not stop a job that holds the lock)."""
+    data = json.dumps(asdict(me), sort_keys=True).encode()
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, data, 0)
+    except OSError as exc:
+        log.warning("hpcckpt: could not record the writer lease holder in %s (%s)", LEASE_NAME, exc)

@@ -15,6 +15,7 @@ import torch
 
 from .._core import crc32c
 from ..errors import CheckpointCorrupt
+from .commit import TMP_MARK, explain_os_error
 from .hdf5 import dtype_name, raw_bytes
 
 
@@ -25,13 +26,18 @@ class _CrcWriter:
         self.fd = fd
         self.crc = 0
         self.size = 0
+        self.error: OSError | None = None  # torch's zip writer hides it behind "unexpected pos"
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self.crc = crc32c(view, self.crc)
         n = len(view)
-        while view:
-            view = view[os.write(self.fd, view):]
+        try:
+            while view:
+                view = view[os.write(self.fd, view):]
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
         self.size += n
         return n
 
@@ -42,11 +48,18 @@ class _CrcWriter:
 def write(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """Write and fsync ``path``; return the manifest record fields for it."""
     cpu = {n: t.detach().cpu().contiguous() for n, t in tensors.items()}
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    root = path.parent.parent if TMP_MARK in path.parent.name else path.parent
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    w = _CrcWriter(fd)
     try:
-        w = _CrcWriter(fd)
         torch.save({"tensors": cpu}, w)  # type: ignore[arg-type]
         os.fsync(fd)
+    except OSError as exc:
+        raise explain_os_error(exc, root, path) from None
+    except RuntimeError:
+        if w.error is None:
+            raise
+        raise explain_os_error(w.error, root, path) from None
     finally:
         os.close(fd)
     return {

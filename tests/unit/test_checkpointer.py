@@ -84,8 +84,15 @@ def test_missing_manifest_or_truncation_is_skipped(ckdir: Path) -> None:
         f.truncate(100)
     statuses = {i.step: i.status for i in catalog.scan(ckdir)}
     assert statuses == {6: "corrupt", 9: "incomplete"}
+    # nothing restores: both engines refuse a silent fresh start and say what to do
     with Checkpointer(ckdir, every_steps=None) as ck:
-        assert ck.register(**tiny_state(1)) is None  # nothing verifies: a fresh start, said in the log
+        with pytest.raises(CheckpointCorrupt, match=r"step 9: .*step 6: .*HPCCKPT_ON_CORRUPT=fresh"):
+            ck.register(**tiny_state(1))
+    # a fresh start only when asked for, and the ledger says why
+    with Checkpointer(ckdir, every_steps=None, on_corrupt="fresh") as ck:
+        assert ck.register(**tiny_state(1)) is None
+    fresh = [e for e in Ledger(ckdir).read() if e["event"] == "fresh_start"]
+    assert len(fresh) == 1 and fresh[0]["steps"] == [9, 6]
 
 
 def test_load_path_never_unpickles(ckdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -34,6 +34,12 @@ def tensors() -> dict[str, torch.Tensor]:
     }
 
 
+def minimal(step: int, file: str = "f") -> dict[str, object]:
+    """The smallest manifest the catalog trusts: one rank whose (torch) file holds no tensor."""
+    return {"step": step, "world_size": 1,
+            "ranks": {"0": {"file": file, "format": "torch", "tensors": {}, "meta": {"step": step, "objects": {}}}}}
+
+
 def test_transaction_is_invisible_until_commit(ckdir: Path) -> None:
     with Transaction(ckdir, "step-1") as txn:
         (txn.path / "a.bin").write_bytes(b"hello")
@@ -41,7 +47,7 @@ def test_transaction_is_invisible_until_commit(ckdir: Path) -> None:
         assert txn.path.parent == ckdir and ".tmp-" in txn.path.name
         assert stat.S_IMODE(txn.path.stat().st_mode) == 0o700
         assert catalog.scan(ckdir)[0].status == "incomplete"
-        txn.commit({"step": 1, "world_size": 1, "ranks": {}})
+        txn.commit(minimal(1, "a.bin"))
     assert read_latest(ckdir) == "step-1"
     assert stat.S_IMODE((ckdir / "step-1").stat().st_mode) == 0o700
     m = read_manifest(ckdir / "step-1")
@@ -62,14 +68,15 @@ def test_recommitting_a_step_swaps_atomically(ckdir: Path) -> None:
     for payload in (b"old", b"new!"):
         with Transaction(ckdir, "step-3") as txn:
             (txn.path / "f").write_bytes(payload)
-            txn.commit({"step": 3, "world_size": 1, "ranks": {}})
+            txn.commit(minimal(3))
     assert (ckdir / "step-3" / "f").read_bytes() == b"new!"
     assert [p.name for p in ckdir.iterdir() if p.is_dir()] == ["step-3"]
 
 
 def test_manifest_self_checksum_detects_edits(ckdir: Path) -> None:
     with Transaction(ckdir, "step-4") as txn:
-        txn.commit({"step": 4, "world_size": 1, "ranks": {}})
+        (txn.path / "f").write_bytes(b"")
+        txn.commit(minimal(4))
     p = ckdir / "step-4" / MANIFEST
     p.write_text(p.read_text().replace('"step": 4', '"step": 5'))
     with pytest.raises(CheckpointCorrupt, match="checksum"):
@@ -176,7 +183,7 @@ def test_prune_keeps_newest_k_and_latest(ckdir: Path) -> None:
     for s in range(1, 6):
         with Transaction(ckdir, f"step-{s}") as txn:
             (txn.path / "f").write_bytes(b"x" * s)
-            txn.commit({"step": s, "world_size": 1, "ranks": {}})
+            txn.commit(minimal(s))
     # damage the newest: it is kept (evidence), and the newest good one is never deleted
     (ckdir / "step-5" / MANIFEST).unlink()
     removed = catalog.prune(ckdir, keep=2)

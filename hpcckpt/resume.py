@@ -1,0 +1,136 @@
+"""Finding and reading the newest checkpoint that every rank can restore.
+
+Safe against a writer that commits and prunes in the same directory meanwhile (an
+evaluation job reading a training run's checkpoints, or a requeued job overlapping
+its previous instance): a candidate that disappears while it is read is not damage,
+it sends the search back to a fresh listing. Only a checkpoint that is still there
+and fails to read counts as corrupt. ``hpcckpt.api.Checkpointer`` restores through
+``load_newest``; so can any reader.
+
+Call sequence (every rank, collective)::
+
+    outcome = load_newest(root, ranks, into=...)
+      round: the coordinator lists committed candidates, newest first, and tells all ranks
+        each candidate: every rank reads its part -> agreed code (max over ranks):
+          OK -> done | VANISHED -> next round | CORRUPT -> remembered, next candidate
+      no round left with an untried candidate -> outcome without state
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from .engines import load_rank
+from .errors import ConfigError, HpcckptError
+from .ranks import Ranks
+from .state import Flat
+from .store import catalog
+
+log = logging.getLogger("hpcckpt")
+
+OK, CORRUPT, VANISHED = 0, 1, 2
+MAX_ROUNDS = 200  # each extra round needs a checkpoint to vanish: the writer must have committed again
+
+
+class CheckpointsVanishing(HpcckptError):
+    """Checkpoints kept disappearing while being read (something prunes this directory hard)."""
+
+
+@dataclass
+class Outcome:
+    """What ``load_newest`` found. ``damaged``: (step, problem), newest first."""
+
+    flat: Flat | None = None
+    step: int | None = None
+    path: Path | None = None
+    damaged: list[tuple[int, str]] = field(default_factory=list)
+    unusable: list[tuple[int, str]] = field(default_factory=list)  # step-N dirs that are not committed
+    overwritten: bool = False  # live tensors now hold bytes of a checkpoint that was not restored
+    rounds: int = 0
+
+
+def _candidates(root: Path, ranks: Ranks, tried: set[str]) -> tuple[list[dict[str, Any]], list[tuple[int, str]]]:
+    """The coordinator's committed candidates (untried, newest first) and its unusable step dirs."""
+    doc: dict[str, Any] = {}
+    if ranks.is_coordinator:
+        infos = catalog.scan(root)
+        doc["candidates"] = [{"step": i.step, "key": _key(i)} for i in reversed(infos)
+                             if i.status == "committed" and _key(i) not in tried]
+        doc["unusable"] = [[i.step, (i.problems or [i.status])[0]] for i in infos
+                           if i.status != "committed" and catalog.STEP_RE.match(i.path.name)]
+    doc = ranks.broadcast_json(doc)
+    return doc["candidates"], [(int(s), str(p)) for s, p in doc["unusable"]]
+
+
+def _key(info: catalog.CheckpointInfo) -> str:
+    return f"{info.step}:{info.ident}"
+
+
+def _local(root: Path, step: int) -> catalog.CheckpointInfo | None:
+    """This rank's own view of ``step-<step>`` (None when it is not there or not committed)."""
+    info = catalog.inspect_step(root, step)
+    return info if info is not None and info.status == "committed" else None
+
+
+def _read(info: catalog.CheckpointInfo | None, ranks: Ranks, into: Mapping[str, Any] | None,
+          stats: dict[str, Any]) -> tuple[int, Flat | None, str]:
+    """(code, state, problem) of this rank's part of one candidate."""
+    if info is None:
+        return VANISHED, None, ""
+    try:
+        return OK, load_rank(info, ranks.rank, ranks.world, into=into, stats=stats), ""
+    except ConfigError:
+        raise  # another world size: the same answer on every rank, and the user's to fix
+    except Exception as exc:  # noqa: BLE001 - anything a damaged file makes a reader raise
+        problem = str(exc) if isinstance(exc, HpcckptError) else f"{type(exc).__name__}: {exc}"
+    if catalog.vanished(info):
+        return VANISHED, None, ""
+    return CORRUPT, None, problem
+
+
+def load_newest(root: Path, ranks: Ranks, *, into: Callable[[], Mapping[str, Any] | None] | None = None,
+                on_skip: Callable[[int, str], None] | None = None) -> Outcome:
+    """The newest committed checkpoint every rank can read, or an outcome without state.
+
+    ``into``: called once, before the first read, for the live tensors to read into
+    (``TrainState.capture``); ``on_skip(step, problem)`` runs on every rank for each
+    damaged checkpoint passed over. Collective over ``ranks``.
+    """
+    out = Outcome()
+    tried: set[str] = set()
+    live: Mapping[str, Any] | None = None
+    asked = False
+    while out.rounds < MAX_ROUNDS:
+        out.rounds += 1
+        candidates, out.unusable = _candidates(root, ranks, tried)
+        if not candidates:
+            out.overwritten = ranks.max(int(out.overwritten)) > 0
+            return out
+        for cand in candidates:
+            if not asked:
+                live, asked = (into() if into is not None else None), True
+            stats: dict[str, Any] = {}
+            code, flat, problem = _read(_local(root, int(cand["step"])), ranks, live, stats)
+            agreed = ranks.max(code)
+            if agreed != OK and stats.get("in_place_bytes", 0) > 0:
+                out.overwritten = True
+            if agreed == OK:
+                out.flat, out.step = flat, int(cand["step"])
+                out.path = root / catalog.step_name(out.step)
+                return out
+            if agreed == VANISHED:
+                log.info("hpcckpt: checkpoint step %s disappeared while being read (pruned by a writer); "
+                         "looking again", cand["step"])
+                time.sleep(0.01 * min(out.rounds, 10))
+                break
+            tried.add(str(cand["key"]))  # damaged, not gone: never tried again
+            problem = problem or "another rank could not read its part"
+            out.damaged.append((int(cand["step"]), problem))
+            if on_skip is not None:
+                on_skip(int(cand["step"]), problem)
+    raise CheckpointsVanishing(
+        f"checkpoints under {root} disappeared while being read {MAX_ROUNDS} times in a row: another job is "
+        "writing and pruning this directory. Stop it or give this job its own directory.")

@@ -1,0 +1,185 @@
+"""Every field of a manifest read from disk, checked before anything uses it.
+
+A manifest whose self-checksum matches is still input: a buggy tool or an attacker
+can recompute the checksum. ``validate`` runs once, in ``catalog.check``, before any
+byte of a rank file is read or any memory is sized from the manifest; whatever fails
+here makes the checkpoint corrupt, and loading falls back to the previous one.
+
+What it guarantees to the readers (``hdf5.read_tensors``, ``torchfile.read``,
+``TrainState.restore``):
+- ``step`` equals the step directory's, ``world_size`` is a sane count and there is
+  exactly one record per rank;
+- every file path is a plain relative path inside the step directory, listed in
+  ``files`` with its size (so the size check covers it), and is a regular file, not
+  a symlink (checked by ``commit.verify_files``);
+- every tensor has a known dtype, a shape of non-negative dims whose byte count is
+  its ``nbytes``, and (HDF5) a byte range inside its file: no allocation is ever
+  sized by a number the file cannot back;
+- every tensor the metadata tree refers to is in the rank's tensor table, and the
+  metadata's step is the manifest's.
+"""
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import PurePosixPath
+from typing import Any, Mapping
+
+import torch
+
+from ..errors import CheckpointCorrupt
+
+FORMATS = ("hdf5", "torch")
+MAX_WORLD_SIZE = 1 << 20
+MAX_DIMS = 64
+_U32 = 0xFFFFFFFF
+_SAFE_PART = re.compile(r"^[A-Za-z0-9._+=@,-]+$")
+_REF_KEYS = ("__tensor__", "__ndarray__")
+
+
+class Invalid(CheckpointCorrupt):
+    """A manifest field that cannot be trusted."""
+
+
+def _int(value: Any, what: str, *, lo: int = 0, hi: int | None = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise Invalid(f"{what} is {value!r}, not a whole number")
+    if value < lo or (hi is not None and value > hi):
+        bound = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        raise Invalid(f"{what} is {value}, outside {bound}")
+    return value
+
+
+def _dict(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise Invalid(f"{what} is {type(value).__name__}, not an object")
+    return value
+
+
+def safe_relpath(rel: Any, what: str) -> str:
+    """``rel`` if it names a file inside the step directory (no '..', not absolute, plain names)."""
+    if not isinstance(rel, str) or not rel:
+        raise Invalid(f"{what} is {rel!r}, not a file name")
+    parts = PurePosixPath(rel).parts
+    if rel.startswith("/") or not parts or any(p in (".", "..") or not _SAFE_PART.match(p) for p in parts):
+        raise Invalid(f"{what} {rel!r} is not a plain path inside the step directory")
+    return rel
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_dtype(name: str) -> torch.dtype | None:
+    """The torch dtype called ``name`` if raw bytes can be viewed as it (not quantized etc.)."""
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        return None
+    try:
+        torch.zeros(16, dtype=torch.uint8).view(dt).clone()  # raises for quantized, sub-byte...
+    except (RuntimeError, TypeError):
+        return None
+    return dt
+
+
+def _dtype(name: Any, what: str) -> torch.dtype:
+    dt = _plain_dtype(name) if isinstance(name, str) and name.isidentifier() else None
+    if dt is None:
+        raise Invalid(f"{what} has dtype {name!r}, which is not a plain torch dtype")
+    return dt
+
+
+def _tensor(name: str, e: Any, fmt: str, file_bytes: int, where: str) -> None:
+    what = f"{where} tensor {name!r}"
+    e = _dict(e, what)
+    itemsize = _dtype(e.get("dtype"), what).itemsize
+    shape = e.get("shape")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS:
+        raise Invalid(f"{what} has shape {shape!r}, not a list of at most {MAX_DIMS} dims")
+    numel = 1
+    for d in shape:
+        numel *= _int(d, f"{what} dimension")
+    nbytes = _int(e.get("nbytes"), f"{what} nbytes")
+    if numel * itemsize != nbytes:
+        raise Invalid(f"{what}: shape {shape} x {itemsize}-byte {e['dtype']} is {numel * itemsize} bytes, "
+                      f"manifest says {nbytes}")
+    if nbytes > file_bytes:
+        raise Invalid(f"{what} claims {nbytes} bytes, more than its {file_bytes}-byte file holds")
+    _int(e.get("crc32c", 0), f"{what} crc32c", hi=_U32)
+    if fmt == "hdf5":
+        offset = _int(e.get("offset"), f"{what} offset")
+        if nbytes and offset + nbytes > file_bytes:
+            raise Invalid(f"{what} spans bytes {offset}..{offset + nbytes}, past the end of its "
+                          f"{file_bytes}-byte file")
+
+
+def tensor_refs(meta: Any, out: set[str], depth: int = 0) -> set[str]:
+    """Every tensor name the metadata tree refers to (``{"__tensor__": name}``)."""
+    if depth > 200:
+        raise Invalid("metadata tree is nested more than 200 levels deep")
+    if isinstance(meta, list):
+        for v in meta:
+            tensor_refs(v, out, depth + 1)
+    elif isinstance(meta, dict):
+        for key in _REF_KEYS:
+            if key in meta:
+                if not isinstance(meta[key], str):
+                    raise Invalid(f"metadata refers to tensor {meta[key]!r}, not a name")
+                out.add(meta[key])
+        if "__dtype__" in meta:
+            _dtype(meta["__dtype__"], "metadata value")
+        if "__dict__" in meta and not all(isinstance(kv, list) and len(kv) == 2 for kv in meta["__dict__"]):
+            raise Invalid("metadata '__dict__' entry is not a list of [key, value] pairs")
+        for v in meta.values():
+            tensor_refs(v, out, depth + 1)
+    return out
+
+
+def _meta(meta: Any, step: int, tensors: Mapping[str, Any], where: str) -> None:
+    meta = _dict(meta, f"{where} meta")
+    if meta.get("step") != step or isinstance(meta.get("step"), bool):
+        raise Invalid(f"{where} meta says step {meta.get('step')!r}, the manifest says {step}")
+    _dict(meta.get("objects"), f"{where} meta objects")
+    missing = sorted(tensor_refs(meta, set()) - set(tensors))
+    if missing:
+        raise Invalid(f"{where}: the metadata refers to tensors the rank file does not hold: "
+                      f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+
+
+def _rank(rank: int, rec: Any, step: int, files: Mapping[str, Any]) -> None:
+    where = f"rank {rank}"
+    rec = _dict(rec, f"{where} record")
+    fname = safe_relpath(rec.get("file"), f"{where} file")
+    if fname not in files:
+        raise Invalid(f"{where} file {fname!r} is not listed in the manifest's files")
+    fmt = rec.get("format")
+    if fmt not in FORMATS:
+        raise Invalid(f"{where} has format {fmt!r}; known formats: {', '.join(FORMATS)}")
+    tensors = _dict(rec.get("tensors"), f"{where} tensors")
+    file_bytes = files[fname]["bytes"]
+    for name, e in tensors.items():
+        _tensor(name, e, fmt, file_bytes, where)
+    _meta(rec.get("meta"), step, tensors, where)
+
+
+def validate(manifest: Mapping[str, Any], *, step: int | None) -> None:
+    """Raise ``CheckpointCorrupt`` naming the first field that cannot be trusted.
+
+    ``step``: the step in the directory's name (None for a directory not named step-N).
+    """
+    m_step = _int(manifest.get("step"), "manifest step")
+    if step is not None and m_step != step:
+        raise Invalid(f"manifest says step {m_step} but sits in the directory of step {step}")
+    world = _int(manifest.get("world_size"), "manifest world_size", lo=1, hi=MAX_WORLD_SIZE)
+    files = _dict(manifest.get("files", {}), "manifest files")
+    for rel, info in files.items():
+        safe_relpath(rel, "manifest file")
+        info = _dict(info, f"manifest entry of {rel!r}")
+        _int(info.get("bytes"), f"size of {rel!r}")
+        if "crc32c" in info:
+            _int(info["crc32c"], f"crc32c of {rel!r}", hi=_U32)
+    ranks = _dict(manifest.get("ranks"), "manifest ranks")
+    want = {str(r) for r in range(world)}
+    if set(ranks) != want:
+        extra, missing = sorted(set(ranks) - want), sorted(want - set(ranks), key=int)
+        raise Invalid(f"manifest for {world} ranks has records for {sorted(ranks, key=str)}"
+                      + (f" (missing {missing[:5]})" if missing else "") + (f" (unexpected {extra[:5]})" if extra else ""))
+    for r in range(world):
+        _rank(r, ranks[str(r)], m_step, files)
