@@ -1,0 +1,221 @@
+"""PyTorch Lightning: signal -> next optimizer step -> durable checkpoint -> requeue -> exact resume.
+
+The three-line change::
+
+    from hpcckpt import ResumableSampler
+    from hpcckpt.integrations.lightning import HpcckptCallback
+
+    loader = DataLoader(ds, batch_size=32, sampler=ResumableSampler(len(ds), seed=0))
+    trainer = Trainer(max_steps=10_000, callbacks=[HpcckptCallback(dir="/scratch/run1/ckpt")])
+
+What the callback registers with a ``Checkpointer`` (concurrent engine by default): the
+LightningModule, every optimizer and LR scheduler, the fit loop's progress counters
+(epoch, batch, optimizer steps, scheduler steps) and the sampler's position. The
+boundary runs after each optimizer step (``on_train_batch_end`` where the global step
+moved), so gradients are never half-accumulated in a checkpoint.
+
+Lightning's own SLURM handling is switched off so that there is exactly one requeue:
+``SLURMEnvironment.auto_requeue`` (which saves inside the USR1 handler and requeues
+from it) is set to False, and Lightning's SIGTERM notifier is replaced by hpcckpt's
+recording handlers once training starts.
+
+Hook order (Lightning calls these on every rank):
+``setup`` (auto-requeue off) -> ``on_fit_start`` (Checkpointer, data loaded, state
+registered and restored) -> Lightning installs its signal handlers -> ``on_train_start``
+(hpcckpt's handlers back on top; the RNG as saved) -> ``on_train_batch_end`` per batch
+(sampler position; the boundary after an optimizer step) -> ``on_train_end`` (pending
+saves settled) -> ``teardown`` (closed).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any, Iterator, Mapping
+
+
+from ..api import Checkpointer
+from ..data import ResumableSampler
+from ..errors import ConfigError
+from ..state import rng_state, set_rng_state
+from ._extras import require
+
+log = logging.getLogger("hpcckpt")
+
+
+def _lightning() -> Any:
+    """``lightning.pytorch`` (package ``lightning``), else the older ``pytorch_lightning``."""
+    try:
+        return require("lightning.pytorch", "lightning", "lightning")
+    except ConfigError:
+        try:
+            return require("pytorch_lightning", "lightning", "lightning")
+        except ConfigError:
+            raise ConfigError(
+                "hpcckpt.integrations.lightning needs PyTorch Lightning (package `lightning` or "
+                "`pytorch-lightning`); install it with `pip install 'hpcckpt[lightning]'`") from None
+
+
+pl = _lightning()
+_SLURMEnvironment = require("lightning.fabric.plugins.environments", "lightning", "lightning").SLURMEnvironment \
+    if pl.__name__.startswith("lightning.") else pl.plugins.environments.SLURMEnvironment
+
+_UNBOUNDED_STEPS = 2**62
+
+
+class _LoopState:
+    """The fit loop's progress counters (epoch, batch, optimizer and scheduler steps) as state."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.trainer.fit_loop.state_dict())
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        # Lightning's own restart path: the loop marks itself as restarting and resumes
+        # from counters saved at on_train_batch_end, as for its ModelCheckpoint.
+        self.trainer.fit_loop.load_state_dict(dict(state))
+
+
+def find_sampler(loader: Any) -> ResumableSampler | None:
+    """The ResumableSampler that drives ``loader`` (as sampler or inside its batch sampler)."""
+    for candidate in (getattr(loader, "sampler", None),
+                      getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        if isinstance(candidate, ResumableSampler):
+            return candidate
+    return None
+
+
+def _total_steps(trainer: Any) -> int:
+    total = trainer.max_steps if trainer.max_steps is not None and trainer.max_steps >= 0 \
+        else trainer.estimated_stepping_batches
+    return int(total) if isinstance(total, int) or math.isfinite(total) else _UNBOUNDED_STEPS
+
+
+class HpcckptCallback(pl.Callback):  # type: ignore[misc, name-defined]
+    """Preemption-safe, exactly resumable Lightning training (see the module docstring).
+
+    Keyword arguments are ``Checkpointer`` options (``every_steps``, ``keep``, ``signals``,
+    ``engine``...); ``HPCCKPT_*`` variables fill the rest. ``engine`` defaults to
+    ``"concurrent"``: periodic saves copy parameters and optimizer state while the next
+    forward/backward runs.
+    """
+
+    def __init__(self, dir: str | os.PathLike[str] | None = None, **options: Any) -> None:
+        super().__init__()
+        if "engine" not in options and "HPCCKPT_ENGINE" not in os.environ:
+            options["engine"] = "concurrent"
+        self.dir = dir
+        self.options = options
+        self.ckpt: Checkpointer | None = None
+        self.sampler: ResumableSampler | None = None
+        self._steps: Iterator[int] | None = None
+        self._rng: dict[str, Any] | None = None
+        self._last_global_step = 0
+        self._closed = False
+
+    # -- setup: one requeue, state registered and restored -------------------------------
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        env = getattr(getattr(trainer, "_accelerator_connector", None), "cluster_environment", None)
+        if isinstance(env, _SLURMEnvironment) and env.auto_requeue:
+            # Lightning would save inside its USR1 handler and requeue from there too.
+            log.warning("hpcckpt: turning off Lightning's SLURM auto-requeue; hpcckpt requeues once, "
+                        "after a durable checkpoint")
+            env.auto_requeue = False
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self.ckpt = Checkpointer(self.dir, **self.options)
+        # Load the training data now, as Lightning would at the start of fit: its length
+        # is read with the sampler at position 0 (the whole epoch), and the sampler is
+        # iterated lazily, at the first batch, so a position restored below still applies.
+        trainer.fit_loop.setup_data()
+        self.sampler = self._training_sampler(trainer)
+        objects: dict[str, Any] = {"module": pl_module, "loops": _LoopState(trainer), "sampler": self.sampler}
+        for i, opt in enumerate(trainer.optimizers):
+            objects[f"optimizer_{i}"] = opt
+        for i, config in enumerate(trainer.lr_scheduler_configs):
+            objects[f"scheduler_{i}"] = config.scheduler
+        restored = self.ckpt.register(**objects)
+        if restored is not None:
+            self._after_restore(trainer)
+        self._last_global_step = int(trainer.global_step)
+
+    def _training_sampler(self, trainer: Any) -> ResumableSampler:
+        combined = trainer.fit_loop._combined_loader
+        loaders = list(combined.flattened) if combined is not None else []
+        samplers = [find_sampler(dl) for dl in loaders]
+        if len(loaders) != 1 or samplers[0] is None:
+            raise ConfigError(
+                "HpcckptCallback resumes mid-epoch exactly only with one training DataLoader whose sampler "
+                "is hpcckpt.ResumableSampler, e.g. DataLoader(ds, batch_size=32, sampler=ResumableSampler("
+                "len(ds), seed=0)); under DDP give it num_replicas=world_size, rank=global_rank and pass "
+                f"Trainer(use_distributed_sampler=False). Found {len(loaders)} loader(s) with samplers "
+                f"{[type(getattr(dl, 'sampler', None)).__name__ for dl in loaders]}")
+        return samplers[0]  # type: ignore[return-value]
+
+    def _after_restore(self, trainer: Any) -> None:
+        """Put the data position and RNG where the uninterrupted run has them."""
+        assert self.sampler is not None
+        # The RNG as captured; set again in on_train_start, after Lightning's own startup.
+        self._rng = rng_state()
+        if self.sampler.consumed >= self.sampler.per_rank:
+            # Saved at the last batch of an epoch: the uninterrupted run would now start the
+            # next epoch with a fresh DataLoader iterator (which draws its seed from the
+            # global RNG); do exactly that, so the draw and the order match.
+            self.sampler.set_epoch(self.sampler.epoch + 1)
+            iter(trainer.fit_loop._data_fetcher)
+            self._rng = rng_state()
+
+    # -- training: signals, data position, boundaries ------------------------------------
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        assert self.ckpt is not None
+        # Lightning installed its handlers just before this hook (SIGTERM notifier that
+        # ends fit on its own); put hpcckpt's recorders back on top so they alone decide.
+        connector = getattr(trainer, "_signal_connector", None)
+        if connector is not None:
+            connector.received_sigterm = False
+        self.ckpt.signals.uninstall()
+        self.ckpt.signals.install()
+        if self._rng is not None:
+            set_rng_state(self._rng)
+            self._rng = None
+        self._steps = self.ckpt.steps(_total_steps(trainer))
+        next(self._steps)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        assert self.sampler is not None and self._steps is not None
+        size = int(trainer.fit_loop._combined_loader.flattened[0].batch_size or 1)
+        self.sampler.advance(min(size, self.sampler.per_rank - self.sampler.consumed))
+        if int(trainer.global_step) == self._last_global_step:
+            return  # accumulating gradients: not a step boundary
+        self._last_global_step = int(trainer.global_step)
+        # The step just finished; the boundary may save, or stop (RequeueExit, exit 75).
+        try:
+            next(self._steps)
+        except StopIteration:
+            self._steps = None
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.ckpt is not None and self._steps is not None:
+            # Training ended before the step count Lightning estimated (max_epochs with a
+            # shorter last epoch, early stopping): settle pending saves as steps() would.
+            self.ckpt._finish()
+            self._steps = None
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._close()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit":
+            self._close()
+
+    def _close(self) -> None:
+        if self.ckpt is not None and not self._closed:
+            self._closed = True
+            self.ckpt.close()
+
+
+__all__ = ["HpcckptCallback", "ResumableSampler", "find_sampler"]
