@@ -44,6 +44,10 @@ TEMPLATES: dict[str, Template] = {t.name: t for t in (
              description="multi-node DDP under srun; step-delivered signal; batch script requeues",
              defaults={**_COMMON, "NODES": "2", "TASKS_PER_NODE": "2", "COMMAND":
                        'python -m hpcckpt.demo.train --dir "$HPCCKPT_RUN_DIR" --steps 2000'}),
+    Template(name="lightning", source="lightning.sbatch.in", output_name="lightning.sbatch",
+             description="PyTorch Lightning under srun with HpcckptCallback; batch script requeues",
+             defaults={**_COMMON, "JOB_NAME": "hpcckpt-lightning", "NODES": "1", "TASKS_PER_NODE": "1",
+                       "COMMAND": 'python train.py --ckpt "$HPCCKPT_DIR"'}),
     Template(name="criu", source="criu.sbatch.in", output_name="criu.sbatch",
              description="transparent mode: hpcckpt run --mode criu around an unmodified command",
              defaults={**_COMMON, "JOB_NAME": "hpcckpt-criu", "CPUS_PER_TASK": "2"}),
