@@ -39,35 +39,65 @@ class StopReason(IntEnum):
 @dataclass
 class AutoInterval:
     """CheckFreq-style interval: profile step time and checkpoint cost online and pick
-    the smallest interval that keeps the visible overhead under ``overhead_bound``
-    (and, for background persists, no shorter than one persist), adapting as costs change.
+    the smallest interval that keeps the visible overhead under ``overhead_bound``,
+    adapting as costs change.
+
+    Two bounds, the larger wins:
+
+    - ``overhead``: the stall training sees per save (``save()`` + the optimizer
+      pre-hook's wait) spread over the interval stays under ``overhead_bound``;
+    - ``persist``: a background persist must end before the next save starts, with
+      ``persist_headroom`` to spare. When the disk cannot absorb a checkpoint per
+      interval (persist time > the interval's compute time), the interval grows
+      instead of saves queueing behind each other (which training would see as a
+      stall far above the bound).
+
+    ``reason`` says which bound chose ``interval``; each change is logged and
+    ``report()`` gives the figures for the ledger.
     """
 
     overhead_bound: float = 0.03
     first_after_steps: int = 10
     max_steps: int = 10_000
+    persist_headroom: float = 1.1
     step_s: float | None = None
     stall_s: float | None = None
     persist_s: float = 0.0
     interval: int = 0
+    reason: str = "profiling"
 
     def observe_step(self, dt: float) -> None:
         self.step_s = dt if self.step_s is None else 0.9 * self.step_s + 0.1 * dt
 
     def observe_save(self, stall_s: float, persist_s: float) -> None:
         self.stall_s = stall_s if self.stall_s is None else 0.7 * self.stall_s + 0.3 * stall_s
-        self.persist_s = persist_s
+        # A slower persist counts at once (the next save must not queue behind it); a faster
+        # one lowers the estimate gradually (one fast write does not make a fast disk).
+        self.persist_s = max(persist_s, 0.7 * self.persist_s + 0.3 * persist_s)
         self._update()
 
     def _update(self) -> None:
         if self.step_s is None or self.stall_s is None or self.step_s <= 0:
             return
-        by_overhead = self.stall_s / (self.overhead_bound * self.step_s)
-        by_persist = self.persist_s / self.step_s
-        self.interval = int(min(self.max_steps, max(1.0, math.ceil(by_overhead), math.ceil(by_persist))))
+        by_overhead = max(1, math.ceil(self.stall_s / (self.overhead_bound * self.step_s)))
+        by_persist = max(1, math.ceil(self.persist_s * self.persist_headroom / self.step_s))
+        interval = int(min(self.max_steps, max(by_overhead, by_persist)))
+        reason = "persist" if by_persist > by_overhead else "overhead"
+        if interval != self.interval or reason != self.reason:
+            log.info("hpcckpt: auto interval %d steps (%s bound: step %.3fs, stall %.3fs per save, "
+                     "persist %.3fs; overhead bound %.1f%%)", interval, reason, self.step_s, self.stall_s,
+                     self.persist_s, 100 * self.overhead_bound)
+        self.interval, self.reason = interval, reason
 
     def due(self, steps_since_save: int) -> bool:
         return steps_since_save >= (self.interval or self.first_after_steps)
+
+    def report(self) -> dict[str, Any]:
+        """The chosen interval and the figures behind it (JSON-ready)."""
+        def r(x: float | None) -> float | None:
+            return None if x is None else round(x, 6)
+        return {"interval": self.interval or self.first_after_steps, "reason": self.reason,
+                "step_s": r(self.step_s), "stall_s": r(self.stall_s), "persist_s": r(self.persist_s)}
 
 
 @dataclass
@@ -102,6 +132,10 @@ class Policy:
         self.save_cost_s = max(save_s, 0.8 * self.save_cost_s)
         if self.auto is not None:
             self.auto.observe_save(save_s if stall_s is None else stall_s, save_s)
+
+    def report(self) -> dict[str, Any]:
+        """``{"auto": AutoInterval.report()}`` with ``every_steps="auto"``, else ``{}`` (for the ledger)."""
+        return {"auto": self.auto.report()} if self.auto is not None else {}
 
     def poll(self, cluster: Any) -> None:
         """Refresh end time, maintenance and drain state (rate limited)."""
