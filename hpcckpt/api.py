@@ -315,7 +315,7 @@ class Checkpointer:
         if self.ranks.is_coordinator:
             self.ledger.append("commit", step=handle.step, save_s=handle.save_s, engine=self.options.engine,
                                stall_s=getattr(handle, "stall_s", None), final=handle.final,
-                               path=str(handle.path))
+                               path=str(handle.path), **self.policy.report())
 
     def _settle_quietly(self, handles: list[SaveHandle]) -> None:
         """Settle each; a failed one is already logged and recorded, and training goes on."""
