@@ -6,17 +6,21 @@ same ring (D2H on a side stream) is covered by tests/gpu/test_engine_gpu.py.
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 
+from hpcckpt.api import Checkpointer, RequeueExit
 from hpcckpt.engines.concurrent import ConcurrentEngine, Layout
 from hpcckpt.engines.staging import ALIGN, plan_rounds, ring_shape
 from hpcckpt.errors import CheckpointCorrupt, CheckpointFailed, ConfigError
 from hpcckpt.store import catalog
 from hpcckpt.store.hdf5 import TensorEntry, read_tensors, write_tensors
 from hpcckpt.store.staged_read import read_staged
+
+from tests.helpers import tiny_state, train_step
 
 from .test_concurrent_engine import Rig, _fifo_instead_of_rank_file, assert_same
 
@@ -270,3 +274,40 @@ def test_staged_read_crc_shows_a_flipped_byte_in_a_later_round(tmp_path: Path) -
     assert crcs["a"] == entries["a"].crc32c and crcs["b"] != e.crc32c
     with pytest.raises(CheckpointCorrupt, match="'b'"):
         read_tensors(path, entries)
+
+
+# -- through the Checkpointer --------------------------------------------------------
+
+def _run(root: Path, total: int, *, signal_at: int | None = None, **options: object) -> tuple[list[str], dict]:
+    objs = tiny_state(0)
+    losses: list[str] = []
+    with Checkpointer(root, engine="concurrent", every_steps=2, keep=2, **options) as ck:
+        ck.register(**objs)
+        for step in ck.steps(total):
+            losses.append(float.hex(train_step(objs)))
+            if signal_at is not None and step + 1 == signal_at:
+                os.kill(os.getpid(), signal.SIGUSR2)
+    return losses, objs
+
+
+def test_checkpointer_with_a_staging_ring_resumes_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ref, ref_objs = _run(tmp_path / "ref", 10)
+    # tiny_state holds ~2 KB of tensors: a 16 KiB ring is the smallest allowed and still cycles
+    with pytest.raises(RequeueExit):
+        _run(tmp_path / "ckpt", 10, signal_at=5, staging_bytes=16 << 10)
+    monkeypatch.setenv("HPCCKPT_STAGING_BYTES", "16K")
+    rest, objs = _run(tmp_path / "ckpt", 10)
+    assert ref[:5] + rest == ref
+    for p, q in zip(objs["model"].state_dict().values(), ref_objs["model"].state_dict().values()):
+        assert torch.equal(p, q)
+
+
+def test_checkpointer_passes_staging_bytes_to_the_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with Checkpointer(tmp_path / "a", engine="concurrent", staging_bytes=1 << 20) as ck:
+        assert isinstance(ck.engine, ConcurrentEngine) and ck.engine.staging_bytes == 1 << 20
+    monkeypatch.setenv("HPCCKPT_STAGING_BYTES", "2M")
+    with Checkpointer(tmp_path / "b", engine="concurrent") as ck:
+        assert isinstance(ck.engine, ConcurrentEngine) and ck.engine.staging_bytes == 2 << 20
+    monkeypatch.setenv("HPCCKPT_STAGING_BYTES", "-1")
+    with pytest.raises(ConfigError, match="HPCCKPT_STAGING_BYTES"):
+        Checkpointer(tmp_path / "c", engine="concurrent")
