@@ -7,9 +7,14 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .common import add_json, directory, emit
+
+if TYPE_CHECKING:
+    from ..store.catalog import CheckpointInfo
+
+VANISH_RETRIES = 50
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -21,26 +26,46 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.set_defaults(func=run)
 
 
-def _target(args: argparse.Namespace) -> list[tuple[int, Path]]:
+def _newest(root: Path) -> CheckpointInfo:
+    """The newest step directory, fully verified; a newer one replaces it if it is pruned meanwhile."""
     from ..errors import NoCheckpoint
     from ..store import catalog
-    infos = [i for i in catalog.scan(directory(args.dir, option="DIR")) if catalog.STEP_RE.match(i.path.name)]
-    if args.all and infos:
-        return [(i.step, i.path) for i in infos]
+    for _attempt in range(VANISH_RETRIES):
+        infos = [i for i in catalog.scan(root) if catalog.STEP_RE.match(i.path.name)]
+        if not infos:
+            raise NoCheckpoint(f"no checkpoints under {root}")
+        newest = max(infos, key=lambda i: i.step)  # whatever its status: that is what resume tries first
+        full = catalog.inspect_step(root, newest.step, full=True)
+        if full is not None:
+            return full
+    raise NoCheckpoint(f"checkpoints under {root} kept being removed while verified (another job is pruning it)")
+
+
+def _one(root: Path, step: int) -> CheckpointInfo:
+    from ..errors import NoCheckpoint
+    from ..store import catalog
+    catalog.find(root, step)  # NoCheckpoint naming the steps present
+    full = catalog.inspect_step(root, step, full=True)
+    if full is None:
+        raise NoCheckpoint(f"checkpoint step {step} under {root} was removed (retention) while being verified")
+    return full
+
+
+def _targets(args: argparse.Namespace) -> list[CheckpointInfo]:
+    from ..store import catalog
+    root = directory(args.dir, option="DIR")
+    if args.all:
+        names = [i for i in catalog.scan(root) if catalog.STEP_RE.match(i.path.name)]
+        if names:  # each fully verified; one pruned meanwhile is left out, not reported as damaged
+            return [f for i in names if (f := catalog.inspect_step(root, i.step, full=True)) is not None]
     if args.step is not None:
-        return [(i.step, i.path) for i in [catalog.find(args.dir, args.step)]]
-    if not infos:
-        raise NoCheckpoint(f"no checkpoints under {args.dir}")
-    newest = max(infos, key=lambda i: i.step)  # the newest, whatever its status: that is what resume tries first
-    return [(newest.step, newest.path)]
+        return [_one(root, args.step)]
+    return [_newest(root)]
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..store import catalog
-    results: list[dict[str, Any]] = []
-    for step, path in _target(args):
-        _, problems = catalog.check(path, full=True)
-        results.append({"step": step, "path": str(path), "ok": not problems, "problems": problems})
+    results = [{"step": i.step, "path": str(i.path), "ok": not i.problems, "problems": i.problems}
+               for i in _targets(args)]
     ok = all(r["ok"] for r in results)
     text = "\n".join(
         f"step {r['step']}: OK ({r['path']})" if r["ok"] else

@@ -1,0 +1,213 @@
+"""Crafted manifests: each field made untrustworthy while the self-checksum is recomputed.
+
+A manifest that passes its own checksum is still input. For every case the newest
+checkpoint (step 6) becomes corrupt in the catalog with a message naming the field,
+a resume falls back to step 3 like for any other damage, and the CLI reports it
+without a traceback. Real checkpoints of both engines (torch archives, HDF5 files).
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from hpcckpt.api import Checkpointer
+from hpcckpt.store import catalog
+from hpcckpt.store.commit import MANIFEST, seal_manifest
+from tests.conftest import REPO
+from tests.helpers import tiny_state, train_step
+
+pytestmark = pytest.mark.native
+
+Manifest = dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Per engine, a directory with committed steps 3 and 6 (never modified: copy it)."""
+    out = {}
+    for engine in ("sync", "concurrent"):
+        root = tmp_path_factory.mktemp(f"pristine-{engine}")
+        objs = tiny_state(0)
+        with Checkpointer(root, engine=engine, every_steps=3, keep=5) as ck:
+            ck.register(**objs)
+            for _ in ck.steps(6):
+                train_step(objs)
+        assert [i.step for i in catalog.scan(root) if i.status == "committed"] == [3, 6]
+        out[engine] = root
+    return out
+
+
+def copy(pristine: dict[str, Path], engine: str, dest: Path) -> Path:
+    shutil.copytree(pristine[engine], dest, symlinks=True)
+    for lease in dest.glob(".hpcckpt*"):
+        lease.unlink()
+    return dest
+
+
+def craft(step_dir: Path, change: Callable[[Manifest, Path], None]) -> None:
+    """Apply ``change`` to the manifest, then reseal it so its self-checksum is valid again."""
+    m = json.loads((step_dir / MANIFEST).read_text())
+    change(m, step_dir)
+    (step_dir / MANIFEST).write_bytes(seal_manifest(m))
+
+
+def rank0(m: Manifest) -> dict[str, Any]:
+    return m["ranks"]["0"]
+
+
+def big(m: Manifest) -> dict[str, Any]:
+    """The tensor record with the most bytes (a model weight or its Adam moment)."""
+    return max(rank0(m)["tensors"].values(), key=lambda t: t["nbytes"])
+
+
+def fname(m: Manifest) -> str:
+    return str(rank0(m)["file"])
+
+
+def _symlinked_rank_file(m: Manifest, d: Path) -> None:
+    """The rank file swapped for a symlink to a same-sized file outside (the manifest stays as it was)."""
+    outside = d.parent.parent / "outside.bin"
+    shutil.move(d / fname(m), outside)
+    (d / fname(m)).symlink_to(outside)
+
+
+def _drop_named_tensor(m: Manifest, d: Path) -> None:
+    del rank0(m)["tensors"]["objects/model/0.weight"]
+
+
+def _set(path: str, value: Any) -> Callable[[Manifest, Path], None]:
+    """A change setting one field: ``big.offset``, ``rank0.format``, ``m.world_size``..."""
+    where, key = path.split(".")
+
+    def change(m: Manifest, d: Path) -> None:
+        {"big": big, "rank0": rank0, "m": lambda m: m}[where](m)[key] = value
+    return change
+
+
+def _step(n: int) -> Callable[[Manifest, Path], None]:
+    def change(m: Manifest, d: Path) -> None:
+        m["step"] = n
+        rank0(m)["meta"]["step"] = n
+    return change
+
+
+def _file(name: str) -> Callable[[Manifest, Path], None]:
+    def change(m: Manifest, d: Path) -> None:
+        m["files"][name] = m["files"].pop(fname(m))
+        rank0(m)["file"] = name
+    return change
+
+
+def _terabyte(m: Manifest, d: Path) -> None:
+    big(m).update(dtype="float32", shape=[1 << 38], nbytes=1 << 40)
+
+
+def _past_end(m: Manifest, d: Path) -> None:
+    big(m)["offset"] = m["files"][fname(m)]["bytes"] - 8
+
+
+BOTH, HDF5, TORCH = ("sync", "concurrent"), ("concurrent",), ("sync",)
+
+# (case, engines, change, what the problem must say)
+CASES: list[tuple[str, tuple[str, ...], Callable[[Manifest, Path], None], str]] = [
+    ("negative offset", HDF5, _set("big.offset", -4096), r"offset is -4096, outside"),
+    ("offset past the end", HDF5, _past_end, r"past the end of its"),
+    ("offset not a number", HDF5, _set("big.offset", "0"), r"offset is '0', not a whole number"),
+    ("1 TiB shape", BOTH, _terabyte, r"claims 1099511627776 bytes, more than"),
+    ("bytes disagree with dtype x shape", BOTH, _set("big.nbytes", 12), r"manifest says 12"),
+    ("negative dimension", BOTH, _set("big.shape", [-1, 16]), r"dimension is -1, outside"),
+    ("shape not a list", BOTH, _set("big.shape", "16x8"), r"not a list"),
+    ("quantized dtype", BOTH, _set("big.dtype", "qint8"), r"dtype 'qint8', which is not a plain torch dtype"),
+    ("dtype names a function", BOTH, _set("big.dtype", "load"), r"dtype 'load'"),
+    ("crc32c not a number", BOTH, _set("big.crc32c", "ffff"), r"crc32c is 'ffff'"),
+    ("rank file outside the step directory", BOTH, _file("../step-3/x"), r"not a plain path inside"),
+    ("absolute rank file", BOTH, _file("/etc/passwd"), r"not a plain path inside"),
+    ("rank file is a symlink", BOTH, _symlinked_rank_file, r"not a regular file"),
+    ("rank file not listed in files", BOTH, lambda m, d: m["files"].pop(fname(m)), r"not listed"),
+    ("manifest step differs from the directory's", BOTH, _step(7), r"says step 7 but sits in .* step 6"),
+    ("metadata step differs", BOTH, lambda m, d: rank0(m)["meta"].update(step=5), r"meta says step 5"),
+    ("tensor named by the metadata is missing", BOTH, _drop_named_tensor,
+     r"does not hold: objects/model/0.weight"),
+    ("unknown rank file format", BOTH, _set("rank0.format", "pickle"), r"format 'pickle'"),
+    ("world size without records", BOTH, _set("m.world_size", 2), r"missing \['1'\]"),
+    ("world size zero", BOTH, _set("m.world_size", 0), r"world_size is 0, outside"),
+    ("world size a boolean", BOTH, _set("m.world_size", True), r"world_size is True, not a whole number"),
+    ("ranks not an object", BOTH, _set("m.ranks", []), r"ranks is list, not an object"),
+    ("step a string", BOTH, _set("m.step", "6"), r"step is '6', not a whole number"),
+]
+
+
+@pytest.mark.parametrize("engine,change,problem", [pytest.param(e, c, p, id=f"{e}-{name}")
+                                                    for name, engines, c, p in CASES for e in engines])
+def test_crafted_manifest_is_corrupt_and_resume_falls_back(
+        pristine: dict[str, Path], tmp_path: Path, engine: str, change: Callable[[Manifest, Path], None],
+        problem: str) -> None:
+    root = copy(pristine, engine, tmp_path / "ck")
+    craft(root / "step-6", change)
+    infos = {i.step: i for i in catalog.scan(root)}
+    assert infos[6].status == "corrupt" and infos[3].status == "committed"
+    assert any(re.search(problem, p) for p in infos[6].problems), infos[6].problems
+    with Checkpointer(root, engine=engine, every_steps=None) as ck:
+        assert ck.register(**tiny_state(1)) == 3
+
+
+@pytest.mark.parametrize("raw", [b"[" * 200_000, b'{"step": 1' + b"9" * 5000 + b"}", b"\xff\xfe{}",
+                                 b"{}" + b" " * 10])
+def test_unparseable_manifest_is_corrupt(pristine: dict[str, Path], tmp_path: Path, raw: bytes) -> None:
+    root = copy(pristine, "sync", tmp_path / "ck")
+    (root / "step-6" / MANIFEST).write_bytes(raw)
+    info = {i.step: i for i in catalog.scan(root)}[6]
+    assert info.status == "corrupt" and "manifest" in info.problems[0]
+    with Checkpointer(root, every_steps=None) as ck:
+        assert ck.register(**tiny_state(1)) == 3
+
+
+def test_symlinked_step_directory_is_not_a_checkpoint(pristine: dict[str, Path], tmp_path: Path) -> None:
+    root = copy(pristine, "concurrent", tmp_path / "ck")
+    (root / "step-8").symlink_to(root / "step-3")
+    infos = {i.step: i for i in catalog.scan(root)}
+    assert infos[8].status == "corrupt" and "symlink" in infos[8].problems[0]
+    with Checkpointer(root, engine="concurrent", every_steps=None) as ck:
+        assert ck.register(**tiny_state(1)) == 6
+
+
+def restep(root: Path, src: int, dst: int, change: Callable[[Manifest, Path], None] | None = None) -> None:
+    """Copy step ``src`` to step ``dst`` (a valid checkpoint of that step), then craft it."""
+    shutil.copytree(root / f"step-{src}", root / f"step-{dst}")
+    craft(root / f"step-{dst}", _step(dst))
+    if change is not None:
+        craft(root / f"step-{dst}", change)
+
+
+def cli(*args: str) -> tuple[int, str]:
+    p = subprocess.run([sys.executable, "-m", "hpcckpt.cli", *args], cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
+    return p.returncode, p.stdout + p.stderr
+
+
+def test_cli_reports_crafted_checkpoints_without_traceback(pristine: dict[str, Path], tmp_path: Path) -> None:
+    root = copy(pristine, "concurrent", tmp_path / "ck")
+    restep(root, 6, 9, _set("big.offset", -1))
+    restep(root, 6, 12, _file("../../../../etc/passwd"))
+    restep(root, 6, 15, _terabyte)
+    (root / "step-18").symlink_to(root / "step-6")
+    (root / "LATEST").write_bytes(b"\xff\xfestep-6\n")  # non-UTF-8: ignored, not a crash
+
+    code, out = cli("ls", str(root), "--json")
+    assert code == 0, out
+    assert {(r["step"], r["status"]) for r in json.loads(out)} == {
+        (3, "committed"), (6, "committed"), (9, "corrupt"), (12, "corrupt"), (15, "corrupt"), (18, "corrupt")}
+    code, out = cli("verify", str(root), "--all", "--json")
+    res = {r["step"]: r for r in json.loads(out)["checkpoints"]}
+    assert code == 1 and res[3]["ok"] and res[6]["ok"] and not any(res[s]["ok"] for s in (9, 12, 15, 18))
+    assert "outside" in res[9]["problems"][0] and "plain path" in res[12]["problems"][0]
+    for step in (9, 12, 15, 18):
+        code, out = cli("inspect", str(root), "--step", str(step))
+        assert code == 1 and "CORRUPT" in out and "Traceback" not in out, out
