@@ -194,12 +194,62 @@ def load_rank(info: catalog.CheckpointInfo, rank: int, world: int, *, into: Mapp
     path = info.path / rec["file"]
     if rec["format"] == "hdf5":
         _, entries = catalog.rank_entries(manifest, rank)
-        tensors = hdf5.read_tensors(path, entries, into=into, stats=stats)
+        homes = _optimizer_homes(rec.get("meta"), entries, into)
+        try:
+            tensors = hdf5.read_tensors(path, entries, into={**into, **homes} if homes else into, stats=stats)
+        finally:
+            if stats is not None and homes:  # new memory: nothing live was overwritten there
+                stats["in_place_bytes"] = stats.get("in_place_bytes", 0) - sum(entries[n].nbytes for n in homes)
     elif rec["format"] == "torch":
         tensors = torchfile.read(path, rec)
     else:
         raise CheckpointCorrupt(f"{info.path}: unknown rank file format {rec['format']!r}")
     return Flat(tensors=tensors, meta=json.loads(json.dumps(rec["meta"])))
+
+
+def _optimizer_state_names(meta: Any) -> list[str]:
+    """Tensor names of optimizer state (``objects/<opt>/state/<i>/<key>``) except ``step``.
+
+    Recognised from the saved metadata tree: an object whose state_dict has
+    ``param_groups`` and ``state``. ``step`` stays where torch keeps it (on the CPU
+    unless the optimizer is capturable or fused; load_state_dict moves it then).
+    """
+    names: list[str] = []
+    objects = meta.get("objects") if isinstance(meta, dict) else None
+    for tree in (objects or {}).values():
+        if not (isinstance(tree, dict) and "param_groups" in tree and isinstance(tree.get("state"), dict)):
+            continue
+        state = tree["state"]
+        for _, sub in state.get("__dict__", list(state.items())):
+            for key, leaf in (sub.items() if isinstance(sub, dict) else ()):
+                if key != "step" and isinstance(leaf, dict) and isinstance(leaf.get("__tensor__"), str):
+                    names.append(leaf["__tensor__"])
+    return names
+
+
+def _optimizer_homes(meta: Any, entries: Mapping[str, hdf5.TensorEntry],
+                     into: Mapping[str, Any] | None) -> dict[str, torch.Tensor]:
+    """New device memory for optimizer state the live optimizer does not hold yet.
+
+    A resumed process has parameters but no optimizer state until its first step:
+    without a home on the GPU that state (2/3 of an Adam checkpoint) would be read
+    into new host memory and copied up by ``load_state_dict`` from pageable memory.
+    With one CUDA device among the live tensors, it is read through the pinned
+    pipeline straight into tensors on that device instead; ``load_state_dict`` then
+    keeps them (it moves state to each parameter's device, a no-op here).
+    """
+    if not into:
+        return {}
+    devices = {t.device for t in into.values() if isinstance(t, torch.Tensor) and t.is_cuda}
+    if len(devices) != 1:
+        return {}
+    device = devices.pop()
+    homes: dict[str, torch.Tensor] = {}
+    for name in _optimizer_state_names(meta):
+        e = entries.get(name)
+        if e is not None and e.nbytes and e.shape and into.get(name) is None:
+            homes[name] = torch.empty(e.shape, dtype=hdf5.torch_dtype(e.dtype), device=device)
+    return homes
 
 
 def cpu_copy(t: torch.Tensor) -> torch.Tensor:

@@ -170,16 +170,43 @@ def test_checkpointer_resume_restores_cuda_parameters_in_place(tmp_path: Path) -
     torch.cuda.synchronize()
     want = {n: p.detach().cpu().clone() for n, p in model.state_dict().items()}
     model2 = make_model(256)
-    opt2 = torch.optim.Adam(model2.parameters(), lr=1e-3)
-    opt2.zero_grad()
-    model2(torch.randn(8, 256, device="cuda")).square().mean().backward()
-    opt2.step()  # optimizer state exists, on the GPU: it is restored in place too
+    opt2 = torch.optim.Adam(model2.parameters(), lr=1e-3)  # a resumed process: no optimizer state yet
     ptrs = {n: p.data_ptr() for n, p in model2.named_parameters()}
     with Checkpointer(root, engine="concurrent") as ck2:
         assert ck2.register(model=model2, optimizer=opt2) == 3
     assert {n: p.data_ptr() for n, p in model2.named_parameters()} == ptrs
     for n, t in model2.state_dict().items():
         assert torch.equal(t.cpu(), want[n]), n
+    assert len(opt2.state) == len(opt.state)
     for s1, s2 in zip(opt.state.values(), opt2.state.values()):
-        assert torch.equal(s1["exp_avg"].cpu(), s2["exp_avg"].cpu())
-        assert s2["exp_avg"].is_cuda
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(s1[key].cpu(), s2[key].cpu()), key
+        assert s2["exp_avg"].is_cuda and s2["exp_avg_sq"].is_cuda  # read through the pinned pipeline
+        assert s2["step"].device == s1["step"].device  # where torch keeps it (CPU unless capturable)
+
+
+def test_optimizer_state_of_a_fresh_optimizer_is_read_onto_the_gpu(tmp_path: Path,
+                                                                   cleanup: list[ConcurrentEngine]) -> None:
+    rig = CudaRig(tmp_path / "ckpt")
+    cleanup.append(rig.engine)
+    rig.train_step()
+    want = rig.snapshot(1)
+    rig.engine.save(rig.state.capture(step=1), 1).wait(timeout=300)
+    model = make_model(rig.width)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    state = TrainState()
+    state.register("model", model)
+    state.register("optimizer", opt)
+    stats: dict[str, object] = {}
+    flat = load_rank(catalog.find(rig.root, 1), 0, 1, into=state.capture(step=0).tensors, stats=stats)
+    state_names = [n for n in flat.tensors if n.startswith("objects/optimizer/state/")]
+    assert state_names
+    for n in state_names:
+        assert flat.tensors[n].is_cuda == (not n.endswith("/step")), n
+    assert_same_cpu(flat.tensors, want)
+    live = sum(t.numel() * t.element_size() for t in state.capture(step=0).tensors.values())
+    in_place, device = stats["in_place_bytes"], stats["device_bytes"]
+    assert isinstance(in_place, int) and isinstance(device, int)
+    assert in_place <= live < device  # the new GPU homes are read on the device, not counted as overwritten
+    state.restore(flat)
+    assert all(s["exp_avg"].is_cuda for s in opt.state.values())

@@ -311,3 +311,24 @@ def test_checkpointer_passes_staging_bytes_to_the_engine(tmp_path: Path, monkeyp
     monkeypatch.setenv("HPCCKPT_STAGING_BYTES", "-1")
     with pytest.raises(ConfigError, match="HPCCKPT_STAGING_BYTES"):
         Checkpointer(tmp_path / "c", engine="concurrent")
+
+
+def test_optimizer_state_names_come_from_the_saved_tree_without_step() -> None:
+    from hpcckpt.engines.base import _optimizer_homes, _optimizer_state_names
+    from hpcckpt.state import TrainState
+    model = torch.nn.Linear(3, 2)
+    adam, sgd = torch.optim.Adam(model.parameters()), torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(1, 3)).sum().backward()
+    adam.step()
+    sgd.step()
+    state = TrainState()
+    state.register("model", model)
+    state.register("adam", adam)
+    state.register("sgd", sgd)
+    flat = state.capture(step=1)
+    names = _optimizer_state_names(flat.meta)
+    assert sorted(names) == sorted(n for n in flat.tensors if "/state/" in n and not n.endswith("/step"))
+    assert any(n.startswith("objects/sgd/state/") for n in names) and len(names) == 6
+    assert _optimizer_state_names({"objects": {"x": {"state": 3}}}) == [] and _optimizer_state_names(None) == []
+    # Without a CUDA tensor among the live ones, nothing is placed anywhere new.
+    assert _optimizer_homes(flat.meta, {}, flat.tensors) == {}
