@@ -12,7 +12,7 @@ def require(module: str, extra: str, package: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as exc:
-        if exc.name is None or not module.startswith(exc.name):
+        if exc.name is None or not (module == exc.name or module.startswith(exc.name + ".")):
             raise  # the trainer is there but one of its own imports failed: show that
         raise ConfigError(
             f"hpcckpt's {extra} integration needs {package}, which is not installed in "
