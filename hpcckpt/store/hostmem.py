@@ -37,7 +37,9 @@ class Slot:
     """
 
     def __init__(self, nbytes: int, *, pin: bool) -> None:
-        self.buffer = native().aligned_buffer(nbytes, ALIGN, True)
+        # Pinning faults every page in (the driver pins them writable), so a prefault pass
+        # first would touch the memory twice.
+        self.buffer = native().aligned_buffer(nbytes, ALIGN, not pin)
         self.bytes = np.frombuffer(self.buffer, dtype=np.uint8)
         self.tensor = torch.from_numpy(self.bytes)
         self.pinned = False

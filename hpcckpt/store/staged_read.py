@@ -55,6 +55,9 @@ class StagedReader:
         self.direct, self.threads = direct, threads
         size = chunk_bytes or from_env("RESTORE_CHUNK_BYTES", ROUND_BYTES, int)
         size = max(2 * ALIGN, size // ALIGN * ALIGN)
+        # Each round is one read_items call: pieces small enough that every reader thread has
+        # some (its default 16 MiB would leave most of 16 threads idle on a 128 MiB round).
+        self.read_chunk = max(1 << 20, min(16 << 20, size // 16))
         self.rounds = plan_rounds([e for e, _ in self.targets.values()], size)
         cuda = [t for _, t in self.targets.values() if t.is_cuda]
         self.device = cuda[0].device if cuda else None
@@ -106,7 +109,8 @@ class StagedReader:
         """Reader thread: one native read_items call for round r into its chunk."""
         chunk = self.chunks[r % len(self.chunks)]
         items = [(chunk.bytes[p.chunk_off:p.chunk_off + p.nbytes], p.file_off, False) for p in self.rounds[r]]
-        crcs, info = native().read_items(self.path, items, threads=self.threads, direct=self.direct)
+        crcs, info = native().read_items(self.path, items, threads=self.threads, chunk_bytes=self.read_chunk,
+                                         direct=self.direct)
         for key in ("direct_bytes", "buffered_bytes", "bounced_bytes"):
             self.info[key] = self.info.get(key, 0) + int(info.get(key, 0))
         self.info["threads"] = int(info.get("threads", 0))
