@@ -1,28 +1,36 @@
 """``hpcckpt bench``: the limits of this machine, then each engine against them.
 
-All figures come from one run on one file system (``--dir``), so their ratios
-are meaningful even on a noisy machine. See ``run_bench`` for the JSON layout.
+All figures come from one run on one file system (``--dir``) and one device
+(``--device``), so their ratios are meaningful even on a noisy machine. See
+``run_bench`` for the JSON layout. Progress goes to the ``progress`` callback (the
+CLI prints it on stderr, so ``--json`` keeps stdout for the result alone).
 """
 from __future__ import annotations
 
 import gc
+import math
 import os
 import shutil
 import statistics
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from ..errors import ConfigError
 from .limits import GB, fresh_memory_gbps, memcpy_gbps, write_read_gbps
-from .measure import measure_engine, measure_loads
+from .measure import measure_engine, measure_loads, measure_staging
 from .overhead import DemoLoad, measure_overhead
 from .synthetic import SyntheticRig
 
 ENGINES = ("sync", "concurrent")
 INTERVALS = (1, 10, 50)
+# Bytes on disk at the worst moment, per byte of state: each engine's newest checkpoint
+# (kept for the loads), a save being committed next to the previous one, a raw file.
+DISK_FACTOR = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,16 +41,24 @@ class BenchOptions:
     repeats: int = 3
     overhead_steps: int = 50
     rounds: int = 5
+    overhead_rounds: int = 5
     max_async: int = 1
     writer_threads: int = 0
     direct: bool | None = None
+    device: str = "cpu"
 
     @staticmethod
-    def make(*, size_gb: float | None, dir: Path | None, quick: bool, direct: bool | None = None) -> BenchOptions:
+    def make(*, size_gb: float | None, dir: Path | None, quick: bool, direct: bool | None = None,
+             device: str = "cpu") -> BenchOptions:
+        size = check_size_gb(size_gb)
         if quick:
-            return BenchOptions(size_bytes=int((size_gb or 0.016) * GB), dir=dir, quick=True, repeats=1,
-                                overhead_steps=6, direct=direct)
-        return BenchOptions(size_bytes=int((size_gb or 2.0) * GB), dir=dir, direct=direct)
+            return BenchOptions(size_bytes=int((size or 0.016) * GB), dir=dir, quick=True, repeats=1, rounds=1,
+                                overhead_rounds=1, overhead_steps=50, direct=direct,
+                                device=device)
+        # On a GPU node the overhead model is large: two rounds keep the full run within minutes.
+        cuda = device == "cuda"
+        return BenchOptions(size_bytes=int((size or 2.0) * GB), dir=dir, direct=direct, device=device,
+                            rounds=3 if cuda else 5, overhead_rounds=2 if cuda else 5)
 
     def sizes(self) -> list[int]:
         """State sizes from small to the requested one (each a quarter of the next)."""
@@ -50,11 +66,45 @@ class BenchOptions:
         return sorted({max(1 << 20, self.size_bytes >> (2 * k)) for k in range(steps)})
 
 
-def _targets(top: dict[str, Any], limits: dict[str, float], overhead: dict[str, Any]) -> dict[str, Any]:
-    """The issue's target ratios, computed from this run's numbers."""
+def check_size_gb(size_gb: float | None) -> float | None:
+    """``--size-gb``: a finite number of GB above zero (the disk check comes with ``--dir``)."""
+    if size_gb is None:
+        return None
+    if not math.isfinite(size_gb) or size_gb <= 0:
+        raise ConfigError(f"--size-gb {size_gb}: give a state size in GB above zero (e.g. --size-gb 2)")
+    if size_gb * GB < 1 << 20:
+        raise ConfigError(f"--size-gb {size_gb}: at least 0.001 GB (1 MiB) of state is measured (e.g. --size-gb 0.016)")
+    return size_gb
+
+
+def check_room(o: BenchOptions, directory: Path) -> None:
+    """Refuse a size this file system (or this host's memory) cannot hold, before writing anything."""
+    free = shutil.disk_usage(directory).free
+    need = DISK_FACTOR * o.size_bytes
+    if need > free:
+        raise ConfigError(
+            f"--size-gb {o.size_bytes / GB:g}: the bench needs about {DISK_FACTOR}x the state on disk "
+            f"({need / GB:.1f} GB) and {directory} has {free / GB:.1f} GB free; give a smaller size "
+            f"(e.g. --size-gb {max(0.001, free / DISK_FACTOR / GB / 2):.3g}) or another --dir")
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return
+    # the synthetic state and its staging copy are both in host memory
+    if 2 * o.size_bytes > ram:
+        raise ConfigError(
+            f"--size-gb {o.size_bytes / GB:g}: the bench holds the state and a staging copy in host memory "
+            f"({2 * o.size_bytes / GB:.1f} GB) and this host has {ram / GB:.1f} GB; "
+            f"give a smaller size (e.g. --size-gb {max(0.001, ram / 4 / GB):.3g})")
+
+
+def _targets(top: dict[str, Any], limits: dict[str, Any], over: dict[str, Any], device: str) -> dict[str, Any]:
+    """The issues' target ratios, computed from this run's numbers."""
     sync, conc = top["sync"], top["concurrent"]
     state_bytes = top["state_bytes"]
-    memcpy_bound_s = state_bytes / (limits["memcpy_gbps"] * GB)
+    cuda = device == "cuda"
+    copy_gbps = limits["pinned_d2h_gbps"] if cuda else limits["memcpy_gbps"]
+    copy_bound_s = state_bytes / (copy_gbps * GB)
     torch_load = sync.get("torch_load_all_s")
     vs_torch = ceiling = None
     if torch_load:
@@ -62,10 +112,16 @@ def _targets(top: dict[str, Any], limits: dict[str, float], overhead: dict[str, 
         vs_torch = statistics.median(t / c for t, c in zip(torch_load, conc["load_all_s"]))
         # the best any reader could do from this disk: raw read of the same bytes vs torch.load
         ceiling = statistics.median(t / r for t, r in zip(torch_load, conc["raw_read_all_s"]))
+    torch_target = 2.0 if cuda else 3.0
+    model = over["overhead_detail"]
     return {
-        "stall_vs_sync": conc["stall_s"] / sync["stall_s"], "stall_vs_sync_target": 0.1,
-        "stall_vs_memcpy_bound": conc["stall_s"] / memcpy_bound_s, "stall_vs_memcpy_bound_target": 1.3,
-        "memcpy_bound_s": memcpy_bound_s,
+        "device": device,
+        "stall_vs_sync": conc["stall_s"] / sync["stall_s"], "stall_vs_sync_target": 0.02 if cuda else 0.1,
+        "stall_vs_copy_bound": conc["stall_s"] / copy_bound_s, "copy_bound_s": copy_bound_s,
+        "snapshot_vs_copy_limit": conc.get("snapshot_gbps", 0.0) / copy_gbps,
+        "snapshot_vs_copy_limit_target": 0.8,
+        "snapshot_copy_limit": "pinned_d2h_gbps" if cuda else "memcpy_gbps",
+        "first_vs_steady": conc["first_vs_steady"], "first_vs_steady_target": 2.0,
         "persist_vs_write": conc["persist_vs_raw_write"], "persist_vs_write_target": 0.85,
         "persist_vs_write_limit": conc["persist_gbps"] / limits["write_gbps"],
         "load_vs_read": conc["load_vs_raw_read"], "load_vs_read_target": 0.85,
@@ -76,79 +132,119 @@ def _targets(top: dict[str, Any], limits: dict[str, float], overhead: dict[str, 
         "load_fresh_vs_raw_read_fresh": conc["load_fresh_vs_raw_read_fresh"],
         # a load into new tensors cannot beat the first touch of fresh memory
         "load_vs_read_fresh_memory_ceiling": limits["fresh_memory_gbps"] / conc["raw_read_gbps"],
-        "load_vs_torch_load": vs_torch, "load_vs_torch_load_target": 3.0,
+        "load_vs_torch_load": vs_torch, "load_vs_torch_load_target": torch_target,
         "load_vs_torch_load_ceiling": ceiling,
-        "load_vs_torch_load_reachable": None if ceiling is None else ceiling >= 3.0,
-        "overhead_at_10": {n: v.get("10") for n, v in overhead["overhead"].items()}, "overhead_at_10_target": 0.03,
-        "overhead_blocked_at_10": {n: v.get("10") for n, v in overhead["overhead_blocked"].items()},
+        "load_vs_torch_load_reachable": None if ceiling is None else ceiling >= torch_target,
+        "overhead_at_10": {n: v.get("10") for n, v in over["overhead"].items()}, "overhead_at_10_target": 0.03,
+        "overhead_blocked_at_10": {n: v.get("10") for n, v in over["overhead_blocked"].items()},
+        # whether the disk can absorb one checkpoint of the overhead model within each interval
+        "disk_absorbs": {str(i): model["state_bytes"] / (limits["write_gbps"] * GB) <= i * model["step_s"]
+                         for i in INTERVALS},
     }
+
+
+class _Steps:
+    """Numbered progress lines with the elapsed time: ``[bench 12.3s 4/17] what``."""
+
+    def __init__(self, total: int, say: Callable[[str], None]) -> None:
+        self.total, self.done, self.say, self.t0 = total, 0, say, time.monotonic()
+
+    def __call__(self, what: str) -> None:
+        self.done += 1
+        self.say(f"[bench {time.monotonic() - self.t0:6.1f}s {self.done}/{self.total}] {what}")
+
+
+def _limits(o: BenchOptions, base: Path, tick: Callable[[str], None]) -> dict[str, Any]:
+    limits: dict[str, Any] = write_read_gbps(base, max(o.size_bytes, 64 << 20))
+    tick(f"disk: raw parallel O_DIRECT write {limits['write_gbps']:.2f} GB/s, read {limits['read_gbps']:.2f} GB/s")
+    n = min(o.size_bytes, 512 << 20)
+    limits["memcpy_gbps"] = memcpy_gbps(n)
+    limits["memcpy_1t_gbps"] = memcpy_gbps(n, threads=1)
+    limits["fresh_memory_gbps"] = fresh_memory_gbps(n)
+    if o.device == "cuda":
+        from .gpu import copy_limits
+        limits.update(copy_limits(o.size_bytes))
+        tick(f"copies: pinned D2H {limits['pinned_d2h_gbps']:.1f} GB/s, H2D {limits['pinned_h2d_gbps']:.1f} GB/s, "
+             f"memcpy {limits['memcpy_gbps']:.1f} GB/s")
+    else:
+        tick(f"copies: memcpy {limits['memcpy_gbps']:.1f} GB/s (no GPU: host copies only)")
+    return limits
+
+
+def _one_size(o: BenchOptions, size: int, base: Path, options: dict[str, Any], *, top: bool,
+              tick: Callable[[str], None]) -> dict[str, Any]:
+    """Stall/persist of each engine at one size; at the largest, staging budgets and cold loads."""
+    rig = SyntheticRig(size, device=o.device)
+    row: dict[str, Any] = {"state_bytes": rig.state_bytes}
+    for name in ENGINES:
+        row[name] = measure_engine(name, rig, base / name, repeats=o.repeats, options=options)
+        tick(f"{name} at {rig.state_bytes / GB:.3f} GB: stall {row[name]['stall_s']:.4f}s, "
+             f"persist {row[name]['persist_gbps']:.2f} GB/s")
+    if top:
+        row["staging"] = measure_staging(rig, base / "staging", repeats=o.repeats, options=options)
+        tick("concurrent staging budgets" + ("" if row["staging"]["supported"] else ": not supported by this engine"))
+    # A resumed job has its node to itself: the loads run with this process's
+    # gigabytes of rig freed. (Measured: while it still held the 2 GB rig, a
+    # fresh process's 2 GB resume took 1.3-3.4 s instead of 1.0 s on the VM.)
+    nbytes = rig.state_bytes
+    del rig
+    gc.collect()
+    if o.device == "cuda":
+        torch.cuda.empty_cache()
+    if top:
+        loads = measure_loads({n: base / n for n in ENGINES}, nbytes, rounds=o.rounds, rig_bytes=size,
+                              device=o.device)
+        for name in ENGINES:
+            row[name].update(loads[name])
+        tick(f"cold loads onto {o.device} at {nbytes / GB:.3f} GB: concurrent {loads['concurrent']['load_gbps']:.2f} GB/s")
+    for name in ENGINES:
+        shutil.rmtree(base / name, ignore_errors=True)
+    return row
 
 
 def run_bench(o: BenchOptions, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Measure everything; return the result tree.
 
-    Keys: ``state_bytes`` (the largest size), ``limits`` {write_gbps, read_gbps,
-    memcpy_gbps, memcpy_1t_gbps}, ``engines`` {sync, concurrent} at the largest size
-    (stall_s, persist_s, persist_gbps, load_s, load_gbps, ...), ``sizes`` (the same per
-    size), ``overhead`` {engine: {interval: fraction}}, ``targets`` (ratios).
+    Keys: ``state_bytes`` (the largest size), ``device``, ``limits`` {write_gbps (raw
+    parallel O_DIRECT), write_dd_gbps, read_gbps, memcpy_gbps, ...; on CUDA
+    pinned_d2h_gbps, pinned_h2d_gbps, pageable_d2h_gbps}, ``engines`` {sync, concurrent}
+    at the largest size (stall_s, first_stall_s, first_vs_steady, snapshot_gbps,
+    persist_s, persist_gbps, persist_vs_raw_write, load_s, load_gbps, load_vs_raw_read,
+    torch_load_s, ...), ``staging`` (stall at 100/50/25% staging budgets), ``sizes``
+    (the same per size), ``overhead`` {engine: {interval: fraction}}, ``targets`` (ratios).
     """
-    from tqdm import tqdm
-
     base = Path(tempfile.mkdtemp(prefix="hpcckpt-bench-", dir=o.dir))
     sizes = o.sizes()
     options = {"max_async": o.max_async, "writer_threads": o.writer_threads, "direct": o.direct}
-    rounds = 1 if o.quick else o.rounds
-    total = 2 + len(sizes) * (len(ENGINES) + 1) + rounds * (1 + len(ENGINES) * len(INTERVALS))
-    bar = tqdm(total=total, desc="hpcckpt bench", unit="task", disable=None, leave=False)
+    load = DemoLoad.for_device(o.device, steps=o.overhead_steps, quick=o.quick)
+    tick = _Steps(2 + len(sizes) * len(ENGINES) + 2 + 1, progress)
+    progress(f"[bench] {o.device}, state up to {o.size_bytes / GB:.3f} GB, files under {base}")
     try:
-        def tick(what: str = "") -> None:
-            if what:
-                bar.set_postfix_str(what)
-                progress(what)
-            bar.update(1)
-
-        bar.set_postfix_str("write/read limits")
-        limits: dict[str, Any] = write_read_gbps(base, max(o.size_bytes, 64 << 20))
-        tick("limits: dd direct write + fsync, cold read")
-        limits["memcpy_gbps"] = memcpy_gbps(min(o.size_bytes, 512 << 20))
-        limits["memcpy_1t_gbps"] = memcpy_gbps(min(o.size_bytes, 512 << 20), threads=1)
-        limits["fresh_memory_gbps"] = fresh_memory_gbps(min(o.size_bytes, 512 << 20))
-        tick("limits: memcpy")
-        per_size: list[dict[str, Any]] = []
-        for size in sizes:
-            rig = SyntheticRig(size)
-            row: dict[str, Any] = {"state_bytes": rig.state_bytes}
-            for name in ENGINES:
-                bar.set_postfix_str(f"{name} at {rig.state_bytes / GB:.2f} GB")
-                row[name] = measure_engine(name, rig, base / name, repeats=o.repeats, options=options)
-                tick()
-            # A resumed job has its node to itself: the loads run with this process's
-            # gigabytes of rig freed. (Measured: while it still held the 2 GB rig, a
-            # fresh process's 2 GB resume took 1.3-3.4 s instead of 1.0 s on the VM.)
-            nbytes = rig.state_bytes
-            del rig
-            gc.collect()
-            bar.set_postfix_str(f"cold loads at {nbytes / GB:.2f} GB")
-            loads = measure_loads({n: base / n for n in ENGINES}, nbytes, rounds=rounds, rig_bytes=size)
-            for name in ENGINES:
-                row[name].update(loads[name])
-                shutil.rmtree(base / name, ignore_errors=True)
-            tick()
-            per_size.append(row)
-        over = measure_overhead(list(ENGINES), list(INTERVALS), base / "overhead",
-                                DemoLoad(steps=o.overhead_steps), options, rounds=rounds, tick=lambda: tick())
+        limits = _limits(o, base, tick)
+        per_size = [_one_size(o, size, base, options, top=size == sizes[-1], tick=tick) for size in sizes]
+        over = measure_overhead(list(ENGINES), list(INTERVALS), base / "overhead", load, options,
+                                rounds=o.overhead_rounds)
+        tick("training overhead at intervals " + ", ".join(
+            f"{n} {'/'.join(f'{100 * v:.0f}%' for v in per.values())}" for n, per in over["overhead"].items()))
     finally:
-        bar.close()
         shutil.rmtree(base, ignore_errors=True)
     top = per_size[-1]
+    machine: dict[str, Any] = {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                               "dir": str(o.dir or tempfile.gettempdir()), "torch": torch.__version__}
+    if o.device == "cuda":
+        from .gpu import device_name
+        machine["gpu"] = device_name()
     result: dict[str, Any] = {
         "state_bytes": top["state_bytes"],
+        "device": o.device,
         "limits": limits,
         "engines": {n: top[n] for n in ENGINES},
-        "sizes": per_size,
+        "staging": top["staging"],
+        "sizes": [{k: v for k, v in row.items() if k != "staging"} for row in per_size],
         **over,
-        "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "dir": str(o.dir or tempfile.gettempdir())},
-        "options": {"repeats": o.repeats, "quick": o.quick, **options},
+        "machine": machine,
+        "options": {"repeats": o.repeats, "quick": o.quick, "rounds": o.rounds,
+                    "overhead_rounds": o.overhead_rounds, **options},
     }
-    result["targets"] = _targets(top, limits, over)
+    result["targets"] = _targets(top, limits, over, o.device)
     return result

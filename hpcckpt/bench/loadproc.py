@@ -3,9 +3,11 @@
 A fresh process matters: a resumed job restores into memory it has barely touched,
 and the first touch of new memory is part of what a load costs. Kinds::
 
-    resume ROOT STEP RIG_BYTES   hpcckpt restore into a freshly built model + optimizer
+    resume ROOT STEP RIG_BYTES [DEVICE]
+                                 hpcckpt restore into a freshly built model + optimizer
+                                 (on DEVICE, cpu or cuda: a cold restore onto the GPU)
     fresh ROOT STEP              hpcckpt load of rank 0 into new tensors (no model)
-    torch FILE ROOT STEP RIG_BYTES
+    torch FILE ROOT STEP RIG_BYTES [DEVICE]
                                  torch.load(weights_only=True) + load_state_dict into
                                  a freshly built model + optimizer
     rawfresh FILE                the raw parallel O_DIRECT read of FILE, into new memory
@@ -14,7 +16,7 @@ and the first touch of new memory is part of what a load costs. Kinds::
 
 ``RIG_BYTES`` is the size the bench built its ``SyntheticRig`` from; the model is
 built from it again (parameters initialised, Adam without moments, as before any
-restore) outside the timed part. Every load verifies what it reads (hpcckpt:
+restore) outside the timed part; on CUDA the clock stops once the device is synchronised. Every load verifies what it reads (hpcckpt:
 crc32c of every tensor). Prints ``{"load_s": seconds}``.
 """
 from __future__ import annotations
@@ -34,10 +36,13 @@ def main(argv: list[str]) -> int:
     from .synthetic import SyntheticRig
 
     kind = argv[0] if argv else ""
+    device = "cpu"
     if kind == "resume":
         root, step, rig_bytes = Path(argv[1]), int(argv[2]), int(argv[3])
+        device = argv[4] if len(argv) > 4 else "cpu"
         info = catalog.find(root, step)
-        rig = SyntheticRig(rig_bytes, warm=False)
+        rig = SyntheticRig(rig_bytes, warm=False, device=device)
+        rig.sync()
         t0 = time.perf_counter()
         # what Checkpointer.register does: capture the live tensors, read into them, restore
         flat = load_rank(info, 0, 1, into=rig.state.capture(step=0).tensors)
@@ -48,8 +53,10 @@ def main(argv: list[str]) -> int:
         flat = load_rank(info, 0, 1)
     elif kind == "torch":
         path, root, step, rig_bytes = Path(argv[1]), Path(argv[2]), int(argv[3]), int(argv[4])
+        device = argv[5] if len(argv) > 5 else "cpu"
         meta = (catalog.find(root, step).manifest or {})["ranks"]["0"]["meta"]
-        rig = SyntheticRig(rig_bytes, warm=False)
+        rig = SyntheticRig(rig_bytes, warm=False, device=device)
+        rig.sync()
         t0 = time.perf_counter()
         archive = torch.load(path, map_location="cpu", weights_only=True)
         rig.state.restore(Flat(tensors=archive["tensors"], meta=meta))
@@ -60,6 +67,8 @@ def main(argv: list[str]) -> int:
     else:
         print(f"loadproc: unknown kind {kind!r} (resume | fresh | torch | rawfresh)", file=sys.stderr)
         return 2
+    if device == "cuda":
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     print(json.dumps({"load_s": elapsed}))
     return 0

@@ -1,32 +1,47 @@
-"""Per-engine figures at one state size: visible stall, durable persist, cold load.
+"""Per-engine figures at one state size: visible stall, snapshot, durable persist, cold load.
 
 One checkpoint's life as training sees it (both engines, same loop)::
 
     forward/backward -> save() -> forward/backward -> optimizer.step() -> (wait durable)
 
-``stall_s`` is the time training is blocked: all of ``save()`` for the sync engine;
-``save()`` plus the optimizer pre-hook's wait for the concurrent one (its copy
-overlaps the second forward/backward). ``persist_s`` runs from ``save()`` to the
-committed, fsynced checkpoint. A first, unmeasured save sets up staging.
+``stall_s`` is the time training is blocked. On the CPU: all of ``save()`` for the
+sync engine; ``save()`` plus the optimizer pre-hook's wait for the concurrent one
+(its copy overlaps the second forward/backward). On CUDA the pre-hook makes the GPU,
+not the host, wait for the device-to-host copy, so the stall is taken as the step
+sees it: the wall time of ``save(); forward/backward; optimizer.step()`` (device
+synchronised) minus the same step without a save, measured just before (and never
+less than the host's own wait). ``persist_s`` runs from ``save()`` to the committed,
+fsynced checkpoint. The first save (staging set up) is reported apart
+(``first_stall_s``). ``snapshot_s``: from ``save()`` until the state is copied off
+the device (CUDA) or out of the live tensors (CPU), timed alone in one extra save.
 Loads are measured afterwards, all engines interleaved (``measure_loads``).
 """
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from ..demo.runtime import module_cmd
 from ..engines import SaveContext, make_engine
 from ..errors import HpcckptError
 from ..ranks import Ranks
 from ..store import catalog
-from .limits import GB, direct_write_bps, drop_caches, parallel_read_bps
+from .limits import GB, drop_caches, parallel_read_bps, parallel_write_bps
 from .synthetic import SyntheticRig
+
+STAGING_FRACTIONS = (1.0, 0.5, 0.25)
+
+
+def supports_staging_budget() -> bool:
+    """Whether the concurrent engine takes ``staging_bytes`` (a ring smaller than the state)."""
+    from ..engines.concurrent import ConcurrentEngine
+    return "staging_bytes" in inspect.signature(ConcurrentEngine.__init__).parameters
 
 
 def _engine(name: str, root: Path, options: dict[str, Any]) -> Any:
@@ -34,50 +49,127 @@ def _engine(name: str, root: Path, options: dict[str, Any]) -> Any:
     return make_engine(name, ctx, Ranks(), **(options if name == "concurrent" else {}))
 
 
-def _one_checkpoint(engine: Any, rig: SyntheticRig, step: int) -> tuple[float, float]:
-    """(stall_s, persist_s) of one checkpoint in the loop described above."""
+def _plain_step_s(rig: SyntheticRig) -> float:
+    """One forward/backward + optimizer step with nothing saved (device synchronised)."""
+    rig.sync()
+    t0 = time.perf_counter()
+    rig.forward_backward()
+    rig.opt.step()
+    rig.sync()
+    return time.perf_counter() - t0
+
+
+def _one_checkpoint(engine: Any, rig: SyntheticRig, step: int) -> dict[str, float]:
+    """Stall, save call, pre-hook wait and persist of one checkpoint in the loop above."""
+    base_s = _plain_step_s(rig) if rig.device == "cuda" else 0.0
     rig.forward_backward()
     stats = getattr(engine, "stats", None)
-    hook_before = stats.hook_wait_s if stats else 0.0
+    hook_before = float(getattr(stats, "hook_wait_s", 0.0))
+    rig.sync()
     t0 = time.perf_counter()
     handle = engine.save(rig.state.capture(step=step), step)
     call_s = time.perf_counter() - t0
     rig.forward_backward()
-    rig.opt.step()  # the concurrent engine's pre-hook blocks here until its copy is done
+    rig.opt.step()  # the concurrent engine's pre-hook blocks here (CPU) or orders the GPU (CUDA)
+    rig.sync()
+    step_s = time.perf_counter() - t0
     handle.wait()
-    hook_s = (stats.hook_wait_s - hook_before) if stats else 0.0
-    return call_s + hook_s, float(handle.save_s or call_s)
+    hook_s = float(getattr(stats, "hook_wait_s", 0.0)) - hook_before
+    host_stall = call_s + hook_s
+    stall = max(host_stall, step_s - base_s) if rig.device == "cuda" else host_stall
+    return {"stall_s": stall, "call_s": call_s, "hook_s": hook_s, "persist_s": float(handle.save_s or call_s)}
 
 
-def measure_engine(name: str, rig: SyntheticRig, root: Path, *, repeats: int,
-                   options: dict[str, Any]) -> dict[str, Any]:
-    """Stall and persist figures; the newest checkpoint stays in ``root`` for ``measure_loads``."""
+def _snapshot_probe(engine: Any, rig: SyntheticRig, step: int) -> dict[str, Any]:
+    """One save timed until the state is copied off the live tensors, nothing overlapping it.
+
+    The engine's own D2H figures (``stats.d2h_bytes``/``d2h_s``, CUDA events on its copy
+    stream) are preferred where it keeps them; otherwise the copy is timed from here
+    (save() to device synchronised, or to ``wait_copied()`` on the CPU): an upper bound.
+    """
+    stats = getattr(engine, "stats", None)
+    d2h_b0, d2h_s0 = int(getattr(stats, "d2h_bytes", 0)), float(getattr(stats, "d2h_s", 0.0))
+    rig.forward_backward()
+    rig.sync()
+    t0 = time.perf_counter()
+    handle = engine.save(rig.state.capture(step=step), step)
+    if rig.device == "cuda":
+        rig.sync()
+    elif hasattr(engine, "wait_copied"):
+        engine.wait_copied()
+    snap_s = time.perf_counter() - t0
+    handle.wait()
+    nbytes = rig.device_bytes if rig.device == "cuda" else rig.state_bytes
+    out: dict[str, Any] = {"snapshot_s": snap_s, "snapshot_gbps": nbytes / snap_s / GB, "snapshot_source": "outside"}
+    d2h_b, d2h_s = int(getattr(stats, "d2h_bytes", 0)) - d2h_b0, float(getattr(stats, "d2h_s", 0.0)) - d2h_s0
+    if d2h_b > 0 and d2h_s > 0:
+        out.update(snapshot_s=d2h_s, snapshot_gbps=d2h_b / d2h_s / GB, snapshot_source="engine d2h stats")
+    return out
+
+
+def measure_engine(name: str, rig: SyntheticRig, root: Path, *, repeats: int, options: dict[str, Any],
+                   probe: bool = True) -> dict[str, Any]:
+    """Stall, snapshot and persist figures; the newest checkpoint stays in ``root`` for ``measure_loads``."""
     shutil.rmtree(root, ignore_errors=True)
     engine = _engine(name, root, options)
     engine.bind(rig.state)
     nbytes = rig.state_bytes
     raw_file = root.parent / f"raw-write-{name}.bin"
     try:
-        _one_checkpoint(engine, rig, 1)
-        stalls, persists, raws = [], [], []
+        first = _one_checkpoint(engine, rig, 1)
+        runs, raws = [], []
         for i in range(repeats):
-            # The disk's own speed right before this checkpoint: dd O_DIRECT + fsync of the same bytes.
-            raws.append(nbytes / direct_write_bps(raw_file, nbytes))
+            # The disk's own speed right before this checkpoint: a raw parallel O_DIRECT write of the same bytes.
+            raws.append(nbytes / parallel_write_bps(raw_file, nbytes))
             raw_file.unlink()
-            stall, persist = _one_checkpoint(engine, rig, 2 + i)
-            stalls.append(stall)
-            persists.append(persist)
+            runs.append(_one_checkpoint(engine, rig, 2 + i))
+        snap = _snapshot_probe(engine, rig, 2 + repeats) if probe and name == "concurrent" else {}
+        first_call = getattr(getattr(engine, "stats", None), "first_save_call_s", None)
     finally:
         engine.close()
         raw_file.unlink(missing_ok=True)
+    stalls, persists = [r["stall_s"] for r in runs], [r["persist_s"] for r in runs]
     out: dict[str, Any] = {
         "stall_s": statistics.median(stalls), "persist_s": statistics.median(persists),
+        "save_call_s": statistics.median(r["call_s"] for r in runs),
+        "hook_wait_s": statistics.median(r["hook_s"] for r in runs),
+        "first_stall_s": first["stall_s"], "first_save_call_s": float(first_call or first["call_s"]),
         "stall_all_s": stalls, "persist_all_s": persists, "raw_write_all_s": raws,
         "raw_write_gbps": nbytes / statistics.median(raws) / GB,
         # paired: each checkpoint against the raw write just before it
         "persist_vs_raw_write": statistics.median(r / p for r, p in zip(raws, persists)),
+        **snap,
     }
+    out["first_vs_steady"] = out["first_stall_s"] / max(out["stall_s"], 1e-9)
     out["persist_gbps"] = nbytes / out["persist_s"] / GB
+    return out
+
+
+def measure_staging(rig: SyntheticRig, root: Path, *, repeats: int, options: dict[str, Any]) -> dict[str, Any]:
+    """The concurrent engine's stall with staging at 100/50/25% of the state, when it takes a budget."""
+    if not supports_staging_budget():
+        return {"supported": False, "why": "this concurrent engine takes no staging_bytes option"}
+    nbytes = rig.state_bytes
+    out: dict[str, Any] = {"supported": True, "fractions": {}}
+    for frac in STAGING_FRACTIONS:
+        budget = int(nbytes * frac)
+        shutil.rmtree(root, ignore_errors=True)
+        engine = _engine("concurrent", root, {**options, "staging_bytes": budget})
+        engine.bind(rig.state)
+        try:
+            first = _one_checkpoint(engine, rig, 1)
+            runs = [_one_checkpoint(engine, rig, 2 + i) for i in range(max(1, repeats))]
+            stats = getattr(engine, "stats", None)
+            shape = {k: getattr(stats, k) for k in ("ring_chunks", "ring_chunk_bytes", "staging_pinned")
+                     if hasattr(stats, k)}
+        finally:
+            engine.close()
+            shutil.rmtree(root, ignore_errors=True)
+        out["fractions"][str(frac)] = {
+            **shape, "staging_bytes": budget, "first_stall_s": first["stall_s"],
+            "stall_s": statistics.median(r["stall_s"] for r in runs),
+            "persist_s": statistics.median(r["persist_s"] for r in runs),
+        }
     return out
 
 
@@ -88,19 +180,20 @@ def _rank_file(info: catalog.CheckpointInfo) -> tuple[Path, str]:
 
 def _timed_in_fresh_process(kind: str, *args: object) -> float:
     """Seconds of one load in a new interpreter (``hpcckpt.bench.loadproc``)."""
-    out = subprocess.run([sys.executable, "-m", "hpcckpt.bench.loadproc", kind, *map(str, args)],
+    out = subprocess.run([*module_cmd("hpcckpt.bench.loadproc"), kind, *map(str, args)],
                          capture_output=True, text=True, timeout=600, check=False)
     if out.returncode != 0:
         raise HpcckptError(f"bench: {kind} load of {' '.join(map(str, args))} failed ({out.returncode}): {out.stderr.strip()[-500:]}")
     return float(json.loads(out.stdout.strip().splitlines()[-1])["load_s"])
 
 
-def measure_loads(roots: dict[str, Path], nbytes: int, *, rounds: int, rig_bytes: int) -> dict[str, dict[str, Any]]:
+def measure_loads(roots: dict[str, Path], nbytes: int, *, rounds: int, rig_bytes: int,
+                  device: str = "cpu") -> dict[str, dict[str, Any]]:
     """Cold-cache loads of each engine's newest checkpoint (read + crc32c verify).
 
     Round by round, each load runs next to a raw parallel O_DIRECT read of the very
     same file; every run starts from a dropped cache and each load runs in a fresh
-    process (``hpcckpt.bench.loadproc``). ``load_s`` is a resume: the model and
+    process (``hpcckpt.bench.loadproc``). ``load_s`` is a resume onto ``device``: the model and
     optimizer are built as a requeued job builds them (``SyntheticRig(rig_bytes)``,
     no Adam moments yet), then restored; ``load_fresh_s`` reads into new tensors with
     no model at all; ``torch_load_s`` (torch archives) is ``torch.load`` +
@@ -122,14 +215,14 @@ def measure_loads(roots: dict[str, Path], nbytes: int, *, rounds: int, rig_bytes
             method = drop_caches([path])
             got["raw"].append(path.stat().st_size / parallel_read_bps(path))
             drop_caches([path])
-            got["load"].append(_timed_in_fresh_process("resume", roots[name], info.step, rig_bytes))
+            got["load"].append(_timed_in_fresh_process("resume", roots[name], info.step, rig_bytes, device))
             drop_caches([path])
             got["fresh"].append(_timed_in_fresh_process("fresh", roots[name], info.step))
             drop_caches([path])
             got["raw_fresh"].append(_timed_in_fresh_process("rawfresh", path))
             if fmt == "torch":
                 drop_caches([path])
-                got["torch_load"].append(_timed_in_fresh_process("torch", path, roots[name], info.step, rig_bytes))
+                got["torch_load"].append(_timed_in_fresh_process("torch", path, roots[name], info.step, rig_bytes, device))
     out: dict[str, dict[str, Any]] = {}
     for name, got in samples.items():
         load_s = statistics.median(got["load"])

@@ -32,6 +32,38 @@ class DemoLoad:
     batch: int = 16
     samples: int = 512
     steps: int = 100
+    seq_len: int = 64
+    device: str = "cpu"
+    threads: int = 0  # torch intra-op threads for the loop; 0: leave torch's setting
+
+    @staticmethod
+    def for_device(device: str, *, steps: int, quick: bool) -> DemoLoad:
+        """The demo model at a size that gives each device real work per step.
+
+        CUDA: d_model 1024 x 8 layers, 256 tokens (about 1.2 GB of fp32 + AdamW state,
+        tens of ms per step on an H100), so an interval of 10 steps is a fraction of a
+        second of compute, as in a real job; ``quick``: the demo's own small model, so
+        that every interval still saves within seconds (this checks the path, not speed).
+        """
+        if quick:
+            # One thread: on a loaded 2-core machine, two OpenMP threads on a model this
+            # small ran 10-20x slower than one (spinning workers preempted), not faster.
+            return DemoLoad(d_model=64, n_layers=2, steps=steps, device=device, threads=1)
+        if device == "cuda":
+            return DemoLoad(d_model=1024, n_layers=8, seq_len=256, steps=steps, device=device)
+        return DemoLoad(steps=steps)
+
+    def state_bytes(self) -> int:
+        """Parameters + AdamW's two moments, fp32 (counted on the meta device: no memory)."""
+        cfg = ModelConfig(d_model=self.d_model, n_layers=self.n_layers, seq_len=self.seq_len)
+        with torch.device("meta"):
+            model = TinyLM(cfg)
+        return 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def _loop(load: DemoLoad, engine_name: str | None, interval: int, root: Path,
@@ -43,9 +75,9 @@ def _loop(load: DemoLoad, engine_name: str | None, interval: int, root: Path,
     reported apart from the steady-state step time.
     """
     torch.manual_seed(0)
-    cfg = ModelConfig(d_model=load.d_model, n_layers=load.n_layers)
+    cfg = ModelConfig(d_model=load.d_model, n_layers=load.n_layers, seq_len=load.seq_len)
     data = MarkovTokens(load.samples, cfg.seq_len, cfg.vocab, seed=1)
-    model = TinyLM(cfg)
+    model = TinyLM(cfg).to(load.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     state = TrainState()
     state.register("model", model)
@@ -60,6 +92,7 @@ def _loop(load: DemoLoad, engine_name: str | None, interval: int, root: Path,
     handles: list[SaveHandle] = []
     blocked = 0.0
     it = iter(loader)
+    _sync(load.device)
     t0 = time.perf_counter()
     for step in range(1, load.steps + 1):
         try:
@@ -67,6 +100,7 @@ def _loop(load: DemoLoad, engine_name: str | None, interval: int, root: Path,
         except StopIteration:
             it = iter(loader)
             batch = next(it)
+        batch = batch.to(load.device, non_blocking=True)
         logits = model(batch[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab), batch[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
@@ -77,6 +111,7 @@ def _loop(load: DemoLoad, engine_name: str | None, interval: int, root: Path,
             handles.append(engine.save(state.capture(step=step), step))
             blocked += time.perf_counter() - t1
             handles = [h for h in handles if not h.wait(0)]
+    _sync(load.device)
     t1 = time.perf_counter()
     for h in handles:
         h.wait()
@@ -100,6 +135,17 @@ def measure_overhead(engines: list[str], intervals: list[int], root: Path, load:
     neighbours' load. ``drain_s``: the one-off wait for the last save after the last step.
     """
     os.sync()  # earlier benchmark phases must not leave writeback running into these runs
+    before = torch.get_num_threads()
+    if load.threads:
+        torch.set_num_threads(load.threads)
+    try:
+        return _measure(engines, intervals, root, load, options, rounds=rounds, tick=tick)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _measure(engines: list[str], intervals: list[int], root: Path, load: DemoLoad,
+             options: dict[str, Any], *, rounds: int, tick: Any) -> dict[str, Any]:
     _loop(DemoLoad(**{**load.__dict__, "steps": min(load.steps, 5)}), None, 1, root, options)  # warm-up
     base: list[float] = []
     keys = [str(i) for i in intervals]
@@ -124,5 +170,9 @@ def measure_overhead(engines: list[str], intervals: list[int], root: Path, load:
                              for n, per in blocked.items()},
         "overhead_detail": {"baseline_runs_s": base, "run_s": times, "blocked_s": blocked, "drain_s": drain,
                             "rounds": rounds, "steps": load.steps,
-                            "model": {"d_model": load.d_model, "n_layers": load.n_layers, "batch": load.batch}},
+                            "state_bytes": load.state_bytes(),
+                            "step_s": statistics.median(base) / max(1, load.steps),
+                            "model": {"d_model": load.d_model, "n_layers": load.n_layers, "batch": load.batch,
+                                      "seq_len": load.seq_len, "device": load.device,
+                                      "torch_threads": torch.get_num_threads()}},
     }

@@ -14,14 +14,21 @@ _ADAM_COPIES = 3  # parameters, exp_avg, exp_avg_sq
 class SyntheticRig:
     """Square bias-free linear layers whose parameters + Adam moments total ``state_bytes``."""
 
-    def __init__(self, state_bytes: int, *, seed: int = 0, warm: bool = True) -> None:
-        """``warm=False``: no first step, so no Adam moments yet (a resumed job before its restore)."""
+    def __init__(self, state_bytes: int, *, seed: int = 0, warm: bool = True, device: str = "cpu") -> None:
+        """``warm=False``: no first step, so no Adam moments yet (a resumed job before its restore).
+
+        ``device="cuda"``: the model and optimizer state live on the GPU, and a step
+        uses a batch large enough that its compute is not negligible next to the copy.
+        """
         params = max(state_bytes // (_FP32 * _ADAM_COPIES), 64 * 64)
         width = min(4096, 2 ** int(math.log2(max(64, math.isqrt(params // 2)))))
         layers = max(1, round(params / (width * width)))
         torch.manual_seed(seed)
         self.width = width
+        self.device = device
+        self.rows = 256 if device == "cuda" else 4
         self.model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+        self.model.to(device)
         for p in self.model.parameters():
             with torch.no_grad():
                 p.uniform_(-1.0 / math.sqrt(width), 1.0 / math.sqrt(width))
@@ -34,7 +41,7 @@ class SyntheticRig:
             self.opt.step()  # creates the Adam moments: the state now has its full size
 
     def forward_backward(self) -> None:
-        x = torch.randn(4, self.width)
+        x = torch.randn(self.rows, self.width, device=self.device)
         loss = self.model(x).square().mean()
         self.opt.zero_grad(set_to_none=False)
         loss.backward()
@@ -43,3 +50,14 @@ class SyntheticRig:
     def state_bytes(self) -> int:
         flat = self.state.capture(step=0)
         return sum(t.numel() * t.element_size() for t in flat.tensors.values())
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of state that live on the GPU (what a snapshot copies device-to-host)."""
+        flat = self.state.capture(step=0)
+        return sum(t.numel() * t.element_size() for t in flat.tensors.values() if t.is_cuda)
+
+    def sync(self) -> None:
+        """Wait for the GPU (no-op on the CPU): timings must include queued kernels."""
+        if self.device == "cuda":
+            torch.cuda.synchronize()

@@ -1,4 +1,9 @@
-"""``hpcckpt bench --quick --json`` runs the real measurements at tiny sizes and reports every figure."""
+"""``hpcckpt bench --quick --json`` on the CPU: the real measurements at tiny sizes, every figure reported.
+
+This is the bench's CPU fallback (no GPU here): the same phases as on a GPU node, with
+host copies in place of the pinned device copies. Progress goes to stderr, the JSON
+alone to stdout, and a --dir that does not exist yet is created.
+"""
 from __future__ import annotations
 
 import json
@@ -13,37 +18,59 @@ REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.native, pytest.mark.slow]
 
-ENGINE_KEYS = {"stall_s", "persist_s", "persist_gbps", "load_s", "load_gbps",
+ENGINE_KEYS = {"stall_s", "persist_s", "persist_gbps", "load_s", "load_gbps", "first_stall_s", "first_vs_steady",
+               "save_call_s",
                # side-by-side references: the disk measured next to each checkpoint and load
                "raw_write_gbps", "persist_vs_raw_write", "raw_read_gbps", "load_vs_raw_read",
                "load_fresh_s", "load_fresh_vs_raw_read", "raw_read_fresh_vs_raw_read"}
 
 
+def finite_positive(v: object) -> bool:
+    return isinstance(v, float) and math.isfinite(v) and v > 0
+
+
 def test_bench_quick_json_has_every_key(tmp_path: Path) -> None:
     plot = tmp_path / "bench.png"
-    out = subprocess.run([sys.executable, "-m", "hpcckpt.cli", "bench", "--quick", "--json", "--dir", str(tmp_path),
-                          "--plot", str(plot)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    work = tmp_path / "not" / "yet"  # created by the bench, parents too
+    out = subprocess.run([sys.executable, "-m", "hpcckpt.cli", "bench", "--quick", "--json", "--device", "cpu",
+                          "--dir", str(work), "--plot", str(plot)],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout)
-    assert res["state_bytes"] > 0
-    assert set(res["limits"]) >= {"write_gbps", "read_gbps", "memcpy_gbps"}
+    res = json.loads(out.stdout)  # stdout holds the JSON and nothing else
+    progress = [line for line in out.stderr.splitlines() if line.startswith("[bench")]
+    assert len(progress) >= 5 and any("cold loads" in line for line in progress), out.stderr[-2000:]
+    assert res["device"] == "cpu" and res["state_bytes"] > 0
+    assert set(res["limits"]) >= {"write_gbps", "write_dd_gbps", "read_gbps", "memcpy_gbps"}
+    assert "pinned_d2h_gbps" not in res["limits"]  # no GPU: no device copy limits are invented
     assert set(res["engines"]) == {"sync", "concurrent"}
     for name, figures in res["engines"].items():
         assert set(figures) >= ENGINE_KEYS, name
         for key in ENGINE_KEYS:
-            assert isinstance(figures[key], float) and math.isfinite(figures[key]) and figures[key] > 0, (name, key)
+            assert finite_positive(figures[key]), (name, key, figures[key])
+    conc = res["engines"]["concurrent"]
+    assert finite_positive(conc["snapshot_gbps"]) and conc["snapshot_source"] in ("outside", "engine d2h stats")
     assert set(res["overhead"]) == {"sync", "concurrent"}
     for per in res["overhead"].values():
         assert set(per) == {"1", "10", "50"}
         assert all(math.isfinite(v) for v in per.values())
+    # every interval saved at least once: the quick run is long enough for interval 50
+    assert res["overhead_detail"]["steps"] >= 50
     assert len(res["sizes"]) >= 2 and res["sizes"][-1]["state_bytes"] == res["state_bytes"]
     assert res["engines"]["sync"]["torch_load_s"] > 0  # the torch.load reference ran on the sync archive
     assert set(res["overhead_min"]) == set(res["overhead_blocked"]) == {"sync", "concurrent"}
+    staging = res["staging"]
+    if staging["supported"]:
+        assert set(staging["fractions"]) == {"1.0", "0.5", "0.25"}
+        assert all(finite_positive(v["stall_s"]) for v in staging["fractions"].values())
     t = res["targets"]
-    assert t["load_vs_read"] == res["engines"]["concurrent"]["load_vs_raw_read"]
-    assert t["persist_vs_write"] == res["engines"]["concurrent"]["persist_vs_raw_write"]
+    assert t["device"] == "cpu" and t["snapshot_copy_limit"] == "memcpy_gbps"
+    assert t["load_vs_read"] == conc["load_vs_raw_read"]
+    assert t["persist_vs_write"] == conc["persist_vs_raw_write"]
+    assert t["first_vs_steady"] == conc["first_vs_steady"]
     assert isinstance(t["load_vs_torch_load_reachable"], bool) and t["load_vs_torch_load_ceiling"] > 0
+    assert set(t["disk_absorbs"]) == {"1", "10", "50"}
     assert "stall_vs_sync" in t
     assert plot.stat().st_size > 10_000
-    # The scratch files are gone: nothing but the plot is left in --dir.
-    assert [p.name for p in tmp_path.iterdir()] == ["bench.png"]
+    # The scratch files are gone: only the plot and the (now empty) work dir are left.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.png", "not"]
+    assert list(work.iterdir()) == []
