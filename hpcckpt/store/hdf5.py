@@ -267,7 +267,7 @@ def read_tensors(path: Path, entries: Mapping[str, TensorEntry], *, into: Mappin
     populate = max(1, min(cpus, 4, round(cpus * fresh / total))) if fresh else 0
     try:
         crcs, info = (native().read_items(str(path), items, threads=threads, direct=use_direct, populate=populate)
-                      if items else ([], {}))
+                      if items or not device else ([], {}))
         if device:
             crcs, names = list(crcs), list(names)
             staged: dict[str, int] = {}
