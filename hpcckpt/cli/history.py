@@ -47,5 +47,10 @@ def run(args: argparse.Namespace) -> int:
     info = summary(events, rows)
     lines.append(f"{info['interruptions']} interruption(s), {info['lost_steps_total']} lost step(s), "
                  f"{'finished' if info['finished'] else 'not finished'}")
-    emit(args, {"dir": str(args.dir), **info, "rows": [r.as_dict() for r in rows]}, "\n".join(lines))
+    # A failed CRIU dump is no interruption (the job ran on) but must not go unseen.
+    failed = [e for e in events if e.get("event") == "criu_dump_failed"]
+    lines += [f"! {_when(e.get('time'))} CRIU dump failed, job {'ended' if e.get('job_ended') else 'kept running'}: "
+              f"{e.get('error')}" + (f"; fix: {e['fix']}" if e.get("fix") else "") for e in failed]
+    emit(args, {"dir": str(args.dir), **info, "rows": [r.as_dict() for r in rows], "failed_dumps": failed},
+         "\n".join(lines))
     return 0

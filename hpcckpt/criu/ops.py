@@ -148,7 +148,8 @@ def _run_criu(argv: list[str], what: str, *, log: Path, timeout_s: float) -> Non
         raise CriuError(f"cannot enter the job's namespaces for criu {what}: "
                         f"{_log_tail(log.with_suffix('.out'))}")
     if proc.returncode != 0:
-        raise CriuError(f"criu {what} failed (exit {proc.returncode}): {_log_tail(log)}; full log: {log}")
+        said = _log_tail(log) if log.exists() else _log_tail(log.with_suffix(".out"))
+        raise CriuError(f"criu {what} failed (exit {proc.returncode}): {said}; full log: {log}")
 
 
 def dump(criu: Criu, job: Job, image_dir: Path, *, log: Path, opts: DumpOptions) -> None:

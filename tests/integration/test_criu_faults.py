@@ -1,9 +1,15 @@
-"""CRIU-mode faults: a dump that cannot be written must leave the job running.
+"""CRIU-mode faults: a failed dump must never cost the job its work.
 
-The run directory sits on a 4 MiB tmpfs, too small for the image: criu fails
-part-way, resumes the frozen tree, and the supervisor forwards the signal to the
-job (so an application with its own handler can still save). No image, and no
-half-written temp directory, may be left behind.
+- The run directory sits on a 4 MiB tmpfs, too small for the image: criu fails
+  part-way, resumes the frozen tree, and the supervisor forwards the signal to the
+  job, which catches it and saves itself. No image, and no half-written temp
+  directory, may be left behind.
+- A job that does NOT catch the signal, restored from an image, whose next dump is
+  made to fail (a criu wrapper refusing ``dump``: one seam) keeps running to its end
+  with the right result; nothing is forwarded, the failure is in the ledger and in
+  ``hpcckpt history``, and no requeue from the older image happens.
+- A CPU job that maps a libcuda (a stand-in here) whose driver says "no context"
+  (the driver call's result: one seam) is dumped and restored as a CPU process.
 """
 from __future__ import annotations
 
@@ -16,7 +22,10 @@ from typing import Iterator
 
 import pytest
 
-from .test_criu_local import criu_ok, finish, ledger, start, wait_for_step  # noqa: F401  (fixture)
+from hpcckpt.criu import find_criu
+
+from ..unit.test_cuda_driver import build_fake
+from .test_criu_local import EXIT_REQUEUE, criu_ok, finish, ledger, start, wait_for_step  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.criu, pytest.mark.fault, pytest.mark.slow]
 
@@ -61,9 +70,101 @@ def test_dump_that_cannot_be_written_leaves_the_job_running(criu_ok: None, small
     assert code == 0, stderr
     assert flag.read_text() == "saved"
     assert summary["images"] == [] and summary["action"] == "exited"
-    assert "dump failed, the job keeps running" in stderr
+    assert "CRIU DUMP FAILED; the job keeps running" in stderr and "forwarded SIGUSR2" in stderr
     failed = [e for e in ledger(run_dir) if e["event"] == "criu_dump_failed"]
-    assert len(failed) == 1 and failed[0]["job_ended"] is False
+    assert len(failed) == 1 and failed[0]["job_ended"] is False and failed[0]["forwarded_to"] == [2]
     leftovers = [p.name for p in (run_dir / "criu").iterdir() if p.name.startswith("image-")]
     assert leftovers == [], leftovers
     assert json.dumps(summary)
+
+
+# Counts to STEPS and writes a digest of its own progress; no handler for anything.
+COUNTER = """
+import hashlib, sys, time
+h = hashlib.sha256()
+for i in range(1, int(sys.argv[2]) + 1):
+    h.update(str(i).encode())
+    print(f"step {i} ", flush=True)
+    time.sleep(0.05)
+open(sys.argv[1], "w").write(h.hexdigest())
+"""
+COUNT_TO = 120
+
+
+def expected_digest(n: int) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for i in range(1, n + 1):
+        h.update(str(i).encode())
+    return h.hexdigest()
+
+
+def refusing_criu(tmp_path: Path) -> Path:
+    """A criu that refuses to dump and passes everything else to the real one."""
+    real = find_criu().path
+    wrapper = tmp_path / "criu-refusing-dump"
+    wrapper.write_text("#!/bin/sh\n"
+                       'if [ "$1" = dump ]; then echo "Error (injected): dump refused for this test" >&2; exit 1; fi\n'
+                       f'exec "{real}" "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def test_failed_dump_of_a_job_without_handler_never_kills_it(criu_ok: None, tmp_path: Path) -> None:  # noqa: F811
+    script = tmp_path / "counter.py"
+    script.write_text(COUNTER)
+    out, run_dir = tmp_path / "digest", tmp_path / "run"
+    cmd = [sys.executable, str(script), str(out), str(COUNT_TO)]
+    proc = start(run_dir, out, cmd=cmd)
+    wait_for_step(run_dir, 5, proc)
+    proc.send_signal(signal.SIGUSR2)
+    code, _, stderr = finish(proc)
+    assert code == EXIT_REQUEUE, stderr
+
+    # Restored (real criu), then the next dump fails: the job does not catch USR2.
+    proc = start(run_dir, out, cmd=cmd, env={"HPCCKPT_CRIU": str(refusing_criu(tmp_path))})
+    wait_for_step(run_dir, 30, proc)
+    proc.send_signal(signal.SIGUSR2)
+    code, summary, stderr = finish(proc)
+    assert code == 0, stderr
+    assert summary["restored_from"] == "image-000001" and summary["action"] == "exited"
+    assert out.read_text() == expected_digest(COUNT_TO)
+    assert "CRIU DUMP FAILED; the job keeps running" in stderr and "dump refused for this test" in stderr
+    assert "NOT forwarding SIGUSR2" in stderr and "not requeueing from it" in stderr
+    failed = [e for e in ledger(run_dir) if e["event"] == "criu_dump_failed"]
+    assert len(failed) == 1
+    assert failed[0]["forwarded_to"] == [] and failed[0]["older_image"] == "image-000001"
+    assert failed[0]["requeue_from_older"] is False and "USR2" in failed[0]["fix"]
+    history = subprocess.run([sys.executable, "-m", "hpcckpt.cli", "history", str(run_dir)], capture_output=True,
+                             text=True, timeout=120)
+    assert history.returncode == 0, history.stderr
+    assert "CRIU dump failed" in history.stdout and "dump refused for this test" in history.stdout
+
+
+MAPS_LIBCUDA = """
+import ctypes, sys, time
+ctypes.CDLL(sys.argv[3])   # maps .../libcuda.so.1 like a CUDA build of torch does
+""" + COUNTER.split("\n", 1)[1]
+
+
+def test_cpu_job_mapping_libcuda_without_context_is_dumped_as_cpu(criu_ok: None, tmp_path: Path) -> None:  # noqa: F811
+    mapped = build_fake(tmp_path / "lib", version=12080, checkpoint=True, name="libcuda.so.1")
+    no_context = build_fake(tmp_path / "drv", version=12080, checkpoint=True, state_rc=3)
+    script = tmp_path / "cpu_job.py"
+    script.write_text(MAPS_LIBCUDA)
+    out, run_dir = tmp_path / "digest", tmp_path / "run"
+    cmd = [sys.executable, str(script), str(out), str(COUNT_TO // 2), str(mapped)]
+    env = {"HPCCKPT_LIBCUDA": str(no_context)}
+    proc = start(run_dir, out, cmd=cmd, env=env)
+    wait_for_step(run_dir, 5, proc)
+    proc.send_signal(signal.SIGUSR2)
+    code, summary, stderr = finish(proc)
+    assert code == EXIT_REQUEUE, stderr
+    assert "maps libcuda but has no CUDA context" in stderr
+    dump = [e for e in ledger(run_dir) if e["event"] == "criu_dump"]
+    assert len(dump) == 1 and dump[0]["cuda_pids"] == 0
+    code, summary, stderr = finish(start(run_dir, out, cmd=cmd, env=env))
+    assert code == 0, stderr
+    assert summary["restored_from"] == "image-000001"
+    assert out.read_text() == expected_digest(COUNT_TO // 2)

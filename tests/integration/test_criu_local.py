@@ -84,10 +84,12 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, *, timeout_s
     raise AssertionError(f"the job did not reach step {step} within {timeout_s} s")
 
 
-def start(run_dir: Path, out: Path, *extra: str, cmd: list[str] | None = None, workers: int = 0) -> subprocess.Popen:
+def start(run_dir: Path, out: Path, *extra: str, cmd: list[str] | None = None, workers: int = 0,
+          env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(hpcckpt("run", "--mode", "criu", "--dir", str(run_dir), "--json", *extra, "--",
                                     *(cmd or train_cmd(out, workers=workers))),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
 
 
 def finish(proc: subprocess.Popen, *, timeout_s: float = 600) -> tuple[int, dict, str]:

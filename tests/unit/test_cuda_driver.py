@@ -6,6 +6,7 @@ implements only what those paths call; it never stands in for a GPU feature.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -13,6 +14,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -23,7 +25,8 @@ FAKE_SRC = r"""
 int cuDriverGetVersion(int *v) { *v = VERSION; return 0; }
 int cuInit(unsigned flags) { (void)flags; return INIT_RC; }
 #ifdef WITH_CHECKPOINT
-int cuCheckpointProcessLock(int pid, void *args) { (void)pid; (void)args; return 0; }
+int cuCheckpointProcessLock(int pid, void *args) { (void)pid; (void)args; return STATE_RC; }
+int cuCheckpointProcessGetState(int pid, int *state) { (void)pid; *state = 0; return STATE_RC; }
 #endif
 """
 
@@ -36,14 +39,20 @@ def _libcuda_present() -> bool:
         return False
 
 
-def build_fake(tmp_path: Path, *, version: int, init_rc: int = 0, checkpoint: bool = False) -> Path:
+def build_fake(tmp_path: Path, *, version: int, init_rc: int = 0, checkpoint: bool = False, state_rc: int = 0,
+               name: str | None = None) -> Path:
+    """A stand-in libcuda; ``state_rc`` is what its state query and lock return (the one
+    seam the CPU-process tests inject at); ``name="libcuda.so.1"`` makes a process that
+    loads it look, in /proc/PID/maps, like one that maps the driver."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler to build the stand-in libcuda")
+    tmp_path.mkdir(parents=True, exist_ok=True)
     src = tmp_path / "fake.c"
     src.write_text(FAKE_SRC)
-    lib = tmp_path / f"libcuda-fake-{version}-{init_rc}-{int(checkpoint)}.so"
-    flags = [f"-DVERSION={version}", f"-DINIT_RC={init_rc}"] + (["-DWITH_CHECKPOINT"] if checkpoint else [])
+    lib = tmp_path / (name or f"libcuda-fake-{version}-{init_rc}-{int(checkpoint)}-{state_rc}.so")
+    flags = [f"-DVERSION={version}", f"-DINIT_RC={init_rc}", f"-DSTATE_RC={state_rc}"] + \
+        (["-DWITH_CHECKPOINT"] if checkpoint else [])
     subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src), *flags], check=True)
     return lib
 
@@ -112,3 +121,80 @@ def test_cli_reports_no_driver_as_json_with_exit_4() -> None:
     assert proc.returncode == 4, proc.stderr
     err = json.loads(proc.stdout)
     assert err["type"] == "CudaDriverMissing" and "libcuda" in err["error"]
+
+
+MAPPER = "import ctypes, sys, time\nctypes.CDLL(sys.argv[1])\nprint('ready', flush=True)\ntime.sleep(60)\n"
+
+
+@contextlib.contextmanager
+def _mapper(lib: Path) -> Iterator[int]:
+    """A live process that has ``lib`` mapped; yields its PID."""
+    with subprocess.Popen([sys.executable, "-c", MAPPER, str(lib)], stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+            yield proc.pid
+        finally:
+            proc.kill()
+
+
+@pytest.mark.parametrize("state_rc", [3, 1], ids=["NOT_INITIALIZED", "INVALID_VALUE"])
+def test_process_mapping_libcuda_without_context_is_not_a_cuda_process(tmp_path: Path, state_rc: int) -> None:
+    from hpcckpt.cuda import cuda_pids
+    from hpcckpt.cuda.group import driver_mappers
+
+    mapped = build_fake(tmp_path / "m", version=12080, checkpoint=True, name="libcuda.so.1")
+    driver_lib = build_fake(tmp_path / "d", version=12080, checkpoint=True, state_rc=state_rc)
+    with _mapper(mapped) as pid:
+        assert driver_mappers(pid) == [pid]  # it does map "libcuda.so"
+        said: list[str] = []
+        assert cuda_pids(pid, driver=lambda: CudaCheckpoint(str(driver_lib)), log=said.append) == []
+        assert "has no CUDA context" in said[0]
+
+
+def test_process_with_cuda_state_is_a_cuda_process(tmp_path: Path) -> None:
+    from hpcckpt.cuda import cuda_pids
+
+    mapped = build_fake(tmp_path / "m", version=12080, checkpoint=True, name="libcuda.so.1")
+    driver_lib = build_fake(tmp_path / "d", version=12080, checkpoint=True, state_rc=0)
+    with _mapper(mapped) as pid:
+        assert cuda_pids(pid, driver=lambda: CudaCheckpoint(str(driver_lib))) == [pid]
+
+
+@pytest.mark.skipif(_libcuda_present(), reason="this machine has an NVIDIA driver")
+def test_libcuda_mapped_where_there_is_no_driver_is_a_cpu_process(tmp_path: Path) -> None:
+    from hpcckpt.cuda import cuda_pids
+
+    with _mapper(build_fake(tmp_path, version=12080, checkpoint=True, name="libcuda.so.1")) as pid:
+        assert cuda_pids(pid) == []
+
+
+def test_lock_saying_no_context_drops_the_process(tmp_path: Path) -> None:
+    from hpcckpt.cuda import checkpoint_all
+
+    cu = CudaCheckpoint(str(build_fake(tmp_path / "d", version=12080, checkpoint=True, state_rc=3)))
+    with _mapper(build_fake(tmp_path / "m", version=12080, checkpoint=True, name="libcuda.so.1")) as pid:
+        assert checkpoint_all(cu, [pid], lock_timeout_ms=1000) == []
+
+
+def test_gpu_plan_same_gpus_remap_and_refusals() -> None:
+    from hpcckpt.cuda.driver import Gpu
+    from hpcckpt.cuda.gpumap import plan
+    from hpcckpt.errors import CudaCheckpointError
+
+    a, b, c = ("GPU-" + ch * 8 + "-0000-0000-0000-000000000000" for ch in "abc")
+    rec = [{"index": 0, "uuid": a, "name": "NVIDIA H100 80GB HBM3"}]
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert plan([], [], can_remap=False) is None
+    assert plan(rec, [Gpu(index=0, uuid=b, name=h100), Gpu(index=1, uuid=a, name=h100)], can_remap=False) is None
+    assert plan(rec, [Gpu(index=0, uuid=c, name=h100)], can_remap=True) == [(a, c)]
+    with pytest.raises(CudaCheckpointError, match="needs CUDA 13.0"):
+        plan(rec, [Gpu(index=0, uuid=c, name=h100)], can_remap=False)
+    with pytest.raises(CudaCheckpointError, match="same GPU model"):
+        plan(rec, [Gpu(index=0, uuid=c, name="NVIDIA A100-SXM4-80GB")], can_remap=True)
+    with pytest.raises(CudaCheckpointError, match="same GPU count"):
+        plan(rec, [], can_remap=True)
+
+
+def test_uuid_round_trip() -> None:
+    text = "GPU-0123abcd-4567-89ef-0123-456789abcdef"
+    assert driver.uuid_text(driver.uuid_bytes(text)) == text
