@@ -55,167 +55,15 @@ from .._core import native
 from ..config import check_on_busy, from_env, parse_bool
 from ..errors import CheckpointFailed, ConfigError
 from ..state import Flat, TrainState
-from ..store.hdf5 import ALIGN, TensorEntry, plan_file, raw_bytes
 from ..ranks import Ranks
+from ..store.hdf5 import TensorEntry, raw_bytes
 from .base import Engine, SaveContext, SaveHandle
-from .staging import Ring, RingStream, Slot, flat_bytes, ring_shape
+from .layout import Layout, Spec
+from .staging import EngineStats, Key, Ring, RingStream, Slot, Staging, flat_bytes, ring_shape
+
+__all__ = ["ConcurrentEngine", "EngineStats", "Layout", "Slot"]
 
 log = logging.getLogger("hpcckpt.engines.concurrent")
-
-_TEMPLATE_MAX_BYTES = 16 << 20  # larger metadata than this: plan each file afresh
-Spec = tuple[str, torch.dtype, tuple[int, ...]]
-
-
-def _round_up(n: int, align: int) -> int:
-    return (n + align - 1) // align * align
-
-
-def _data_segments(path: Path) -> tuple[list[tuple[int, bytes]], int] | None:
-    """The non-hole bytes of a freshly planned (sparse) HDF5 file, and its size.
-
-    A planned file holds only metadata; its datasets are unwritten holes, so the
-    metadata is all a later save needs to rewrite (far cheaper than re-creating
-    the HDF5 structure). None where the file system reports no holes.
-    """
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        segments: list[tuple[int, bytes]] = []
-        total, off = 0, 0
-        while off < size:
-            try:
-                start = os.lseek(fd, off, os.SEEK_DATA)
-            except OSError:
-                break  # ENXIO: only a hole remains
-            end = os.lseek(fd, start, os.SEEK_HOLE)
-            total += end - start
-            if total > _TEMPLATE_MAX_BYTES:
-                return None
-            segments.append((start, os.pread(fd, end - start, start)))
-            off = end
-        return segments, size
-    finally:
-        os.close(fd)
-
-
-@dataclass
-class Layout:
-    """Where every tensor of this rank goes: file offsets and staging offsets.
-
-    Shapes do not change between saves of one run, so a layout is computed once and
-    reused until the set of tensors changes (e.g. the optimizer state appears after
-    the first step).
-    """
-
-    specs: tuple[Spec, ...]
-    entries: dict[str, TensorEntry]
-    staging_offset: dict[str, int]
-    slot_bytes: int
-    template: tuple[list[tuple[int, bytes]], int] | None = None
-
-    @property
-    def state_bytes(self) -> int:
-        return sum(e.nbytes for e in self.entries.values())
-
-    @staticmethod
-    def plan(path: Path, specs: tuple[Spec, ...]) -> Layout:
-        entries = plan_file(path, specs)
-        offsets: dict[str, int] = {}
-        cursor = 0
-        for name, _, _ in specs:
-            e = entries[name]
-            # Same offset modulo 4 KiB in memory as in the file: O_DIRECT needs both aligned.
-            cursor = _round_up(cursor, ALIGN) + e.offset % ALIGN
-            offsets[name] = cursor
-            cursor += e.nbytes
-        return Layout(specs, entries, offsets, max(_round_up(cursor, ALIGN), ALIGN), _data_segments(path))
-
-    def materialise(self, path: Path) -> None:
-        """Create ``path`` as this layout's HDF5 file (data regions still holes)."""
-        if self.template is None:
-            entries = plan_file(path, self.specs)
-            if entries != self.entries:
-                raise ConfigError(f"{path}: HDF5 layout changed between saves; report this as a bug")
-            return
-        segments, size = self.template
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            for offset, data in segments:
-                view = memoryview(data)
-                while view:
-                    n = os.pwrite(fd, view, offset)
-                    view, offset = view[n:], offset + n
-            os.ftruncate(fd, size)
-        finally:
-            os.close(fd)
-
-
-@dataclass
-class EngineStats:
-    """What training saw and what the copies and writes cost; read by ``hpcckpt bench``.
-
-    Names are stable (the bench reads them):
-
-    - ``saves`` / ``skipped``: saves started / skipped with ``on_busy="skip"``.
-    - ``save_call_s``: total seconds inside ``save()``; ``save_calls_s``: each call's
-      seconds, in order; ``first_save_call_s``: the first admitted call (it includes
-      staging allocation when ``prepare`` had not finished it in the background).
-    - ``hook_wait_s``: total seconds the optimizer pre-hook blocked training until
-      sources were staged (with a ring smaller than the state this includes waiting
-      for part of the persist). ``stall_s`` = ``save_call_s + hook_wait_s``.
-    - ``d2h_bytes`` / ``d2h_s``: bytes copied device-to-host and the seconds the
-      copies took on the side stream (CUDA events); 0 when nothing is on a GPU.
-    - ``persist_s``: per save, seconds from ``save()`` to every byte durable (before
-      the commit).
-    - ``prepare_s``: seconds spent laying out files and allocating (and pinning)
-      staging, in the background or, when it was not ready, inside ``save()``.
-    - ``staging_bytes`` / ``staging_pinned``: host staging held now (0 after close);
-      ``ring_chunks`` / ``ring_chunk_bytes``: its ring shape (0 without a budget).
-    """
-
-    saves: int = 0
-    skipped: int = 0
-    save_call_s: float = 0.0
-    save_calls_s: list[float] = field(default_factory=list)
-    first_save_call_s: float | None = None
-    hook_wait_s: float = 0.0
-    d2h_bytes: int = 0
-    d2h_s: float = 0.0
-    persist_s: list[float] = field(default_factory=list)
-    prepare_s: float = 0.0
-    staging_bytes: int = 0
-    staging_pinned: bool = False
-    ring_chunks: int = 0
-    ring_chunk_bytes: int = 0
-
-    @property
-    def stall_s(self) -> float:
-        return self.save_call_s + self.hook_wait_s
-
-
-@dataclass
-class Staging:
-    """A layout and the host memory that stages it: full slots, or one ring."""
-
-    key: Key
-    layout: Layout
-    slots: list[Slot]
-    ring: Ring | None
-
-    @property
-    def nbytes(self) -> int:
-        return self.ring.nbytes if self.ring else sum(s.nbytes for s in self.slots)
-
-    @property
-    def pinned(self) -> bool:
-        return self.ring.pinned if self.ring else any(s.pinned for s in self.slots)
-
-    def release(self) -> None:
-        if self.ring:
-            self.ring.release()
-        for s in self.slots:
-            s.release()
-
 
 @dataclass
 class _Prep:
@@ -246,9 +94,6 @@ class _Job:
     ring: RingStream | None = None
     sources: dict[str, Any] | None = None  # ring: flat byte views by name, held until copied
     error: BaseException | None = None  # failed before persisting: only the commit exchange is left
-
-
-Key = tuple[tuple[Spec, ...], int | None]
 
 
 def _specs(tensors: dict[str, torch.Tensor]) -> Key:

@@ -37,8 +37,14 @@ from .._core import native
 from ..errors import ConfigError
 from ..store.hdf5 import ALIGN, TensorEntry
 from ..store.hostmem import Piece, Slot, plan_rounds, round_up
+from .layout import Layout, Spec
 
-__all__ = ["ALIGN", "Piece", "Ring", "RingStream", "Slot", "flat_bytes", "plan_rounds", "ring_shape"]
+__all__ = ["ALIGN", "EngineStats", "Key", "Piece", "Ring", "RingStream", "Slot", "Staging", "flat_bytes",
+           "plan_rounds", "ring_shape"]
+
+# A staging's identity: (name, dtype, shape) of each tensor, and the CUDA device whose
+# copies it serves (pinned then), or None when nothing is on a GPU.
+Key = tuple[tuple[Spec, ...], int | None]
 
 log = logging.getLogger("hpcckpt.engines.staging")
 
@@ -188,3 +194,70 @@ def flat_bytes(t: torch.Tensor) -> np.ndarray | torch.Tensor:
     """A flat uint8 view of a contiguous tensor: NumPy for CPU, a CUDA tensor otherwise."""
     flat = t.detach().reshape(-1).view(torch.uint8)
     return flat if flat.is_cuda else flat.numpy()
+
+
+@dataclass
+class EngineStats:
+    """What training saw and what the copies and writes cost; read by ``hpcckpt bench``.
+
+    Names are stable (the bench reads them):
+
+    - ``saves`` / ``skipped``: saves started / skipped with ``on_busy="skip"``.
+    - ``save_call_s``: total seconds inside ``save()``; ``save_calls_s``: each call's
+      seconds, in order; ``first_save_call_s``: the first admitted call (it includes
+      staging allocation when ``prepare`` had not finished it in the background).
+    - ``hook_wait_s``: total seconds the optimizer pre-hook blocked training until
+      sources were staged (with a ring smaller than the state this includes waiting
+      for part of the persist). ``stall_s`` = ``save_call_s + hook_wait_s``.
+    - ``d2h_bytes`` / ``d2h_s``: bytes copied device-to-host and the seconds the
+      copies took on the side stream (CUDA events); 0 when nothing is on a GPU.
+    - ``persist_s``: per save, seconds from ``save()`` to every byte durable (before
+      the commit).
+    - ``prepare_s``: seconds spent laying out files and allocating (and pinning)
+      staging, in the background or, when it was not ready, inside ``save()``.
+    - ``staging_bytes`` / ``staging_pinned``: host staging held now (0 after close);
+      ``ring_chunks`` / ``ring_chunk_bytes``: its ring shape (0 without a budget).
+    """
+
+    saves: int = 0
+    skipped: int = 0
+    save_call_s: float = 0.0
+    save_calls_s: list[float] = field(default_factory=list)
+    first_save_call_s: float | None = None
+    hook_wait_s: float = 0.0
+    d2h_bytes: int = 0
+    d2h_s: float = 0.0
+    persist_s: list[float] = field(default_factory=list)
+    prepare_s: float = 0.0
+    staging_bytes: int = 0
+    staging_pinned: bool = False
+    ring_chunks: int = 0
+    ring_chunk_bytes: int = 0
+
+    @property
+    def stall_s(self) -> float:
+        return self.save_call_s + self.hook_wait_s
+
+
+@dataclass
+class Staging:
+    """A layout and the host memory that stages it: full slots, or one ring."""
+
+    key: Key
+    layout: Layout
+    slots: list[Slot]
+    ring: Ring | None
+
+    @property
+    def nbytes(self) -> int:
+        return self.ring.nbytes if self.ring else sum(s.nbytes for s in self.slots)
+
+    @property
+    def pinned(self) -> bool:
+        return self.ring.pinned if self.ring else any(s.pinned for s in self.slots)
+
+    def release(self) -> None:
+        if self.ring:
+            self.ring.release()
+        for s in self.slots:
+            s.release()
