@@ -108,6 +108,7 @@ def parallel_write_bps(path: Path, nbytes: int, *, threads: int = 0, block: int 
     """``nbytes`` written to a new ``path`` by the native writer pool: O_DIRECT pwrite of
     ``block``-sized pieces on ``threads`` threads (0: as the engines pick), then fdatasync;
     bytes/s. The data is one reused aligned buffer: nothing but the disk is measured."""
+    block = min(block, max(4096, -(-nbytes // 4096) * 4096))  # a small state: its own size, whole pages
     n = max(block, nbytes // block * block)
     buf = native().aligned_buffer(min(n, 16 * block), 4096, True)
     np.frombuffer(buf, dtype=np.uint8)[:] = 0xA5

@@ -40,9 +40,9 @@ class DemoLoad:
     def for_device(device: str, *, steps: int, quick: bool) -> DemoLoad:
         """The demo model at a size that gives each device real work per step.
 
-        CUDA: d_model 1024 x 8 layers, 256 tokens (about 1.2 GB of fp32 + AdamW state,
-        tens of ms per step on an H100), so an interval of 10 steps is a fraction of a
-        second of compute, as in a real job; ``quick``: the demo's own small model, so
+        CUDA: d_model 1024 x 8 layers, batch 32 x 256 tokens (1.2 GB of fp32 + AdamW
+        state, on the order of 100 ms per step on an H100): every 10 steps is about a
+        second of compute, time enough for a disk of 1-2 GB/s to absorb one checkpoint; ``quick``: the demo's own small model, so
         that every interval still saves within seconds (this checks the path, not speed).
         """
         if quick:
@@ -50,7 +50,7 @@ class DemoLoad:
             # small ran 10-20x slower than one (spinning workers preempted), not faster.
             return DemoLoad(d_model=64, n_layers=2, steps=steps, device=device, threads=1)
         if device == "cuda":
-            return DemoLoad(d_model=1024, n_layers=8, seq_len=256, steps=steps, device=device)
+            return DemoLoad(d_model=1024, n_layers=8, seq_len=256, batch=32, steps=steps, device=device)
         return DemoLoad(steps=steps)
 
     def state_bytes(self) -> int:

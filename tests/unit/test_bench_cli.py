@@ -152,7 +152,7 @@ def test_bench_options_quick_and_room(tmp_path: Path) -> None:
     assert o.quick and o.size_bytes == 16_000_000 and len(o.sizes()) == 2 and o.overhead_steps >= 50
     check_room(o, tmp_path)  # 16 MB fits
     full = BenchOptions.make(size_gb=2.0, dir=tmp_path, quick=False, device="cuda")
-    assert full.size_bytes == 2_000_000_000 and full.rounds == 3 and len(full.sizes()) == 3
+    assert full.size_bytes == 2_000_000_000 and full.rounds == 3 and full.overhead_rounds == 1 and len(full.sizes()) == 3
     with pytest.raises(ConfigError, match="--size-gb"):
         BenchOptions.make(size_gb=float("nan"), dir=tmp_path, quick=False)
     with pytest.raises(ConfigError, match="free"):
