@@ -92,7 +92,7 @@ class _Job:
     d2h_events: tuple[Any, Any, int] | None = None  # (begin, end, bytes) of a slot's D2H copy
     staging: Staging | None = None
     ring: RingStream | None = None
-    sources: dict[str, Any] | None = None  # ring: flat byte views by name, held until copied
+    sources: dict[str, Any] | None = None  # ring: byte views of the sources; CUDA slot: device clones (held until copied)
     error: BaseException | None = None  # failed before persisting: only the commit exchange is left
 
 
@@ -442,6 +442,7 @@ class ConcurrentEngine(Engine):
         path = str(tmp / fname)
         items: dict[str, int] = {}
         gpu: list[tuple[torch.Tensor, torch.Tensor]] = []
+        clones: dict[str, Any] = {}
         for name, t in tensors.items():
             e = layout.entries[name]
             if not e.nbytes:
@@ -454,12 +455,18 @@ class ConcurrentEngine(Engine):
                     items[name] = batch.add(path, e.offset, dst)
                 else:
                     items[name] = batch.add(path, e.offset, dst, raw_bytes(t))
+            elif t.is_cuda:
+                # Mutated outside optimizer.step() (the next forward may): a device copy queued on
+                # the training stream now, copied down with the rest (no host sync here).
+                clones[name] = t.detach().clone(memory_format=torch.contiguous_format)
+                gpu.append((slot.tensor[off:off + e.nbytes], clones[name]))
+                items[name] = batch.add(path, e.offset, dst)
             else:
                 # Mutated outside optimizer.step() (or not contiguous): copy now.
                 slot.tensor[off:off + e.nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
                 items[name] = batch.add(path, e.offset, dst)
         job = _Job(handle, step, tmp, fname, json.loads(json.dumps(flat.meta)), layout, slot, batch, items, started,
-                   staging=self._staging)
+                   staging=self._staging, sources=clones or None)  # clones live until their copy is done
         if gpu:
             job.cuda_event, job.d2h_events = self._copy_to_host(gpu)
         else:
