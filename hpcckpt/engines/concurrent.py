@@ -92,7 +92,7 @@ class _Job:
     d2h_events: tuple[Any, Any, int] | None = None  # (begin, end, bytes) of a slot's D2H copy
     staging: Staging | None = None
     ring: RingStream | None = None
-    sources: dict[str, Any] | None = None  # ring: byte views of the sources; CUDA slot: device clones (held until copied)
+    sources: dict[str, Any] | None = None  # ring: source byte views; CUDA slot: device clones; until copied
     error: BaseException | None = None  # failed before persisting: only the commit exchange is left
 
 
