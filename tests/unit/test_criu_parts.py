@@ -172,3 +172,81 @@ def test_app_mode_forwards_signals_and_passes_the_exit_status(tmp_path: Path) ->
     assert json.loads(out)["exit_code"] == 42
     assert not (tmp_path / "criu").exists()
     assert os.path.isdir(tmp_path)
+
+
+CATCHER = ("import signal, sys, time\n"
+           "if sys.argv[1] == 'catch':\n"
+           "    signal.signal(signal.SIGUSR2, lambda s, f: None)\n"
+           "print('ready', flush=True)\n"
+           "time.sleep(60)\n")
+
+
+def _live(*args: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", CATCHER, *args], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+@pytest.mark.parametrize("mode, expected", [("catch", True), ("ignore", False)])
+def test_sigcgt_says_whether_a_process_catches_the_signal(mode: str, expected: bool) -> None:
+    from hpcckpt.criu import proctree
+    from hpcckpt.criu.failure import catchers
+    from hpcckpt.criu.ops import Job
+
+    with _live(mode) as proc:
+        try:
+            assert proctree.catches(proc.pid, signal.SIGUSR2) is expected
+            job = Job(init_pid=proc.pid, app_pid=proc.pid, wait_pid=proc.pid, stdout=Path("x"), stderr=Path("y"))
+            assert catchers(job, signal.SIGUSR2) == ([proc.pid] if expected else [])
+        finally:
+            proc.kill()
+
+
+def test_failure_report_says_what_happened_and_what_to_change(tmp_path: Path) -> None:
+    from hpcckpt.criu.failure import report
+    from hpcckpt.criu.ops import Job
+
+    commit_image(tmp_path, 3)
+    with _live("ignore") as proc:
+        try:
+            job = Job(init_pid=proc.pid, app_pid=proc.pid, wait_pid=proc.pid, stdout=Path("x"), stderr=Path("y"))
+            rep = report(job, signal.SIGUSR2, CriuError("criu dump failed (exit 1): no space"), root=tmp_path,
+                         consumed=None)
+        finally:
+            proc.kill()
+    text = "\n".join(rep.lines())
+    assert "NOT forwarding SIGUSR2" in text and "image-000003" in text and "not requeueing" in text
+    assert "too little space" in rep.fix and rep.as_dict()["requeue_from_older"] is False
+
+
+def test_max_task_id_reads_the_core_images(tmp_path: Path) -> None:
+    for tid in (2, 3, 17, 9):
+        (tmp_path / f"core-{tid}.img").write_bytes(b"x")
+    (tmp_path / "pages-1.img").write_bytes(b"x")
+    assert images.max_task_id(tmp_path) == 17
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointCorrupt, match="no core"):
+        images.max_task_id(empty)
+
+
+def test_doctor_sees_nccl_in_a_process_tree(tmp_path: Path) -> None:
+    from hpcckpt.criu.doctor import unsupported
+
+    from .test_cuda_driver import _mapper, build_fake
+
+    with _mapper(build_fake(tmp_path, version=12080, name="libnccl.so.2")) as pid:
+        assert any("uses NCCL" in p for p in unsupported(pid))
+    with _live("ignore") as proc:
+        try:
+            assert not any("NCCL" in p for p in unsupported(proc.pid))
+        finally:
+            proc.kill()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="fresh PID + mount namespaces need root")
+def test_doctor_starts_fresh_pid_and_mount_namespaces() -> None:
+    from hpcckpt.criu.doctor import _namespace_check
+
+    found = _namespace_check()
+    assert found.ok and "--mount-proc" in found.detail
