@@ -87,7 +87,7 @@ def plan_rounds(entries: Iterable[TensorEntry], chunk_bytes: int) -> list[list[P
         done = 0
         while done < e.nbytes:
             f = e.offset + done
-            at = round_up(cursor, ALIGN) + f % ALIGN
+            at = cursor + (f - cursor) % ALIGN  # the first place at or after cursor congruent to f
             if at >= chunk_bytes:
                 rounds.append([])
                 cursor, at = 0, f % ALIGN
