@@ -83,12 +83,22 @@ def text(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def check_plot_path(path: Path) -> None:
+    """Refuse a --plot the figure could not be written to, before minutes of measuring."""
+    from ..errors import ConfigError
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir() or not parent.is_dir():
+        raise ConfigError(f"--plot {path}: give a file name in an existing directory (e.g. --plot bench.png)")
+
+
 def run(args: argparse.Namespace) -> int:
     from ..bench import BenchOptions, check_room, run_bench
     from ..bench.plot import plot_bench
     from ..demo.runtime import resolve_device, work_dir
 
     device = resolve_device(args.device)
+    if args.plot is not None:
+        check_plot_path(args.plot)
     directory = work_dir(args.dir) if args.dir is not None else None
     o = BenchOptions.make(size_gb=args.size_gb, dir=directory, quick=args.quick, direct=args.direct, device=device)
     import tempfile

@@ -28,6 +28,8 @@ BENCH_BAD = [
     (["--size-gb", "0.0000001"], ["--size-gb", "1 MiB"]),
     (["--device", "tpu"], ["--device", "auto, cuda, cpu"]),
     (["--device", "cuda"], ["--device cuda", "--device cpu"]),
+    (["--device", "cpu", "--plot", "/nonexistent-dir/bench.png"], ["--plot", "e.g. --plot bench.png"]),
+    (["--device", "cpu", "--plot", "/"], ["--plot /"]),
 ]
 DEMO_BAD = [
     (["--every", "0"], ["--every 0", "e.g. --every 10"]),
