@@ -6,7 +6,11 @@ It prints one line per step and writes a JSON summary (loss trace + a SHA-256 of
 every parameter and optimizer tensor) at the end, so an interrupted-and-restored
 run can be compared bit for bit with an uninterrupted one.
 
-usage: python criu_train.py --steps N --out FILE [--seed S] [--step-sleep-s T]
+With ``--device cuda`` the model, optimizer state and every step run on the GPU, with
+deterministic kernels (set CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment), so a
+CUDA run restored from CRIU images can be compared bit for bit too.
+
+usage: python criu_train.py --steps N --out FILE [--seed S] [--step-sleep-s T] [--device cpu|cuda]
 """
 from __future__ import annotations
 
@@ -41,12 +45,12 @@ def digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
         h.update(name.encode())
-        h.update(p.detach().contiguous().numpy().tobytes())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
     for state in opt.state.values():
         for key, v in sorted(state.items()):
             if torch.is_tensor(v):
                 h.update(key.encode())
-                h.update(v.detach().contiguous().numpy().tobytes())
+                h.update(v.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -57,20 +61,24 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--step-sleep-s", type=float, default=0.0)
     ap.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = ap.parse_args()
 
+    if args.device == "cuda":
+        torch.use_deterministic_algorithms(True)
     torch.manual_seed(args.seed)
     ctx, vocab = 32, 256
     data = torch.randint(0, vocab, (512, ctx + 1), generator=torch.Generator().manual_seed(args.seed))
     loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=16, shuffle=True, drop_last=True,
                         num_workers=args.workers, persistent_workers=args.workers > 0)
-    model = TinyLM(vocab=vocab, ctx=ctx)
+    model = TinyLM(vocab=vocab, ctx=ctx).to(args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
     losses: list[float] = []
     step = 0
     while step < args.steps:
         for x, y in loader:
+            x, y = x.to(args.device), y.to(args.device)
             loss = nn.functional.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
             opt.zero_grad(set_to_none=True)
             loss.backward()

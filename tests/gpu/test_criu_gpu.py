@@ -1,0 +1,87 @@
+"""CRIU mode on a GPU node (``pytest -m gpu``; needs root, a CUDA device, driver >= 570, criu >= 4).
+
+- A CUDA training job (criu_train.py --device cuda, deterministic kernels) under
+  ``hpcckpt run --mode criu``, signalled twice and restored twice into fresh
+  namespaces: loss trace and final parameters bit-identical to an uninterrupted run.
+- A CPU job on the same node (a CUDA build of torch maps libcuda but has no context)
+  likewise, dumped as a CPU process.
+- A process with libcuda mapped and no CUDA context is not a CUDA process for the
+  real driver.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_criu_local import (EXIT_REQUEUE, TRAIN, criu_ok, finish, ledger, start,  # noqa: F401
+                                               wait_for_step)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.criu, pytest.mark.slow]
+
+STEPS = 40
+DETERMINISTIC = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+def train(out: Path, device: str) -> list[str]:
+    return [sys.executable, str(TRAIN), "--steps", str(STEPS), "--out", str(out), "--device", device]
+
+
+def uninterrupted(out: Path, device: str) -> dict:
+    subprocess.run(train(out, device), check=True, stdout=subprocess.DEVNULL, timeout=900,
+                   env={**os.environ, **DETERMINISTIC})
+    return json.loads(out.read_text())
+
+
+def twice_interrupted(run_dir: Path, out: Path, device: str, at_steps: tuple[int, ...] = (10, 25)) -> list[dict]:
+    summaries = []
+    for step in at_steps:
+        proc = start(run_dir, out, cmd=train(out, device), env=DETERMINISTIC)
+        wait_for_step(run_dir, step, proc)
+        proc.send_signal(signal.SIGUSR2)
+        code, summary, stderr = finish(proc)
+        assert code == EXIT_REQUEUE, f"expected exit 75 after the dump, got {code}: {stderr}"
+        summaries.append(summary)
+    code, summary, stderr = finish(start(run_dir, out, cmd=train(out, device), env=DETERMINISTIC))
+    assert code == 0, f"final incarnation failed ({code}): {stderr}"
+    return [*summaries, summary]
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_job_signalled_twice_restored_twice_is_bit_identical(criu_ok: None, tmp_path: Path,  # noqa: F811
+                                                             device: str) -> None:
+    reference = uninterrupted(tmp_path / "ref.json", device)
+    out, run_dir = tmp_path / "out.json", tmp_path / "run"
+    summaries = twice_interrupted(run_dir, out, device)
+    result = json.loads(out.read_text())
+    assert result["losses"] == reference["losses"]
+    assert result["digest"] == reference["digest"]
+    assert [s["restored_from"] for s in summaries] == [None, "image-000001", "image-000002"]
+    dumps = [e for e in ledger(run_dir) if e["event"] == "criu_dump"]
+    assert [d["cuda_pids"] for d in dumps] == ([1, 1] if device == "cuda" else [0, 0])
+    if device == "cuda":
+        manifest = json.loads((run_dir / "criu" / "image-000002" / "manifest.json").read_text())
+        assert manifest["cuda_pids"] == [2] and manifest["gpus"] and manifest["gpus"][0]["uuid"].startswith("GPU-")
+
+
+NO_CONTEXT = "import torch, time\nprint('ready', flush=True)\ntime.sleep(120)\n"
+
+
+def test_libcuda_mapped_without_context_is_skipped() -> None:
+    from hpcckpt.cuda import CudaCheckpoint, cuda_pids
+    from hpcckpt.cuda.group import driver_mappers
+
+    with subprocess.Popen([sys.executable, "-c", NO_CONTEXT], stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+            if proc.pid not in driver_mappers(proc.pid):
+                pytest.skip("this torch build does not map libcuda until CUDA is used")
+            assert CudaCheckpoint().probe(proc.pid) is None
+            assert cuda_pids(proc.pid) == []
+        finally:
+            proc.kill()
