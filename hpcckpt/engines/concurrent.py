@@ -73,6 +73,8 @@ class _Prep:
     thread: threading.Thread | None = None
     staging: Staging | None = None
     error: BaseException | None = None
+    abandoned: bool = False  # no longer wanted: the thread releases what it built
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass
@@ -132,6 +134,7 @@ class ConcurrentEngine(Engine):
         self._bg_ranks = ranks.background()
         self._staging: Staging | None = None
         self._prep: _Prep | None = None
+        self._abandoned: list[_Prep] = []
         self._state: TrainState | None = None
         self._prep_sig: tuple[int, ...] | None = None
         self._cond = threading.Condition()
@@ -177,18 +180,26 @@ class ConcurrentEngine(Engine):
                 self._hooks[id(obj)] = [obj.register_step_pre_hook(self._before_step),
                                         obj.register_step_post_hook(self._after_step)]
                 self._optimizers.append(obj)
+        self._prepare_if_new_shapes(at_bind=True)
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """optimizer.step() may overwrite parameters and state only once they are staged."""
         self.wait_copied()
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Main thread, after each step: prepare staging when the optimizer state's shape changed.
+        """Main thread, after each step: prepare staging when the optimizer state's shape changed."""
+        self._prepare_if_new_shapes(at_bind=False)
 
-        Costs a tuple of lengths per step; a capture (no copy) only when it changed.
+    def _prepare_if_new_shapes(self, *, at_bind: bool) -> None:
+        """Costs a tuple of lengths per step; a capture (no copy) only when it changed.
+
+        At bind time only when the shapes are already final: no optimizer, or one that
+        already holds state (a fresh optimizer's state appears with its first step).
         """
         sig = tuple(len(o.state) for o in self._optimizers)
         if sig == self._prep_sig or self._state is None or self._closed:
+            return
+        if at_bind and self._optimizers and not any(sig):
             return
         self._prep_sig = sig
         self.prepare(self._state.capture(step=0).tensors)
@@ -213,18 +224,32 @@ class ConcurrentEngine(Engine):
     def _prepare_in_background(self, prep: _Prep) -> None:
         """Runs on the prepare thread."""
         try:
-            prep.staging = self._build_staging(prep.key)
+            staging = self._build_staging(prep.key)
         except BaseException as exc:  # reported by save(), which retries on the main thread
             prep.error = exc
             log.debug("hpcckpt: background staging preparation failed: %s", exc)
+            return
+        with prep.lock:
+            if not prep.abandoned:
+                prep.staging = staging
+                return
+        staging.release()
 
-    def _drop_prep(self) -> None:
+    def _drop_prep(self, *, wait: bool = False) -> None:
+        """Forget the preparation; never blocks unless ``wait`` (close: all pinned memory released)."""
         prep, self._prep = self._prep, None
-        if prep is not None:
-            if prep.thread is not None:
+        if prep is None:
+            return
+        with prep.lock:
+            prep.abandoned = True
+            staging, prep.staging = prep.staging, None
+        if staging is not None:
+            staging.release()
+        if prep.thread is not None:
+            if wait:
                 prep.thread.join()
-            if prep.staging is not None:
-                prep.staging.release()
+            else:
+                self._abandoned = [p for p in self._abandoned if p.thread and p.thread.is_alive()] + [prep]
 
     def wait_copied(self) -> float:
         """Block until every save in flight has copied its sources; returns the seconds blocked.
@@ -615,7 +640,11 @@ class ConcurrentEngine(Engine):
         self._hooks.clear()
         self._optimizers.clear()
         self._pool.close()
-        self._drop_prep()
+        self._drop_prep(wait=True)
+        for prep in self._abandoned:  # nothing of this engine keeps running, or pinned, after close
+            if prep.thread is not None:
+                prep.thread.join()
+        self._abandoned = []
         if self._staging is not None:
             self._staging.release()
             self._staging = None

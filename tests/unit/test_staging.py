@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from hpcckpt.api import Checkpointer, RequeueExit
+from hpcckpt.engines import SaveContext
 from hpcckpt.engines.concurrent import ConcurrentEngine, Layout
 from hpcckpt.engines.staging import ALIGN, plan_rounds, ring_shape
 from hpcckpt.errors import CheckpointCorrupt, CheckpointFailed, ConfigError
+from hpcckpt.ranks import Ranks
 from hpcckpt.store import catalog
 from hpcckpt.store.hdf5 import TensorEntry, read_tensors, write_tensors
 from hpcckpt.store.staged_read import read_staged
@@ -332,3 +334,33 @@ def test_optimizer_state_names_come_from_the_saved_tree_without_step() -> None:
     assert _optimizer_state_names({"objects": {"x": {"state": 3}}}) == [] and _optimizer_state_names(None) == []
     # Without a CUDA tensor among the live ones, nothing is placed anywhere new.
     assert _optimizer_homes(flat.meta, {}, flat.tensors) == {}
+
+
+def test_staging_is_prepared_at_bind_when_the_shapes_are_already_known(tmp_path: Path) -> None:
+    rig = Rig(tmp_path / "first", width=64)
+    rig.train_step()  # the optimizer now holds state
+    rig.engine.close()
+    engine = ConcurrentEngine(SaveContext(root=tmp_path / "ckpt", keep=2, job={}, user={}), Ranks())
+    try:
+        engine.bind(rig.state)  # e.g. after a restore: nothing to wait for
+        prep = engine._prep
+        assert prep is not None and prep.thread is not None
+        prep.thread.join(timeout=60)
+        assert prep.staging is not None
+        engine.save(rig.state.capture(step=1), 1).wait(timeout=60)
+        assert engine._staging is prep.staging
+    finally:
+        engine.close()
+
+
+def test_a_superseded_preparation_never_blocks_and_is_released(tmp_path: Path) -> None:
+    rig = Rig(tmp_path / "ckpt", width=64)
+    rig.train_step()
+    first = rig.engine._prep
+    assert first is not None
+    bigger = rig.state.capture(step=0).tensors | {"extra/x": torch.zeros(1000)}
+    rig.engine.prepare(bigger)  # other shapes: the first preparation is dropped without a join
+    assert first.abandoned and rig.engine._prep is not first
+    rig.engine.close()
+    assert first.thread is not None and not first.thread.is_alive()
+    assert first.staging is None  # released by its own thread or by the drop
