@@ -100,10 +100,14 @@ class HpcckptCallback(pl.Callback):  # type: ignore[misc, name-defined]
     ``engine``...); ``HPCCKPT_*`` variables fill the rest. ``engine`` defaults to
     ``"concurrent"``: periodic saves copy parameters and optimizer state while the next
     forward/backward runs.
+    ``exact_ddp`` (default True) keeps DDP's gradient bucket layout fixed across a resume
+    (``find_unused_parameters=True``), which a bit-identical multi-rank resume needs.
     """
 
-    def __init__(self, dir: str | os.PathLike[str] | None = None, **options: Any) -> None:
+    def __init__(self, dir: str | os.PathLike[str] | None = None, *, exact_ddp: bool = True,
+                 **options: Any) -> None:
         super().__init__()
+        self.exact_ddp = exact_ddp
         if "engine" not in options and "HPCCKPT_ENGINE" not in os.environ:
             options["engine"] = "concurrent"
         self.dir = dir
@@ -124,6 +128,22 @@ class HpcckptCallback(pl.Callback):  # type: ignore[misc, name-defined]
             log.warning("hpcckpt: turning off Lightning's SLURM auto-requeue; hpcckpt requeues once, "
                         "after a durable checkpoint")
             env.auto_requeue = False
+        self._keep_ddp_buckets(trainer)
+
+    def _keep_ddp_buckets(self, trainer: Any) -> None:
+        """DDP rebuilds its gradient buckets after its first step, in the order gradients became
+        ready; a resumed run's first step would then choose another layout (another summation
+        order across ranks) than the uninterrupted run, which differs in the last bits.
+        find_unused_parameters=True keeps the constructor's layout (as the demo does)."""
+        kwargs = getattr(trainer.strategy, "_ddp_kwargs", None)
+        if not self.exact_ddp or not isinstance(kwargs, dict) or kwargs.get("find_unused_parameters"):
+            return
+        if kwargs.get("static_graph"):
+            return  # a static graph fixes the layout too
+        log.warning("hpcckpt: DDP with find_unused_parameters=True so that a resumed run keeps the "
+                    "gradient bucket layout of the uninterrupted one (bit-identical resume); "
+                    "HpcckptCallback(exact_ddp=False) leaves DDP as configured")
+        kwargs["find_unused_parameters"] = True
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self.ckpt = Checkpointer(self.dir, **self.options)

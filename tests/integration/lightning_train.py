@@ -118,10 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "hpcckpt":
         from hpcckpt.integrations.lightning import HpcckptCallback
         callbacks.append(HpcckptCallback(dir=args.dir / "ckpt", every_steps=args.every))
-    ddp = world > 1
+    # DDP as a user would write it; the callback keeps its gradient buckets fixed across a
+    # resume (find_unused_parameters=True), so the plain reference names that setting itself.
+    ddp_strategy = "ddp" if args.mode == "hpcckpt" else "ddp_find_unused_parameters_true"
     trainer = pl.Trainer(
         max_steps=args.steps, accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes,
-        strategy="ddp" if ddp else "auto", use_distributed_sampler=False, callbacks=callbacks,
+        strategy=ddp_strategy if world > 1 else "auto", use_distributed_sampler=False, callbacks=callbacks,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         deterministic=True)
     trainer.fit(model, data(trainer.global_rank, world))

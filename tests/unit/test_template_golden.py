@@ -27,6 +27,8 @@ PARAMS = {
     "ddp": {"NODES": "4", "TASKS_PER_NODE": "8", "SIGNAL": "USR2", "LEAD_S": "240",
             "COMMAND": "python -m mypkg.train --ckpt \"$HPCCKPT_DIR\""},
     "submitit": {"TIME_MIN": "120", "STEPS": "500"},
+    "torchrun": {"NODES": "4", "PROCS_PER_NODE": "8", "LEAD_S": "240",
+                 "COMMAND": "-m mypkg.train --ckpt \"$HPCCKPT_DIR\""},
     "lightning": {"NODES": "2", "TASKS_PER_NODE": "4", "TIME": "12:00:00", "RUN_DIR": "/scratch/my run",
                   "COMMAND": "python train.py --ckpt \"$HPCCKPT_DIR\""},
     "criu": {"TIME": "2:00:00", "LEAD_S": "600", "RUN_DIR": "/scratch/my run", "JOB_NAME": "criu job"},
@@ -81,13 +83,13 @@ def test_hostile_values_are_quoted_or_refused() -> None:
         render.render("single", {"TIME": "1\n#SBATCH --x"})
     with pytest.raises(ConfigError, match="no parameter"):
         render.render("single", {"NODES": "2"})
-    with pytest.raises(ConfigError, match="available: criu, ddp, lightning, single, submitit"):
+    with pytest.raises(ConfigError, match="available: criu, ddp, lightning, single, submitit, torchrun"):
         render.get("nope")
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (slurm/install-deps)")
 def test_rendered_scripts_are_shellcheck_clean(tmp_path: Path) -> None:
-    for name in ("single", "ddp", "criu", "lightning"):
+    for name in ("single", "ddp", "criu", "lightning", "torchrun"):
         for params in ({}, PARAMS[name]):
             script = tmp_path / f"{name}.sbatch"
             script.write_text(render.render(name, params))

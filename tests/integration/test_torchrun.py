@@ -1,0 +1,72 @@
+"""A 2-node x 2-worker Lightning DDP job launched by torchrun under sbatch (template
+``torchrun``): preempted by a `high` job mid-run, requeued once by the batch script,
+resumed bit-identical to an uninterrupted 4-worker torchrun run on one node."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from conftest import SlurmCluster
+
+pytest.importorskip("lightning.pytorch", reason="the lightning extra is not installed (scripts/bootstrap installs it)")
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+JOB = Path(__file__).with_name("lightning_train.py")
+STEPS = 24  # 4 ranks x 2 batches of 8 per epoch: 12 epochs
+HOLD = 9    # mid-epoch: the first run waits in this step until the preemption reaches it
+
+
+def _reference(out: Path) -> Path:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                           str(JOB), "--dir", str(out), "--steps", str(STEPS), "--mode", "plain", "--devices", "4"],
+                          env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_torchrun_two_nodes_preempted_resumes_identically(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    reference = _reference(tmp_path / "reference")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    command = (f'{JOB} --dir "$HPCCKPT_RUN_DIR" --steps {STEPS} --hold-at {HOLD} '
+               "--devices 2 --num-nodes 2")
+    script = slurm_cluster.render("torchrun", run_dir / "torchrun.sbatch", TIME="10:00", LEAD_S="50",
+                                  RUN_DIR=str(run_dir), OUTPUT=f"{run_dir}/slurm-%j.out", COMMAND=command,
+                                  JOB_NAME="hpcckpt-torchrun", NODES="2", PROCS_PER_NODE="2")
+    job = slurm_cluster.sbatch(script, "-p", "low", "--exclusive",
+                               "--export=ALL,OMP_NUM_THREADS=1,PYTHONWARNINGS=ignore")
+    out = run_dir / f"slurm-{job}.out"
+    slurm_cluster.wait_until(lambda: out.exists() and out.read_text().count(f"holding at step {HOLD}") >= 4,
+                             400, f"all four workers to reach step {HOLD}")
+    slurm_cluster.preempt()
+    assert slurm_cluster.wait_done(job, 600, out) == "COMPLETED"
+
+    assert (run_dir / "trace.jsonl").read_text() == (reference / "trace.jsonl").read_text(), \
+        "loss trace differs from the uninterrupted run"
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result == json.loads((reference / "result.json").read_text()), "final parameters differ"
+    assert result["world_size"] == 4
+
+    ledger = slurm_cluster.read_ledger(run_dir / "ckpt")
+    starts = [e for e in ledger if e["event"] == "start"]
+    assert [s["restart_count"] for s in starts] == [0, 1] and all(s["world_size"] == 4 for s in starts)
+    stops = [e for e in ledger if e["event"] == "stop" and e["reason"] != "done"]
+    assert len(stops) == 1 and stops[0]["step"] == stops[0]["committed_step"] == HOLD + 1, stops
+    shard_dir = run_dir / "ckpt" / f"step-{HOLD + 1}"
+    assert sorted(p.stem for p in shard_dir.glob("rank-*")) == [f"rank-{r}" for r in range(4)]
+    # Global rank 0 deferred to the batch script, which requeued once.
+    deferred = [e for e in ledger if e["event"] == "requeue" and e.get("method") == "batch-script"]
+    assert len(deferred) == 1, [e for e in ledger if e["event"] == "requeue"]
+    assert slurm_cluster.job(job)["Restarts"] == "1", "exactly one requeue for one preemption"
+    assert "hpcckpt: requeue: stopped at step" in out.read_text()
