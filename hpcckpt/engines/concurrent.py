@@ -221,6 +221,18 @@ class ConcurrentEngine(Engine):
         self._prep = prep
         prep.thread.start()
 
+    def wait_prepared(self, timeout: float | None = None) -> bool:
+        """Block until a background preparation (if any) has finished; True if none is left running.
+
+        Main thread. For benchmarks and tests that save right after the first step,
+        where a real loop would run steps while staging is allocated.
+        """
+        prep = self._prep
+        if prep is None or prep.thread is None:
+            return True
+        prep.thread.join(timeout)
+        return not prep.thread.is_alive()
+
     def _prepare_in_background(self, prep: _Prep) -> None:
         """Runs on the prepare thread."""
         try:

@@ -344,8 +344,7 @@ def test_staging_is_prepared_at_bind_when_the_shapes_are_already_known(tmp_path:
     try:
         engine.bind(rig.state)  # e.g. after a restore: nothing to wait for
         prep = engine._prep
-        assert prep is not None and prep.thread is not None
-        prep.thread.join(timeout=60)
+        assert prep is not None and engine.wait_prepared(timeout=60)
         assert prep.staging is not None
         engine.save(rig.state.capture(step=1), 1).wait(timeout=60)
         assert engine._staging is prep.staging
