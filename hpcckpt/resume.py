@@ -56,7 +56,7 @@ def _candidates(root: Path, ranks: Ranks, tried: set[str]) -> tuple[list[dict[st
     """The coordinator's committed candidates (untried, newest first) and its unusable step dirs."""
     doc: dict[str, Any] = {}
     if ranks.is_coordinator:
-        infos = catalog.scan(root)
+        infos = catalog.snapshot(root)
         doc["candidates"] = [{"step": i.step, "key": _key(i)} for i in reversed(infos)
                              if i.status == "committed" and _key(i) not in tried]
         doc["unusable"] = [[i.step, (i.problems or [i.status])[0]] for i in infos

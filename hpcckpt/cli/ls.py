@@ -17,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def run(args: argparse.Namespace) -> int:
     from ..store import catalog
     from ..store.commit import read_latest
-    infos = catalog.scan(directory(args.dir, option="DIR", must_exist=False))
+    infos = catalog.snapshot(directory(args.dir, option="DIR", must_exist=False))
     latest = read_latest(args.dir)
     rows = [i.to_json() for i in infos]
     lines = [f"{'step':>8}  {'status':<10} {'size':>10}  path"]

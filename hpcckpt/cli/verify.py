@@ -31,7 +31,7 @@ def _newest(root: Path) -> CheckpointInfo:
     from ..errors import NoCheckpoint
     from ..store import catalog
     for _attempt in range(VANISH_RETRIES):
-        infos = [i for i in catalog.scan(root) if catalog.STEP_RE.match(i.path.name)]
+        infos = [i for i in catalog.snapshot(root) if catalog.STEP_RE.match(i.path.name)]
         if not infos:
             raise NoCheckpoint(f"no checkpoints under {root}")
         newest = max(infos, key=lambda i: i.step)  # whatever its status: that is what resume tries first
@@ -55,7 +55,7 @@ def _targets(args: argparse.Namespace) -> list[CheckpointInfo]:
     from ..store import catalog
     root = directory(args.dir, option="DIR")
     if args.all:
-        names = [i for i in catalog.scan(root) if catalog.STEP_RE.match(i.path.name)]
+        names = [i for i in catalog.snapshot(root) if catalog.STEP_RE.match(i.path.name)]
         if names:  # each fully verified; one pruned meanwhile is left out, not reported as damaged
             return [f for i in names if (f := catalog.inspect_step(root, i.step, full=True)) is not None]
     if args.step is not None:

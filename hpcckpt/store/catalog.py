@@ -13,11 +13,13 @@ from ..errors import CheckpointCorrupt, NoCheckpoint
 from .commit import LATEST, MANIFEST, TMP_MARK, discard, open_member, read_latest, read_manifest, verify_files
 from . import torchfile
 from .hdf5 import TensorEntry, verify_tensors
+from .lock import reader_lock
 from .manifest import validate
 
 STEP_RE = re.compile(r"^step-(\d+)$")
 STEP_TMP_RE = re.compile(r"^step-(\d+)\.tmp-")
 STALE_TMP_AGE_S = 600.0
+SCAN_ATTEMPTS = 50
 
 
 def step_name(step: int) -> str:
@@ -154,17 +156,21 @@ def inspect_step(root: Path, step: int, *, full: bool = False) -> CheckpointInfo
     return _inspect(root / step_name(step), step, full=full)
 
 
-def scan(root: Path, *, full: bool = False) -> list[CheckpointInfo]:
-    """Every step directory under ``root`` (committed, incomplete or corrupt), oldest first.
+def _root_mtime(root: Path) -> int | None:
+    try:
+        return os.stat(root).st_mtime_ns
+    except OSError:
+        return None
 
-    Safe while another process commits and prunes: an entry that disappears while it
-    is looked at is left out (it is not reported as incomplete or corrupt).
-    """
+
+def _scan_once(root: Path, full: bool) -> tuple[list[CheckpointInfo], bool]:
+    """(infos, stable): stable when no listed entry vanished while it was looked at."""
     out: list[CheckpointInfo] = []
+    stable = True
     try:
         entries = sorted(root.iterdir())
     except (FileNotFoundError, NotADirectoryError):
-        return out
+        return out, True
     for p in entries:
         info: CheckpointInfo | None = None
         if m := STEP_RE.match(p.name):
@@ -174,10 +180,43 @@ def scan(root: Path, *, full: bool = False) -> list[CheckpointInfo]:
             if ident is not None and not p.is_symlink():
                 info = CheckpointInfo(int(m.group(1)), "incomplete", p, _dir_bytes(p),
                                       [f"{p}: temporary directory of a save that never committed"], ident=ident)
-        if info is not None:
+        else:
+            continue
+        if info is None:
+            stable = False
+        else:
             out.append(info)
     out.sort(key=lambda c: (c.step, c.status != "committed"))
-    return out
+    return out, stable
+
+
+def scan(root: Path, *, full: bool = False) -> list[CheckpointInfo]:
+    """Every step directory under ``root`` (committed, incomplete or corrupt), oldest first.
+
+    An entry that disappears while it is looked at is left out, never reported as
+    incomplete or corrupt; and since a directory listing taken while entries are
+    renamed may miss both the old and the new name, the listing is taken again until
+    nothing vanished and the directory did not change meanwhile. Readers that are not
+    the writer should call ``snapshot`` (the same, under the commit lock when they can).
+    """
+    infos: list[CheckpointInfo] = []
+    for _attempt in range(SCAN_ATTEMPTS):
+        before = _root_mtime(root)
+        infos, stable = _scan_once(root, full)
+        if stable and _root_mtime(root) == before:
+            break
+    return infos
+
+
+def snapshot(root: Path) -> list[CheckpointInfo]:
+    """``scan`` (cheap mode) holding a shared lock on the commit lock file when one exists.
+
+    No commit or retention runs while the listing is taken, so it always holds the
+    newest committed checkpoint of that moment. The lock is held for the listing only
+    (milliseconds), never while bytes are read.
+    """
+    with reader_lock(root):
+        return scan(root)
 
 
 def committed_newest_first(root: Path) -> Iterator[CheckpointInfo]:
@@ -188,7 +227,7 @@ def committed_newest_first(root: Path) -> Iterator[CheckpointInfo]:
 
 
 def find(root: Path, step: int | None) -> CheckpointInfo:
-    infos = [i for i in scan(root) if i.status != "incomplete" or step is not None]
+    infos = [i for i in snapshot(root) if i.status != "incomplete" or step is not None]
     if step is None:
         committed = [i for i in infos if i.status == "committed"]
         if not committed:
@@ -237,4 +276,4 @@ def prune(root: Path, keep: int, *, protect: set[Path] | None = None) -> list[Pa
 
 
 __all__ = ["CheckpointInfo", "scan", "check", "find", "prune", "committed_newest_first",
-           "rank_entries", "step_name", "vanished", "identity", "inspect_step", "LATEST"]
+           "rank_entries", "step_name", "vanished", "identity", "inspect_step", "snapshot", "LATEST"]

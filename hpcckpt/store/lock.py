@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -25,7 +26,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from filelock import FileLock
 
@@ -44,6 +45,37 @@ def writer_lock(root: Path, timeout_s: float = -1) -> FileLock:
     root = Path(root)
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     return FileLock(str(root / LOCK_NAME), timeout=timeout_s, mode=0o600)
+
+
+@contextlib.contextmanager
+def reader_lock(root: Path, timeout_s: float = 30.0) -> Iterator[bool]:
+    """A shared flock on ``root/.hpcckpt.lock`` while listing (yields whether it is held).
+
+    Only where a writer created the lock file and this user may open it: a reader never
+    creates files, and without the lock the caller still copes (``catalog.scan`` retries).
+    Commits (``writer_lock``, exclusive) wait for the listing, and the listing for them.
+    """
+    try:
+        fd = os.open(Path(root) / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        yield False
+        return
+    try:
+        yield _flock_within(fd, fcntl.LOCK_SH, timeout_s)
+    finally:
+        os.close(fd)  # drops the lock
+
+
+def _flock_within(fd: int, kind: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, kind | fcntl.LOCK_NB)
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) or time.monotonic() > deadline:
+                return False
+        time.sleep(0.002)
 
 
 class WriterBusy(HpcckptError):

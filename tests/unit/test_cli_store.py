@@ -14,7 +14,7 @@ from hpcckpt.api import Checkpointer
 from hpcckpt.state import TrainState
 from hpcckpt.engines import SaveContext, make_engine
 from hpcckpt.ranks import Ranks
-from hpcckpt.store import hdf5
+from hpcckpt.store import catalog, hdf5
 from tests.conftest import REPO
 from tests.helpers import tiny_state, train_step
 
@@ -102,3 +102,26 @@ def test_inspect_json_shows_manifest(ckdir: Path) -> None:
     assert "objects/model/0.weight" in m["ranks"]["0"]["tensors"]
     code, out = cli("inspect", str(ckdir), "--step", "77")
     assert code == 3 and "step 77" in out
+
+
+def test_non_utf8_latest_and_ledger_line_break_nothing(ckdir: Path) -> None:
+    make_ckpts(ckdir)
+    (ckdir / "LATEST").write_bytes(b"step-\xff\xfe6\n")
+    with open(ckdir / "ledger.jsonl", "ab") as f:  # a line another tool mangled, then a torn one
+        f.write(b'{"event": "stop", "reason": "\xff\xfe"}\n{"event": "sig')
+    code, out = cli("ls", str(ckdir), "--json")
+    assert code == 0 and {r["step"] for r in json.loads(out)} == {2, 4, 6}, out
+    code, out = cli("history", str(ckdir), "--json")
+    assert code == 0 and json.loads(out)["finished"] is True, out
+    code, out = cli("requeue", "--dir", str(ckdir), "--json")
+    assert code == 75 and json.loads(out)["requeued"] is True, out  # local backend: exit 75 = restart me
+    # the next append starts on a line of its own: the torn line costs nothing else
+    from hpcckpt.ledger import Ledger
+    Ledger(ckdir).append("probe", step=1)
+    assert Ledger(ckdir).read()[-1]["event"] == "probe"
+    objs = tiny_state(3)
+    with Checkpointer(ckdir, every_steps=2, keep=1) as ck:  # resume + retention read LATEST too
+        assert ck.register(**objs) == 6
+        for _ in ck.steps(8):
+            train_step(objs)
+    assert [i.step for i in catalog.scan(ckdir)] == [8]
