@@ -6,8 +6,9 @@ memory. Reading the whole state into fresh host tensors and letting
 full copy; instead the tensors are cut into rounds (``hostmem.plan_rounds``) that
 stream through a few pinned chunks::
 
-    reader thread   read round r into chunk r % n (native read_items: parallel
-                    preads, O_DIRECT, crc32c of every piece as it lands)
+    reader threads  read rounds r, r+1 into chunks r % n, (r+1) % n (native
+                    read_items: parallel preads, O_DIRECT, crc32c of every piece
+                    as it lands; two calls at once so neither's tail idles the disk)
     calling thread  H2D copies of round r on a side stream, straight into the
                     live tensors; the chunk is reused once its copies are done
 
@@ -21,6 +22,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import threading
 from typing import Any, Sequence
 
 import torch
@@ -33,7 +35,8 @@ from .hostmem import Piece, Slot, plan_rounds
 log = logging.getLogger("hpcckpt.store.staged_read")
 
 ROUND_BYTES = 128 << 20  # one read_items call: enough pieces to keep every reader thread busy
-ROUND_CHUNKS = 3  # one being read, one being copied up, one spare so the reader never waits
+ROUND_CHUNKS = 3  # two being read, one being copied up
+ROUND_READERS = 2  # rounds read at once: the disk stays busy while one call waits for its slowest thread
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -66,6 +69,7 @@ class StagedReader:
         with torch.cuda.device(self.device) if pin else contextlib.nullcontext():
             self.chunks = [Slot(size, pin=pin) for _ in range(n)] if self.rounds else []
         self.info: dict[str, int] = {"staged_bytes": 0, "rounds": len(self.rounds)}
+        self._info_lock = threading.Lock()
 
     def read(self) -> dict[str, int]:
         """Read every round; returns crc32c by tensor name. Calling thread, blocks until done."""
@@ -75,7 +79,8 @@ class StagedReader:
             stream.wait_stream(torch.cuda.current_stream(self.device))  # pending work on the targets first
         n = len(self.chunks)
         done: list[Any] = [None] * n  # per chunk: the event after its last copies
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpcckpt-read") as pool:
+        readers = max(1, min(ROUND_READERS, n - 1))
+        with concurrent.futures.ThreadPoolExecutor(readers, thread_name_prefix="hpcckpt-read") as pool:
             futures: dict[int, concurrent.futures.Future[list[int]]] = {}
 
             def submit(r: int) -> None:
@@ -111,10 +116,11 @@ class StagedReader:
         items = [(chunk.bytes[p.chunk_off:p.chunk_off + p.nbytes], p.file_off, False) for p in self.rounds[r]]
         crcs, info = native().read_items(self.path, items, threads=self.threads, chunk_bytes=self.read_chunk,
                                          direct=self.direct)
-        for key in ("direct_bytes", "buffered_bytes", "bounced_bytes"):
-            self.info[key] = self.info.get(key, 0) + int(info.get(key, 0))
-        self.info["threads"] = int(info.get("threads", 0))
-        self.info["staged_bytes"] += sum(p.nbytes for p in self.rounds[r])
+        with self._info_lock:  # two reader threads
+            for key in ("direct_bytes", "buffered_bytes", "bounced_bytes"):
+                self.info[key] = self.info.get(key, 0) + int(info.get(key, 0))
+            self.info["threads"] = int(info.get("threads", 0))
+            self.info["staged_bytes"] += sum(p.nbytes for p in self.rounds[r])
         return [int(c) for c in crcs]
 
     def _copy_up(self, chunk: Slot, pieces: list[Piece], stream: Any) -> Any:
