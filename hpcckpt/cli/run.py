@@ -1,6 +1,6 @@
 """``hpcckpt run [--mode criu|app] --dir DIR [options] -- CMD ARGS``: supervise a job.
 
-``--mode criu`` (transparent): CMD runs unchanged in its own PID namespace; on the
+``--mode criu`` (transparent): CMD runs unchanged as PID 2 of its own PID + mount namespaces; on the
 dump signal the whole process tree is dumped with CRIU (CUDA state first, through
 the driver's checkpoint API), the image is committed under DIR/criu/, and the job
 is requeued; the next run in DIR restores the newest image. ``--mode app``: CMD runs
