@@ -27,7 +27,9 @@ def test_demo_sync_is_bit_identical(tmp_path: Path, seed: int, extra: tuple[str,
     res = demo(tmp_path, "--engine", "sync", "--seed", str(seed), "--steps", "30", "--no-plot", *extra)
     assert res["identical"] is True, res
     assert res["max_abs_param_diff"] == 0.0
-    assert set(res) >= {"identical", "steps", "preempted_at", "resumed_from", "max_abs_param_diff"}
+    assert set(res) >= {"identical", "steps", "preempted_at", "resumed_from", "max_abs_param_diff", "device"}
+    import torch
+    assert res["device"] == ("cuda" if torch.cuda.is_available() else "cpu")  # --device auto
     assert res["preempted_at"] and res["resumed_from"] == res["preempted_at"]
     if extra:
         assert len(res["preempted_at"]) == 2
