@@ -29,18 +29,23 @@ def test_core_import_does_not_pull_a_trainer() -> None:
     assert out.strip() == "[]"
 
 
-def test_lightning_integration_without_lightning_says_how_to_install(tmp_path: object) -> None:
-    # A meta-path finder that hides lightning and pytorch_lightning: the real import error path.
+@pytest.mark.parametrize(("module", "hidden", "extra"), [
+    ("hpcckpt.integrations.lightning", ("lightning", "pytorch_lightning"), "lightning"),
+    ("hpcckpt.integrations.hf", ("transformers",), "hf"),
+])
+def test_integration_without_its_trainer_says_how_to_install(module: str, hidden: tuple[str, ...],
+                                                             extra: str) -> None:
+    # A meta-path finder that hides the trainer: the real import error path.
     code = (
         "import sys\n"
         "class Hide:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] in ('lightning', 'pytorch_lightning'):\n"
+        f"        if name.split('.')[0] in {hidden!r}:\n"
         "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
         "sys.meta_path.insert(0, Hide())\n"
         "try:\n"
-        "    import hpcckpt.integrations.lightning\n"
+        f"    import {module}\n"
         "except Exception as exc:\n"
         "    print(type(exc).__name__, exc)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.startswith("ConfigError") and "pip install 'hpcckpt[lightning]'" in out, out
+    assert out.startswith("ConfigError") and f"pip install 'hpcckpt[{extra}]'" in out, out

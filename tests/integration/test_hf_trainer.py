@@ -1,0 +1,105 @@
+"""Hugging Face Trainer with HpcckptTrainerCallback on a tiny GPT-2 built from a config
+(nothing downloaded): stopped mid-epoch and at an epoch's end, resumed bit-identical to an
+uninterrupted plain Trainer run; under real Slurm, preempted, requeued once, identical.
+
+Stops happen at a step the job reaches by construction (hf_train.py --stop-at / --hold-at)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from conftest import SlurmCluster
+
+pytest.importorskip("transformers", reason="the hf extra is not installed (scripts/bootstrap installs it)")
+pytest.importorskip("accelerate", reason="the hf extra is not installed (scripts/bootstrap installs it)")
+
+pytestmark = [pytest.mark.slow]
+
+JOB = Path(__file__).with_name("hf_train.py")
+STEPS = 30  # 8 batches an epoch
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
+    return env
+
+
+def _train(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(JOB), "--dir", str(run_dir), "--steps", str(STEPS), *args],
+                          env=_env(), capture_output=True, text=True, timeout=600, check=False)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("hf-ref")
+    proc = _train(out, "--mode", "plain")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def _assert_identical(run_dir: Path, reference: Path) -> None:
+    assert (run_dir / "trace.jsonl").read_text() == (reference / "trace.jsonl").read_text(), \
+        "loss trace differs from the uninterrupted run"
+    assert json.loads((run_dir / "result.json").read_text()) == json.loads((reference / "result.json").read_text()), \
+        "final parameters differ from the uninterrupted run"
+
+
+def _ledger(ckpt: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in (ckpt / "ledger.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize(("stop_at", "extra"), [(11, ("--every", "3")), (7, ())],
+                         ids=["mid-epoch-with-periodic-saves", "last-batch-of-epoch"])
+def test_stopped_and_resumed_matches_uninterrupted(tmp_path: Path, reference: Path, stop_at: int,
+                                                    extra: tuple[str, ...]) -> None:
+    run_dir = tmp_path / "run"
+    first = _train(run_dir, "--stop-at", str(stop_at), *extra)
+    assert first.returncode == 75, first.stderr[-3000:]
+    assert not (run_dir / "result.json").exists()
+    second = _train(run_dir, "--stop-at", str(stop_at), *extra)
+    assert second.returncode == 0, second.stderr[-3000:]
+    _assert_identical(run_dir, reference)
+    ledger = _ledger(run_dir / "ckpt")
+    stops = [e for e in ledger if e["event"] == "stop" and e["reason"] != "done"]
+    assert [(s["step"], s["committed_step"]) for s in stops] == [(stop_at + 1, stop_at + 1)]
+    starts = [e for e in ledger if e["event"] == "start"]
+    assert [s["resumed_from"] for s in starts] == [None, stop_at + 1]
+    assert {e["engine"] for e in starts} == {"concurrent"}
+    # Nothing of the Trainer's own pickled checkpoint format was written or read.
+    assert not list((run_dir / "ckpt").rglob("*.pth")) and not list((run_dir / "ckpt").rglob("*.bin"))
+
+
+@pytest.mark.slurm
+def test_hf_trainer_preempted_under_sbatch_resumes_identically(
+        slurm_cluster: SlurmCluster, tmp_path: Path, reference: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    command = f'{sys.executable} {JOB} --dir "$HPCCKPT_RUN_DIR" --steps {STEPS} --hold-at 11'
+    script = slurm_cluster.render("single", run_dir / "hf.sbatch", TIME="10:00", LEAD_S="50",
+                                  RUN_DIR=str(run_dir), OUTPUT=f"{run_dir}/slurm-%j.out", COMMAND=command,
+                                  JOB_NAME="hpcckpt-hf")
+    job = slurm_cluster.sbatch(script, "-p", "low", "--exclusive",
+                               "--export=ALL,OMP_NUM_THREADS=1,PYTHONWARNINGS=ignore,HF_HUB_OFFLINE=1")
+    out = run_dir / f"slurm-{job}.out"
+    slurm_cluster.wait_until(lambda: out.exists() and "holding at step 11" in out.read_text(), 300,
+                             "the job to reach step 11")
+    slurm_cluster.preempt()
+    assert slurm_cluster.wait_done(job, 600, out) == "COMPLETED"
+    _assert_identical(run_dir, reference)
+    ledger = _ledger(run_dir / "ckpt")
+    assert [s["restart_count"] for s in ledger if s["event"] == "start"] == [0, 1]
+    stops = [e for e in ledger if e["event"] == "stop" and e["reason"] != "done"]
+    assert len(stops) == 1 and stops[0]["step"] == stops[0]["committed_step"] == 12, stops
+    assert slurm_cluster.job(job)["Restarts"] == "1", "exactly one requeue for one preemption"
+    history = slurm_cluster.history(run_dir / "ckpt")
+    assert history["finished"] is True and history["lost_steps_total"] == 0
+    assert [r["cause"] for r in history["rows"]] == ["preemption"], history["rows"]
