@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     text = (f"[demo] {verdict}: {res['steps']} steps on {res['device']}, {res['engine']} engine, preempted at "
             f"{res['preempted_at']}, resumed from {res['resumed_from']}, max |param diff| = {res['max_abs_param_diff']}\n"
             f"[demo] loss traces equal: {res['losses_equal']}; digest {str(res['param_digest'])[:16]}"
+            + (f"\n[demo] {res['note']}" if res.get("note") else "")
             + (f"\n[demo] plot: {res['plot']}" if res.get("plot") else "") + f"\n[demo] files: {res['dir']}")
     emit(args, res, text)
     return 0 if res["identical"] else 1

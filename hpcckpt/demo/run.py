@@ -188,8 +188,11 @@ def run_demo(o: DemoOptions, progress: Callable[[str], None] = lambda s: None) -
         "preempted_at": stops, "signalled_at": sent, "resumed_from": resumed,
         "max_abs_param_diff": diff, "losses_equal": ref == got,
         "param_digest": got_res.get("param_digest"), "reference_digest": ref_res["param_digest"],
-        "exit_code": code, "dir": str(base),
+        "exit_code": code, "dir": str(base), "preemptions_requested": len(targets),
     }
+    if len(stops) < len(targets):
+        result["note"] = (f"only {len(stops)} of {len(targets)} preemptions stopped the run before it ended, so "
+                          "nothing was proven for the others; pick earlier steps with --preempt-at")
     if o.plot:
         plot(base / "loss.png", ref, got, resumed)
         result["plot"] = str(base / "loss.png")
