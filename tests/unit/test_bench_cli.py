@@ -159,3 +159,42 @@ def test_bench_options_quick_and_room(tmp_path: Path) -> None:
         BenchOptions.make(size_gb=float("nan"), dir=tmp_path, quick=False)
     with pytest.raises(ConfigError, match="free"):
         check_room(BenchOptions.make(size_gb=1e7, dir=tmp_path, quick=False), tmp_path)
+
+
+def _engine_figures(stall: float, persist: float, load: float, raw: float) -> dict[str, object]:
+    return {"stall_s": stall, "first_stall_s": 2 * stall, "first_vs_steady": 2.0, "persist_s": persist,
+            "persist_gbps": 1.0 / persist, "persist_vs_raw_write": 0.9, "load_s": load, "load_gbps": 1.0 / load,
+            "load_all_s": [load], "raw_read_all_s": [raw], "raw_read_gbps": 1.0 / raw, "load_vs_raw_read": raw / load,
+            "load_fresh_vs_raw_read": 0.5, "raw_read_fresh_vs_raw_read": 0.4, "load_fresh_vs_raw_read_fresh": 1.2,
+            "snapshot_gbps": 40.0}
+
+
+@pytest.mark.parametrize("device,copy_key,stall_target,torch_target", [("cuda", "pinned_d2h_gbps", 0.02, 2.0),
+                                                                       ("cpu", "memcpy_gbps", 0.1, 3.0)])
+def test_targets_use_the_device_bar(device: str, copy_key: str, stall_target: float, torch_target: float) -> None:
+    """The ratios the GPU acceptance reads, from hand-made figures (the arithmetic, not the measuring)."""
+    from hpcckpt.bench import _targets
+    from hpcckpt.cli.bench import text
+
+    sync = {**_engine_figures(2.0, 2.0, 2.0, 1.0), "torch_load_all_s": [4.0], "torch_load_s": 4.0}
+    conc = _engine_figures(0.02, 1.0, 1.0, 0.9)
+    limits = {"write_gbps": 1.0, "write_dd_gbps": 0.5, "read_gbps": 1.0, "memcpy_gbps": 50.0,
+              "fresh_memory_gbps": 4.0, "pinned_d2h_gbps": 50.0, "pinned_h2d_gbps": 50.0}
+    over = {"overhead": {"sync": {"1": 1.0, "10": 0.2, "50": 0.05}, "concurrent": {"1": 0.3, "10": 0.02, "50": 0.0}},
+            "overhead_blocked": {"sync": {"10": 0.2}, "concurrent": {"10": 0.001}},
+            "overhead_detail": {"state_bytes": 1_200_000_000, "step_s": 0.1}}
+    top = {"state_bytes": 2_000_000_000, "sync": sync, "concurrent": conc}
+    t = _targets(top, limits, over, device)
+    assert t["device"] == device and t["snapshot_copy_limit"] == copy_key
+    assert t["stall_vs_sync"] == pytest.approx(0.01) and t["stall_vs_sync_target"] == stall_target
+    assert t["snapshot_vs_copy_limit"] == pytest.approx(0.8)
+    assert t["load_vs_torch_load"] == pytest.approx(4.0) and t["load_vs_torch_load_target"] == torch_target
+    assert t["load_vs_torch_load_ceiling"] == pytest.approx(4.0 / 0.9)
+    # 1.2 GB at 1 GB/s takes 1.2 s: not within 1 step (0.1 s) or 10 (1.0 s), within 50 (5 s)
+    assert t["disk_absorbs"] == {"1": False, "10": False, "50": True}
+    res = {"device": device, "state_bytes": top["state_bytes"], "limits": limits, "targets": t,
+           "engines": {"sync": sync, "concurrent": conc}, "overhead": over["overhead"],
+           "staging": {"supported": True, "fractions": {"1.0": {"stall_s": 0.01}, "0.25": {"stall_s": 0.03}}}}
+    shown = text(res)
+    assert ("pinned D2H 50.0 GB/s" in shown) == (device == "cuda")
+    assert "25% 0.0300s" in shown and "@10 no" in shown
