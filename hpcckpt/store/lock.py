@@ -201,7 +201,7 @@ class WriterLease:
                 self._break(holder)
                 continue
             if holder is not None and holder.predecessor_of(me) and time.monotonic() < deadline:
-                time.sleep(_POLL_S)
+                _pause(holder)
                 continue
             raise WriterBusy(self._busy_message(holder, me))
 
@@ -230,6 +230,12 @@ class WriterLease:
         return (f"another live job is writing checkpoints in {self.root}: {who}{waited}. Two writers in one "
                 "directory would resume from each other's checkpoints. Stop that job (e.g. scancel), or give "
                 f"this one its own directory (dir=... or HPCCKPT_DIR); the lease is {self.path}")
+
+
+def _pause(holder: Holder) -> None:
+    """Wait a moment for the previous instance of this job to die."""
+    log.info("hpcckpt: waiting for the previous instance of this job to exit (%s)", holder.describe())
+    time.sleep(_POLL_S)
 
 
 def _try_flock(fd: int) -> bool:
