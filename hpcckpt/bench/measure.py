@@ -44,9 +44,17 @@ def supports_staging_budget() -> bool:
     return "staging_bytes" in inspect.signature(ConcurrentEngine.__init__).parameters
 
 
-def _engine(name: str, root: Path, options: dict[str, Any]) -> Any:
+def _engine(name: str, root: Path, options: dict[str, Any], rig: SyntheticRig) -> Any:
+    """The engine bound to the rig, with its staging prepared as a training loop would
+    have it by its first save: the concurrent engine lays staging out on a background
+    thread once the state's shapes are known, while a real loop keeps training; the rig
+    saves at once, so it waits for that here (the time is reported as ``prepare_s``)."""
     ctx = SaveContext(root=root, keep=1, job={}, user={})
-    return make_engine(name, ctx, Ranks(), **(options if name == "concurrent" else {}))
+    engine = make_engine(name, ctx, Ranks(), **(options if name == "concurrent" else {}))
+    engine.bind(rig.state)
+    if hasattr(engine, "wait_prepared"):
+        engine.wait_prepared()
+    return engine
 
 
 def _plain_step_s(rig: SyntheticRig) -> float:
@@ -111,8 +119,7 @@ def measure_engine(name: str, rig: SyntheticRig, root: Path, *, repeats: int, op
                    probe: bool = True) -> dict[str, Any]:
     """Stall, snapshot and persist figures; the newest checkpoint stays in ``root`` for ``measure_loads``."""
     shutil.rmtree(root, ignore_errors=True)
-    engine = _engine(name, root, options)
-    engine.bind(rig.state)
+    engine = _engine(name, root, options, rig)
     nbytes = rig.state_bytes
     raw_file = root.parent / f"raw-write-{name}.bin"
     try:
@@ -125,6 +132,7 @@ def measure_engine(name: str, rig: SyntheticRig, root: Path, *, repeats: int, op
             runs.append(_one_checkpoint(engine, rig, 2 + i))
         snap = _snapshot_probe(engine, rig, 2 + repeats) if probe and name == "concurrent" else {}
         first_call = getattr(getattr(engine, "stats", None), "first_save_call_s", None)
+        prepare_s = getattr(getattr(engine, "stats", None), "prepare_s", None)
     finally:
         engine.close()
         raw_file.unlink(missing_ok=True)
@@ -140,6 +148,8 @@ def measure_engine(name: str, rig: SyntheticRig, root: Path, *, repeats: int, op
         "persist_vs_raw_write": statistics.median(r / p for r, p in zip(raws, persists)),
         **snap,
     }
+    if prepare_s is not None:
+        out["prepare_s"] = float(prepare_s)
     out["first_vs_steady"] = out["first_stall_s"] / max(out["stall_s"], 1e-9)
     out["persist_gbps"] = nbytes / out["persist_s"] / GB
     return out
@@ -154,8 +164,7 @@ def measure_staging(rig: SyntheticRig, root: Path, *, repeats: int, options: dic
     for frac in STAGING_FRACTIONS:
         budget = int(nbytes * frac)
         shutil.rmtree(root, ignore_errors=True)
-        engine = _engine("concurrent", root, {**options, "staging_bytes": budget})
-        engine.bind(rig.state)
+        engine = _engine("concurrent", root, {**options, "staging_bytes": budget}, rig)
         try:
             first = _one_checkpoint(engine, rig, 1)
             runs = [_one_checkpoint(engine, rig, 2 + i) for i in range(max(1, repeats))]
