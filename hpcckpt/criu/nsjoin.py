@@ -17,11 +17,13 @@ Exit status: CMD's (128 + signal when killed), 125 when the namespaces cannot be
 """
 import ctypes
 import os
+import signal
 import sys
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWPID = 0x20000000
 HOLD_NAME = "hpcckpt-hold"
+PR_SET_PDEATHSIG = 1
 
 
 def _setns(path, nstype):
@@ -70,6 +72,9 @@ def main(argv):
     child = os.fork()
     if child == 0:
         try:
+            # If the supervisor gives up on us (timeout), criu must not run on: killed,
+            # it detaches from the job, which resumes.
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
             os.execv(cmd[0], cmd)
         except OSError as exc:
             sys.stderr.write("hpcckpt nsjoin: cannot run %r: %s\n" % (cmd[0], exc))
