@@ -9,6 +9,7 @@ job stops requeueing instead of crash-looping through the queue forever.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -131,7 +132,12 @@ def charge(state_dir: Path, cause: Cause | str, *, attempt: str,
         state.history.append({"time": time.time(), "attempt": attempt, "cause": cause.value,
                               "allowed": decision.allowed, "reason": decision.reason,
                               "committed_step": committed_step})
-        state.save(path)
+        try:
+            state.save(path)
+        except OSError as exc:  # a full disk must not cost the requeue: the decision stands, unrecorded
+            path.with_name(f"{path.name}.tmp-{os.getpid()}").unlink(missing_ok=True)
+            logging.getLogger("hpcckpt.cluster").error(
+                "hpcckpt: could not record the requeue budget in %s (%s); deciding without it", path, exc)
     return decision
 
 

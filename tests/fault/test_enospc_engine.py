@@ -49,6 +49,10 @@ def test_enospc_during_persist_training_continues_error_once(small_tmpfs: Callab
         assert all("No space left on device" in m and str(full_fs) in m for m in failures)
         events = [e for e in Ledger(full_fs).read() if e["event"] == "save_failed"]
         assert [e["step"] for e in events] == [4, 6]
+        # a failed save is never recorded as a commit, and does not move the committed step
+        commits = [e for e in Ledger(full_fs).read() if e["event"] == "commit"]
+        assert [(e["step"], e["path"] is not None) for e in commits] == [(2, True)]
+        assert ck.committed_step == 2
 
         # The previous checkpoint is intact and no half-written temp directory is left.
         assert sorted(p.name for p in full_fs.iterdir() if p.name.startswith("step-")) == ["step-2"]
