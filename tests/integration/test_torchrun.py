@@ -1,9 +1,10 @@
-"""A 2-node x 2-worker Lightning DDP job launched by torchrun under sbatch (template
-``torchrun``): preempted by a `high` job mid-run, requeued once by the batch script,
-resumed bit-identical to an uninterrupted 4-worker torchrun run on one node."""
+"""2-node x 2-worker DDP jobs launched by torchrun under sbatch (template ``torchrun``):
+Lightning with HpcckptCallback, and the @preemptible demo; preempted by a `high` job,
+requeued once by the batch script, resumed bit-identical to an uninterrupted 4-worker run."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -16,9 +17,11 @@ import pytest
 if TYPE_CHECKING:
     from conftest import SlurmCluster
 
-pytest.importorskip("lightning.pytorch", reason="the lightning extra is not installed (scripts/bootstrap installs it)")
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+# Checked without importing the trainer into the test process.
+_MISSING = importlib.util.find_spec("lightning") is None
+pytestmark = [pytest.mark.skipif(_MISSING, reason="the lightning extra is not installed (scripts/bootstrap installs it)"),
+              pytest.mark.slurm, pytest.mark.slow]
 
 JOB = Path(__file__).with_name("lightning_train.py")
 STEPS = 24  # 4 ranks x 2 batches of 8 per epoch: 12 epochs
@@ -70,3 +73,35 @@ def test_torchrun_two_nodes_preempted_resumes_identically(slurm_cluster: SlurmCl
     assert len(deferred) == 1, [e for e in ledger if e["event"] == "requeue"]
     assert slurm_cluster.job(job)["Restarts"] == "1", "exactly one requeue for one preemption"
     assert "hpcckpt: requeue: stopped at step" in out.read_text()
+
+
+def test_torchrun_preemptible_demo_two_nodes_preempted_resumes_identically(
+        slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """The @preemptible path (hpcckpt.demo.train) with ranks from torchrun's environment."""
+    from tests.integration.test_slurm_ddp import STEPS as DEMO_STEPS, local_ddp_reference
+
+    reference = local_ddp_reference(tmp_path / "reference")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    command = (f'-m hpcckpt.demo.train --dir "$HPCCKPT_RUN_DIR" --steps {DEMO_STEPS} '
+               "--every 100000 --step-sleep 0.3")
+    script = slurm_cluster.render("torchrun", run_dir / "torchrun.sbatch", TIME="10:00", LEAD_S="50",
+                                  RUN_DIR=str(run_dir), OUTPUT=f"{run_dir}/slurm-%j.out", COMMAND=command,
+                                  JOB_NAME="hpcckpt-torchrun-demo", NODES="2", PROCS_PER_NODE="2")
+    job = slurm_cluster.sbatch(script, "-p", "low", "--exclusive", "--export=ALL,OMP_NUM_THREADS=1")
+    out = run_dir / f"slurm-{job}.out"
+    slurm_cluster.wait_for(job, {"RUNNING"}, 240, out)
+    # The demo sleeps 0.3 s a step: it is still training when the preemption reaches it.
+    slurm_cluster.wait_until(lambda: slurm_cluster.trace_steps(run_dir) >= 6, 300, "6 DDP steps")
+    slurm_cluster.preempt()
+    assert slurm_cluster.wait_done(job, 600, out) == "COMPLETED"
+    for proc in reference:  # type: ignore[attr-defined]
+        assert proc.wait(timeout=600) == 0
+    expected = json.loads((tmp_path / "reference" / "result.json").read_text())["param_digest"]
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["world_size"] == 4 and result["param_digest"] == expected, "torchrun demo not bit-identical"
+    ledger = slurm_cluster.read_ledger(run_dir / "ckpt")
+    assert [s["restart_count"] for s in ledger if s["event"] == "start"] == [0, 1]
+    stops = [e for e in ledger if e["event"] == "stop" and e["reason"] != "done"]
+    assert len(stops) == 1 and stops[0]["committed_step"] == stops[0]["step"], stops
+    assert slurm_cluster.job(job)["Restarts"] == "1", "exactly one requeue for one preemption"
