@@ -5,8 +5,10 @@ same ring (D2H on a side stream) is covered by tests/gpu/test_engine_gpu.py.
 """
 from __future__ import annotations
 
+import gc
 import os
 import signal
+import weakref
 from pathlib import Path
 
 import pytest
@@ -225,6 +227,20 @@ def test_staging_is_prepared_after_the_first_step_and_used_by_the_first_save(tmp
     finally:
         rig.engine.close()
     assert rig.engine._staging is None and rig.engine.stats.staging_bytes == 0
+
+
+@pytest.mark.parametrize("budget", [None, 64 << 10])
+def test_close_frees_the_staging_memory(tmp_path: Path, budget: int | None) -> None:
+    rig = Rig(tmp_path / "ckpt", width=256, staging_bytes=budget)
+    rig.train_step()
+    rig.engine.save(rig.state.capture(step=1), 1).wait(timeout=60)
+    staging = rig.engine._staging
+    assert staging is not None
+    buffers = [weakref.ref(b) for b in (staging.ring.chunks if staging.ring else staging.slots)]
+    del staging
+    rig.engine.close()
+    gc.collect()
+    assert buffers and all(ref() is None for ref in buffers)  # nothing keeps the memory alive
 
 
 def test_close_releases_staging_and_a_preparation_in_progress(tmp_path: Path) -> None:
