@@ -157,6 +157,9 @@ class HpcckptCallback(pl.Callback):  # type: ignore[misc, name-defined]
             objects[f"optimizer_{i}"] = opt
         for i, config in enumerate(trainer.lr_scheduler_configs):
             objects[f"scheduler_{i}"] = config.scheduler
+        scaler = getattr(trainer.precision_plugin, "scaler", None)  # 16-mixed on CUDA: a GradScaler
+        if scaler is not None:
+            objects["scaler"] = scaler
         restored = self.ckpt.register(**objects)
         if restored is not None:
             self._after_restore(trainer)

@@ -103,6 +103,30 @@ def test_lightning_auto_requeue_is_turned_off(tmp_path: Path) -> None:
     assert "turning off Lightning's SLURM auto-requeue" in proc.stderr
 
 
+def test_a_loader_without_resumable_sampler_is_a_clear_error(tmp_path: Path) -> None:
+    code = (
+        "import torch, lightning.pytorch as pl\n"
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        "from hpcckpt.integrations.lightning import HpcckptCallback\n"
+        "class M(pl.LightningModule):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.l = torch.nn.Linear(2, 1)\n"
+        "    def training_step(self, b, i): return self.l(b[0]).sum()\n"
+        "    def configure_optimizers(self): return torch.optim.SGD(self.parameters(), lr=0.1)\n"
+        f"cb = HpcckptCallback(dir={str(tmp_path / 'ckpt')!r})\n"
+        "t = pl.Trainer(max_steps=2, callbacks=[cb], logger=False, accelerator='cpu', devices=1,\n"
+        "               enable_checkpointing=False, enable_progress_bar=False)\n"
+        "try:\n"
+        "    t.fit(M(), DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=4, shuffle=True))\n"
+        "except Exception as exc:\n"
+        "    print(type(exc).__name__, exc)\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("ConfigError") and "sampler=ResumableSampler(" in proc.stdout, proc.stdout
+    assert "RandomSampler" in proc.stdout
+
+
 @pytest.mark.slurm
 def test_lightning_preempted_under_sbatch_resumes_identically(
         slurm_cluster: SlurmCluster, tmp_path: Path, reference: Path) -> None:
