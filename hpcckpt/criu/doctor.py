@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..doctor import Check
 from ..errors import CudaCheckpointError, CriuError
-from . import proctree
+from ..proc import tree as proctree
 from .locate import check, find_criu
 
 

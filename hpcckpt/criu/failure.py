@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CriuError, CudaCheckpointError, NoCheckpoint
-from . import images, ops, proctree
+from ..proc import tree as proctree
+from . import images, ops
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CriuError
-from . import proctree
+from ..proc import tree as proctree
 from .locate import Criu
 
 NSINIT = Path(__file__).with_name("nsinit.py")

@@ -57,9 +57,10 @@ from typing import Any, Callable
 from ..errors import CheckpointCorrupt, CriuError, CudaCheckpointError, HpcckptError, NoCheckpoint
 from ..exitcodes import EXIT_REQUEUE
 from ..ledger import Ledger
+from ..proc import tree as proctree
 from ..store.commit import Transaction, atomic_write
 from ..store.lock import writer_lock
-from . import images, ops, proctree
+from . import images, ops
 from .locate import Criu, find_criu
 
 MODES = ("criu", "app")

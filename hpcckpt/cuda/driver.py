@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 
 from ..errors import CudaCheckpointError
-from ..criu.proctree import maps_library
+from ..proc.tree import maps_library
 
 LIBCUDA = "libcuda.so.1"
 # How a process that talks to the driver shows in /proc/PID/maps (not libcudart).

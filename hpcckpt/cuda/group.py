@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..criu import proctree
+from ..proc import tree as proctree
 from ..errors import CudaCheckpointError
 from .driver import MAPPED_DRIVER, NO_CONTEXT_CODES, CudaCallFailed, CudaCheckpoint, CudaDriverMissing, ProcessState
 

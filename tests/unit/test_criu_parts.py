@@ -189,7 +189,7 @@ def _live(*args: str) -> subprocess.Popen:
 
 @pytest.mark.parametrize("mode, expected", [("catch", True), ("ignore", False)])
 def test_sigcgt_says_whether_a_process_catches_the_signal(mode: str, expected: bool) -> None:
-    from hpcckpt.criu import proctree
+    from hpcckpt.proc import tree as proctree
     from hpcckpt.criu.failure import catchers
     from hpcckpt.criu.ops import Job
 

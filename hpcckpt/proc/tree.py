@@ -1,4 +1,4 @@
-"""Reading a process tree from /proc (outer PIDs, as the supervisor sees them)."""
+"""Reading a process tree from /proc (host PIDs, as the supervisor sees them)."""
 from __future__ import annotations
 
 import os
