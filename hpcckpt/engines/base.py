@@ -180,8 +180,11 @@ def load_rank(info: catalog.CheckpointInfo, rank: int, world: int, *, into: Mapp
     """Read and verify one rank's state from a committed checkpoint (no unpickling).
 
     ``into``: live tensors by flat name (``TrainState.capture``); HDF5 rank files are
-    read straight into those that match (``hdf5.read_tensors``), torch archives are
-    not. ``stats`` receives the reader's figures, ``in_place_bytes`` included.
+    read straight into those that match (``hdf5.read_tensors``; CUDA ones through
+    pinned chunks), torch archives are not. Optimizer state the live optimizer does
+    not hold yet is read onto the GPU too when the live tensors are on one CUDA
+    device (``_optimizer_homes``). ``stats`` receives the reader's figures,
+    ``in_place_bytes`` (live memory overwritten) and ``device_bytes`` included.
     """
     manifest = info.manifest
     if manifest is None:
