@@ -46,6 +46,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--every", type=int, default=None, help="periodic checkpoint interval (default: none)")
     p.add_argument("--devices", type=int, default=1, help="DDP processes on this node (torchrun sets them)")
     p.add_argument("--num-nodes", type=int, default=1)
+    p.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     return p.parse_args(argv)
 
 
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         max_steps=args.steps, accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes,
         strategy=ddp_strategy if world > 1 else "auto", use_distributed_sampler=False, callbacks=callbacks,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        deterministic=True)
+        deterministic=True, accumulate_grad_batches=args.accumulate)
     trainer.fit(model, data(trainer.global_rank, world))
     if trainer.global_rank == 0:
         result = {"param_digest": digest(model), "global_step": int(trainer.global_step),

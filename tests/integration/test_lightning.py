@@ -82,6 +82,21 @@ def test_stopped_and_resumed_matches_uninterrupted(tmp_path: Path, reference: Pa
     assert [e["engine"] for e in starts] == ["concurrent", "concurrent"]
 
 
+def test_gradient_accumulation_stops_only_after_an_optimizer_step(tmp_path: Path) -> None:
+    """With accumulate_grad_batches=3 the boundary runs only where the optimizer stepped: a
+    signal during a micro-batch stops after that step's last micro-batch, never with
+    half-accumulated gradients, and the resume is bit-identical."""
+    reference = tmp_path / "reference"
+    assert _train(reference, "--mode", "plain", "--accumulate", "3").returncode == 0
+    run_dir = tmp_path / "run"
+    assert _train(run_dir, "--stop-at", "6", "--accumulate", "3").returncode == 75
+    second = _train(run_dir, "--stop-at", "6", "--accumulate", "3")
+    assert second.returncode == 0, second.stderr[-3000:]
+    _assert_identical(run_dir, reference)
+    stops = [e for e in _ledger(run_dir / "ckpt") if e["event"] == "stop" and e["reason"] != "done"]
+    assert [(s["step"], s["committed_step"]) for s in stops] == [(7, 7)]
+
+
 def test_lightning_auto_requeue_is_turned_off(tmp_path: Path) -> None:
     """Inside a Slurm-looking environment Lightning would requeue on USR1 itself; the callback
     switches that off (one requeue, by hpcckpt) and says so."""
