@@ -274,3 +274,29 @@ def test_restore_while_pids_are_taken(criu_ok: None, reference: dict, tmp_path: 
             s.kill()
             s.wait()
         finish(other)
+
+
+TERM_PROBE = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda s, f: (open(sys.argv[1], "w").write(f"{os.getpid()} {os.getppid()}"),
+                                            sys.exit(7)))
+for i in range(1, 100000):
+    print(f"step {i} ", flush=True)
+    time.sleep(0.05)
+"""
+
+
+def test_restored_job_is_pid_2_under_nsinit_and_gets_forwarded_signals(criu_ok: None, tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(TERM_PROBE)
+    run_dir, out = tmp_path / "run", tmp_path / "seen.txt"
+    cmd = [sys.executable, str(probe), str(out)]
+    dumped_once(run_dir, out, cmd=cmd, step=3)
+    proc = start(run_dir, out, cmd=cmd)
+    wait_for_step(run_dir, 20, proc)  # only the restored incarnation gets this far
+    proc.send_signal(signal.SIGTERM)
+    code, summary, stderr = finish(proc)
+    assert summary["restored_from"] == "image-000001", stderr
+    assert code == 7, stderr  # the job's own status, through nsinit and unshare
+    # Inside its fresh namespaces the restored job is PID 2, child of nsinit (PID 1).
+    assert out.read_text() == "2 1"
