@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hpcckpt.store import catalog
-from hpcckpt.store.commit import read_latest
+from hpcckpt.store.commit import TRASH_PREFIX, read_latest
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.fault, pytest.mark.native, pytest.mark.slow]
@@ -20,7 +20,10 @@ def check_root(root: Path) -> int | None:
     latest = read_latest(root)
     if latest is not None:
         assert catalog.check(root / latest, full=True)[1] == [], latest
-    committed = [i for i in catalog.scan(root) if i.status == "committed"]
+    infos = catalog.scan(root)
+    # a step directory is whole or absent: never half-written, never half-deleted
+    assert all(i.status == "committed" for i in infos if catalog.STEP_RE.match(i.path.name)), infos
+    committed = [i for i in infos if i.status == "committed"]
     for info in committed:
         assert catalog.check(info.path, full=True)[1] == [], info.path
     return committed[-1].step if committed else None
@@ -45,3 +48,21 @@ def test_kill_before_each_protocol_call(tmp_path: Path, engine: str, func: str) 
         after = check_root(root)
         assert after is not None and (before is None or after > before)
     assert killed >= 3, f"{func} was called too rarely to kill the process"
+
+
+@pytest.mark.parametrize("func,n", [("os.unlink", 1), ("os.unlink", 2), ("os.unlink", 3), ("os.rmdir", 1)])
+def test_kill_during_pruning_leaves_no_half_deleted_checkpoint(tmp_path: Path, func: str, n: int) -> None:
+    """Retention (keep=2) deletes a step directory: killed at its n-th file or directory removal."""
+    root = tmp_path / "ck"
+    p = subprocess.run([sys.executable, "-m", "tests.fault.kill_at_call", str(root), "sync", func, str(n)],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == -9, p.stderr[-2000:]  # pruning happens on every save from the third on
+    before = check_root(root)
+    leftovers = [e for e in root.iterdir() if e.name.startswith(TRASH_PREFIX)]
+    assert leftovers  # the directory being deleted was renamed aside first: invisible to ls
+    p2 = subprocess.run([sys.executable, "-m", "tests.fault.kill_at_call", str(root), "sync", func, "0"],
+                        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p2.returncode == 0 and "finished" in p2.stdout, p2.stderr[-2000:]
+    after = check_root(root)
+    assert after is not None and before is not None and after > before
+    assert not [e for e in root.iterdir() if e.name.startswith(TRASH_PREFIX)]  # swept by the next prune
