@@ -7,8 +7,8 @@ every parameter and optimizer tensor) at the end, so an interrupted-and-restored
 run can be compared bit for bit with an uninterrupted one.
 
 With ``--device cuda`` the model, optimizer state and every step run on the GPU, with
-deterministic kernels (set CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment), so a
-CUDA run restored from CRIU images can be compared bit for bit too.
+deterministic kernels (``deterministic_cuda``), so a CUDA run restored from CRIU images
+can be compared bit for bit too.
 
 usage: python criu_train.py --steps N --out FILE [--seed S] [--step-sleep-s T] [--device cpu|cuda]
 """
@@ -54,6 +54,21 @@ def digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
     return h.hexdigest()
 
 
+def deterministic_cuda() -> None:
+    """Bit-for-bit repeatable CUDA steps: deterministic kernels, fixed cuBLAS workspace,
+    no TF32, attention on the math kernel (the fused ones' backward is not deterministic)."""
+    import os
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    for name in ("enable_flash_sdp", "enable_mem_efficient_sdp", "enable_cudnn_sdp"):
+        if hasattr(torch.backends.cuda, name):
+            getattr(torch.backends.cuda, name)(False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, required=True)
@@ -65,7 +80,7 @@ def main() -> None:
     args = ap.parse_args()
 
     if args.device == "cuda":
-        torch.use_deterministic_algorithms(True)
+        deterministic_cuda()
     torch.manual_seed(args.seed)
     ctx, vocab = 32, 256
     data = torch.randint(0, vocab, (512, ctx + 1), generator=torch.Generator().manual_seed(args.seed))
