@@ -191,3 +191,17 @@ def test_every_checkpoint_damaged_after_in_place_reads_refuses_a_silent_fresh_st
     with Checkpointer(ckdir, engine="concurrent", every_steps=None) as ck:
         with pytest.raises(CheckpointCorrupt, match="overwrote the live model"):
             ck.register(**tiny_state(1))
+
+
+def test_every_checkpoint_damaged_fresh_only_when_asked_and_the_model_untouched(ckdir: Path) -> None:
+    run(ckdir, 6, every=3, engine="concurrent")  # steps 3 and 6 (HDF5)
+    for step in (3, 6):
+        _flip_in(ckdir / f"step-{step}" / "rank-0.h5", "objects/model/0.weight")
+    objs = tiny_state(1)
+    before = {n: t.clone() for n, t in objs["model"].state_dict().items()}
+    with Checkpointer(ckdir, engine="concurrent", every_steps=None, on_corrupt="fresh") as ck:
+        assert ck.register(**objs) is None
+    # with a fresh start allowed, nothing was read into the live model: it starts from its own init
+    for name, t in objs["model"].state_dict().items():
+        assert torch.equal(t, before[name]), name
+    assert [e["steps"] for e in Ledger(ckdir).read() if e["event"] == "fresh_start"] == [[6, 3]]
