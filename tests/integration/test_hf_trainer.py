@@ -80,6 +80,27 @@ def test_stopped_and_resumed_matches_uninterrupted(tmp_path: Path, reference: Pa
     assert not list((run_dir / "ckpt").rglob("*.pth")) and not list((run_dir / "ckpt").rglob("*.bin"))
 
 
+def test_two_ranks_under_torchrun_resume_identically(tmp_path: Path) -> None:
+    """DDP (gloo) with ranks from torchrun's environment; torchrun itself exits 1 when its
+    workers exit 75, so the ledger says whether they stopped for a requeue."""
+    def torchrun(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                               str(JOB), "--dir", str(run_dir), "--steps", "16", *args], env=_env(),
+                              capture_output=True, text=True, timeout=600, check=False)
+
+    reference = tmp_path / "reference"
+    assert torchrun(reference, "--mode", "plain").returncode == 0
+    run_dir = tmp_path / "run"
+    assert torchrun(run_dir, "--stop-at", "5").returncode != 0
+    from hpcckpt.integrations.torchrun import should_requeue
+    assert should_requeue(run_dir / "ckpt")[0]
+    second = torchrun(run_dir, "--stop-at", "5")
+    assert second.returncode == 0, second.stderr[-3000:]
+    _assert_identical(run_dir, reference)
+    assert json.loads((run_dir / "result.json").read_text())["world_size"] == 2
+    assert sorted(p.stem for p in (run_dir / "ckpt" / "step-6").glob("rank-*")) == ["rank-0", "rank-1"]
+
+
 @pytest.mark.slurm
 def test_hf_trainer_preempted_under_sbatch_resumes_identically(
         slurm_cluster: SlurmCluster, tmp_path: Path, reference: Path) -> None:
