@@ -37,12 +37,9 @@ untouched; its handle carries the error and raises it once.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
 import queue
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -59,23 +56,12 @@ from ..ranks import Ranks
 from ..store.hdf5 import TensorEntry, raw_bytes
 from .base import Engine, SaveContext, SaveHandle
 from .layout import Layout, Spec
-from .staging import EngineStats, Key, Ring, RingStream, Slot, Staging, flat_bytes, ring_shape
+from .prepare import Prep, Preparer, build_staging
+from .staging import EngineStats, Key, RingStream, Slot, Staging, flat_bytes
 
 __all__ = ["ConcurrentEngine", "EngineStats", "Layout", "Slot"]
 
 log = logging.getLogger("hpcckpt.engines.concurrent")
-
-@dataclass
-class _Prep:
-    """A staging being built on a background thread (``ConcurrentEngine.prepare``)."""
-
-    key: Key
-    thread: threading.Thread | None = None
-    staging: Staging | None = None
-    error: BaseException | None = None
-    abandoned: bool = False  # no longer wanted: the thread releases what it built
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
 
 @dataclass
 class _Job:
@@ -133,8 +119,7 @@ class ConcurrentEngine(Engine):
         self._pool = native().WriterPool(writer_threads, chunk_bytes or from_env("CHUNK_BYTES", 8 << 20, int))
         self._bg_ranks = ranks.background()
         self._staging: Staging | None = None
-        self._prep: _Prep | None = None
-        self._abandoned: list[_Prep] = []
+        self._preparer = Preparer(self._build_staging)
         self._state: TrainState | None = None
         self._prep_sig: tuple[int, ...] | None = None
         self._cond = threading.Condition()
@@ -212,14 +197,8 @@ class ConcurrentEngine(Engine):
         step path. Failures are left to ``save()``, which redoes the work and reports.
         """
         key = _specs(tensors)
-        if (self._staging is not None and self._staging.key == key) or (self._prep and self._prep.key == key):
-            return
-        self._drop_prep()
-        prep = _Prep(key)
-        prep.thread = threading.Thread(target=self._prepare_in_background, args=(prep,),
-                                       name="hpcckpt-prepare", daemon=True)
-        self._prep = prep
-        prep.thread.start()
+        if self._staging is None or self._staging.key != key:
+            self._preparer.start(key)
 
     def wait_prepared(self, timeout: float | None = None) -> bool:
         """Block until a background preparation (if any) has finished; True if none is left running.
@@ -227,41 +206,12 @@ class ConcurrentEngine(Engine):
         Main thread. For benchmarks and tests that save right after the first step,
         where a real loop would run steps while staging is allocated.
         """
-        prep = self._prep
-        if prep is None or prep.thread is None:
-            return True
-        prep.thread.join(timeout)
-        return not prep.thread.is_alive()
+        return self._preparer.wait(timeout)
 
-    def _prepare_in_background(self, prep: _Prep) -> None:
-        """Runs on the prepare thread."""
-        try:
-            staging = self._build_staging(prep.key)
-        except BaseException as exc:  # reported by save(), which retries on the main thread
-            prep.error = exc
-            log.debug("hpcckpt: background staging preparation failed: %s", exc)
-            return
-        with prep.lock:
-            if not prep.abandoned:
-                prep.staging = staging
-                return
-        staging.release()
-
-    def _drop_prep(self, *, wait: bool = False) -> None:
-        """Forget the preparation; never blocks unless ``wait`` (close: all pinned memory released)."""
-        prep, self._prep = self._prep, None
-        if prep is None:
-            return
-        with prep.lock:
-            prep.abandoned = True
-            staging, prep.staging = prep.staging, None
-        if staging is not None:
-            staging.release()
-        if prep.thread is not None:
-            if wait:
-                prep.thread.join()
-            else:
-                self._abandoned = [p for p in self._abandoned if p.thread and p.thread.is_alive()] + [prep]
+    @property
+    def _prep(self) -> Prep | None:
+        """The preparation under way or finished and not yet used (tests look at it)."""
+        return self._preparer.current
 
     def wait_copied(self) -> float:
         """Block until every save in flight has copied its sources; returns the seconds blocked.
@@ -384,52 +334,15 @@ class ConcurrentEngine(Engine):
         """The staging for these shapes, prepared in the background if possible; main thread."""
         st = self._staging
         if st is None or st.key != key:
-            prep, self._prep = self._prep, None
-            if prep is not None and prep.key == key:
-                assert prep.thread is not None
-                prep.thread.join()  # usually long finished; otherwise the save came too soon
-                st = prep.staging  # None after a failure: rebuilt below, which raises it here
-            elif prep is not None:
-                self._prep = prep
-                self._drop_prep()  # prepared for other shapes
-            if st is None:
-                st = self._build_staging(key)
+            st = self._preparer.take(key) or self._build_staging(key)
             self._install(st)
         st.layout.materialise(path)
         return st
 
     def _build_staging(self, key: Key) -> Staging:
-        """Plan the HDF5 layout (in a scratch file) and allocate staging. Any thread."""
-        t0 = time.monotonic()
-        specs, device = key
-        pin = device is not None
-        self.ctx.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd, scratch = tempfile.mkstemp(dir=self.ctx.root, prefix=".hpcckpt-layout-", suffix=".h5")
-        os.close(fd)
-        try:
-            layout = Layout.plan(Path(scratch), specs)
-        finally:
-            os.unlink(scratch)
-        # Pinning on this (maybe background) thread must use the training device's context,
-        # not create one on device 0.
-        with torch.cuda.device(device) if pin else contextlib.nullcontext():
-            if self.staging_bytes is None:
-                n = self._slot_count(layout.slot_bytes)
-                staging = Staging(key, layout, [Slot(layout.slot_bytes, pin=pin) for _ in range(n)], None)
-            else:
-                chunks, size = ring_shape(self.staging_bytes, layout.state_bytes, self.ring_chunk_bytes)
-                staging = Staging(key, layout, [], Ring(chunks, size, [layout.entries[n] for n, _, _ in specs],
-                                                        pin=pin))
-        ring = staging.ring
-        if ring is None:
-            log.info("hpcckpt: staging %d slots x %d bytes (%s)", len(staging.slots), layout.slot_bytes,
-                     "pinned" if pin else "pageable")
-        else:
-            log.info("hpcckpt: staging ring %d x %d bytes for %d bytes of state in %d rounds (%s)",
-                     len(ring.chunks), ring.chunk_bytes, layout.state_bytes, len(ring.rounds),
-                     "pinned" if pin else "pageable")
-        self.stats.prepare_s += time.monotonic() - t0
-        return staging
+        """Layout and staging memory for ``key``; the preparation thread or the main thread."""
+        return build_staging(key, self.ctx.root, staging_bytes=self.staging_bytes,
+                             ring_chunk_bytes=self.ring_chunk_bytes, slot_count=self._slot_count, stats=self.stats)
 
     def _install(self, staging: Staging) -> None:
         """Make ``staging`` current; the old one is released once no save in flight uses it."""
@@ -652,11 +565,7 @@ class ConcurrentEngine(Engine):
         self._hooks.clear()
         self._optimizers.clear()
         self._pool.close()
-        self._drop_prep(wait=True)
-        for prep in self._abandoned:  # nothing of this engine keeps running, or pinned, after close
-            if prep.thread is not None:
-                prep.thread.join()
-        self._abandoned = []
+        self._preparer.close()  # nothing of this engine keeps running, or pinned, after close
         if self._staging is not None:
             self._staging.release()
             self._staging = None
