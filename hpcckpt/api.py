@@ -187,11 +187,12 @@ class Checkpointer:
             if self.ranks.is_coordinator:
                 self.ledger.append("fresh_start", reason="every checkpoint damaged", steps=[s for s, _ in bad])
             return
+        overwritten = (" (reading in place already overwrote the live model/optimizer tensors, so "
+                       "start a new process)") if outcome.overwritten else ""
         raise CheckpointCorrupt(
             f"no checkpoint under {self.root} could be restored: {len(bad)} damaged ({listing}). Nothing was "
-            f"loaded{' (reading in place already overwrote the live model/optimizer tensors)' if outcome.overwritten else ''}. "
-            f"See `hpcckpt verify {self.root} --all`; to start fresh, move the damaged step-* directories aside, "
-            "or run with on_corrupt='fresh' (HPCCKPT_ON_CORRUPT=fresh).")
+            f"loaded{overwritten}. See `hpcckpt verify {self.root} --all`; to start fresh, move the damaged "
+            "step-* directories aside, or run with on_corrupt='fresh' (HPCCKPT_ON_CORRUPT=fresh).")
 
     def _job_info(self) -> dict[str, Any]:
         env = getattr(self.cluster, "env", None)

@@ -120,7 +120,8 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise CheckpointCorrupt(f"{path} is missing: the checkpoint was never committed") from None
     except OSError as exc:  # ELOOP: a symlink; EACCES...
-        raise CheckpointCorrupt(f"{path} cannot be opened ({exc.strerror}); hpcckpt writes it as a plain file") from None
+        raise CheckpointCorrupt(f"{path} cannot be opened ({exc.strerror}); hpcckpt writes it as a plain "
+                                "file") from None
     try:
         size = os.fstat(fd).st_size
         if size > MAX_MANIFEST_BYTES:

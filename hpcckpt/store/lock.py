@@ -128,8 +128,8 @@ class Holder:
 def _restart_count() -> int:
     for name in ("SLURM_RESTART_COUNT", "HPCCKPT_LOCAL_RESTART"):
         try:
-            return int(os.environ.get(name) or 0) or 0
-        except ValueError:
+            return int(os.environ[name])
+        except (KeyError, ValueError):
             continue
     return 0
 
@@ -183,7 +183,8 @@ class WriterLease:
             if entry[1] == 0:
                 del self._held[key]
                 # Unlock explicitly: forked children (DataLoader workers) share the descriptor.
-                fcntl.flock(entry[0], fcntl.LOCK_UN)
+                with contextlib.suppress(OSError):
+                    fcntl.flock(entry[0], fcntl.LOCK_UN)
                 os.close(entry[0])
 
     def _take(self, wait_s: float) -> int:
@@ -192,7 +193,13 @@ class WriterLease:
         while True:
             with writer_lock(self.root):  # lock + record as one step, as ``_break`` sees them
                 fd = self._open()
-                if _try_flock(fd):
+                try:
+                    locked = _try_flock(fd)
+                except OSError as exc:  # ENOLCK, EOPNOTSUPP: a file system without flock
+                    log.warning("hpcckpt: cannot lock %s (%s); a second writer in %s would not be "
+                                "detected", self.path, exc.strerror, self.root)
+                    locked = True
+                if locked:
                     _record(fd, me)
                     return fd
                 holder = Holder.parse(_read(fd))

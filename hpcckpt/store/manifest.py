@@ -179,7 +179,7 @@ def validate(manifest: Mapping[str, Any], *, step: int | None) -> None:
     want = {str(r) for r in range(world)}
     if set(ranks) != want:
         extra, missing = sorted(set(ranks) - want), sorted(want - set(ranks), key=int)
-        raise Invalid(f"manifest for {world} ranks has records for {sorted(ranks, key=str)}"
-                      + (f" (missing {missing[:5]})" if missing else "") + (f" (unexpected {extra[:5]})" if extra else ""))
+        detail = (f" (missing {missing[:5]})" if missing else "") + (f" (unexpected {extra[:5]})" if extra else "")
+        raise Invalid(f"manifest for {world} ranks has records for {sorted(ranks, key=str)[:5]}{detail}")
     for r in range(world):
         _rank(r, ranks[str(r)], m_step, files)

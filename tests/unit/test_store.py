@@ -275,3 +275,24 @@ def test_hdf5_in_place_read_of_a_damaged_tensor_is_reported(tmp_path: Path) -> N
     with pytest.raises(CheckpointCorrupt, match="'v'"):
         hdf5.read_tensors(path, entries, into=live, stats=stats)
     assert stats["in_place_bytes"] == entries["w"].nbytes + entries["v"].nbytes  # the caller must know
+
+
+def test_prune_renames_aside_and_sweeps_leftovers(ckdir: Path) -> None:
+    for s in range(1, 4):
+        with Transaction(ckdir, f"step-{s}") as txn:
+            (txn.path / "f").write_bytes(b"x")
+            txn.commit(minimal(s))
+    leftover = ckdir / ".trash-step-0-dead"  # what a prune killed mid-delete leaves: never listed
+    leftover.mkdir()
+    (leftover / "rank-0.pt").write_bytes(b"half")
+    assert [i.step for i in catalog.scan(ckdir)] == [1, 2, 3]
+    removed = catalog.prune(ckdir, keep=1)
+    assert sorted(p.name for p in removed) == ["step-1", "step-2"]
+    assert sorted(p.name for p in ckdir.iterdir() if p.is_dir()) == ["step-3"]
+
+
+@pytest.mark.parametrize("raw", [b"\xff\xfestep-3\n", b"../../etc\n", b"step-3/x\n", b"", b"step-\x003\n"])
+def test_latest_that_is_not_a_plain_utf8_name_is_ignored(ckdir: Path, raw: bytes) -> None:
+    ckdir.mkdir(parents=True)
+    (ckdir / LATEST).write_bytes(raw)
+    assert read_latest(ckdir) is None
