@@ -22,8 +22,10 @@ recording handlers once training starts.
 Hook order (Lightning calls these on every rank):
 ``setup`` (auto-requeue off) -> ``on_fit_start`` (Checkpointer, data loaded, state
 registered and restored) -> Lightning installs its signal handlers -> ``on_train_start``
-(hpcckpt's handlers back on top; the RNG as saved) -> ``on_train_batch_end`` per batch
-(sampler position; the boundary after an optimizer step) -> ``on_train_end`` (pending
+(hpcckpt's handlers back on top) -> ``on_train_batch_start`` (first resumed batch: the RNG
+the uninterrupted run has there) -> ``on_train_batch_end`` per batch (sampler position;
+the boundary after an optimizer step, or after validation when validation follows it)
+-> ``on_validation_end`` (a boundary that waited for validation) -> ``on_train_end`` (pending
 saves settled) -> ``teardown`` (closed).
 """
 from __future__ import annotations
@@ -32,6 +34,8 @@ import logging
 import math
 import os
 from typing import Any, Iterator, Mapping
+
+import torch
 
 
 from ..api import Checkpointer
@@ -117,6 +121,8 @@ class HpcckptCallback(pl.Callback):  # type: ignore[misc, name-defined]
         self._steps: Iterator[int] | None = None
         self._rng: dict[str, Any] | None = None
         self._last_global_step = 0
+        self._pending = False
+        self._epoch_turned = False
         self._closed = False
 
     # -- setup: one requeue, state registered and restored -------------------------------
@@ -179,17 +185,26 @@ class HpcckptCallback(pl.Callback):  # type: ignore[misc, name-defined]
         return samplers[0]  # type: ignore[return-value]
 
     def _after_restore(self, trainer: Any) -> None:
-        """Put the data position and RNG where the uninterrupted run has them."""
+        """Put the data position where the uninterrupted run has it; keep the RNG for later."""
         assert self.sampler is not None
-        # The RNG as captured; set again in on_train_start, after Lightning's own startup.
-        self._rng = rng_state()
-        if self.sampler.consumed >= self.sampler.per_rank:
-            # Saved at the last batch of an epoch: the uninterrupted run would now start the
-            # next epoch with a fresh DataLoader iterator (which draws its seed from the
-            # global RNG); do exactly that, so the draw and the order match.
+        self._rng = rng_state()  # as captured; set again at the first resumed batch
+        self._epoch_turned = self.sampler.consumed >= self.sampler.per_rank
+        if self._epoch_turned:
+            # Saved after the last batch of an epoch: the next batch is the next epoch's first
+            # (the sampler is iterated lazily, so this applies to whichever iterator Lightning uses).
             self.sampler.set_epoch(self.sampler.epoch + 1)
-            iter(trainer.fit_loop._data_fetcher)
-            self._rng = rng_state()
+
+    def _resume_rng(self, trainer: Any) -> None:
+        """The RNG the uninterrupted run has at this batch: as captured, plus, when an epoch
+        ended in between, the one draw with which its new DataLoader iterator took its seed
+        from the global RNG (the line torch.utils.data's iterator runs). Whatever Lightning's
+        restart did in between (sanity check, epoch-end hooks, a new iterator) is undone."""
+        assert self._rng is not None
+        set_rng_state(self._rng)
+        self._rng = None
+        loader = trainer.fit_loop._combined_loader.flattened[0]
+        if self._epoch_turned and getattr(loader, "generator", None) is None:
+            torch.empty((), dtype=torch.int64).random_()
 
     # -- training: signals, data position, boundaries ------------------------------------
 
@@ -202,11 +217,12 @@ class HpcckptCallback(pl.Callback):  # type: ignore[misc, name-defined]
             connector.received_sigterm = False
         self.ckpt.signals.uninstall()
         self.ckpt.signals.install()
-        if self._rng is not None:
-            set_rng_state(self._rng)
-            self._rng = None
         self._steps = self.ckpt.steps(_total_steps(trainer))
         next(self._steps)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._rng is not None:
+            self._resume_rng(trainer)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         assert self.sampler is not None and self._steps is not None
@@ -215,13 +231,40 @@ class HpcckptCallback(pl.Callback):  # type: ignore[misc, name-defined]
         if int(trainer.global_step) == self._last_global_step:
             return  # accumulating gradients: not a step boundary
         self._last_global_step = int(trainer.global_step)
-        # The step just finished; the boundary may save, or stop (RequeueExit, exit 75).
+        if self._validation_follows(trainer):
+            # Validation runs right after this batch and draws from the global RNG (its
+            # loader's seed); a resumed run would not run it again, so the boundary waits
+            # until validation has ended and the state holds what it changed.
+            self._pending = True
+            return
+        self._boundary()
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._pending:
+            self._pending = False
+            self._boundary()
+
+    def _boundary(self) -> None:
+        """The step just finished; the boundary may save, or stop (RequeueExit, exit 75)."""
+        if self._steps is None:
+            return
         try:
             next(self._steps)
         except StopIteration:
             self._steps = None
 
+    @staticmethod
+    def _validation_follows(trainer: Any) -> bool:
+        loop = trainer.fit_loop.epoch_loop
+        try:
+            return bool(loop._should_check_val_fx(trainer.fit_loop._data_fetcher)) and not loop._skip_next_val
+        except AttributeError:  # another Lightning version: validation RNG draws are then not covered
+            return False
+
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._pending:
+            self._pending = False
+            self._boundary()
         if self.ckpt is not None and self._steps is not None:
             # Training ended before the step count Lightning estimated (max_epochs with a
             # shorter last epoch, early stopping): settle pending saves as steps() would.

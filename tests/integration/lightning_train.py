@@ -47,6 +47,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=1, help="DDP processes on this node (torchrun sets them)")
     p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
+    p.add_argument("--val", action="store_true", help="validate at every epoch's end (a shuffled val loader)")
     return p.parse_args(argv)
 
 
@@ -70,6 +71,11 @@ class TinyLM(pl.LightningModule):
                 f.write(json.dumps({"step": step, "loss": loss.item().hex()}) + "\n")
         self._interrupt(step)
         return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        tokens, = batch
+        logits = self.head(self.block(self.embed(tokens[:, :-1])))
+        self.log("val_loss", nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)))
 
     def _interrupt(self, step: int) -> None:
         if not self.first_run:
@@ -127,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         strategy=ddp_strategy if world > 1 else "auto", use_distributed_sampler=False, callbacks=callbacks,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         deterministic=True, accumulate_grad_batches=args.accumulate)
-    trainer.fit(model, data(trainer.global_rank, world))
+    val = None
+    if args.val:  # shuffle=True: each validation draws its order from the global RNG
+        val = DataLoader(TensorDataset(torch.randint(0, VOCAB, (16, SEQ + 1), generator=torch.Generator().manual_seed(5))),
+                         batch_size=8, shuffle=True)
+    trainer.fit(model, data(trainer.global_rank, world), val)
     if trainer.global_rank == 0:
         result = {"param_digest": digest(model), "global_step": int(trainer.global_step),
                   "epoch": int(trainer.current_epoch), "world_size": world}

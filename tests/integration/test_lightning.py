@@ -82,6 +82,19 @@ def test_stopped_and_resumed_matches_uninterrupted(tmp_path: Path, reference: Pa
     assert [e["engine"] for e in starts] == ["concurrent", "concurrent"]
 
 
+def test_stop_before_epoch_end_validation_resumes_identically(tmp_path: Path) -> None:
+    """A signal in an epoch's last step, with validation (a shuffled loader, which draws
+    from the global RNG) after it: the boundary waits until validation has ended, and the
+    resumed run is bit-identical to a plain run that validates at every epoch's end."""
+    reference = tmp_path / "reference"
+    assert _train(reference, "--mode", "plain", "--val").returncode == 0
+    run_dir = tmp_path / "run"
+    assert _train(run_dir, "--stop-at", "7", "--val", "--every", "3").returncode == 75
+    second = _train(run_dir, "--stop-at", "7", "--val", "--every", "3")
+    assert second.returncode == 0, second.stderr[-3000:]
+    _assert_identical(run_dir, reference)
+
+
 def test_gradient_accumulation_stops_only_after_an_optimizer_step(tmp_path: Path) -> None:
     """With accumulate_grad_batches=3 the boundary runs only where the optimizer stepped: a
     signal during a micro-batch stops after that step's last micro-batch, never with
