@@ -19,7 +19,8 @@ scheduler and RNG come from the verified hpcckpt checkpoint, not from pickles.
 Call order: ``resume_point`` (before ``train``; model + TrainerState restored) ->
 Trainer builds optimizer and scheduler -> its optimizer/scheduler load (here: registered
 and restored) -> ``on_train_begin`` (fresh start: registered) -> ``on_step_end`` after each
-optimizer step (the boundary: periodic save, or stop with exit 75) -> ``on_train_end``.
+optimizer step (the boundary: periodic save, or stop with exit 75; after ``on_evaluate``
+when the Trainer evaluates at that step) -> ``on_train_end``.
 """
 from __future__ import annotations
 
@@ -77,6 +78,7 @@ class HpcckptTrainerCallback(TrainerCallback):  # type: ignore[misc]
         self._rng: dict[str, Any] | None = None
         self._steps: Iterator[int] | None = None
         self._registered_training = False
+        self._pending = False
 
     # -- resume ----------------------------------------------------------------------
 
@@ -139,6 +141,20 @@ class HpcckptTrainerCallback(TrainerCallback):  # type: ignore[misc]
         next(self._steps)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if control.should_evaluate:
+            # The Trainer evaluates right after this step, and evaluation draws from the global
+            # RNG (its loader's seed); a resumed run would not evaluate again, so the boundary
+            # waits until evaluation has ended (the Trainer's own checkpoints are taken there too).
+            self._pending = True
+            return
+        self._boundary()
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._pending:
+            self._pending = False
+            self._boundary()
+
+    def _boundary(self) -> None:
         if self._steps is None:
             return
         try:
@@ -149,6 +165,9 @@ class HpcckptTrainerCallback(TrainerCallback):  # type: ignore[misc]
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.ckpt is None:
             return
+        if self._pending:
+            self._pending = False
+            self._boundary()
         if self._steps is not None:
             self.ckpt._finish()  # ended before max_steps (epochs, early stopping): settle saves
             self._steps = None

@@ -47,6 +47,8 @@ class TracingTrainer(Trainer):
 
     def compute_loss(self, model: Any, inputs: Any, *a: Any, **k: Any) -> Any:
         loss = super().compute_loss(model, inputs, *a, **k)
+        if not model.training:
+            return loss  # evaluation
         step = int(self.state.global_step)
         if self.args.process_index == 0:
             with (self.run.dir / "trace.jsonl").open("a") as f:
@@ -77,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop-at", type=int, default=None)
     p.add_argument("--hold-at", type=int, default=None)
     p.add_argument("--every", type=int, default=None, help="periodic checkpoint interval (default: none)")
+    p.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (default: never)")
     run = p.parse_args(argv)
     run.dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
@@ -90,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         output_dir=str(run.dir / "hf-out"), max_steps=run.steps, per_device_train_batch_size=8,
         learning_rate=3e-3, weight_decay=0.01, lr_scheduler_type="cosine", optim="adamw_torch",
         save_strategy="no", report_to=[], logging_strategy="no", seed=0, data_seed=7,
-        dataloader_num_workers=0, use_cpu=True, disable_tqdm=True)
+        dataloader_num_workers=0, use_cpu=True, disable_tqdm=True,
+        eval_strategy="steps" if run.eval_every else "no", eval_steps=run.eval_every)
     callbacks: list[Any] = []
     resume = None
     if run.mode == "hpcckpt":
@@ -98,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         cb = HpcckptTrainerCallback(dir=run.dir / "ckpt", every_steps=run.every)
         callbacks.append(cb)
     trainer = TracingTrainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks,
+                             eval_dataset=Tokens() if run.eval_every else None,
                              run=run, first_run=first_run)
     if callbacks:
         resume = callbacks[0].resume_point(trainer)

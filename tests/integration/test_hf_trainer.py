@@ -80,6 +80,18 @@ def test_stopped_and_resumed_matches_uninterrupted(tmp_path: Path, reference: Pa
     assert not list((run_dir / "ckpt").rglob("*.pth")) and not list((run_dir / "ckpt").rglob("*.bin"))
 
 
+def test_stop_at_an_evaluation_step_resumes_identically(tmp_path: Path) -> None:
+    """The Trainer evaluates every 4 steps (its eval loader draws from the global RNG); a stop
+    at step 8 waits until that evaluation has ended and resumes bit-identical."""
+    reference = tmp_path / "reference"
+    assert _train(reference, "--mode", "plain", "--eval-every", "4").returncode == 0
+    run_dir = tmp_path / "run"
+    assert _train(run_dir, "--stop-at", "7", "--eval-every", "4", "--every", "3").returncode == 75
+    second = _train(run_dir, "--stop-at", "7", "--eval-every", "4", "--every", "3")
+    assert second.returncode == 0, second.stderr[-3000:]
+    _assert_identical(run_dir, reference)
+
+
 def test_two_ranks_under_torchrun_resume_identically(tmp_path: Path) -> None:
     """DDP (gloo) with ranks from torchrun's environment; torchrun itself exits 1 when its
     workers exit 75, so the ledger says whether they stopped for a requeue."""
