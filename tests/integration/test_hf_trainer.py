@@ -80,6 +80,27 @@ def test_stopped_and_resumed_matches_uninterrupted(tmp_path: Path, reference: Pa
     assert not list((run_dir / "ckpt").rglob("*.pth")) and not list((run_dir / "ckpt").rglob("*.bin"))
 
 
+def test_train_without_resume_point_is_a_clear_error(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(JOB.parent)!r})\n"
+        "from hf_train import GPT2Config, GPT2LMHeadModel, Tokens, Trainer, TrainingArguments\n"
+        "from hpcckpt.integrations.hf import HpcckptTrainerCallback\n"
+        "model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=8, n_layer=1, n_head=2,\n"
+        "                                   bos_token_id=0, eos_token_id=0))\n"
+        f"args = TrainingArguments(output_dir={str(tmp_path / 'out')!r}, max_steps=2, use_cpu=True,\n"
+        "                         report_to=[], save_strategy='no', disable_tqdm=True)\n"
+        f"cb = HpcckptTrainerCallback(dir={str(tmp_path / 'ckpt')!r})\n"
+        "try:\n"
+        "    Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[cb]).train()\n"
+        "except Exception as exc:\n"
+        "    print(type(exc).__name__, exc)\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("ConfigError") and "resume_point(trainer)" in proc.stdout, proc.stdout
+
+
 def test_stop_at_an_evaluation_step_resumes_identically(tmp_path: Path) -> None:
     """The Trainer evaluates every 4 steps (its eval loader draws from the global RNG); a stop
     at step 8 waits until that evaluation has ended and resumes bit-identical."""
