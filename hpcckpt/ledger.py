@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -69,8 +70,8 @@ class Ledger:
     def read(self) -> list[dict[str, Any]]:
         """Every well-formed event; torn, non-UTF-8 or non-object lines are skipped."""
         try:
-            raw = self.path.read_bytes()
-        except (FileNotFoundError, NotADirectoryError):
+            raw = _read_plain(self.path)
+        except OSError:  # absent, or not a plain file (a FIFO must not hang `hpcckpt history`)
             return []
         out = []
         for line in raw.splitlines():
@@ -81,6 +82,14 @@ class Ledger:
             if isinstance(rec, dict) and isinstance(rec.get("event"), str):
                 out.append(rec)
         return out
+
+
+def _read_plain(path: Path) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        return f.read()
 
 
 def _env_int(name: str) -> int:

@@ -116,7 +116,7 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
     """
     path = ckpt_dir / MANIFEST
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = open_regular(path)
     except FileNotFoundError:
         raise CheckpointCorrupt(f"{path} is missing: the checkpoint was never committed") from None
     except OSError as exc:  # ELOOP: a symlink; EACCES...
@@ -145,6 +145,22 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
     if crc32c(canonical) != data["manifest_crc32c"]:
         raise CheckpointCorrupt(f"{path} fails its own checksum: the manifest is damaged")
     return data
+
+
+def open_regular(path: Path) -> int:
+    """A read-only descriptor of ``path`` if it is a regular file (never follows a symlink,
+    never blocks on a FIFO); OSError otherwise (ELOOP for a symlink, EINVAL for anything else)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    return fd
+
+
+def read_regular(path: Path, limit: int) -> bytes:
+    """Up to ``limit`` bytes of a regular file (see ``open_regular``)."""
+    with os.fdopen(open_regular(path), "rb") as f:
+        return f.read(limit)
 
 
 def open_member(ckpt_dir: Path, rel: str) -> tuple[Path, os.stat_result]:
@@ -212,8 +228,8 @@ def _verify_one(ckpt_dir: Path, rel: str, info: Any, *, full: bool) -> list[str]
 def read_latest(root: Path) -> str | None:
     """The entry name ``LATEST`` holds, or None (absent, empty, not UTF-8, or not a plain name)."""
     try:
-        raw = (root / LATEST).read_bytes()[:4096]
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        raw = read_regular(root / LATEST, 4096)
+    except OSError:  # absent, or not a plain file
         return None
     try:
         name = raw.decode("utf-8").strip()

@@ -56,7 +56,7 @@ def reader_lock(root: Path, timeout_s: float = 30.0) -> Iterator[bool]:
     Commits (``writer_lock``, exclusive) wait for the listing, and the listing for them.
     """
     try:
-        fd = os.open(Path(root) / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(Path(root) / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         yield False
         return
@@ -214,7 +214,7 @@ class WriterLease:
 
     def _open(self) -> int:
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
 
     def _break(self, holder: Holder) -> None:
         """Replace a lease file whose recorded holder is dead (an orphan keeps its old inode locked)."""
