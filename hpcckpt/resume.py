@@ -69,17 +69,14 @@ def _key(info: catalog.CheckpointInfo) -> str:
     return f"{info.step}:{info.ident}"
 
 
-def _local(root: Path, step: int) -> catalog.CheckpointInfo | None:
-    """This rank's own view of ``step-<step>`` (None when it is not there or not committed)."""
-    info = catalog.inspect_step(root, step)
-    return info if info is not None and info.status == "committed" else None
-
-
-def _read(info: catalog.CheckpointInfo | None, ranks: Ranks, into: Mapping[str, Any] | None,
+def _read(root: Path, step: int, ranks: Ranks, into: Mapping[str, Any] | None,
           stats: dict[str, Any]) -> tuple[int, Flat | None, str]:
-    """(code, state, problem) of this rank's part of one candidate."""
+    """(code, state, problem) of this rank's part of candidate ``step``, as this rank sees it."""
+    info = catalog.inspect_step(root, step)
     if info is None:
         return VANISHED, None, ""
+    if info.status != "committed":  # fails a cheap check here although the coordinator's passed
+        return CORRUPT, None, "; ".join(info.problems) or info.status
     try:
         return OK, load_rank(info, ranks.rank, ranks.world, into=into, stats=stats), ""
     except ConfigError:
@@ -113,7 +110,7 @@ def load_newest(root: Path, ranks: Ranks, *, into: Callable[[], Mapping[str, Any
             if not asked:
                 live, asked = (into() if into is not None else None), True
             stats: dict[str, Any] = {}
-            code, flat, problem = _read(_local(root, int(cand["step"])), ranks, live, stats)
+            code, flat, problem = _read(root, int(cand["step"]), ranks, live, stats)
             agreed = ranks.max(code)
             if agreed != OK and stats.get("in_place_bytes", 0) > 0:
                 out.overwritten = True
