@@ -92,11 +92,13 @@ class Holder:
     restart: int = 0
     started: float = 0.0
     proc_start: str | None = None  # /proc/PID/stat start time: tells a reused PID apart
+    pid_ns: str | None = None  # PIDs are only comparable within one PID namespace (containers)
 
     @classmethod
     def me(cls) -> Holder:
         return cls(host=socket.gethostname(), pid=os.getpid(), job_id=os.environ.get("SLURM_JOB_ID") or None,
-                   restart=_restart_count(), started=time.time(), proc_start=_proc_start(os.getpid()))
+                   restart=_restart_count(), started=time.time(), proc_start=_proc_start(os.getpid()),
+                   pid_ns=_pid_ns())
 
     @classmethod
     def parse(cls, raw: bytes) -> Holder | None:
@@ -104,7 +106,8 @@ class Holder:
             d = json.loads(raw.decode("utf-8"))
             return cls(host=str(d["host"]), pid=int(d["pid"]), job_id=d.get("job_id") and str(d["job_id"]),
                        restart=int(d.get("restart") or 0), started=float(d.get("started") or 0.0),
-                       proc_start=d.get("proc_start") and str(d["proc_start"]))
+                       proc_start=d.get("proc_start") and str(d["proc_start"]),
+                       pid_ns=d.get("pid_ns") and str(d["pid_ns"]))
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             return None
 
@@ -115,7 +118,7 @@ class Holder:
 
     def gone(self) -> bool:
         """True only when certainly dead: on this host, and its PID is free or reused."""
-        if self.host != socket.gethostname():
+        if self.host != socket.gethostname() or self.pid_ns != _pid_ns():
             return False
         now = _proc_start(self.pid)
         return now is None or (self.proc_start is not None and now != self.proc_start)
@@ -132,6 +135,13 @@ def _restart_count() -> int:
         except (KeyError, ValueError):
             continue
     return 0
+
+
+def _pid_ns() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
 
 
 def _proc_start(pid: int) -> str | None:
