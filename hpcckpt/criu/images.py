@@ -65,13 +65,17 @@ def next_seq(root: Path) -> int:
     return (max(seqs) + 1) if seqs else 1
 
 
+def seq_of(name: str) -> int | None:
+    m = _NAME_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
 def newest(root: Path) -> Image:
-    """The image ``LATEST`` names (else the highest sequence); NoCheckpoint if none."""
-    name = read_latest(root)
-    if name:
-        m = _NAME_RE.match(name)
-        if m and (root / name).is_dir():
-            return Image(path=root / name, seq=int(m.group(1)))
+    """The committed image with the highest sequence; NoCheckpoint if none.
+
+    Not ``LATEST``: a commit can rename image N into place and then fail to rewrite
+    LATEST, which would still name N-1, an image the job had already run past.
+    """
     images = committed(root)
     if not images:
         raise NoCheckpoint(f"no committed CRIU image under {root}")

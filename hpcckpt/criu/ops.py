@@ -36,7 +36,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CriuError
@@ -62,13 +62,32 @@ class Job:
     """A running job. ``init_pid``: nsinit's host PID (signals go through it; the
     namespaces to join); ``app_pid``: the job root's host PID (PID 2 inside; CUDA
     and SigCgt look at its tree); ``wait_pid``: unshare, the supervisor's child whose
-    exit status is the job's."""
+    exit status is the job's; ``proc``: its Popen, kept so that nothing else (a later
+    Popen's reaping of dropped children) can collect that status before we do."""
 
     init_pid: int
     app_pid: int
     wait_pid: int
     stdout: Path
     stderr: Path
+    proc: subprocess.Popen | None = field(default=None, compare=False, repr=False)
+
+    def poll(self) -> int | None:
+        """The job's exit code once it is gone (128 + signal when killed), else None."""
+        if self.proc is None:
+            raise CriuError(f"job {self.wait_pid} has no process handle to wait on")
+        rc = self.proc.poll()
+        if rc is None:
+            return None
+        return 128 - rc if rc < 0 else rc
+
+
+class RestoredJobExited(CriuError):
+    """criu restored the job, and it finished before the supervisor could see it."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"the restored job exited (status {code}) before it could be watched")
+        self.code = code
 
 
 def _find_unshare() -> str:
@@ -107,9 +126,9 @@ def _job_of(unshare: subprocess.Popen, log: Path, *, timeout_s: float, stdout: P
         init = _child_with_inner_pid(unshare.pid, 1, timeout_s=timeout_s, what="unshare")
         app = _child_with_inner_pid(init, JOB_INNER_PID, timeout_s=timeout_s, what="nsinit")
     except CriuError as exc:
-        raise CriuError(f"{exc}; does this kernel allow PID and mount namespaces (root, or user "
-                        f"namespaces)? unshare said: {_log_tail(log)}") from None
-    return Job(init_pid=init, app_pid=app, wait_pid=unshare.pid, stdout=stdout, stderr=stderr)
+        raise CriuError(f"{exc}; can this user create PID and mount namespaces (CRIU mode runs as root; "
+                        f"see `hpcckpt doctor`)? unshare said: {_log_tail(log)}") from None
+    return Job(init_pid=init, app_pid=app, wait_pid=unshare.pid, stdout=stdout, stderr=stderr, proc=unshare)
 
 
 def launch(cmd: list[str], *, stdout: Path, stderr: Path, log: Path, env: dict[str, str] | None = None,
@@ -125,7 +144,14 @@ def launch(cmd: list[str], *, stdout: Path, stderr: Path, log: Path, env: dict[s
     with open(log, "ab") as log_f:
         proc = subprocess.Popen(_nsinit("start", str(stdout), str(stderr), "--", *cmd), stdin=subprocess.DEVNULL,
                                 stdout=log_f, stderr=log_f, env=env, cwd=cwd)
-    return _job_of(proc, log, timeout_s=30.0, stdout=stdout, stderr=stderr)
+    try:
+        return _job_of(proc, log, timeout_s=30.0, stdout=stdout, stderr=stderr)
+    except CriuError:
+        if proc.poll() is None:
+            _abort(proc)  # never leave a namespace running that nobody watches
+        else:
+            proc.wait()
+        raise
 
 
 def _log_tail(path: Path, *, lines: int = 6) -> str:
@@ -222,7 +248,18 @@ def restore(criu: Criu, image_dir: Path, *, old_stdio: dict[str, str], new_stdou
         why = status[len("failed "):] if status.startswith("failed ") else f"nsinit exited ({proc.returncode})"
         raise CriuError(f"criu restore of {image_dir} failed: {why}: {_log_tail(log)}; full log: {log}, "
                         f"{nsinit_log}")
-    return _job_of(proc, nsinit_log, timeout_s=30.0, stdout=new_stdout, stderr=new_stderr)
+    try:
+        return _job_of(proc, nsinit_log, timeout_s=30.0, stdout=new_stdout, stderr=new_stderr)
+    except CriuError:
+        # The restore succeeded, so the job must never be started again: either it already
+        # finished (nsinit exited with its status: that is the job's exit), or it cannot be
+        # watched, and then its namespace is ended before anything falls back.
+        try:
+            rc = proc.wait(timeout=5.0)  # a gone job's nsinit exits at once; a live one does not
+        except subprocess.TimeoutExpired:
+            _abort(proc)
+            raise
+        raise RestoredJobExited(128 - rc if rc < 0 else rc) from None
 
 
 def _abort(unshare: subprocess.Popen) -> None:

@@ -68,6 +68,10 @@ FALLBACKS = ("app", "fresh", "fail")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGQUIT, signal.SIGALRM, signal.SIGXCPU, signal.SIGCONT)
 CONSUMED = "CONSUMED"
+# Names the newest image when a dump ended the job but could not be committed: that
+# image and every older one are behind the job's real progress (it ran on past them),
+# so restoring one would rewind; the next run falls back per --on-restore-failure.
+STALE = "STALE"
 NS_LAYOUT = 2  # images of the job tree at PID 2, dumped from inside its namespaces
 
 
@@ -129,8 +133,10 @@ def _incarnation() -> str:
 
 
 class Supervisor:
-    def __init__(self, opts: RunOptions, *, log: Callable[[str], None] | None = None) -> None:
+    def __init__(self, opts: RunOptions, *, log: Callable[[str], None] | None = None,
+                 cuda_driver: Callable[[], Any] | None = None) -> None:
         self.opts = opts
+        self._cuda_driver = cuda_driver  # the CudaCheckpoint factory (a seam for fault tests)
         self.dir = Path(opts.dir).resolve()
         self.root = images.criu_root(self.dir)
         self.ledger = Ledger(self.dir)
@@ -169,7 +175,7 @@ class Supervisor:
         if self.opts.mode == "app":
             proc = subprocess.Popen(list(self.opts.cmd))
             job = ops.Job(init_pid=proc.pid, app_pid=proc.pid, wait_pid=proc.pid, stdout=Path("/dev/stdout"),
-                          stderr=Path("/dev/stderr"))
+                          stderr=Path("/dev/stderr"), proc=proc)
             self.outcome.exit_code = self._loop(job, dumps=False)
             return self.outcome
         job = self._restore_or_start()
@@ -180,16 +186,9 @@ class Supervisor:
 
     # -- main loop --------------------------------------------------------------
     def _reap(self, job: ops.Job) -> int | None:
-        code = None
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return code if code is not None else (0 if not proctree.alive(job.wait_pid) else None)
-            if pid == 0:
-                return code
-            if pid == job.wait_pid:
-                code = exit_code_of(status)
+        # Only through the job's own Popen: a waitpid(-1) here, or a dropped Popen that a
+        # later subprocess call reaps, would take the status and leave nothing true to report.
+        return job.poll()
 
     def _loop(self, job: ops.Job, *, dumps: bool) -> int:
         while True:
@@ -222,15 +221,38 @@ class Supervisor:
         atomic_write(self.root / CONSUMED, (latest.name + "\n").encode())
 
     def _consumed(self) -> str | None:
+        return self._marker(CONSUMED)
+
+    def _marker(self, name: str) -> str | None:
         try:
-            return (self.root / CONSUMED).read_text().strip() or None
+            return (self.root / name).read_text().strip() or None
         except FileNotFoundError:
             return None
+
+    def _mark_stale(self) -> str | None:
+        """The job ended in a dump that left no committed image: every image here is behind it."""
+        try:
+            latest = images.newest(self.root)
+        except NoCheckpoint:
+            return None
+        atomic_write(self.root / STALE, (latest.name + "\n").encode())
+        return latest.name
+
+    def _stale(self, image: images.Image) -> bool:
+        stale = images.seq_of(self._marker(STALE) or "")
+        return stale is not None and image.seq <= stale
 
     # -- start / restore ----------------------------------------------------------
     def _stdio_paths(self) -> tuple[Path, Path]:
         base = self.root / "stdio" / self.tag
         return base.with_suffix(".out"), base.with_suffix(".err")
+
+    def cuda(self) -> Any:
+        if self._cuda_driver is None:
+            from ..cuda import CudaCheckpoint
+
+            self._cuda_driver = CudaCheckpoint
+        return self._cuda_driver()
 
     def criu(self) -> Criu:
         if self._criu is None:
@@ -256,8 +278,17 @@ class Supervisor:
         if self._consumed() == image.name:
             self.log(f"{image.path} belongs to a run that already finished; starting fresh")
             return self._start_fresh(None)
+        if self._stale(image):
+            return self._restore_failed(image, CriuError(
+                f"{image.name} is stale: a later dump ended the job but could not be committed, so the job "
+                "had run past this image and restoring it would rewind its work"))
         try:
             return self._restore(image)
+        except ops.RestoredJobExited as done:
+            self.log(f"restored {image.name}; {done}")
+            self.outcome.restored_from = image.name
+            self.outcome.exit_code = self._job_exited(done.code, dumped=False)
+            return None
         except (CheckpointCorrupt, CriuError, CudaCheckpointError, OSError) as exc:
             return self._restore_failed(image, exc)
 
@@ -302,10 +333,9 @@ class Supervisor:
         """Before criu runs: can this node's GPUs take the image's CUDA processes?"""
         if not manifest.get("cuda_pids"):
             return None
-        from ..cuda import CudaCheckpoint
         from ..cuda.gpumap import plan
 
-        cu = CudaCheckpoint()
+        cu = self.cuda()
         pairs = plan(manifest.get("gpus", []), cu.gpus(), can_remap=cu.can_remap)
         if pairs:
             self.log("GPUs differ from the dump's; restoring CUDA state by UUID pairs "
@@ -316,13 +346,13 @@ class Supervisor:
         inner = set(manifest.get("cuda_pids") or [])
         if not inner:
             return
-        from ..cuda import CudaCheckpoint, restore_all
+        from ..cuda import restore_all
 
         pids = [p for p in proctree.tree(job.app_pid) if proctree.inner_pid(p) in inner]
         try:
             if len(pids) != len(inner):
                 raise CudaCheckpointError(f"restored tree lacks CUDA processes {sorted(inner)} (found {pids})")
-            restore_all(CudaCheckpoint(), pids, pairs)
+            restore_all(self.cuda(), pids, pairs)
         except CudaCheckpointError:
             ops.kill_tree(job)
             self._wait_gone(job)
@@ -337,26 +367,38 @@ class Supervisor:
             with writer_lock(self.root):
                 name = self._dump(job, sig)
         except _CommitFailed as exc:
-            # criu already ended the job: its state is lost, but the next run can still
-            # fall back (the application's own checkpoint or a fresh start).
-            self.log(f"{exc}; requeueing so that the next run falls back")
-            self.ledger.append("criu_dump_failed", error=str(exc), signame=sig.name, job_ended=True)
-            self._wait_gone(job)
-            return self._requeue(None)
+            return self._job_lost(job, sig, str(exc))
         except (HpcckptError, OSError) as exc:
+            if not self._job_alive(job):
+                # e.g. a timeout after criu had already killed the dumped tree: never say
+                # "keeps running" of a job that is gone, and never signal it.
+                return self._job_lost(job, sig, f"{exc}; and the job is gone (criu had already ended it)")
             self._dump_failed(job, sig, exc)
             return None
         self._wait_gone(job)
         self.outcome.images.append(name)
         return self._requeue(name)
 
+    def _job_alive(self, job: ops.Job) -> bool:
+        return job.poll() is None and proctree.alive(job.app_pid)
+
+    def _job_lost(self, job: ops.Job, sig: signal.Signals, why: str) -> int:
+        """criu ended the job without a committed image: its state since the last image is
+        lost. Requeue so that the next run falls back (the application's own checkpoint or
+        a fresh start), never restoring an older image the job had already run past."""
+        stale = self._mark_stale()
+        said = (f"; images up to {stale} are now stale and will not be restored" if stale else "")
+        self.log(f"CRIU DUMP FAILED AND THE JOB HAS ENDED: {why}{said}; requeueing so that the next run "
+                 f"falls back (--on-restore-failure={self.opts.on_restore_failure})")
+        self.ledger.append("criu_dump_failed", error=why, signame=sig.name, job_ended=True, stale=stale)
+        self._wait_gone(job)
+        return self._requeue(None)
+
     def _wait_gone(self, job: ops.Job) -> None:
         # criu killed the tree; collect unshare's status so no zombie outlives us.
         deadline = time.monotonic() + 30
-        while proctree.alive(job.wait_pid) and time.monotonic() < deadline:
-            self._reap(job)
+        while self._reap(job) is None and time.monotonic() < deadline:
             time.sleep(0.01)
-        self._reap(job)
 
     def _dump_failed(self, job: ops.Job, sig: signal.Signals, exc: BaseException) -> None:
         from .failure import report
@@ -367,46 +409,51 @@ class Supervisor:
         self.ledger.append("criu_dump_failed", job_ended=False, **rep.as_dict())
         ops.signal_pids(rep.forwarded_to, sig)
 
-    def _cuda_checkpoint(self, job: ops.Job) -> tuple[list[int], list[dict[str, Any]]]:
-        from ..cuda import CudaCheckpoint, checkpoint_all, cuda_pids
+    def _cuda_checkpoint(self, job: ops.Job) -> tuple[Any, list[int], list[dict[str, Any]]]:
+        from ..cuda import checkpoint_all, cuda_pids
 
-        pids = cuda_pids(job.app_pid, log=self.log)
+        pids = cuda_pids(job.app_pid, driver=self.cuda, log=self.log)
         if not pids:
-            return [], []
+            return None, [], []
         t0 = time.monotonic()
-        cu = CudaCheckpoint()
+        cu = self.cuda()
         gpus = [g.as_dict() for g in cu.gpus()]
         pids = checkpoint_all(cu, pids, lock_timeout_ms=self.opts.cuda_lock_timeout_ms)
         self.log(f"CUDA state of host PIDs {pids} locked and checkpointed in {time.monotonic() - t0:.2f} s")
-        return pids, gpus
+        return cu, pids, gpus
+
+    def _resume_cuda(self, cu: Any, pids: list[int], exc: BaseException) -> None:
+        """The dump did not happen: give every live CUDA process its GPU back (all of them,
+        best effort each); if one cannot be, the job is stuck and the error says so."""
+        from ..cuda.group import resume_all
+
+        live = [p for p in pids if proctree.alive(p)]
+        try:
+            resume_all(cu, live)
+        except CudaCheckpointError as cuda_exc:
+            raise CudaCheckpointError(f"{exc}; {cuda_exc}") from exc
+        if live:
+            self.log(f"CUDA state of host PIDs {live} restored and unlocked after the failed dump")
 
     def _dump(self, job: ops.Job, sig: signal.Signals) -> str:
         criu = self.criu()
         seq = images.next_seq(self.root)
         name = images.image_name(seq)
-        cuda, gpus = self._cuda_checkpoint(job)
-        cuda_inner = [proctree.inner_pid(p) or p for p in cuda]
-        with Transaction(self.root, name) as tx:
-            t0 = time.monotonic()
-            try:
+        cu, cuda, gpus = self._cuda_checkpoint(job)
+        dumped = False
+        try:  # from the CUDA checkpoint to criu's result: any failure gives the GPUs back
+            cuda_inner = [proctree.inner_pid(p) or p for p in cuda]
+            with Transaction(self.root, name) as tx:
+                t0 = time.monotonic()
                 ops.dump(criu, job, tx.path, log=self.root / "logs" / f"dump-{seq:06d}.log", opts=self.opts.dump)
-            except CriuError as exc:
-                if cuda:  # criu resumed the tree; give it its GPUs back before it needs them
-                    from ..cuda import CudaCheckpoint, restore_all
-
-                    try:
-                        restore_all(CudaCheckpoint(), cuda)
-                    except CudaCheckpointError as cuda_exc:
-                        raise CriuError(f"{exc}; and bringing CUDA state back failed: {cuda_exc}") from exc
-                raise
-            dump_s = time.monotonic() - t0
-            t1 = time.monotonic()
-            try:
-                tx.commit(self._manifest(job, seq, sig, criu, dump_s, cuda_inner, gpus,
-                                         max_inner_id=images.max_task_id(tx.path)))
-            except (OSError, CheckpointCorrupt) as exc:
-                raise _CommitFailed(f"criu dumped the job but committing {tx.path} failed: {exc}") from exc
-            commit_s = time.monotonic() - t1
+                dumped = True
+                dump_s = time.monotonic() - t0
+                commit_s = self._commit(tx, self._manifest(job, seq, sig, criu, dump_s, cuda_inner, gpus,
+                                                           max_inner_id=images.max_task_id(tx.path)))
+        except BaseException as exc:
+            if cuda and not dumped:
+                self._resume_cuda(cu, cuda, exc)
+            raise
         image = images.Image(path=self.root / name, seq=seq)
         nbytes = image.bytes_total()
         removed = images.prune(self.root, keep=self.opts.keep)
@@ -415,6 +462,20 @@ class Supervisor:
         self.ledger.append("criu_dump", image=name, bytes=nbytes, dump_s=dump_s, commit_s=commit_s,
                            cuda_pids=len(cuda), signame=sig.name)
         return name
+
+    def _commit(self, tx: Transaction, manifest: dict[str, Any]) -> float:
+        t1 = time.monotonic()
+        try:
+            tx.commit(manifest)
+        except (OSError, CheckpointCorrupt) as exc:
+            if tx.committed:
+                # Renamed into place and fsynced; only LATEST could not be written. The image
+                # is whole, and images.newest() goes by sequence, so it is still the one restored.
+                self.log(f"committed {tx.final} but could not update LATEST ({exc}); the image is complete "
+                         "and a restore finds it by its sequence number")
+                return time.monotonic() - t1
+            raise _CommitFailed(f"criu dumped the job but committing {tx.path} failed: {exc}") from exc
+        return time.monotonic() - t1
 
     def _manifest(self, job: ops.Job, seq: int, sig: signal.Signals, criu: Criu, dump_s: float,
                   cuda_inner: list[int], gpus: list[dict[str, Any]], *, max_inner_id: int) -> dict[str, Any]:

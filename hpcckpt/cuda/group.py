@@ -19,7 +19,7 @@ from typing import Callable
 
 from ..proc import tree as proctree
 from ..errors import CudaCheckpointError
-from .driver import MAPPED_DRIVER, NO_CONTEXT_CODES, CudaCallFailed, CudaCheckpoint, CudaDriverMissing, ProcessState
+from .driver import MAPPED_DRIVER, NO_CONTEXT_CODES, CudaCallFailed, CudaCheckpoint, ProcessState
 
 
 def driver_mappers(root: int) -> list[int]:
@@ -27,9 +27,16 @@ def driver_mappers(root: int) -> list[int]:
     return [p for p in proctree.tree(root) if proctree.maps_library(p, MAPPED_DRIVER)]
 
 
-def _no_context(pid: int) -> None:
-    """``pid`` has no CUDA context: fine, unless it holds GPU device files."""
+def _no_context(pid: int, *, because: str | None = None) -> None:
+    """``pid`` has no CUDA context: fine, unless it holds GPU device files.
+
+    ``because``: the driver could not be used, so the handles are the only evidence."""
     held = proctree.nvidia_handles(pid)
+    if held and because is not None:
+        raise CudaCheckpointError(
+            f"PID {pid} holds {', '.join(held)} (it uses the GPU), but the CUDA checkpoint API cannot be "
+            f"used here: {because}. Fix the driver (the checkpoint API needs CUDA 12.8, driver >= 570), "
+            "or use --mode app")
     if held:
         raise CudaCheckpointError(
             f"PID {pid} has no CUDA context but holds {', '.join(held)} (typically a process forked "
@@ -46,11 +53,15 @@ def cuda_pids(root: int, *, driver: Callable[[], CudaCheckpoint] = CudaCheckpoin
         return []
     try:
         cu = driver()
-    except CudaDriverMissing as exc:
-        # No driver here: nothing can hold a context; a process mapping a libcuda is a CPU job.
+    except CudaCheckpointError as exc:
+        # The driver cannot be used here (missing, too old for the checkpoint API, cuInit
+        # failing): a context cannot be asked about, but it cannot exist without the GPU's
+        # device files either. No /dev/nvidia* handles: a CPU process (a CPU job with a CUDA
+        # build of torch must not fail every dump). Handles: a clear error from _no_context.
         for pid in mappers:
-            _no_context(pid)
-        log(f"PIDs {mappers} map a CUDA driver library, but {exc}; treating them as CPU processes")
+            _no_context(pid, because=str(exc))
+        log(f"PIDs {mappers} map a CUDA driver library, but the driver cannot be used ({exc}); they hold no "
+            "/dev/nvidia* files: treating them as CPU processes")
         return []
     found = []
     for pid in mappers:
@@ -63,6 +74,7 @@ def cuda_pids(root: int, *, driver: Callable[[], CudaCheckpoint] = CudaCheckpoin
 
 
 def _undo(cu: CudaCheckpoint, pids: list[int]) -> list[str]:
+    """Bring every PID back to RUNNING, best effort: one that fails does not stop the rest."""
     problems: list[str] = []
     for pid in pids:
         try:
@@ -73,8 +85,21 @@ def _undo(cu: CudaCheckpoint, pids: list[int]) -> list[str]:
             if st is ProcessState.LOCKED:
                 cu.unlock(pid)
         except CudaCheckpointError as exc:
-            problems.append(str(exc))
+            problems.append(f"PID {pid}: {exc}")
     return problems
+
+
+def resume_all(cu: CudaCheckpoint, pids: list[int]) -> None:
+    """After a failed dump: give every PID its GPU back (best effort for each).
+
+    Raises CudaCheckpointError naming every PID left locked or checkpointed: such a
+    process is stuck (its CUDA calls block), and the caller must say so plainly."""
+    problems = _undo(cu, pids)
+    if problems:
+        raise CudaCheckpointError(
+            "CUDA state could not be brought back after the failed dump, so the job is STUCK (its CUDA "
+            f"calls block until it is unlocked): {'; '.join(problems)}. Try `hpcckpt cuda restore PID` and "
+            "`hpcckpt cuda unlock PID`; otherwise cancel the job (its last committed checkpoint is intact)")
 
 
 def _lock_all(cu: CudaCheckpoint, pids: list[int], moved: list[int], *, lock_timeout_ms: int) -> list[int]:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -250,3 +251,199 @@ def test_doctor_starts_fresh_pid_and_mount_namespaces() -> None:
 
     found = _namespace_check()
     assert found.ok and "--mount-proc" in found.detail
+
+
+# -- newest image, stale images after a failed commit --------------------------------------
+
+def test_newest_prefers_the_highest_committed_sequence_over_a_stale_latest(tmp_path: Path) -> None:
+    # image 2 was renamed into place, then rewriting LATEST failed: LATEST still names 1.
+    root = tmp_path / "criu"
+    commit_image(root, 1)
+    im2 = commit_image(root, 2)
+    (root / "LATEST").write_text("image-000001\n")
+    assert images.newest(root) == im2
+
+
+def _supervisor(tmp_path: Path, **kw: object) -> tuple[object, list[str]]:
+    from hpcckpt.criu.supervisor import Supervisor
+
+    said: list[str] = []
+    opts = RunOptions(dir=tmp_path, cmd=("true",), **kw)  # type: ignore[arg-type]
+    return Supervisor(opts, log=said.append, cuda_driver=FakeCuda.shared), said
+
+
+def test_images_behind_a_failed_commit_are_never_restored(tmp_path: Path) -> None:
+    from hpcckpt.criu.supervisor import STALE
+
+    root = tmp_path / "criu"
+    commit_image(root, 1)
+    commit_image(root, 2)
+    sup, said = _supervisor(tmp_path, on_restore_failure="fail")
+    assert sup._mark_stale() == "image-000002"  # type: ignore[attr-defined]
+    assert (root / STALE).read_text().strip() == "image-000002"
+    assert sup._restore_or_start() is None  # type: ignore[attr-defined]
+    assert sup.outcome.action == "restore-failed" and "stale" in sup.outcome.detail  # type: ignore[attr-defined]
+    assert "would rewind" in sup.outcome.detail  # type: ignore[attr-defined]
+    failed = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert [e["image"] for e in failed if e["event"] == "criu_restore_failed"] == ["image-000002"]
+    # A later successful dump is newer than the failed one: it is restorable again.
+    commit_image(root, 3)
+    assert not sup._stale(images.newest(root))  # type: ignore[attr-defined]
+    assert sup._stale(images.Image(path=root / "image-000002", seq=2))  # type: ignore[attr-defined]
+
+
+# -- a dump that fails after the CUDA checkpoint gives the GPUs back ----------------------
+
+class FakeCuda:
+    """Stands in for the driver's checkpoint API (no GPU here) and records every call."""
+
+    instance: "FakeCuda | None" = None
+
+    def __init__(self, *, fail_restore: tuple[int, ...] = ()) -> None:
+        from hpcckpt.cuda import ProcessState
+
+        self.calls: list[tuple[str, int]] = []
+        self.states: dict[int, ProcessState] = {}
+        self.fail_restore = fail_restore
+
+    @classmethod
+    def shared(cls) -> "FakeCuda":
+        assert cls.instance is not None
+        return cls.instance
+
+    def gpus(self) -> list:
+        return []
+
+    def probe(self, pid: int) -> object:
+        return self.state(pid)
+
+    def state(self, pid: int) -> object:
+        from hpcckpt.cuda import ProcessState
+
+        return self.states.get(pid, ProcessState.RUNNING)
+
+    def lock(self, pid: int, *, timeout_ms: int = 0) -> None:
+        from hpcckpt.cuda import ProcessState
+
+        self.calls.append(("lock", pid))
+        self.states[pid] = ProcessState.LOCKED
+
+    def checkpoint(self, pid: int) -> None:
+        from hpcckpt.cuda import ProcessState
+
+        self.calls.append(("checkpoint", pid))
+        self.states[pid] = ProcessState.CHECKPOINTED
+
+    def restore(self, pid: int, pairs: object = None) -> None:
+        from hpcckpt.cuda import CudaCallFailed, ProcessState
+
+        self.calls.append(("restore", pid))
+        if pid in self.fail_restore:
+            raise CudaCallFailed(f"cuCheckpointProcessRestore(pid={pid}) failed: CUDA_ERROR_UNKNOWN (999)",
+                                 code=999, name="CUDA_ERROR_UNKNOWN")
+        self.states[pid] = ProcessState.LOCKED
+
+    def unlock(self, pid: int) -> None:
+        from hpcckpt.cuda import ProcessState
+
+        self.calls.append(("unlock", pid))
+        self.states[pid] = ProcessState.RUNNING
+
+
+def test_resume_all_tries_every_pid_and_says_the_job_is_stuck() -> None:
+    from hpcckpt.cuda import ProcessState
+    from hpcckpt.cuda.group import resume_all
+    from hpcckpt.errors import CudaCheckpointError
+
+    cu = FakeCuda(fail_restore=(101,))
+    for pid in (101, 102):
+        cu.lock(pid)
+        cu.checkpoint(pid)
+    with pytest.raises(CudaCheckpointError, match=r"STUCK.*PID 101.*hpcckpt cuda restore"):
+        resume_all(cu, [101, 102])  # type: ignore[arg-type]
+    assert ("restore", 102) in cu.calls and ("unlock", 102) in cu.calls  # the failure did not stop the rest
+    assert cu.states[102] is ProcessState.RUNNING and cu.states[101] is ProcessState.CHECKPOINTED
+
+
+@pytest.fixture
+def cuda_job(tmp_path: Path) -> "Iterator[object]":
+    """A live process that maps a (stand-in) libcuda.so.1, as the supervisor's Job."""
+    from hpcckpt.criu.ops import Job
+
+    from .test_cuda_driver import MAPPER, build_fake
+
+    lib = build_fake(tmp_path / "m", version=12080, checkpoint=True, name="libcuda.so.1")
+    with subprocess.Popen([sys.executable, "-c", MAPPER, str(lib)], stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+            yield Job(init_pid=proc.pid, app_pid=proc.pid, wait_pid=proc.pid, stdout=Path("o"), stderr=Path("e"),
+                      proc=proc)
+        finally:
+            proc.kill()
+
+
+@pytest.mark.parametrize("restore_fails", [False, True], ids=["resumed", "stuck"])
+def test_a_dump_failing_with_oserror_after_the_cuda_checkpoint_gives_the_gpu_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cuda_job: object, restore_fails: bool) -> None:
+    import errno
+
+    from hpcckpt.criu import supervisor
+    from hpcckpt.criu.locate import Criu
+    from hpcckpt.cuda import ProcessState
+
+    pid = cuda_job.app_pid  # type: ignore[attr-defined]
+    FakeCuda.instance = cu = FakeCuda(fail_restore=(pid,) if restore_fails else ())
+
+    def no_space(*_a: object, **_k: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "criu" / "image-000001.tmp-x"))
+
+    monkeypatch.setattr(supervisor, "Transaction", no_space)
+    sup, said = _supervisor(tmp_path / "run")
+    sup._criu = Criu(path=Path("/bin/false"), version="4.1.1", major=4, source="explicit")  # type: ignore[attr-defined]
+    assert sup._on_dump_signal(cuda_job, signal.SIGUSR2) is None  # type: ignore[attr-defined]
+    assert cu.calls[:2] == [("lock", pid), ("checkpoint", pid)]
+    assert ("restore", pid) in cu.calls
+    text = "\n".join(said)
+    assert "CRIU DUMP FAILED; the job keeps running" in text and "No space left on device" in text
+    if restore_fails:
+        assert "STUCK" in text and cu.states[pid] is ProcessState.CHECKPOINTED
+    else:
+        assert cu.calls[2:] == [("restore", pid), ("unlock", pid)] and cu.states[pid] is ProcessState.RUNNING
+        assert "restored and unlocked after the failed dump" in text
+    assert cuda_job.poll() is None  # type: ignore[attr-defined]  # the job runs on
+    failed = [json.loads(x) for x in (tmp_path / "run" / "ledger.jsonl").read_text().splitlines()
+              if json.loads(x)["event"] == "criu_dump_failed"]
+    assert len(failed) == 1 and failed[0]["job_ended"] is False
+
+
+# -- the job's exit status is the supervisor's to collect ----------------------------------
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="fresh PID + mount namespaces need root")
+def test_job_status_survives_a_later_subprocess(tmp_path: Path) -> None:
+    from hpcckpt.criu import ops
+    from hpcckpt.proc import tree as proctree
+
+    flag = tmp_path / "go"
+    job = ops.launch(["sh", "-c", f"while [ ! -e {flag} ]; do sleep 0.05; done; exit 7"],
+                     stdout=tmp_path / "o", stderr=tmp_path / "e", log=tmp_path / "log")
+    sup, _ = _supervisor(tmp_path / "run")
+    assert sup._reap(job) is None  # type: ignore[attr-defined]
+    flag.touch()
+    deadline = time.monotonic() + 60
+    while proctree.alive(job.wait_pid) and time.monotonic() < deadline:  # exits, not yet collected
+        time.sleep(0.02)
+    # Any Popen reaps the children of Popen objects that were dropped: it must not find the job's.
+    subprocess.run(["true"], check=True)
+    code = None
+    while code is None and time.monotonic() < deadline:
+        code = sup._reap(job)  # type: ignore[attr-defined]
+        time.sleep(0.02)
+    assert code == 7
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="fresh PID + mount namespaces need root")
+def test_run_passes_a_failed_jobs_status(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "hpcckpt.cli", "run", "--mode", "criu", "--dir", str(tmp_path),
+                           "--json", "--", "sh", "-c", "exit 7"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 7, proc.stderr
+    assert json.loads(proc.stdout)["exit_code"] == 7

@@ -198,3 +198,29 @@ def test_gpu_plan_same_gpus_remap_and_refusals() -> None:
 def test_uuid_round_trip() -> None:
     text = "GPU-0123abcd-4567-89ef-0123-456789abcdef"
     assert driver.uuid_text(driver.uuid_bytes(text)) == text
+
+
+@pytest.mark.parametrize("kind", ["too-old", "cuInit-fails"])
+def test_unusable_driver_with_no_gpu_handles_is_a_cpu_process(tmp_path: Path, kind: str) -> None:
+    # A CPU job with a CUDA build of torch on a node whose driver predates the checkpoint
+    # API (or whose cuInit fails) must still be dumped: it holds no /dev/nvidia* files.
+    from hpcckpt.cuda import cuda_pids
+
+    version, init_rc = (12020, 0) if kind == "too-old" else (12080, 999)
+    driver_lib = build_fake(tmp_path / "d", version=version, checkpoint=True, init_rc=init_rc)
+    with _mapper(build_fake(tmp_path / "m", version=12080, checkpoint=True, name="libcuda.so.1")) as pid:
+        said: list[str] = []
+        assert cuda_pids(pid, driver=lambda: CudaCheckpoint(str(driver_lib)), log=said.append) == []
+        assert "cannot be used" in said[0] and "CPU processes" in said[0]
+
+
+def test_unusable_driver_and_gpu_handles_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcckpt.cuda import cuda_pids, group
+    from hpcckpt.errors import CudaCheckpointError
+
+    driver_lib = build_fake(tmp_path / "d", version=12020, checkpoint=True)
+    # The seam: what /proc says the process holds (no GPU here to open /dev/nvidia0 for real).
+    monkeypatch.setattr(group.proctree, "nvidia_handles", lambda _pid: ["/dev/nvidia0", "/dev/nvidiactl"])
+    with _mapper(build_fake(tmp_path / "m", version=12080, checkpoint=True, name="libcuda.so.1")) as pid:
+        with pytest.raises(CudaCheckpointError, match=r"holds /dev/nvidia0.*uses the GPU.*CUDA 12\.8"):
+            cuda_pids(pid, driver=lambda: CudaCheckpoint(str(driver_lib)))
