@@ -28,6 +28,7 @@ import torch
 from .config import CheckpointOptions, resolve_options
 from .data import ResumableSampler
 from .engines import SaveContext, SaveHandle, make_engine
+from .engines.base import live_tensors
 from .errors import CheckpointCorrupt, CheckpointFailed, ConfigError, HpcckptError
 from .exitcodes import EXIT_REQUEUE
 from .ledger import Ledger
@@ -159,7 +160,9 @@ class Checkpointer:
         fresh_ok = self.options.on_corrupt == "fresh"
         # Read straight into the live model/optimizer tensors where they match (no first touch of
         # new memory, no second copy: hdf5.read_tensors), unless a fresh start must stay possible.
-        live = None if fresh_ok else (lambda: self.state.capture(step=self.step).tensors)
+        # The optimizers' parameter devices say where missing optimizer state belongs (GPU or host).
+        live = None if fresh_ok else (lambda: live_tensors(self.state.capture(step=self.step).tensors,
+                                                           self.state.objects))
         outcome = load_newest(self.root, self.ranks, into=live, on_skip=self._skipped)
         self._restore_s = time.monotonic() - t0
         if outcome.flat is not None:
@@ -272,10 +275,13 @@ class Checkpointer:
         if local is StopReason.NONE and self.ranks.is_coordinator:
             self.policy.poll(self.cluster)
             local = self.policy.stop_reason()
-        reason = StopReason(self.ranks.max(int(local)))
+        # One collective decides both: ranks judge a periodic save from their own timings
+        # (every_steps="auto"), and a rank that saved alone would wait in the commit exchange.
+        agreed = self.ranks.max(int(local) * 2 + int(self.policy.periodic_due(self.step)))
+        reason = StopReason(agreed // 2)
         if reason is not StopReason.NONE:
             self._stop(reason)
-        elif self.policy.periodic_due(self.step):
+        elif agreed % 2:
             self.save()
 
     def save(self, *, final: bool = False, block: bool | None = None) -> SaveHandle:

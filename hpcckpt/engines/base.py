@@ -31,11 +31,28 @@ from ..ranks import Ranks
 from ..state import Flat, TrainState
 from ..store import catalog, hdf5, torchfile
 from ..store.commit import TMP_MARK, Transaction
+from ..store.hostmem import one_cuda_device
 from ..store.lock import writer_lock
 
 log = logging.getLogger("hpcckpt.engines")
 
 MANIFEST_FORMAT = "hpcckpt/1"
+
+
+class LiveTensors(dict):  # type: ignore[type-arg]
+    """Live tensors by flat name (``TrainState.capture``) plus, per registered optimizer,
+    the devices its parameters are on: where its missing state belongs on a resume."""
+
+    def __init__(self, tensors: Mapping[str, Any], optimizer_devices: Mapping[str, set[torch.device]]) -> None:
+        super().__init__(tensors)
+        self.optimizer_devices = dict(optimizer_devices)
+
+
+def live_tensors(tensors: Mapping[str, Any], objects: Mapping[str, Any]) -> LiveTensors:
+    """``tensors`` with the devices of each optimizer's parameters (``param_groups``) in ``objects``."""
+    devices = {name: {p.device for g in obj.param_groups for p in g["params"]}
+               for name, obj in objects.items() if isinstance(obj, torch.optim.Optimizer)}
+    return LiveTensors(tensors, devices)
 
 
 class SaveHandle:
@@ -182,8 +199,8 @@ def load_rank(info: catalog.CheckpointInfo, rank: int, world: int, *, into: Mapp
     ``into``: live tensors by flat name (``TrainState.capture``); HDF5 rank files are
     read straight into those that match (``hdf5.read_tensors``; CUDA ones through
     pinned chunks), torch archives are not. Optimizer state the live optimizer does
-    not hold yet is read onto the GPU too when the live tensors are on one CUDA
-    device (``_optimizer_homes``). ``stats`` receives the reader's figures,
+    not hold yet is read onto the GPU too when ``into`` is a ``LiveTensors`` whose
+    optimizer's parameters are all on that CUDA device (``_optimizer_homes``). ``stats`` receives the reader's figures,
     ``in_place_bytes`` (live memory overwritten) and ``device_bytes`` included.
     """
     manifest = info.manifest
@@ -195,6 +212,8 @@ def load_rank(info: catalog.CheckpointInfo, rank: int, world: int, *, into: Mapp
             "Resume with the same number of ranks (resharding is not supported).")
     rec = manifest["ranks"][str(rank)]
     path = info.path / rec["file"]
+    if into:  # one GPU per process: the staged reader pins for, and copies on, one device
+        one_cuda_device((t.device for t in into.values() if isinstance(t, torch.Tensor)), f"restore of {path}")
     if rec["format"] == "hdf5":
         _, entries = catalog.rank_entries(manifest, rank)
         homes = _optimizer_homes(rec.get("meta"), entries, into)
@@ -211,23 +230,29 @@ def load_rank(info: catalog.CheckpointInfo, rank: int, world: int, *, into: Mapp
 
 
 def _optimizer_state_names(meta: Any) -> list[str]:
-    """Tensor names of optimizer state (``objects/<opt>/state/<i>/<key>``) except ``step``.
+    """Tensor names of optimizer state (``objects/<opt>/state/<i>/<key>``) except ``step``."""
+    return [n for names in _optimizer_state_by_object(meta).values() for n in names]
+
+
+def _optimizer_state_by_object(meta: Any) -> dict[str, list[str]]:
+    """``_optimizer_state_names`` by optimizer (registered object name).
 
     Recognised from the saved metadata tree: an object whose state_dict has
     ``param_groups`` and ``state``. ``step`` stays where torch keeps it (on the CPU
     unless the optimizer is capturable or fused; load_state_dict moves it then).
     """
-    names: list[str] = []
+    out: dict[str, list[str]] = {}
     objects = meta.get("objects") if isinstance(meta, dict) else None
-    for tree in (objects or {}).values():
+    for obj, tree in (objects or {}).items():
         if not (isinstance(tree, dict) and "param_groups" in tree and isinstance(tree.get("state"), dict)):
             continue
+        names = out.setdefault(obj, [])
         state = tree["state"]
         for _, sub in state.get("__dict__", list(state.items())):
             for key, leaf in (sub.items() if isinstance(sub, dict) else ()):
                 if key != "step" and isinstance(leaf, dict) and isinstance(leaf.get("__tensor__"), str):
                     names.append(leaf["__tensor__"])
-    return names
+    return out
 
 
 def _optimizer_homes(meta: Any, entries: Mapping[str, hdf5.TensorEntry],
@@ -237,22 +262,38 @@ def _optimizer_homes(meta: Any, entries: Mapping[str, hdf5.TensorEntry],
     A resumed process has parameters but no optimizer state until its first step:
     without a home on the GPU that state (2/3 of an Adam checkpoint) would be read
     into new host memory and copied up by ``load_state_dict`` from pageable memory.
-    With one CUDA device among the live tensors, it is read through the pinned
-    pipeline straight into tensors on that device instead; ``load_state_dict`` then
-    keeps them (it moves state to each parameter's device, a no-op here).
+    When all of that optimizer's parameters are on one CUDA device, it is read
+    through the pinned pipeline straight into tensors on that device instead;
+    ``load_state_dict`` then keeps them (it moves state to each parameter's device,
+    a no-op here). An optimizer whose parameters are on the CPU (offloaded) keeps
+    its state on the host, whatever the model's device.
     """
-    if not into:
-        return {}
-    devices = {t.device for t in into.values() if isinstance(t, torch.Tensor) and t.is_cuda}
-    if len(devices) != 1:
-        return {}
-    device = devices.pop()
     homes: dict[str, torch.Tensor] = {}
-    for name in _optimizer_state_names(meta):
-        e = entries.get(name)
-        if e is not None and e.nbytes and e.shape and into.get(name) is None:
-            homes[name] = torch.empty(e.shape, dtype=hdf5.torch_dtype(e.dtype), device=device)
+    for name, device in _home_devices(meta, entries, into).items():
+        e = entries[name]
+        homes[name] = torch.empty(e.shape, dtype=hdf5.torch_dtype(e.dtype), device=device)
     return homes
+
+
+def _home_devices(meta: Any, entries: Mapping[str, hdf5.TensorEntry],
+                  into: Mapping[str, Any] | None) -> dict[str, torch.device]:
+    """Which missing optimizer state tensors get a GPU home, and on which device (no allocation)."""
+    known = getattr(into, "optimizer_devices", None)
+    if not into or not known:
+        return {}  # where the optimizers' parameters live is unknown: host memory, as torch would
+    out: dict[str, torch.device] = {}
+    for obj, names in _optimizer_state_by_object(meta).items():
+        devices = known.get(obj) or set()
+        if len(devices) != 1:
+            continue
+        device = next(iter(devices))
+        if device.type != "cuda":
+            continue
+        for name in names:
+            e = entries.get(name)
+            if e is not None and e.nbytes and e.shape and into.get(name) is None:
+                out[name] = device
+    return out
 
 
 def cpu_copy(t: torch.Tensor) -> torch.Tensor:

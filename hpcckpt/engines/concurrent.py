@@ -39,12 +39,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -54,6 +55,7 @@ from ..errors import CheckpointFailed, ConfigError
 from ..state import Flat, TrainState
 from ..ranks import Ranks
 from ..store.hdf5 import TensorEntry, raw_bytes
+from ..store.hostmem import one_cuda_device
 from .base import Engine, SaveContext, SaveHandle
 from .layout import Layout, Spec
 from .prepare import Prep, Preparer, build_staging
@@ -77,6 +79,7 @@ class _Job:
     started: float
     copied: threading.Event = field(default_factory=threading.Event)
     cuda_event: Any = None
+    device: Any = None  # the CUDA device of cuda_event's copies
     d2h_events: tuple[Any, Any, int] | None = None  # (begin, end, bytes) of a slot's D2H copy
     staging: Staging | None = None
     ring: RingStream | None = None
@@ -86,11 +89,55 @@ class _Job:
 
 def _specs(tensors: dict[str, torch.Tensor]) -> Key:
     """The layout key of a capture: (name, dtype, shape) of each tensor, and the CUDA device
-    whose copies the staging serves (pinned then), None when nothing is on a GPU."""
+    whose copies the staging serves (pinned then), None when nothing is on a GPU.
+
+    ConfigError when tensors are on several CUDA devices: one side stream, one pinned
+    context (run one process per GPU).
+    """
     specs = tuple((n, t.dtype, tuple(t.shape)) for n, t in tensors.items())
-    device = next((t.device for t in tensors.values() if t.is_cuda), None)
-    index = None if device is None else (device.index if device.index is not None else torch.cuda.current_device())
-    return specs, index
+    device = one_cuda_device((t.device for t in tensors.values()), "checkpoint")
+    return specs, None if device is None else device.index
+
+
+def _fsync(path: Path) -> None:
+    """Make a file written without the native writers durable (before its commit)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# How one tensor reaches its save's staging slot (``_routes``).
+DEVICE = "device"              # CUDA, only optimizer.step() mutates it: D2H on the side stream
+DEVICE_CLONE = "device_clone"  # CUDA, mutated elsewhere too: a device clone now, then D2H
+HOST_NOW = "host_now"          # CPU: copied into the slot now, on the main thread
+HOST_BATCH = "host_batch"      # CPU, only optimizer.step() mutates it: copied by the native writers
+
+
+def _routes(tensors: dict[str, torch.Tensor], is_safe: Callable[[str], bool], *,
+            gpu_pending: bool | None = None) -> dict[str, str]:
+    """Decide how each tensor is staged; ``gpu_pending``: whether a D2H copy will be pending
+    (default: any tensor is on a GPU).
+
+    With a D2H copy pending the optimizer pre-hook only orders the GPU after it
+    (``wait_event``) and returns at once on the host, so the native batch starts
+    (after the D2H) while ``optimizer.step()`` already runs. A CPU tensor that the
+    step mutates on the host (Adam's ``step`` counters of CUDA parameters) must then
+    be in the slot before ``save()`` returns, or the checkpoint would pair step S's
+    parameters with step S+1's counters. Without a GPU the pre-hook waits for the
+    batch's copies on the host, so the writers may copy CPU sources themselves.
+    """
+    if gpu_pending is None:
+        gpu_pending = any(t.is_cuda for t in tensors.values())
+    out: dict[str, str] = {}
+    for name, t in tensors.items():
+        safe = is_safe(name) and t.is_contiguous()
+        if t.is_cuda:
+            out[name] = DEVICE if safe else DEVICE_CLONE
+        else:
+            out[name] = HOST_BATCH if safe and not gpu_pending else HOST_NOW
+    return out
 
 
 class ConcurrentEngine(Engine):
@@ -104,6 +151,7 @@ class ConcurrentEngine(Engine):
         if max_async < 1:
             raise ConfigError(f"max_async must be >= 1, got {max_async}")
         self.max_async = max_async
+        self._wanted_async = max_async  # max_async is lowered to the slots a memory budget allows
         self.on_busy = check_on_busy(on_busy if on_busy is not None else from_env("ON_BUSY", "wait", str))
         self.memory_budget_bytes = memory_budget_bytes if memory_budget_bytes is not None else from_env(
             "MEMORY_BUDGET_BYTES", None, int)  # type: ignore[arg-type]
@@ -196,7 +244,10 @@ class ConcurrentEngine(Engine):
         result (waiting for it if it is still running) instead of allocating on the
         step path. Failures are left to ``save()``, which redoes the work and reports.
         """
-        key = _specs(tensors)
+        try:
+            key = _specs(tensors)
+        except ConfigError:
+            return  # save() reports it, where the user sees it
         if self._staging is None or self._staging.key != key:
             self._preparer.start(key)
 
@@ -226,8 +277,10 @@ class ConcurrentEngine(Engine):
         t0 = time.monotonic()
         for job in pending:
             if job.cuda_event is not None:
-                # The GPU orders optimizer.step() after the D2H copy; the host does not wait.
-                torch.cuda.current_stream().wait_event(job.cuda_event)
+                # The GPU orders optimizer.step() after the D2H copy; the host does not wait
+                # (CPU sources were copied by save(): ``_routes``). The training device's
+                # stream, which need not be the current device's.
+                torch.cuda.current_stream(job.device).wait_event(job.cuda_event)
             elif job.ring is None and job.batch is not None:
                 job.batch.wait_copied()
                 job.copied.set()
@@ -353,13 +406,23 @@ class ConcurrentEngine(Engine):
                                     and not any(j.staging is old for j in self._inflight))
             old.release()
         self._staging = staging
+        # A memory budget may allow fewer full slots than wanted: applied here, on the main
+        # thread, never by a preparation running beside saves (it may be dropped unused).
+        slots = len(staging.slots) if staging.ring is None else self._wanted_async
+        if slots < self._wanted_async:
+            log.warning("hpcckpt: memory budget allows %d staging slots of %d bytes, not %d; "
+                        "max_async lowered to %d", slots, staging.layout.slot_bytes, self._wanted_async, slots)
+        with self._cond:
+            self.max_async = min(self._wanted_async, slots)
+            self._cond.notify_all()
         self.stats.staging_bytes, self.stats.staging_pinned = staging.nbytes, staging.pinned
         ring = staging.ring
         self.stats.ring_chunks = len(ring.chunks) if ring else 0
         self.stats.ring_chunk_bytes = ring.chunk_bytes if ring else 0
 
     def _slot_count(self, slot_bytes: int) -> int:
-        wanted = self.max_async
+        """How many full slots to allocate (any thread: reads only; ``_install`` applies it)."""
+        wanted = self._wanted_async
         if self.memory_budget_bytes is None:
             return wanted
         fits = self.memory_budget_bytes // slot_bytes
@@ -368,10 +431,6 @@ class ConcurrentEngine(Engine):
                 f"memory_budget_bytes={self.memory_budget_bytes} cannot hold one staging copy of this rank's "
                 f"state ({slot_bytes} bytes); raise HPCCKPT_MEMORY_BUDGET_BYTES, set HPCCKPT_STAGING_BYTES "
                 "for a smaller staging ring, or use the sync engine")
-        if fits < wanted:
-            log.warning("hpcckpt: memory budget allows %d staging slots of %d bytes, not %d; "
-                        "max_async lowered to %d", fits, slot_bytes, wanted, fits)
-            self.max_async = fits
         return int(min(wanted, fits))
 
     def _take_slot(self) -> Slot:
@@ -393,32 +452,33 @@ class ConcurrentEngine(Engine):
         items: dict[str, int] = {}
         gpu: list[tuple[torch.Tensor, torch.Tensor]] = []
         clones: dict[str, Any] = {}
-        for name, t in tensors.items():
+        for name, route in _routes(tensors, self._is_safe).items():
+            t = tensors[name]
             e = layout.entries[name]
             if not e.nbytes:
                 continue
             off = layout.staging_offset[name]
             dst = slot.bytes[off:off + e.nbytes]
-            if self._is_safe(name) and t.is_contiguous():
-                if t.is_cuda:
-                    gpu.append((slot.tensor[off:off + e.nbytes], t))
-                    items[name] = batch.add(path, e.offset, dst)
-                else:
-                    items[name] = batch.add(path, e.offset, dst, raw_bytes(t))
-            elif t.is_cuda:
+            if route == DEVICE:
+                gpu.append((slot.tensor[off:off + e.nbytes], t))
+                items[name] = batch.add(path, e.offset, dst)
+            elif route == HOST_BATCH:
+                items[name] = batch.add(path, e.offset, dst, raw_bytes(t))
+            elif route == DEVICE_CLONE:
                 # Mutated outside optimizer.step() (the next forward may): a device copy queued on
                 # the training stream now, copied down with the rest (no host sync here).
                 clones[name] = t.detach().clone(memory_format=torch.contiguous_format)
                 gpu.append((slot.tensor[off:off + e.nbytes], clones[name]))
                 items[name] = batch.add(path, e.offset, dst)
             else:
-                # Mutated outside optimizer.step() (or not contiguous): copy now.
+                # HOST_NOW: mutated outside optimizer.step(), not contiguous, or a D2H is pending.
                 slot.tensor[off:off + e.nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
                 items[name] = batch.add(path, e.offset, dst)
         job = _Job(handle, step, tmp, fname, json.loads(json.dumps(flat.meta)), layout, slot, batch, items, started,
                    staging=self._staging, sources=clones or None)  # clones live until their copy is done
         if gpu:
             job.cuda_event, job.d2h_events = self._copy_to_host(gpu)
+            job.device = gpu[0][1].device
         else:
             batch.start()
         return job
@@ -482,6 +542,8 @@ class ConcurrentEngine(Engine):
         if error is None:
             try:
                 crcs = self._persist_ring(job) if job.ring is not None else self._persist_slot(job)
+                if job.layout is not None and not job.layout.state_bytes:
+                    _fsync(job.tmp / job.fname)  # no data item: no writer synced the HDF5 metadata
                 record = self._record(job, crcs)
                 self.stats.persist_s.append(time.monotonic() - job.started)
             except Exception as exc:  # every rank must still take part in the commit exchange

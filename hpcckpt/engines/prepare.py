@@ -28,7 +28,8 @@ from typing import Callable
 import torch
 
 from .layout import Layout
-from .staging import EngineStats, Key, Ring, Slot, Staging, ring_shape
+from ..store.hostmem import make_slots
+from .staging import EngineStats, Key, Ring, Staging, ring_shape
 
 log = logging.getLogger("hpcckpt.engines.prepare")
 
@@ -51,7 +52,7 @@ def build_staging(key: Key, root: Path, *, staging_bytes: int | None, ring_chunk
     with torch.cuda.device(device) if pin else contextlib.nullcontext():
         if staging_bytes is None:
             n = slot_count(layout.slot_bytes)
-            staging = Staging(key, layout, [Slot(layout.slot_bytes, pin=pin) for _ in range(n)], None)
+            staging = Staging(key, layout, make_slots(n, layout.slot_bytes, pin=pin), None)
         else:
             chunks, size = ring_shape(staging_bytes, layout.state_bytes, ring_chunk_bytes)
             staging = Staging(key, layout, [], Ring(chunks, size, [layout.entries[n] for n, _, _ in specs], pin=pin))

@@ -36,7 +36,7 @@ import torch
 from .._core import native
 from ..errors import ConfigError
 from ..store.hdf5 import ALIGN, TensorEntry
-from ..store.hostmem import Piece, Slot, plan_rounds, round_up
+from ..store.hostmem import Piece, Slot, make_slots, plan_rounds, round_up
 from .layout import Layout, Spec
 
 __all__ = ["ALIGN", "EngineStats", "Key", "Piece", "Ring", "RingStream", "Slot", "Staging", "flat_bytes",
@@ -77,7 +77,7 @@ class Ring:
         self.chunk_bytes = chunk_bytes
         self.rounds = plan_rounds(entries, chunk_bytes)
         # No more chunks than rounds: a state smaller than the budget needs no spare memory.
-        self.chunks = [Slot(chunk_bytes, pin=pin) for _ in range(max(1, min(chunks, len(self.rounds))))]
+        self.chunks = make_slots(max(1, min(chunks, len(self.rounds))), chunk_bytes, pin=pin)
 
     @property
     def nbytes(self) -> int:

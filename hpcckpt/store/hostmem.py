@@ -61,6 +61,39 @@ class Slot:
             self.pinned = False
 
 
+def make_slots(count: int, nbytes: int, *, pin: bool) -> list[Slot]:
+    """``count`` slots of ``nbytes``; if one cannot be built, those already built are released
+    (unpinned) before the error propagates, so a failed allocation leaks no pinned memory."""
+    slots: list[Slot] = []
+    try:
+        for _ in range(count):
+            slots.append(Slot(nbytes, pin=pin))
+    except BaseException:
+        for s in slots:
+            s.release()
+        raise
+    return slots
+
+
+def one_cuda_device(devices: Iterable[torch.device], what: str) -> torch.device | None:
+    """The single CUDA device among ``devices`` (None if none); ConfigError if more than one.
+
+    Staging and restore use one side stream, pinned for one device's context: tensors
+    spread over several GPUs in one process are not supported (run one process per GPU).
+    """
+    found: dict[str, torch.device] = {}
+    for d in devices:
+        if d.type == "cuda":
+            index = d.index if d.index is not None else torch.cuda.current_device()
+            found.setdefault(f"cuda:{index}", torch.device("cuda", index))
+    if len(found) > 1:
+        raise ConfigError(
+            f"{what}: tensors are on several CUDA devices ({', '.join(sorted(found))}) in one process; "
+            "hpcckpt supports one GPU per process: run one rank per GPU (e.g. torchrun --nproc-per-node, "
+            "srun --gpus-per-task=1) and keep each rank's model and optimizer on its own device")
+    return next(iter(found.values()), None)
+
+
 @dataclass(frozen=True)
 class Piece:
     """A byte range of one tensor: where it comes from, goes to in the file and sits in its chunk."""

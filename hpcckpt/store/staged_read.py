@@ -30,7 +30,7 @@ import torch
 from .._core import native
 from ..config import from_env
 from .hdf5 import ALIGN, TensorEntry
-from .hostmem import Piece, Slot, plan_rounds
+from .hostmem import Piece, Slot, make_slots, one_cuda_device, plan_rounds
 
 log = logging.getLogger("hpcckpt.store.staged_read")
 
@@ -62,12 +62,11 @@ class StagedReader:
         # some (its default 16 MiB would leave most of 16 threads idle on a 128 MiB round).
         self.read_chunk = max(1 << 20, min(16 << 20, size // 16))
         self.rounds = plan_rounds([e for e, _ in self.targets.values()], size)
-        cuda = [t for _, t in self.targets.values() if t.is_cuda]
-        self.device = cuda[0].device if cuda else None
+        self.device = one_cuda_device((t.device for _, t in self.targets.values()), f"restore of {self.path}")
         n = max(1, min(chunks or ROUND_CHUNKS, len(self.rounds)))
         pin = self.device is not None
         with torch.cuda.device(self.device) if pin else contextlib.nullcontext():
-            self.chunks = [Slot(size, pin=pin) for _ in range(n)] if self.rounds else []
+            self.chunks = make_slots(n, size, pin=pin) if self.rounds else []
         self.info: dict[str, int] = {"staged_bytes": 0, "rounds": len(self.rounds)}
         self._info_lock = threading.Lock()
 

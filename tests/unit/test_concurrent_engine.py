@@ -272,3 +272,93 @@ def test_memory_budget_bounds_the_saves_in_flight(tmp_path: Path) -> None:
         assert len(rig.engine._slots) == 2 and rig.engine.max_async == 2
     finally:
         rig.engine.close()
+
+
+def test_memory_budget_lowers_max_async_only_when_the_staging_is_installed(tmp_path: Path) -> None:
+    probe = Rig(tmp_path / "probe")
+    probe.train_step()
+    probe.engine.save(probe.state.capture(step=1), 1).wait(timeout=60)
+    slot_bytes = probe.engine._slots[0].bytes.nbytes
+    probe.engine.close()
+    rig = Rig(tmp_path / "ckpt", max_async=3, memory_budget_bytes=slot_bytes + slot_bytes // 2)
+    try:
+        rig.train_step()  # the post-hook prepares staging on a background thread
+        assert rig.engine._prep is not None and rig.engine.wait_prepared(timeout=60)
+        prepared = rig.engine._prep.staging
+        assert prepared is not None and len(prepared.slots) == 1
+        # Prepared but not installed (it might still be dropped for new shapes): untouched.
+        assert rig.engine.max_async == 3
+        rig.engine.save(rig.state.capture(step=1), 1).wait(timeout=60)
+        assert rig.engine._staging is prepared and rig.engine.max_async == 1
+    finally:
+        rig.engine.close()
+
+
+def test_cpu_sources_are_staged_by_save_when_a_device_copy_is_pending(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a D2H pending the pre-hook does not wait on the host, so optimizer.step() may run
+    while the writers would still copy CPU sources (Adam's step counters of CUDA parameters).
+    Routed as if a D2H were pending, every CPU source is in the slot when save() returns."""
+    import functools
+
+    from hpcckpt.engines import concurrent
+
+    rig.train_step()
+    rig.engine.wait_prepared(timeout=60)
+    want = rig.snapshot(1)
+    monkeypatch.setattr(concurrent, "_routes", functools.partial(concurrent._routes, gpu_pending=True))
+    handle = rig.engine.save(rig.state.capture(step=1), 1)
+    # What optimizer.step() does on the host while a GPU job's pre-hook returns at once.
+    with torch.no_grad():
+        for p in rig.model.parameters():
+            p.add_(1.0)
+        for s in rig.opt.state.values():
+            s["step"].add_(1)
+            s["exp_avg"].add_(1.0)
+    assert handle.wait(timeout=60)
+    assert_same(rig.load(1), want)
+
+
+def test_routes_copy_cpu_sources_at_save_time_whenever_a_tensor_is_on_a_gpu() -> None:
+    from hpcckpt.engines.concurrent import DEVICE, HOST_BATCH, HOST_NOW, _routes
+
+    tensors = {"objects/opt/state/0/step": torch.tensor(3.0), "objects/model/w": torch.ones(4),
+               "objects/model/bn.running_mean": torch.zeros(4), "objects/model/t": torch.ones(4, 4).t()}
+    safe = {"objects/opt/state/0/step", "objects/model/w", "objects/model/t"}.__contains__
+    assert _routes(tensors, safe) == {"objects/opt/state/0/step": HOST_BATCH, "objects/model/w": HOST_BATCH,
+                                      "objects/model/bn.running_mean": HOST_NOW, "objects/model/t": HOST_NOW}
+    assert set(_routes(tensors, safe, gpu_pending=True).values()) == {HOST_NOW}
+    assert DEVICE not in _routes(tensors, safe).values()
+
+
+def test_tensors_on_two_cuda_devices_are_refused_with_a_fix() -> None:
+    from hpcckpt.errors import ConfigError
+    from hpcckpt.store.hostmem import one_cuda_device
+
+    cpu, d0, d1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
+    assert one_cuda_device([cpu, cpu], "checkpoint") is None
+    assert one_cuda_device([cpu, d0, d0], "checkpoint") == d0
+    with pytest.raises(ConfigError, match=r"checkpoint: .*cuda:0, cuda:1.*one rank per GPU"):
+        one_cuda_device([d0, cpu, d1], "checkpoint")
+
+
+def test_a_state_without_data_bytes_is_fsynced_before_its_commit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = ConcurrentEngine(SaveContext(root=tmp_path / "ckpt", keep=2, job={}, user={}), Ranks())
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:  # a real fsync, recorded by path
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    try:
+        from hpcckpt.state import Flat
+        flat = Flat(tensors={"objects/empty/x": torch.zeros(0), "objects/empty/y": torch.zeros(0, 3)},
+                    meta={"step": 1})
+        handle = engine.save(flat, 1)
+        assert handle.wait(timeout=60) and handle.path is not None
+    finally:
+        engine.close()
+    assert any(p.endswith("/rank-0.h5") and ".tmp-" in p for p in synced), synced

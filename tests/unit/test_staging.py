@@ -379,3 +379,56 @@ def test_a_superseded_preparation_never_blocks_and_is_released(tmp_path: Path) -
     rig.engine.close()
     assert first.thread is not None and not first.thread.is_alive()
     assert first.staging is None  # released by its own thread or by the drop
+
+
+def test_slots_built_before_a_failed_allocation_are_released(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcckpt.store import hostmem
+
+    released: list[int] = []
+    real_init, real_release = hostmem.Slot.__init__, hostmem.Slot.release
+
+    def init(self: hostmem.Slot, nbytes: int, *, pin: bool) -> None:
+        if len(built) == 2:  # the third allocation fails (injected), as an exhausted pin would
+            raise MemoryError("cannot allocate staging (injected)")
+        real_init(self, nbytes, pin=pin)
+        built.append(id(self))
+
+    def release(self: hostmem.Slot) -> None:
+        released.append(id(self))
+        real_release(self)
+
+    built: list[int] = []
+    monkeypatch.setattr(hostmem.Slot, "__init__", init)
+    monkeypatch.setattr(hostmem.Slot, "release", release)
+    with pytest.raises(MemoryError, match="injected"):
+        hostmem.make_slots(4, 8192, pin=False)
+    assert len(built) == 2 and sorted(released) == sorted(built)
+
+
+def test_resumed_optimizer_state_gets_a_gpu_home_only_where_its_parameters_are() -> None:
+    from hpcckpt.engines.base import LiveTensors, _home_devices, live_tensors
+    from hpcckpt.state import TrainState
+    from hpcckpt.store import hdf5
+
+    model = torch.nn.Linear(3, 2)
+    adam = torch.optim.Adam(model.parameters())
+    model(torch.randn(1, 3)).sum().backward()
+    adam.step()
+    state = TrainState()
+    state.register("model", model)
+    state.register("adam", adam)
+    flat = state.capture(step=1)
+    entries = {n: hdf5.TensorEntry(n, str(t.numpy().dtype), tuple(t.shape), 0, t.numel() * t.element_size(), 0)
+               for n, t in flat.tensors.items()}
+    fresh = {n: t for n, t in flat.tensors.items() if "/state/" not in n}  # a resumed process: no state yet
+    # The optimizer's own parameters decide (a CPU-offloaded optimizer keeps its state on the host),
+    # not whether some live tensor is on a GPU.
+    live = live_tensors(fresh, state.objects)
+    assert live.optimizer_devices == {"adam": {torch.device("cpu")}}
+    assert _home_devices(flat.meta, entries, live) == {}
+    gpu = torch.device("cuda", 0)
+    homes = _home_devices(flat.meta, entries, LiveTensors(fresh, {"adam": {gpu}}))
+    assert sorted(homes) == sorted(n for n in flat.tensors if "/state/" in n and not n.endswith("/step"))
+    assert set(homes.values()) == {gpu}
+    assert _home_devices(flat.meta, entries, LiveTensors(fresh, {"adam": {gpu, torch.device("cpu")}})) == {}
+    assert _home_devices(flat.meta, entries, fresh) == {}  # unknown: host memory, as torch would

@@ -1,7 +1,9 @@
 """Two real ranks (gloo over loopback) and the concurrent engine: a save that fails
 to start on one rank fails on both, without hanging, and the next save commits; ranks
 that name different steps never produce a mixed checkpoint; a restart restores in
-place on both ranks, and a checkpoint damaged on one rank sends both back together."""
+place on both ranks, and a checkpoint damaged on one rank sends both back together;
+with every_steps="auto", ranks whose own timings pick different intervals still save
+at the same steps."""
 from __future__ import annotations
 
 import json
@@ -58,3 +60,36 @@ def test_failure_on_one_rank_fails_the_save_everywhere_and_the_next_commits(tmp_
         assert "used after Checkpointer.close()" in r["after_close"], r
         assert r["restored"] == 8 and r["in_place"] and r["equal"], r
         assert r["fallback"] == 6, r  # rank 1's damaged step 8 made both ranks skip it
+
+
+def _run_ranks(tmp_path: Path, *args: str, timeout: float = 120) -> list[str]:
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPCCKPT_", "SLURM_"))}
+    env["HPCCKPT_CLUSTER"] = "local"
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.unit.two_rank_worker", str(r), str(port), str(tmp_path),
+                               *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("the ranks hung (one saved alone?):\n" + "\n".join(q.communicate()[0] for q in procs))
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)
+    return outs
+
+
+def test_auto_interval_ranks_with_different_timings_save_at_the_same_steps(tmp_path: Path) -> None:
+    _run_ranks(tmp_path, "auto")
+    results = [json.loads((tmp_path / f"auto-{r}.json").read_text()) for r in range(2)]
+    # The injected timings make the ranks' own intervals differ (1 step against 10,000) ...
+    assert (results[0]["interval"], results[1]["interval"]) == (1, 10_000), results
+    # ... yet every boundary's decision is shared: the same saves, every one committed.
+    assert results[0]["saved"] == results[1]["saved"], results
+    assert results[0]["saved"][:2] == [2, 3], results  # step 3: rank 0 alone wanted it
+    assert all(r["committed_step"] == 8 for r in results), results
+    root = tmp_path / "ckpt"
+    committed = sorted(i.step for i in catalog.scan(root) if i.status == "committed")
+    assert committed == sorted(set(results[0]["saved"])), committed

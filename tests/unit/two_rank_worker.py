@@ -6,6 +6,11 @@ Phase 1: Checkpointer saves every 2 steps; rank 1 cannot start the save of step 
 Phase 3: a restart restores step 8 in place on both ranks; then, in a copy whose
 step 8 is damaged on rank 1 only, both ranks fall back to step 6 together.
 Writes ROOT/result-RANK.json with what each save reported on this rank.
+
+``... RANK PORT ROOT auto``: every_steps="auto" with timings that differ by rank
+(injected at the policy's observations: rank 0 sees slow steps, so it wants a save
+every step; rank 1 sees costly saves, so it wants one every 10,000 steps); writes
+ROOT/auto-RANK.json with the steps this rank saved and its committed step.
 """
 from __future__ import annotations
 
@@ -26,6 +31,10 @@ from tests.helpers import tiny_state, train_step
 def main() -> None:
     rank, port, root = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    if sys.argv[4:] == ["auto"]:
+        auto_interval(rank, root)
+        dist.destroy_process_group()
+        return
     result: dict[str, object] = {"errors": {}}
     errors: dict[str, str] = result["errors"]  # type: ignore[assignment]
     objs = tiny_state(rank)
@@ -88,6 +97,36 @@ def restart(rank: int, root: Path, trained: dict[str, object]) -> dict[str, obje
     with Checkpointer(root / "damaged", engine="concurrent", every_steps=None) as ck:
         out["fallback"] = ck.register(**tiny_state(rank + 20))
     return out
+
+
+def auto_interval(rank: int, root: Path) -> None:
+    """Ranks whose own timings choose different intervals must still save at the same steps."""
+    objs = tiny_state(rank)
+    saved: list[int] = []
+    with Checkpointer(root / "ckpt", engine="concurrent", every_steps="auto", keep=100) as ck:
+        ck.register(**objs)
+        auto = ck.policy.auto
+        assert auto is not None
+        auto.first_after_steps = 2
+        if rank == 0:  # slow steps: any save is cheap, the interval falls to 1
+            real_step = auto.observe_step
+            auto.observe_step = lambda dt: real_step(1000.0)  # type: ignore[method-assign]
+        else:  # costly saves: the interval grows to max_steps
+            real_save = auto.observe_save
+            auto.observe_save = lambda stall, persist: real_save(1000.0, persist)  # type: ignore[method-assign]
+        real_save_call = ck.save
+
+        def save(**kwargs):  # type: ignore[no-untyped-def]
+            saved.append(ck.step)
+            return real_save_call(**kwargs)
+
+        ck.save = save  # type: ignore[method-assign]
+        for _ in ck.steps(8):
+            train_step(objs)
+            ck.engine.drain()  # type: ignore[attr-defined]  # the next boundary settles the save
+        committed = ck.committed_step
+    (root / f"auto-{rank}.json").write_text(json.dumps({"saved": saved, "committed_step": committed,
+                                                         "interval": auto.report()["interval"]}))
 
 
 if __name__ == "__main__":
