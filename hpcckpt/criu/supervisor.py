@@ -500,7 +500,7 @@ class Supervisor:
         self.outcome.action = "requeue"
         in_slurm = bool(os.environ.get("SLURM_JOB_ID"))
         where = f"Slurm job {os.environ['SLURM_JOB_ID']}" if in_slurm else "the local supervisor (exit 75)"
-        what = f"after CRIU image {image}" if image else "after a failed CRIU commit"
+        what = f"after CRIU image {image}" if image else "after a failed CRIU dump that ended the job"
         self.log(f"requeueing via {where} ({what})")
         self.ledger.append("requeue", method="slurm" if in_slurm else "exit", detail=what)
         try:

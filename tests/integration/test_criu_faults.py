@@ -168,3 +168,123 @@ def test_cpu_job_mapping_libcuda_without_context_is_dumped_as_cpu(criu_ok: None,
     assert code == 0, stderr
     assert summary["restored_from"] == "image-000001"
     assert out.read_text() == expected_digest(COUNT_TO // 2)
+
+
+def criu_wrapper(tmp_path: Path, name: str, after_dump: str) -> Path:
+    """A criu that runs the real dump, then does ``after_dump`` (shell, ``$D`` = the image
+    directory, ``$rc`` = criu's status); everything else goes to the real criu."""
+    real = find_criu().path
+    wrapper = tmp_path / name
+    wrapper.write_text("#!/bin/sh\n"
+                       'if [ "$1" != dump ]; then exec "' + str(real) + '" "$@"; fi\n'
+                       'D=""; prev=""; for a in "$@"; do [ "$prev" = -D ] && D="$a"; prev="$a"; done\n'
+                       f'"{real}" "$@"; rc=$?\n' + after_dump + "\nexit $rc\n")
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def counter_cmd(tmp_path: Path, out: Path, n: int = COUNT_TO) -> list[str]:
+    script = tmp_path / "counter.py"
+    script.write_text(COUNTER)
+    return [sys.executable, str(script), str(out), str(n)]
+
+
+def dump_at(run_dir: Path, out: Path, cmd: list[str], step: int, env: dict[str, str] | None = None
+            ) -> tuple[int, dict, str]:
+    proc = start(run_dir, out, cmd=cmd, env=env)
+    wait_for_step(run_dir, step, proc)
+    proc.send_signal(signal.SIGUSR2)
+    return finish(proc)
+
+
+def test_failed_commit_after_the_dump_never_rewinds_to_an_older_image(criu_ok: None,  # noqa: F811
+                                                                      tmp_path: Path) -> None:
+    out, run_dir = tmp_path / "digest", tmp_path / "run"
+    cmd = counter_cmd(tmp_path, out)
+    code, _, stderr = dump_at(run_dir, out, cmd, 5)
+    assert code == EXIT_REQUEUE, stderr
+    # Restored from image 1, the job runs on to step 30; the next dump ends it, but its
+    # commit fails (a directory planted where the manifest goes).
+    planting = criu_wrapper(tmp_path, "criu-commit-fails", '[ $rc = 0 ] && mkdir "$D/manifest.json"')
+    code, summary, stderr = dump_at(run_dir, out, cmd, 30, env={"HPCCKPT_CRIU": str(planting)})
+    assert code == EXIT_REQUEUE, stderr
+    assert summary["restored_from"] == "image-000001" and summary["images"] == []
+    assert "THE JOB HAS ENDED" in stderr and "image-000001 are now stale" in stderr
+    assert "keeps running" not in stderr
+    # The next run must not rewind to step 5: it falls back (app: a fresh start of the command).
+    code, summary, stderr = finish(start(run_dir, out, cmd=cmd))
+    assert code == 0, stderr
+    assert summary["restored_from"] is None and "is stale" in stderr
+    assert out.read_text() == expected_digest(COUNT_TO)
+    events = ledger(run_dir)
+    assert [e["job_ended"] for e in events if e["event"] == "criu_dump_failed"] == [True]
+    assert [e["fallback"] for e in events if e["event"] == "criu_restore_failed"] == ["app"]
+
+
+def test_image_committed_while_latest_could_not_be_rewritten_is_the_one_restored(criu_ok: None,  # noqa: F811
+                                                                                 tmp_path: Path) -> None:
+    out, run_dir = tmp_path / "digest", tmp_path / "run"
+    cmd = counter_cmd(tmp_path, out)
+    code, _, stderr = dump_at(run_dir, out, cmd, 5)
+    assert code == EXIT_REQUEUE, stderr
+    latest = run_dir / "criu" / "LATEST"
+    assert latest.read_text().strip() == "image-000001"
+    if subprocess.run(["chattr", "+i", str(latest)], capture_output=True).returncode != 0:
+        pytest.skip("cannot make LATEST immutable on this filesystem")
+    try:
+        # Image 2 is renamed into place, then replacing LATEST fails: it still names image 1.
+        code, summary, stderr = dump_at(run_dir, out, cmd, 30)
+        assert code == EXIT_REQUEUE, stderr
+        assert summary["images"] == ["image-000002"] and "could not update LATEST" in stderr
+        assert latest.read_text().strip() == "image-000001"
+        code, summary, stderr = finish(start(run_dir, out, cmd=cmd))
+    finally:
+        subprocess.run(["chattr", "-i", str(latest)], check=False)
+    assert code == 0, stderr
+    assert summary["restored_from"] == "image-000002"
+    assert out.read_text() == expected_digest(COUNT_TO)
+
+
+def test_dump_reported_failed_after_criu_ended_the_job_requeues(criu_ok: None, tmp_path: Path) -> None:  # noqa: F811
+    # criu dumps (and so ends) the job, then reports failure, as after a timeout that
+    # struck once the tree was already killed: the job must not be said to keep running.
+    out, run_dir = tmp_path / "digest", tmp_path / "run"
+    cmd = counter_cmd(tmp_path, out)
+    late = criu_wrapper(tmp_path, "criu-fails-late", 'echo "Error (injected): failed after the dump" >&2; rc=1')
+    code, summary, stderr = dump_at(run_dir, out, cmd, 5, env={"HPCCKPT_CRIU": str(late)})
+    assert code == EXIT_REQUEUE, stderr
+    assert "THE JOB HAS ENDED" in stderr and "criu dump failed (exit 1)" in stderr
+    assert "keeps running" not in stderr and "forwarded" not in stderr
+    assert summary["images"] == []
+    failed = [e for e in ledger(run_dir) if e["event"] == "criu_dump_failed"]
+    assert len(failed) == 1 and failed[0]["job_ended"] is True
+    code, summary, stderr = finish(start(run_dir, out, cmd=cmd))
+    assert code == 0, stderr
+    assert out.read_text() == expected_digest(COUNT_TO)
+
+
+QUICK_EXIT = """
+import os, sys, time
+print("started", flush=True)
+i = 0
+while not os.path.exists(sys.argv[1]):
+    i += 1
+    print(f"step {i} ", flush=True)
+    time.sleep(0.05)
+sys.exit(3)
+"""
+
+
+def test_restored_job_that_exits_at_once_is_not_run_again(criu_ok: None, tmp_path: Path) -> None:  # noqa: F811
+    script = tmp_path / "quick.py"
+    script.write_text(QUICK_EXIT)
+    flag, run_dir = tmp_path / "done", tmp_path / "run"
+    cmd = [sys.executable, str(script), str(flag)]
+    code, _, stderr = dump_at(run_dir, flag, cmd, 5)
+    assert code == EXIT_REQUEUE, stderr
+    flag.touch()  # the restored job sees it at its next step and exits 3 at once
+    code, summary, stderr = finish(start(run_dir, flag, cmd=cmd))
+    assert code == 3, stderr
+    assert summary["restored_from"] == "image-000001"
+    outputs = "".join(p.read_text() for p in (run_dir / "criu" / "stdio").glob("*.out"))
+    assert outputs.count("started") == 1, outputs  # never started a second time
