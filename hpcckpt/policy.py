@@ -116,6 +116,9 @@ class Policy:
     _last_save_step: int = field(default=0, init=False)
 
     def periodic_due(self, step: int) -> bool:
+        """This rank's wish to save at ``step``. With ``auto`` it rests on this rank's own timings,
+        so ranks may differ: the Checkpointer saves when any rank wants to (one collective at the
+        boundary, with the stop reason), and every rank then records ``saved_at``."""
         if self.auto is not None:
             return step > self._last_save_step and self.auto.due(step - self._last_save_step)
         return self.every_steps is not None and step > 0 and step % self.every_steps == 0

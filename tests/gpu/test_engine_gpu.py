@@ -14,8 +14,9 @@ import torch
 
 from hpcckpt.api import Checkpointer
 from hpcckpt.engines import SaveContext, load_rank
+from hpcckpt.engines.base import live_tensors
 from hpcckpt.engines.concurrent import ConcurrentEngine
-from hpcckpt.errors import CheckpointCorrupt
+from hpcckpt.errors import CheckpointCorrupt, ConfigError
 from hpcckpt.ranks import Ranks
 from hpcckpt.state import TrainState
 from hpcckpt.store import catalog
@@ -198,7 +199,8 @@ def test_optimizer_state_of_a_fresh_optimizer_is_read_onto_the_gpu(tmp_path: Pat
     state.register("model", model)
     state.register("optimizer", opt)
     stats: dict[str, object] = {}
-    flat = load_rank(catalog.find(rig.root, 1), 0, 1, into=state.capture(step=0).tensors, stats=stats)
+    flat = load_rank(catalog.find(rig.root, 1), 0, 1, into=live_tensors(state.capture(step=0).tensors, state.objects),
+                     stats=stats)
     state_names = [n for n in flat.tensors if n.startswith("objects/optimizer/state/")]
     assert state_names
     for n in state_names:
@@ -210,3 +212,113 @@ def test_optimizer_state_of_a_fresh_optimizer_is_read_onto_the_gpu(tmp_path: Pat
     assert in_place <= live < device  # the new GPU homes are read on the device, not counted as overwritten
     state.restore(flat)
     assert all(s["exp_avg"].is_cuda for s in opt.state.values())
+
+
+def test_adam_step_counters_are_those_of_the_saved_step(tmp_path: Path, cleanup: list[ConcurrentEngine]) -> None:
+    """Default Adam keeps ``step`` on the CPU for CUDA parameters and bumps it on the host in
+    optimizer.step(), whose pre-hook does not wait on the host for the D2H: save() must have
+    staged those counters already, or step S's parameters would be saved with S+1's counters."""
+    rig = CudaRig(tmp_path / "ckpt", width=1024)
+    cleanup.append(rig.engine)
+    for _ in range(3):
+        rig.train_step()
+    rig.prepared()
+    want = rig.snapshot(3)
+    steps = [n for n in want if n.startswith("objects/optimizer/state/") and n.endswith("/step")]
+    live = rig.state.capture(step=3).tensors
+    assert steps and not any(live[n].is_cuda for n in steps)  # the mixed case under test
+    handle = rig.engine.save(rig.state.capture(step=3), 3)
+    rig.train_step()  # at once: the step counters move to 4 on the host
+    rig.train_step()
+    handle.wait(timeout=300)
+    got = load_rank(catalog.find(rig.root, 3), 0, 1).tensors
+    assert all(float(got[n]) == 3.0 for n in steps), {n: float(got[n]) for n in steps}
+    assert_same_cpu(got, want)
+
+
+def test_a_cpu_offloaded_optimizer_resumes_with_its_state_on_the_host(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+
+    def build() -> tuple[torch.nn.Module, list[torch.Tensor], torch.optim.Optimizer]:
+        model = make_model(128)
+        master = [p.detach().cpu().clone().requires_grad_(True) for p in model.parameters()]
+        return model, master, torch.optim.Adam(master, lr=1e-3)
+
+    def offloaded_step(model: torch.nn.Module, master: list[torch.Tensor], opt: torch.optim.Optimizer) -> None:
+        model.zero_grad()
+        model(torch.randn(8, 128, device="cuda")).square().mean().backward()
+        for m, p in zip(master, model.parameters()):
+            m.grad = p.grad.detach().cpu()
+        opt.step()
+        with torch.no_grad():
+            for m, p in zip(master, model.parameters()):
+                p.copy_(m)
+
+    model, master, opt = build()
+    with Checkpointer(root, engine="concurrent") as ck:
+        ck.register(model=model, optimizer=opt)
+        for _ in ck.steps(2):
+            offloaded_step(model, master, opt)
+        ck.save(block=True)
+    model2, _, opt2 = build()
+    fresh = TrainState()
+    fresh.register("model", model2)
+    fresh.register("optimizer", opt2)
+    stats: dict[str, object] = {}
+    flat = load_rank(catalog.find(root, 2), 0, 1, into=live_tensors(fresh.capture(step=0).tensors, fresh.objects),
+                     stats=stats)
+    state_names = [n for n in flat.tensors if n.startswith("objects/optimizer/state/")]
+    assert state_names and not any(flat.tensors[n].is_cuda for n in state_names)  # no GPU memory for them
+    assert flat.tensors["objects/model/0.weight"].is_cuda  # the model still restores onto its GPU
+    with Checkpointer(root, engine="concurrent") as ck2:
+        assert ck2.register(model=model2, optimizer=opt2) == 2
+    assert len(opt2.state) == len(opt.state)
+    for s1, s2 in zip(opt.state.values(), opt2.state.values()):
+        assert not s2["exp_avg"].is_cuda and not s2["exp_avg_sq"].is_cuda  # where its parameters are
+        assert torch.equal(s1["exp_avg"], s2["exp_avg"])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tensors_on_two_gpus_are_refused_when_saving_and_restoring(tmp_path: Path) -> None:
+    a, b = torch.nn.Linear(8, 8).to("cuda:0"), torch.nn.Linear(8, 8).to("cuda:1")
+    state = TrainState()
+    state.register("a", a)
+    state.register("b", b)
+    engine = ConcurrentEngine(SaveContext(root=tmp_path / "ckpt", keep=2, job={}, user={}), Ranks())
+    try:
+        with pytest.raises(ConfigError, match="cuda:0, cuda:1"):
+            engine.save(state.capture(step=1), 1)
+    finally:
+        engine.close()
+    with Checkpointer(tmp_path / "one", engine="concurrent") as ck:  # saved from one device
+        ck.register(a=a, b=torch.nn.Linear(8, 8).to("cuda:0"))
+        ck.save(block=True)
+    with pytest.raises(ConfigError, match="cuda:0, cuda:1.*one rank per GPU"):
+        load_rank(catalog.find(tmp_path / "one", None), 0, 1, into=state.capture(step=0).tensors)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_training_on_a_device_that_is_not_the_current_one_saves_exactly(tmp_path: Path,
+                                                                        cleanup: list[ConcurrentEngine]) -> None:
+    torch.cuda.set_device(0)
+    model = torch.nn.Linear(256, 256).to("cuda:1")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    state = TrainState()
+    state.register("model", model)
+    state.register("optimizer", opt)
+    engine = ConcurrentEngine(SaveContext(root=tmp_path / "ckpt", keep=5, job={}, user={}), Ranks())
+    cleanup.append(engine)
+    engine.bind(state)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.randn(8, 256, device="cuda:1")).square().mean().backward()
+        opt.step()
+
+    step()
+    torch.cuda.synchronize(1)
+    want = {n: t.detach().cpu().clone() for n, t in state.capture(step=1).tensors.items()}
+    handle = engine.save(state.capture(step=1), 1)
+    step()  # the pre-hook orders cuda:1's stream after the D2H, not cuda:0's
+    handle.wait(timeout=300)
+    assert_same_cpu(load_rank(catalog.find(tmp_path / "ckpt", 1), 0, 1).tensors, want)
