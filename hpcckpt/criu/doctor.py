@@ -82,9 +82,15 @@ def _driver_version() -> str:
     return next((w for w in words if w[:1].isdigit() and "." in w), "?")
 
 
+# Error 304 came from creating a context (the driver reads /proc for its own PID and
+# threads then), not from cuInit: the probe must create one on device 0 to see it.
 _PROBE = ("import ctypes, sys\n"
-          "cu = ctypes.CDLL(sys.argv[1]); n = ctypes.c_int(0)\n"
+          "cu = ctypes.CDLL(sys.argv[1]); n = ctypes.c_int(0); dev = ctypes.c_int(0); ctx = ctypes.c_void_p()\n"
           "rc = cu.cuInit(0) or cu.cuDeviceGetCount(ctypes.byref(n))\n"
+          "if not rc and n.value:\n"
+          "    rc = cu.cuDeviceGet(ctypes.byref(dev), 0) or cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)\n"
+          "    if not rc:\n"
+          "        cu.cuDevicePrimaryCtxRelease(dev)\n"
           "print(rc, n.value); sys.exit(1 if rc else 0)\n")
 
 
@@ -104,8 +110,8 @@ def _cuda_in_namespaces() -> Check:
         proc, said = subprocess.CompletedProcess(argv, 1), str(exc)
     ok = proc.returncode == 0
     return Check(name="cuda in job namespaces", ok=ok,
-                 detail=(f"cuInit + cuDeviceGetCount inside fresh PID + mount namespaces: {said.split()[-1]} "
-                         "device(s)" if ok else f"CUDA does not initialise inside fresh PID + mount namespaces: "
+                 detail=(f"cuInit + a context on device 0 inside fresh PID + mount namespaces: "
+                         f"{said.split()[-1]} device(s)" if ok else f"CUDA does not initialise inside fresh PID + mount namespaces: "
                          f"{said[-300:]}"),
                  fix="" if ok else "check that /dev/nvidia* and the driver's files are visible to the job "
                                    "(container/cgroup device rules), or use --mode app on this node")

@@ -7,8 +7,9 @@ part of a CRIU image: images hold only the job's tree, rooted at PID 2.
 
 ``start STDOUT STDERR -- CMD...``: closes every inherited fd above 2 (an fd opened in
 the parent's mount namespace names a mount criu cannot find in this one: "Can't lookup
-mount=N for fd=..."), opens the job's stdio here, and forks CMD as PID 2 in a session
-of its own (criu dumps a tree whose session leader is inside it).
+mount=N for fd=..."), and forks CMD as PID 2 in a session of its own (criu dumps a tree
+whose session leader is inside it), opening the job's stdio in that child only: our
+own stdout/stderr stay unshare's log, never the job's files.
 
 ``restore STATUS_FD LAST_PID PIDFILE OLD_OUT NEW_OUT OLD_ERR NEW_ERR -- CRIU restore ARGS...``:
 opens the new stdio files here (same reason), moves the PID counter past every PID
@@ -57,9 +58,16 @@ def _redirect(stdout_path, stderr_path):
         os.close(fd)
 
 
-def _spawn_job(cmd):
+def _spawn_job(cmd, stdout_path, stderr_path):
+    # The job's stdio is set up in the child only: our own fds 1/2 stay unshare's log, so
+    # nothing we write (after a dump, say) can change a file the job's image records.
     child = os.fork()
     if child == 0:
+        try:
+            _redirect(stdout_path, stderr_path)
+        except OSError as exc:
+            os.write(2, ("hpcckpt nsinit: cannot open the job's stdio: %s\n" % exc).encode())
+            os._exit(127)
         try:
             os.setsid()
             os.execvp(cmd[0], cmd)
@@ -132,9 +140,11 @@ def start(argv):
         sys.stderr.write(__doc__)
         return 2
     _close_inherited()
-    _redirect(argv[0], argv[1])
+    fd = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(fd, 0)
+    os.close(fd)
     init = Init()
-    init.adopt(_spawn_job(argv[3:]))
+    init.adopt(_spawn_job(argv[3:], argv[0], argv[1]))
     return init.wait_job()
 
 

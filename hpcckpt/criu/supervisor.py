@@ -19,7 +19,10 @@ After a restore the job looks exactly like a fresh start, so every later dump ta
 the same path. Parent, signals, waiting: the job's parent is always nsinit (criu runs
 ``--restore-detached`` under it and the orphaned PID 2 is re-parented to it); signals
 go from the supervisor to nsinit, which forwards them to PID 2; the supervisor waits
-for ``unshare`` (its own child), whose exit status is nsinit's, which is the job's.
+for ``unshare`` (its own child), whose exit status is nsinit's, which is the job's,
+only through unshare's Popen (never waitpid(-1): a status taken elsewhere is lost).
+A restored job that exits before it is seen is not started again: unshare's status is
+its exit; one that cannot be watched has its namespace ended before any fallback.
 
 Call sequence:
   start:  newest committed image under DIR/criu? -> verify every file -> GPUs here fit?
@@ -36,6 +39,15 @@ Call sequence:
           The failure is reported on stderr and in the ledger (``hpcckpt history``)
           with the reason and what to change. No requeue from an older image: the
           running job is ahead of it, and that image stays the one a later run restores.
+          Any failure after the CUDA checkpoint (criu, the image directory, fork, a log
+          file) gives every CUDA process its GPU back; one that cannot be is named and the
+          job is said to be stuck.
+  dump ended the job, no image: criu killed the tree but the image could not be
+          committed (or criu reported failure after killing it, e.g. a timeout): the
+          existing images are marked STALE (the job had run past them; restoring one
+          would rewind), and the job is requeued; the next run falls back per
+          ``--on-restore-failure``. An image renamed into place whose LATEST update
+          failed is complete: the newest image is chosen by sequence, not by LATEST.
   exit:   the job's exit status becomes ours; the newest image is marked consumed so a
           later run in the same DIR does not resurrect a finished job.
 Signal handlers only record; all work happens in the main loop.

@@ -447,3 +447,53 @@ def test_run_passes_a_failed_jobs_status(tmp_path: Path) -> None:
                            "--json", "--", "sh", "-c", "exit 7"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 7, proc.stderr
     assert json.loads(proc.stdout)["exit_code"] == 7
+
+
+CTX_FAKE = r"""
+int cuInit(unsigned f) { (void)f; return 0; }
+int cuDeviceGetCount(int *n) { *n = 1; return 0; }
+int cuDeviceGet(int *d, int i) { *d = i; return 0; }
+int cuDevicePrimaryCtxRetain(void **c, int d) { (void)d; *c = 0; return CTX_RC; }
+int cuDevicePrimaryCtxRelease(int d) { (void)d; return 0; }
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="fresh PID + mount namespaces need root")
+@pytest.mark.parametrize("ctx_rc", [0, 304])
+def test_doctor_probe_creates_a_context_in_the_job_namespaces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                ctx_rc: int) -> None:
+    # cuInit and the device count succeed either way; error 304 came from creating a context.
+    import shutil
+
+    from hpcckpt.criu.doctor import _cuda_in_namespaces
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the stand-in libcuda")
+    (tmp_path / "ctx.c").write_text(CTX_FAKE)
+    lib = tmp_path / "libcuda-ctx.so"
+    subprocess.run([cc, "-shared", "-fPIC", f"-DCTX_RC={ctx_rc}", "-o", str(lib), str(tmp_path / "ctx.c")], check=True)
+    monkeypatch.setenv("HPCCKPT_LIBCUDA", str(lib))
+    found = _cuda_in_namespaces()
+    assert found.ok is (ctx_rc == 0), found.detail
+    assert ("a context on device 0" in found.detail) if ctx_rc == 0 else ("304" in found.detail and found.fix)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="fresh PID + mount namespaces need root")
+def test_nsinit_writes_to_its_log_never_to_the_jobs_files(tmp_path: Path) -> None:
+    from hpcckpt.criu import ops
+
+    out, err, log = tmp_path / "job.out", tmp_path / "job.err", tmp_path / "unshare.log"
+    job = ops.launch(["sh", "-c", "echo hello; echo oops >&2; exec sleep 60"], stdout=out, stderr=err, log=log)
+    try:
+        deadline = time.monotonic() + 60
+        while not (err.exists() and err.read_text()) and time.monotonic() < deadline:  # the job is up
+            time.sleep(0.02)
+        assert {os.readlink(f"/proc/{job.init_pid}/fd/{fd}") for fd in (1, 2)} == {str(log)}
+        assert os.readlink(f"/proc/{job.app_pid}/fd/1") == str(out)
+        assert os.readlink(f"/proc/{job.app_pid}/fd/2") == str(err)
+    finally:
+        ops.kill_tree(job)
+        assert job.proc is not None
+        job.proc.wait(timeout=60)
+    assert out.read_text() == "hello\n" and err.read_text() == "oops\n"
