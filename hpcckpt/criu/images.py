@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,11 +84,72 @@ def newest(root: Path) -> Image:
 
 
 def max_task_id(image_dir: Path) -> int:
-    """The highest PID/TID in an image: criu writes one ``core-<tid>.img`` per thread."""
+    """The highest ID criu must recreate: every PID/TID (one ``core-<tid>.img`` per
+    thread) and every session and process-group ID (pstree.img), since criu restores a
+    session or group whose leader is gone with a helper task holding that very ID."""
     ids = [int(m.group(1)) for p in Path(image_dir).iterdir() if (m := _CORE_RE.match(p.name))]
     if not ids:
         raise CheckpointCorrupt(f"{image_dir} holds no core-*.img: not a criu image")
-    return max(ids)
+    return max(ids + pstree_ids(Path(image_dir) / "pstree.img"))
+
+
+_PSTREE_MAGIC = (0x54564319, 0x50273030)  # criu's "common" image magic, then pstree's
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf):
+            raise ValueError("truncated varint")
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, pos
+
+
+def _entry_ids(msg: bytes) -> list[int]:
+    """pid (1), ppid (2), pgid (3), sid (4), threads (5, plain or packed) of one PstreeEntry."""
+    ids, pos = [], 0
+    while pos < len(msg):
+        key, pos = _varint(msg, pos)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _varint(msg, pos)
+            if field in (1, 2, 3, 4, 5):
+                ids.append(value)
+        elif wire == 2:
+            size, pos = _varint(msg, pos)
+            body, pos = msg[pos:pos + size], pos + size
+            sub = 0
+            while field == 5 and sub < len(body):
+                value, sub = _varint(body, sub)
+                ids.append(value)
+        else:
+            raise ValueError(f"unexpected wire type {wire}")
+    return ids
+
+
+def pstree_ids(path: Path) -> list[int]:
+    """Every ID named in criu's pstree.img ([] when absent); CheckpointCorrupt when unreadable."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    try:
+        if len(raw) < 8 or struct.unpack_from("<II", raw) != _PSTREE_MAGIC:
+            raise ValueError("not a pstree image (magic)")
+        ids, pos = [], 8
+        while pos < len(raw):
+            (size,) = struct.unpack_from("<I", raw, pos)
+            if pos + 4 + size > len(raw):
+                raise ValueError("truncated entry")
+            ids += _entry_ids(raw[pos + 4:pos + 4 + size])
+            pos += 4 + size
+    except (ValueError, struct.error) as exc:
+        raise CheckpointCorrupt(f"{path} cannot be read ({exc}): not a criu process tree image") from None
+    return ids
 
 
 def verify(image: Image) -> dict[str, Any]:

@@ -231,6 +231,36 @@ def test_max_task_id_reads_the_core_images(tmp_path: Path) -> None:
         images.max_task_id(empty)
 
 
+def _pstree_entry(pid: int, ppid: int, pgid: int, sid: int, threads: list[int]) -> bytes:
+    msg = b"".join(bytes([key << 3]) + _varint(v) for key, v in ((1, pid), (2, ppid), (3, pgid), (4, sid)))
+    msg += b"".join(bytes([5 << 3]) + _varint(t) for t in threads)
+    return len(msg).to_bytes(4, "little") + msg
+
+
+def _varint(v: int) -> bytes:
+    out = b""
+    while True:
+        byte, v = v & 0x7F, v >> 7
+        out += bytes([byte | (0x80 if v else 0)])
+        if not v:
+            return out
+
+
+def test_max_task_id_includes_session_and_group_ids_from_pstree(tmp_path: Path) -> None:
+    # criu writes pstree.img as two magics, then size-prefixed PstreeEntry messages.
+    # PID 3 is in a process group (300) whose leader exited: criu recreates that ID too.
+    for tid in (2, 3, 4):
+        (tmp_path / f"core-{tid}.img").write_bytes(b"x")
+    head = (0x54564319).to_bytes(4, "little") + (0x50273030).to_bytes(4, "little")
+    (tmp_path / "pstree.img").write_bytes(head + _pstree_entry(2, 0, 2, 2, [2, 4])
+                                          + _pstree_entry(3, 2, 300, 2, [3]))
+    assert images.pstree_ids(tmp_path / "pstree.img") == [2, 0, 2, 2, 2, 4, 3, 2, 300, 2, 3]
+    assert images.max_task_id(tmp_path) == 300
+    (tmp_path / "pstree.img").write_bytes(head + b"\x40\x00\x00\x00\x08")
+    with pytest.raises(CheckpointCorrupt, match="pstree.img cannot be read"):
+        images.max_task_id(tmp_path)
+
+
 def test_doctor_sees_nccl_in_a_process_tree(tmp_path: Path) -> None:
     from hpcckpt.criu.doctor import unsupported
 
