@@ -82,12 +82,21 @@ class Job:
         return 128 - rc if rc < 0 else rc
 
 
-class RestoredJobExited(CriuError):
-    """criu restored the job, and it finished before the supervisor could see it."""
+class JobExited(CriuError):
+    """The job started (or was restored) and finished before the supervisor could see it;
+    ``code`` is its exit status (unshare's, which is nsinit's, which is the job's)."""
 
-    def __init__(self, code: int) -> None:
-        super().__init__(f"the restored job exited (status {code}) before it could be watched")
+    def __init__(self, code: int, what: str = "job") -> None:
+        super().__init__(f"the {what} exited (status {code}) before it could be watched")
         self.code = code
+
+
+class RestoredJobExited(JobExited):
+    def __init__(self, code: int) -> None:
+        super().__init__(code, "restored job")
+
+
+STARTED_MARK = "hpcckpt nsinit: started the job as PID 2"  # nsinit writes it to the unshare log
 
 
 def _find_unshare() -> str:
@@ -147,11 +156,21 @@ def launch(cmd: list[str], *, stdout: Path, stderr: Path, log: Path, env: dict[s
     try:
         return _job_of(proc, log, timeout_s=30.0, stdout=stdout, stderr=stderr)
     except CriuError:
-        if proc.poll() is None:
-            _abort(proc)  # never leave a namespace running that nobody watches
-        else:
-            proc.wait()
+        rc = _gone_or_abort(proc)
+        if rc is not None and STARTED_MARK in log.read_text(errors="replace"):
+            raise JobExited(rc) from None  # it ran and finished: its status is the answer
         raise
+
+
+def _gone_or_abort(proc: subprocess.Popen) -> int | None:
+    """unshare's exit code (128 + signal) once nsinit is gone; None after ending a namespace
+    that still lives (never leave one running that nobody watches)."""
+    try:
+        rc = proc.wait(timeout=5.0)  # a gone job's nsinit exits at once; a live one does not
+    except subprocess.TimeoutExpired:
+        _abort(proc)
+        return None
+    return 128 - rc if rc < 0 else rc
 
 
 def _log_tail(path: Path, *, lines: int = 6) -> str:
@@ -254,12 +273,10 @@ def restore(criu: Criu, image_dir: Path, *, old_stdio: dict[str, str], new_stdou
         # The restore succeeded, so the job must never be started again: either it already
         # finished (nsinit exited with its status: that is the job's exit), or it cannot be
         # watched, and then its namespace is ended before anything falls back.
-        try:
-            rc = proc.wait(timeout=5.0)  # a gone job's nsinit exits at once; a live one does not
-        except subprocess.TimeoutExpired:
-            _abort(proc)
+        rc = _gone_or_abort(proc)
+        if rc is None:
             raise
-        raise RestoredJobExited(128 - rc if rc < 0 else rc) from None
+        raise RestoredJobExited(rc) from None
 
 
 def _abort(unshare: subprocess.Popen) -> None:

@@ -190,7 +190,12 @@ class Supervisor:
                           stderr=Path("/dev/stderr"), proc=proc)
             self.outcome.exit_code = self._loop(job, dumps=False)
             return self.outcome
-        job = self._restore_or_start()
+        try:
+            job = self._restore_or_start()
+        except ops.JobExited as done:  # a job that ends at once is over, never started again
+            self.log(str(done))
+            self.outcome.exit_code = self._job_exited(done.code, dumped=False)
+            return self.outcome
         if job is None:
             return self.outcome
         self.outcome.exit_code = self._loop(job, dumps=True)
