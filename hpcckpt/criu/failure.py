@@ -74,7 +74,9 @@ def _older_image(root: Path, consumed: str | None) -> str | None:
         image = images.newest(root)
     except NoCheckpoint:
         return None
-    return None if image.name == consumed else image.name
+    # A consumed image belongs to a finished run; a stale one is behind the job: neither
+    # is "the image a later run restores".
+    return None if image.name == consumed or images.stale(root, image) else image.name
 
 
 def report(job: ops.Job, sig: signal.Signals, exc: BaseException, *, root: Path,

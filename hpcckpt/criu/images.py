@@ -71,6 +71,21 @@ def seq_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+# Names the newest image when a dump ended the job but could not be committed: that
+# image and every older one are behind the job's real progress (it ran on past them),
+# so restoring one would rewind; the next run falls back per --on-restore-failure.
+STALE = "STALE"
+
+
+def stale(root: Path, image: Image) -> bool:
+    """Whether ``image`` is at or below the STALE mark (see STALE)."""
+    try:
+        mark = seq_of((Path(root) / STALE).read_text().strip())
+    except FileNotFoundError:
+        return False
+    return mark is not None and image.seq <= mark
+
+
 def newest(root: Path) -> Image:
     """The committed image with the highest sequence; NoCheckpoint if none.
 

@@ -80,10 +80,7 @@ FALLBACKS = ("app", "fresh", "fail")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGQUIT, signal.SIGALRM, signal.SIGXCPU, signal.SIGCONT)
 CONSUMED = "CONSUMED"
-# Names the newest image when a dump ended the job but could not be committed: that
-# image and every older one are behind the job's real progress (it ran on past them),
-# so restoring one would rewind; the next run falls back per --on-restore-failure.
-STALE = "STALE"
+STALE = images.STALE
 NS_LAYOUT = 2  # images of the job tree at PID 2, dumped from inside its namespaces
 
 
@@ -256,8 +253,7 @@ class Supervisor:
         return latest.name
 
     def _stale(self, image: images.Image) -> bool:
-        stale = images.seq_of(self._marker(STALE) or "")
-        return stale is not None and image.seq <= stale
+        return images.stale(self.root, image)
 
     # -- start / restore ----------------------------------------------------------
     def _stdio_paths(self) -> tuple[Path, Path]:

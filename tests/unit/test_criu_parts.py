@@ -316,8 +316,12 @@ def test_images_behind_a_failed_commit_are_never_restored(tmp_path: Path) -> Non
     assert "would rewind" in sup.outcome.detail  # type: ignore[attr-defined]
     failed = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
     assert [e["image"] for e in failed if e["event"] == "criu_restore_failed"] == ["image-000002"]
+    from hpcckpt.criu.failure import _older_image
+
+    assert _older_image(root, None) is None  # a failed dump never offers a stale image as a fallback
     # A later successful dump is newer than the failed one: it is restorable again.
     commit_image(root, 3)
+    assert _older_image(root, None) == "image-000003"
     assert not sup._stale(images.newest(root))  # type: ignore[attr-defined]
     assert sup._stale(images.Image(path=root / "image-000002", seq=2))  # type: ignore[attr-defined]
 
