@@ -36,7 +36,7 @@ from .policy import AutoInterval, Policy, StopReason
 from .ranks import Ranks
 from .resume import Outcome, load_newest
 from .signals import SignalRecorder
-from .state import Flat, TrainState
+from .state import Flat, TrainState, init_dtensor_optimizer_state
 from .store.lock import WriterBusy, WriterLease
 
 log = logging.getLogger("hpcckpt")
@@ -72,6 +72,7 @@ class Checkpointer:
         self.ranks = Ranks()
         self.cluster = cluster if cluster is not None else _detect_cluster()
         self.state = TrainState()
+        self.state.rank, self.state.world = self.ranks.rank, self.ranks.world
         self.ledger = Ledger(self.root)
         self.policy = Policy(self.options.every_steps, margin_s=self.options.deadline_margin_s,
                              auto=AutoInterval(overhead_bound=self.options.overhead_bound)
@@ -161,8 +162,7 @@ class Checkpointer:
         # Read straight into the live model/optimizer tensors where they match (no first touch of
         # new memory, no second copy: hdf5.read_tensors), unless a fresh start must stay possible.
         # The optimizers' parameter devices say where missing optimizer state belongs (GPU or host).
-        live = None if fresh_ok else (lambda: live_tensors(self.state.capture(step=self.step).tensors,
-                                                           self.state.objects))
+        live = None if fresh_ok else self._live_targets
         outcome = load_newest(self.root, self.ranks, into=live, on_skip=self._skipped)
         self._restore_s = time.monotonic() - t0
         if outcome.flat is not None:
@@ -173,6 +173,19 @@ class Checkpointer:
         elif outcome.damaged or outcome.unusable:
             self._nothing_restored(outcome, fresh_ok)
         return self._loaded
+
+    def _live_targets(self) -> Any:
+        """The live tensors a restore reads into; called once there is a checkpoint to read.
+
+        Optimizers over DTensor (FSDP2) parameters get their state created first (a
+        step with zero gradients and learning rate 0, as torch.distributed.checkpoint
+        does), so that the restore fills DTensor shards in place instead of handing
+        plain tensors to an optimizer that expects DTensors.
+        """
+        for obj in self.state.objects.values():
+            if isinstance(obj, torch.optim.Optimizer):
+                init_dtensor_optimizer_state(obj)
+        return live_tensors(self.state.capture(step=self.step, plan=False).tensors, self.state.objects)
 
     def _skipped(self, step: int, problem: str) -> None:
         log.error("hpcckpt: skipping checkpoint step %d: %s", step, problem)

@@ -28,10 +28,18 @@ class Stateful(Protocol):
 
 @dataclass
 class Flat:
-    """A flattened state: ``tensors`` by name and the JSON ``meta`` tree."""
+    """A flattened state: ``tensors`` by name and the JSON ``meta`` tree.
+
+    A capture for saving (``TrainState.capture``) holds in ``tensors`` only what this
+    rank writes (its pieces of replicated and sharded tensors, and its local ones);
+    ``shared`` and ``pieces`` then describe the distributed tensors
+    (``store.placement``).
+    """
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     meta: Any = None
+    shared: dict[str, dict[str, Any]] = field(default_factory=dict)
+    pieces: dict[str, int] = field(default_factory=dict)
 
 
 def _escape(key: str) -> str:
@@ -123,6 +131,20 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(cuda_states)
 
 
+def _replicates_world(obj: Any, world: int) -> bool:
+    """``obj`` is a DistributedDataParallel module whose group is the whole job."""
+    ddp = getattr(getattr(torch.nn, "parallel", None), "DistributedDataParallel", None)
+    if ddp is None or not isinstance(obj, ddp):
+        return False
+    group = getattr(obj, "process_group", None)
+    try:
+        import torch.distributed as dist
+        size = dist.get_world_size(group) if group is not None else dist.get_world_size()
+    except (RuntimeError, ValueError):
+        return False
+    return size == world
+
+
 class TrainState:
     """The registry of objects that make up one rank's training state.
 
@@ -135,6 +157,33 @@ class TrainState:
     def __init__(self) -> None:
         self.objects: dict[str, Stateful] = {}
         self.user_meta: dict[str, Any] = {}
+        self.rank, self.world = 0, 1  # set by the Checkpointer (``placement``)
+
+    def placement(self) -> Any:
+        """Rank, world and the tensors the setup declares replicated (``store.placement``).
+
+        Replicated: the parameters of a registered ``DistributedDataParallel`` module
+        whose process group spans the world, and the state of an optimizer whose
+        parameters are all such parameters. Buffers stay local (DDP broadcasts rank 0's
+        at the next forward, so each rank keeps its own to restore exactly).
+        """
+        from .store.placement import Placement
+        if self.world <= 1:
+            return Placement()
+        names: set[str] = set()
+        prefixes: list[str] = []
+        ddp_params: set[int] = set()
+        for name, obj in self.objects.items():
+            if _replicates_world(obj, self.world):
+                for pname, param in obj.named_parameters():  # type: ignore[attr-defined]
+                    names.add(f"objects/{name}/{_escape(pname)}")
+                    ddp_params.add(id(param))
+        for name, obj in self.objects.items():
+            if isinstance(obj, torch.optim.Optimizer) and ddp_params:
+                params = [p for g in obj.param_groups for p in g["params"]]
+                if params and all(id(p) in ddp_params for p in params):
+                    prefixes.append(f"objects/{name}/state/")
+        return Placement(self.rank, self.world, frozenset(names), tuple(prefixes))
 
     def register(self, name: str, obj: Any) -> None:
         if not isinstance(obj, Stateful):
@@ -145,11 +194,14 @@ class TrainState:
             raise ConfigError(f"state name {name!r} is invalid or registered twice")
         self.objects[name] = obj
 
-    def capture(self, *, step: int, extra: Mapping[str, Any] | None = None) -> Flat:
+    def capture(self, *, step: int, extra: Mapping[str, Any] | None = None, plan: bool = True) -> Flat:
         """Flatten every registered object plus step, RNG and user metadata.
 
         Tensors in the result alias live state (no copy): the engine decides
-        when and how to copy them.
+        when and how to copy them. ``plan``: only what this rank writes
+        (``store.placement.plan``: pieces of replicated tensors, local shards of
+        DTensors); False: every live tensor as registered (DTensors included), the
+        targets of a restore.
         """
         flat = Flat()
         tree: dict[str, Any] = {"step": step, "user": dict(self.user_meta)}
@@ -159,6 +211,10 @@ class TrainState:
         if extra:
             tree["extra"] = flatten(dict(extra), "extra", flat.tensors)
         flat.meta = tree
+        if plan:
+            from .store.placement import plan as place
+            p = place(flat.tensors, self.placement())
+            flat.tensors, flat.shared, flat.pieces = p.tensors, p.shared, p.pieces
         return flat
 
     def restore(self, flat: Flat) -> dict[str, Any]:
@@ -185,3 +241,34 @@ class TrainState:
                 for pname, _ in obj.named_parameters():
                     safe.add(f"objects/{name}/{_escape(pname)}")
         return safe
+
+
+def init_dtensor_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Create the state of a fresh optimizer over DTensor parameters; True if it did.
+
+    One ``step()`` with zero gradients and learning rate 0 (parameters unchanged, as
+    ``torch.distributed.checkpoint`` initialises state before loading into it): the
+    state tensors then exist as DTensors sharded like their parameters, the targets
+    a restore fills. Nothing happens to an optimizer that already has state, has
+    gradients set, or has no DTensor parameter.
+    """
+    from .store.placement import _is_dtensor
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if optimizer.state or not any(_is_dtensor(p) for p in params) or any(p.grad is not None for p in params):
+        return False
+    lrs = []
+    for g in optimizer.param_groups:
+        lrs.append(g.get("lr"))
+        if "lr" in g:
+            g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+    try:
+        for p in params:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        optimizer.step()
+    finally:
+        for g, lr in zip(optimizer.param_groups, lrs):
+            if lr is not None:
+                g["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+    return True

@@ -10,8 +10,8 @@ Call sequence (every rank, in step order)::
     handle.wait()                                  # raises the save's error exactly once
     engine.close()
 
-Loading does not depend on the engine that is configured now: ``load_rank`` reads
-whatever format the manifest names.
+Loading does not depend on the engine that is configured now: ``store.read.load_rank``
+reads whatever format the manifest names.
 """
 from __future__ import annotations
 
@@ -29,14 +29,15 @@ import torch
 from ..errors import CheckpointCorrupt, CheckpointFailed, ConfigError
 from ..ranks import Ranks
 from ..state import Flat, TrainState
-from ..store import catalog, hdf5, torchfile
+from ..store import catalog, hdf5, placement, torchfile
 from ..store.commit import TMP_MARK, Transaction
 from ..store.hostmem import one_cuda_device
 from ..store.lock import writer_lock
+from ..store.read import (_home_devices, _optimizer_homes, _optimizer_state_names,  # noqa: F401 - re-exported
+                          load_rank)
 
 log = logging.getLogger("hpcckpt.engines")
 
-MANIFEST_FORMAT = "hpcckpt/1"
 
 
 class LiveTensors(dict):  # type: ignore[type-arg]
@@ -169,9 +170,15 @@ class Engine(ABC):
         log.info("hpcckpt: committed step %d in %.3fs (%s)", step, time.monotonic() - started, outcome["path"])
         return Path(outcome["path"])
 
+    def placement_fields(self, flat: Flat) -> dict[str, Any]:
+        """What this rank's commit record says about the distributed tensors (``store.placement``)."""
+        return placement.record_fields(placement.Plan(shared=flat.shared, pieces=flat.pieces),
+                                       coordinator=self.ranks.is_coordinator)
+
     def _commit(self, step: int, tmp: Path, records: list[dict[str, Any]]) -> Path:
+        shared = placement.merge_shared(records)
         manifest: dict[str, Any] = {
-            "format": MANIFEST_FORMAT,
+            "format": placement.FORMAT,
             "step": step,
             "world_size": len(records),
             "engine": self.name,
@@ -180,6 +187,7 @@ class Engine(ABC):
             "user": self.ctx.user,
             "ranks": {str(r): rec for r, rec in enumerate(records)},
             "files": {rec["file"]: rec["file_info"] for rec in records if "file_info" in rec},
+            "shared": shared,
         }
         name = catalog.step_name(step)
         with writer_lock(self.ctx.root):
@@ -190,110 +198,6 @@ class Engine(ABC):
             for p in removed:
                 log.info("hpcckpt: retention removed %s", p)
         return path
-
-
-def load_rank(info: catalog.CheckpointInfo, rank: int, world: int, *, into: Mapping[str, Any] | None = None,
-              stats: dict[str, Any] | None = None) -> Flat:
-    """Read and verify one rank's state from a committed checkpoint (no unpickling).
-
-    ``into``: live tensors by flat name (``TrainState.capture``); HDF5 rank files are
-    read straight into those that match (``hdf5.read_tensors``; CUDA ones through
-    pinned chunks), torch archives are not. Optimizer state the live optimizer does
-    not hold yet is read onto the GPU too when ``into`` is a ``LiveTensors`` whose
-    optimizer's parameters are all on that CUDA device (``_optimizer_homes``). ``stats`` receives the reader's figures,
-    ``in_place_bytes`` (live memory overwritten) and ``device_bytes`` included.
-    """
-    manifest = info.manifest
-    if manifest is None:
-        raise CheckpointCorrupt(f"{info.path} has no readable manifest")
-    if int(manifest["world_size"]) != world:
-        raise ConfigError(
-            f"{info.path} was saved by {manifest['world_size']} ranks; this job has {world}. "
-            "Resume with the same number of ranks (resharding is not supported).")
-    rec = manifest["ranks"][str(rank)]
-    path = info.path / rec["file"]
-    if into:  # one GPU per process: the staged reader pins for, and copies on, one device
-        one_cuda_device((t.device for t in into.values() if isinstance(t, torch.Tensor)), f"restore of {path}")
-    if rec["format"] == "hdf5":
-        _, entries = catalog.rank_entries(manifest, rank)
-        homes = _optimizer_homes(rec.get("meta"), entries, into)
-        try:
-            tensors = hdf5.read_tensors(path, entries, into={**into, **homes} if homes else into, stats=stats)
-        finally:
-            if stats is not None and homes:  # new memory: nothing live was overwritten there
-                stats["in_place_bytes"] = stats.get("in_place_bytes", 0) - sum(entries[n].nbytes for n in homes)
-    elif rec["format"] == "torch":
-        tensors = torchfile.read(path, rec)
-    else:
-        raise CheckpointCorrupt(f"{info.path}: unknown rank file format {rec['format']!r}")
-    return Flat(tensors=tensors, meta=json.loads(json.dumps(rec["meta"])))
-
-
-def _optimizer_state_names(meta: Any) -> list[str]:
-    """Tensor names of optimizer state (``objects/<opt>/state/<i>/<key>``) except ``step``."""
-    return [n for names in _optimizer_state_by_object(meta).values() for n in names]
-
-
-def _optimizer_state_by_object(meta: Any) -> dict[str, list[str]]:
-    """``_optimizer_state_names`` by optimizer (registered object name).
-
-    Recognised from the saved metadata tree: an object whose state_dict has
-    ``param_groups`` and ``state``. ``step`` stays where torch keeps it (on the CPU
-    unless the optimizer is capturable or fused; load_state_dict moves it then).
-    """
-    out: dict[str, list[str]] = {}
-    objects = meta.get("objects") if isinstance(meta, dict) else None
-    for obj, tree in (objects or {}).items():
-        if not (isinstance(tree, dict) and "param_groups" in tree and isinstance(tree.get("state"), dict)):
-            continue
-        names = out.setdefault(obj, [])
-        state = tree["state"]
-        for _, sub in state.get("__dict__", list(state.items())):
-            for key, leaf in (sub.items() if isinstance(sub, dict) else ()):
-                if key != "step" and isinstance(leaf, dict) and isinstance(leaf.get("__tensor__"), str):
-                    names.append(leaf["__tensor__"])
-    return out
-
-
-def _optimizer_homes(meta: Any, entries: Mapping[str, hdf5.TensorEntry],
-                     into: Mapping[str, Any] | None) -> dict[str, torch.Tensor]:
-    """New device memory for optimizer state the live optimizer does not hold yet.
-
-    A resumed process has parameters but no optimizer state until its first step:
-    without a home on the GPU that state (2/3 of an Adam checkpoint) would be read
-    into new host memory and copied up by ``load_state_dict`` from pageable memory.
-    When all of that optimizer's parameters are on one CUDA device, it is read
-    through the pinned pipeline straight into tensors on that device instead;
-    ``load_state_dict`` then keeps them (it moves state to each parameter's device,
-    a no-op here). An optimizer whose parameters are on the CPU (offloaded) keeps
-    its state on the host, whatever the model's device.
-    """
-    homes: dict[str, torch.Tensor] = {}
-    for name, device in _home_devices(meta, entries, into).items():
-        e = entries[name]
-        homes[name] = torch.empty(e.shape, dtype=hdf5.torch_dtype(e.dtype), device=device)
-    return homes
-
-
-def _home_devices(meta: Any, entries: Mapping[str, hdf5.TensorEntry],
-                  into: Mapping[str, Any] | None) -> dict[str, torch.device]:
-    """Which missing optimizer state tensors get a GPU home, and on which device (no allocation)."""
-    known = getattr(into, "optimizer_devices", None)
-    if not into or not known:
-        return {}  # where the optimizers' parameters live is unknown: host memory, as torch would
-    out: dict[str, torch.device] = {}
-    for obj, names in _optimizer_state_by_object(meta).items():
-        devices = known.get(obj) or set()
-        if len(devices) != 1:
-            continue
-        device = next(iter(devices))
-        if device.type != "cuda":
-            continue
-        for name in names:
-            e = entries.get(name)
-            if e is not None and e.nbytes and e.shape and into.get(name) is None:
-                out[name] = device
-    return out
 
 
 def cpu_copy(t: torch.Tensor) -> torch.Tensor:

@@ -85,6 +85,7 @@ class _Job:
     ring: RingStream | None = None
     sources: dict[str, Any] | None = None  # ring: source byte views; CUDA slot: device clones; until copied
     error: BaseException | None = None  # failed before persisting: only the commit exchange is left
+    placement: dict[str, Any] = field(default_factory=dict)  # the record's distributed-tensor fields
 
 
 def _specs(tensors: dict[str, torch.Tensor]) -> Key:
@@ -475,7 +476,8 @@ class ConcurrentEngine(Engine):
                 slot.tensor[off:off + e.nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
                 items[name] = batch.add(path, e.offset, dst)
         job = _Job(handle, step, tmp, fname, json.loads(json.dumps(flat.meta)), layout, slot, batch, items, started,
-                   staging=self._staging, sources=clones or None)  # clones live until their copy is done
+                   staging=self._staging, sources=clones or None,  # clones live until their copy is done
+                   placement=self.placement_fields(flat))
         if gpu:
             job.cuda_event, job.d2h_events = self._copy_to_host(gpu)
             job.device = gpu[0][1].device
@@ -505,7 +507,7 @@ class ConcurrentEngine(Engine):
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(cuda_device))
         job = _Job(handle, step, tmp, fname, json.loads(json.dumps(flat.meta)), staging.layout, None, None, {},
-                   started, staging=staging, sources=sources,
+                   started, staging=staging, sources=sources, placement=self.placement_fields(flat),
                    ring=RingStream(staging.ring, self._pool, direct=self.direct, stream=stream, ready=ready))
         return job
 
@@ -597,7 +599,7 @@ class ConcurrentEngine(Engine):
         tensors: dict[str, Any] = {}
         for name, e in job.layout.entries.items():
             tensors[name] = TensorEntry(e.name, e.dtype, e.shape, e.offset, e.nbytes, crcs.get(name, 0)).to_json()
-        return {"file": job.fname, "format": "hdf5", "meta": job.meta, "tensors": tensors}
+        return {"file": job.fname, "format": "hdf5", "meta": job.meta, "tensors": tensors, **job.placement}
 
     # -- lifecycle ---------------------------------------------------------------
 

@@ -23,7 +23,8 @@ class SyncEngine(Engine):
         record = None
         error: BaseException | None = None
         try:
-            record = {"file": fname, "meta": flat.meta, **torchfile.write(tmp / fname, flat.tensors)}
+            record = {"file": fname, "meta": flat.meta, **torchfile.write(tmp / fname, flat.tensors),
+                      **self.placement_fields(flat)}
         except Exception as exc:  # every rank must still take part in the commit exchange
             error = exc
         try:

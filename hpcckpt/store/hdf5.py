@@ -66,7 +66,7 @@ class TensorEntry:
     @staticmethod
     def from_json(name: str, d: Mapping[str, Any]) -> TensorEntry:
         return TensorEntry(name, str(d["dtype"]), tuple(int(x) for x in d["shape"]),
-                           int(d["offset"]), int(d["nbytes"]), int(d.get("crc32c", 0)))
+                           int(d.get("offset", 0)), int(d["nbytes"]), int(d.get("crc32c", 0)))
 
 
 def raw_bytes(t: torch.Tensor) -> np.ndarray:

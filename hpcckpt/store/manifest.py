@@ -30,6 +30,7 @@ import torch
 from ..errors import CheckpointCorrupt
 
 FORMATS = ("hdf5", "torch")
+FORMAT_V1, FORMAT_V2 = "hpcckpt/1", "hpcckpt/2"  # manifest formats (v2: distributed tensors, ``placement``)
 MAX_WORLD_SIZE = 1 << 20
 MAX_DIMS = 64
 _U32 = 0xFFFFFFFF
@@ -132,18 +133,19 @@ def tensor_refs(meta: Any, out: set[str], depth: int = 0) -> set[str]:
     return out
 
 
-def _meta(meta: Any, step: int, tensors: Mapping[str, Any], where: str) -> None:
+def _meta(meta: Any, step: int, tensors: Mapping[str, Any], where: str,
+          shared: Mapping[str, Any] | None = None) -> None:
     meta = _dict(meta, f"{where} meta")
     if meta.get("step") != step or isinstance(meta.get("step"), bool):
         raise Invalid(f"{where} meta says step {meta.get('step')!r}, the manifest says {step}")
     _dict(meta.get("objects"), f"{where} meta objects")
-    missing = sorted(tensor_refs(meta, set()) - set(tensors))
+    missing = sorted(tensor_refs(meta, set()) - set(tensors) - set(shared or ()))
     if missing:
         raise Invalid(f"{where}: the metadata refers to tensors the rank file does not hold: "
                       f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
 
 
-def _rank(rank: int, rec: Any, step: int, files: Mapping[str, Any]) -> None:
+def _rank(rank: int, rec: Any, step: int, files: Mapping[str, Any], shared: Mapping[str, Any]) -> None:
     where = f"rank {rank}"
     rec = _dict(rec, f"{where} record")
     fname = safe_relpath(rec.get("file"), f"{where} file")
@@ -156,7 +158,7 @@ def _rank(rank: int, rec: Any, step: int, files: Mapping[str, Any]) -> None:
     file_bytes = files[fname]["bytes"]
     for name, e in tensors.items():
         _tensor(name, e, fmt, file_bytes, where)
-    _meta(rec.get("meta"), step, tensors, where)
+    _meta(rec.get("meta"), step, tensors, where, shared)
 
 
 def validate(manifest: Mapping[str, Any], *, step: int | None) -> None:
@@ -181,5 +183,44 @@ def validate(manifest: Mapping[str, Any], *, step: int | None) -> None:
         extra, missing = sorted(set(ranks) - want), sorted(want - set(ranks), key=int)
         detail = (f" (missing {missing[:5]})" if missing else "") + (f" (unexpected {extra[:5]})" if extra else "")
         raise Invalid(f"manifest for {world} ranks has records for {sorted(ranks, key=str)[:5]}{detail}")
+    fmt = manifest.get("format", FORMAT_V1)
+    if fmt not in (FORMAT_V1, FORMAT_V2):
+        raise Invalid(f"manifest format {fmt!r} is not one this version reads ({FORMAT_V1}, {FORMAT_V2}); "
+                      "upgrade hpcckpt")
+    shared = _dict(manifest.get("shared", {}), "manifest shared") if fmt == FORMAT_V2 else {}
     for r in range(world):
-        _rank(r, ranks[str(r)], m_step, files)
+        _rank(r, ranks[str(r)], m_step, files, shared)
+    for name, spec in shared.items():
+        _shared(name, spec, ranks, world)
+
+
+def _shared(name: str, spec: Any, ranks: Mapping[str, Any], world: int) -> None:
+    """A distributed tensor: known dtype and shape, pieces that tile its bytes, each held by its writer."""
+    from .placement import KINDS, tiling_problem
+    what = f"shared tensor {name!r}"
+    spec = _dict(spec, what)
+    dtype = _dtype(spec.get("dtype"), what)
+    shape = spec.get("shape")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS:
+        raise Invalid(f"{what} has shape {shape!r}, not a list of at most {MAX_DIMS} dims")
+    for d in shape:
+        _int(d, f"{what} dimension")
+    if spec.get("kind") not in KINDS:
+        raise Invalid(f"{what} has kind {spec.get('kind')!r}; known kinds: {', '.join(KINDS)}")
+    pieces = spec.get("pieces")
+    if not isinstance(pieces, list):
+        raise Invalid(f"{what} has no list of pieces")
+    for p in pieces:
+        p = _dict(p, f"{what} piece")
+        r = _int(p.get("rank"), f"{what} piece rank", hi=world - 1)
+        start = _int(p.get("start"), f"{what} piece start")
+        nbytes = _int(p.get("nbytes"), f"{what} piece nbytes")
+        held = ranks[str(r)]["tensors"].get(name)
+        if not isinstance(held, dict) or held.get("nbytes") != nbytes or held.get("dtype") != spec["dtype"]:
+            raise Invalid(f"{what}: the piece at byte {start} names rank {r}, whose file holds no "
+                          f"{nbytes}-byte {spec['dtype']} piece of it")
+        if start % dtype.itemsize:
+            raise Invalid(f"{what}: piece at byte {start} does not start on an element")
+    problem = tiling_problem(spec)
+    if problem:
+        raise Invalid(f"{what}: {problem}")

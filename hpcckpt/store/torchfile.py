@@ -45,9 +45,17 @@ class _CrcWriter:
         pass
 
 
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy when it views a larger storage (torch.save writes the whole storage:
+    a piece of a replicated tensor would cost the whole tensor on disk)."""
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset():
+        return t.clone()
+    return t
+
+
 def write(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """Write and fsync ``path``; return the manifest record fields for it."""
-    cpu = {n: t.detach().cpu().contiguous() for n, t in tensors.items()}
+    cpu = {n: _own_storage(t.detach().cpu().contiguous()) for n, t in tensors.items()}
     root = path.parent.parent if TMP_MARK in path.parent.name else path.parent
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     w = _CrcWriter(fd)

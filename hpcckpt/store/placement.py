@@ -1,0 +1,232 @@
+"""Who writes which bytes of a distributed state (manifest format ``hpcckpt/2``).
+
+A rank's captured state has three kinds of tensors:
+
+- **replicated**: identical on every rank (the parameters of a
+  ``DistributedDataParallel`` module whose group spans the world, and the state of
+  an optimizer over such parameters). Declared by the setup, never guessed. Written
+  once: the bytes of all replicated tensors, concatenated in capture order, are cut
+  into ``world`` contiguous shares and rank ``k`` writes share ``k``: every rank writes
+  about ``1/world`` of them. A tensor of 1 MiB or more is cut at element boundaries
+  into pieces written by consecutive ranks (at most one piece per tensor per rank); a
+  smaller one is written whole by the rank whose share holds its first byte.
+- **sharded**: a ``DTensor`` (FSDP2 ``fully_shard``) whose placements are ``Shard(0)``
+  or ``Replicate``: its local shard is a contiguous row range of the global tensor;
+  the rank writes it (only the first replica of it, when a mesh dimension replicates).
+- **local**: everything else (RNG states, module buffers, the sampler...), written by
+  every rank for itself, as in format ``hpcckpt/1``.
+
+Every piece is named after its tensor in the writer's rank file; ``plan`` returns the
+tensors this rank writes (views of live memory, no copy) and the record fields the
+commit turns into the manifest's ``shared`` table (``merge_shared``). A piece's
+``start`` is a byte offset in the tensor's row-major bytes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from ..errors import CheckpointFailed, ConfigError
+from .hdf5 import dtype_name
+
+FORMAT_V1 = "hpcckpt/1"
+FORMAT = "hpcckpt/2"
+REPLICATED, SHARDED = "replicated", "sharded"
+KINDS = (REPLICATED, SHARDED)
+SPLIT_MIN_BYTES = 1 << 20  # smaller replicated tensors are written whole (one piece, no tiny I/O)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """This process's place in the job: rank, world, and the tensors declared replicated."""
+
+    rank: int = 0
+    world: int = 1
+    replicated: frozenset[str] = frozenset()
+    replicated_prefixes: tuple[str, ...] = ()
+
+    def is_replicated(self, name: str) -> bool:
+        return name in self.replicated or any(name.startswith(p) for p in self.replicated_prefixes)
+
+
+@dataclass
+class Plan:
+    """What this rank writes and what it tells the commit about the shared tensors."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> bytes to write (a piece or whole)
+    shared: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {dtype, shape, kind}
+    pieces: dict[str, int] = field(default_factory=dict)  # name -> start byte of this rank's piece
+
+
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without the distributed package
+        return False
+    return isinstance(t, DTensor)
+
+
+def dtensor_range(t: Any, name: str) -> tuple[torch.Tensor, int, bool]:
+    """(local tensor, start byte in the global tensor, whether this rank is the shard's first replica).
+
+    ConfigError for placements whose local part is not a contiguous row range.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for p in t.placements:
+        if not (isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0)):
+            raise ConfigError(
+                f"state tensor {name!r} is a DTensor placed as {tuple(t.placements)}; hpcckpt saves DTensors "
+                "sharded on dim 0 (Shard(0), FSDP2's default) or replicated. Shard parameters on dim 0 "
+                "(fully_shard's default shard_placement_fn)")
+    local = t.to_local()
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if tuple(local.shape) != tuple(shape):
+        raise ConfigError(f"state tensor {name!r}: its local shard has shape {tuple(local.shape)}, the mesh "
+                          f"says {tuple(shape)} (a padded or uneven local tensor); report this as a bug")
+    row = local.element_size()
+    for d in t.shape[1:]:
+        row *= int(d)
+    coord = t.device_mesh.get_coordinate() or []
+    first = all(c == 0 for c, p in zip(coord, t.placements) if isinstance(p, Replicate))
+    return local, int(offset[0]) * row if len(t.shape) else 0, first
+
+
+def plan(tensors: Mapping[str, torch.Tensor], where: Placement) -> Plan:
+    """Split ``tensors`` (a capture, live memory) into what this rank writes."""
+    out = Plan()
+    replicated: list[tuple[str, torch.Tensor]] = []
+    for name, t in tensors.items():
+        if _is_dtensor(t):
+            local, start, first = dtensor_range(t, name)
+            out.shared[name] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "kind": SHARDED}
+            if first and local.numel():
+                out.tensors[name] = local.detach() if local.is_contiguous() else local.detach().contiguous()
+                out.pieces[name] = start
+        elif where.world > 1 and where.is_replicated(name):
+            replicated.append((name, t))
+        else:
+            out.tensors[name] = t
+    _stripe(replicated, where, out)
+    return out
+
+
+def _stripe(tensors: list[tuple[str, torch.Tensor]], where: Placement, out: Plan) -> None:
+    """Rank ``where.rank``'s contiguous share of the concatenated replicated bytes."""
+    total = sum(t.numel() * t.element_size() for _, t in tensors)
+    lo, hi = total * where.rank // where.world, total * (where.rank + 1) // where.world
+    cursor = 0
+    for name, t in tensors:
+        size = t.element_size()
+        nbytes = t.numel() * size
+        out.shared[name] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "kind": REPLICATED}
+        if nbytes < SPLIT_MIN_BYTES:  # small: whole, by the rank whose share holds its first byte
+            a, b = (0, nbytes) if _owner(cursor, total, where.world) == where.rank else (0, 0)
+        else:  # each cut point rounded down to elements the same way by both ranks sharing it
+            a = min(max(lo - cursor, 0), nbytes) // size * size
+            b = min(max(hi - cursor, 0), nbytes) // size * size
+        if b > a:
+            flat = t.detach().reshape(-1) if t.is_contiguous() else t.detach().contiguous().reshape(-1)
+            out.tensors[name] = t.detach() if (a, b) == (0, nbytes) else flat[a // size:b // size]
+            out.pieces[name] = a
+        cursor += nbytes
+
+
+def _owner(byte: int, total: int, world: int) -> int:
+    """The rank whose share ``[total*k//world, total*(k+1)//world)`` holds ``byte``."""
+    k = min(byte * world // max(total, 1), world - 1)
+    while k > 0 and total * k // world > byte:
+        k -= 1
+    while k < world - 1 and total * (k + 1) // world <= byte:
+        k += 1
+    return k
+
+
+def digest(shared: Mapping[str, Any]) -> str:
+    """A short fingerprint of a shared table, to check that every rank planned the same tensors."""
+    return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def record_fields(p: Plan, *, coordinator: bool) -> dict[str, Any]:
+    """The fields a rank adds to its commit record (the whole table from the coordinator only)."""
+    fields: dict[str, Any] = {"pieces": p.pieces, "shared_digest": digest(p.shared)}
+    if coordinator:
+        fields["shared"] = p.shared
+    return fields
+
+
+def merge_shared(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The manifest's ``shared`` table from every rank's record; strips the planning fields.
+
+    CheckpointFailed when the ranks planned different tensors or the pieces do not
+    tile every shared tensor exactly (nothing is committed then).
+    """
+    table = records[0].get("shared") or {}
+    want = digest(table)
+    odd = [r for r, rec in enumerate(records) if rec.get("shared_digest", want) != want]
+    if odd:
+        raise CheckpointFailed(f"ranks {odd} captured other distributed tensors than rank 0 (names, shapes or "
+                               "dtypes of replicated/sharded state differ); every rank must register the same "
+                               "model and optimizer")
+    out = {name: {**spec, "pieces": []} for name, spec in table.items()}
+    for r, rec in enumerate(records):
+        for name, start in (rec.pop("pieces", None) or {}).items():
+            nbytes = int(rec["tensors"][name]["nbytes"])
+            out[name]["pieces"].append({"rank": r, "start": int(start), "nbytes": nbytes})
+        rec.pop("shared", None)
+        rec.pop("shared_digest", None)
+    for name, spec in out.items():
+        spec["pieces"].sort(key=lambda p: p["start"])
+        problem = tiling_problem(spec)
+        if problem:
+            raise CheckpointFailed(f"shared tensor {name!r}: {problem}; nothing was committed")
+    return out
+
+
+def global_nbytes(spec: Mapping[str, Any]) -> int:
+    n = torch.empty((), dtype=getattr(torch, str(spec["dtype"]))).element_size()
+    for d in spec["shape"]:
+        n *= int(d)
+    return n
+
+
+def tiling_problem(spec: Mapping[str, Any]) -> str | None:
+    """Why ``spec``'s pieces do not cover its bytes exactly once (None when they do)."""
+    cursor = 0
+    for p in spec["pieces"]:
+        if p["start"] != cursor:
+            return (f"pieces leave bytes {cursor}..{p['start']} uncovered" if p["start"] > cursor
+                    else f"pieces overlap at byte {p['start']}")
+        cursor += p["nbytes"]
+    total = global_nbytes(spec)
+    if cursor != total:
+        return f"pieces cover {cursor} of its {total} bytes"
+    return None
+
+
+def written_bytes(manifest: Mapping[str, Any]) -> dict[int, int]:
+    """Tensor bytes each rank wrote into a checkpoint (pieces and local tensors)."""
+    return {int(r): sum(int(e["nbytes"]) for e in rec.get("tensors", {}).values())
+            for r, rec in manifest["ranks"].items()}
+
+
+def state_bytes(manifest: Mapping[str, Any]) -> int:
+    """Bytes of the state itself: each shared tensor once, plus rank 0's local tensors."""
+    shared = manifest.get("shared") or {}
+    local = sum(int(e["nbytes"]) for n, e in manifest["ranks"]["0"].get("tensors", {}).items() if n not in shared)
+    return local + sum(global_nbytes(s) for s in shared.values())
+
+
+def source_rank(rank: int, saved_world: int) -> int:
+    """The saved rank whose local state (RNG, buffers, sampler, metadata) rank ``rank`` restores."""
+    return rank % saved_world
+
+
+def iter_pieces(spec: Mapping[str, Any]) -> Iterable[tuple[int, int, int]]:
+    for p in spec["pieces"]:
+        yield int(p["rank"]), int(p["start"]), int(p["nbytes"])

@@ -1,0 +1,245 @@
+"""Reading one rank's state out of a committed checkpoint, whatever wrote it.
+
+``load_rank`` dispatches on the manifest's format once; every reader verifies each
+tensor's (or piece's) crc32c as it reads, and none unpickles anything.
+
+- ``hpcckpt/1``: each rank's file holds its whole state; a resume needs the same
+  number of ranks.
+- ``hpcckpt/2`` (``store.placement``): distributed tensors are pieces spread over the
+  rank files. Any world size can resume: rank ``r`` reads every piece it needs
+  (all of a replicated tensor, only the rows of its own shard for a live DTensor)
+  from whichever files hold them, and takes its local state and metadata tree from
+  saved rank ``r % saved_world``.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+import torch
+
+from ..errors import CheckpointCorrupt, ConfigError
+from ..state import Flat
+from . import catalog, hdf5, torchfile
+from .hdf5 import TensorEntry
+from .hostmem import one_cuda_device
+from .manifest import FORMAT_V2
+from .placement import _is_dtensor, dtensor_range, source_rank
+
+
+def load_rank(info: catalog.CheckpointInfo, rank: int, world: int, *, into: Mapping[str, Any] | None = None,
+              stats: dict[str, Any] | None = None) -> Flat:
+    """Read and verify rank ``rank``'s state (of ``world`` ranks now) from a committed checkpoint.
+
+    ``into``: live tensors by flat name (``TrainState.capture(plan=False)``); tensors
+    are read straight into those that match (``hdf5.read_tensors``; CUDA ones through
+    pinned chunks; a DTensor's local shard), torch archives are not. Optimizer state
+    the live optimizer does not hold yet is read onto the GPU too when ``into`` is a
+    ``LiveTensors`` whose optimizer's parameters are all on that CUDA device
+    (``_optimizer_homes``). ``stats`` receives the reader's figures,
+    ``in_place_bytes`` (live memory overwritten) and ``device_bytes`` included.
+    """
+    manifest = info.manifest
+    if manifest is None:
+        raise CheckpointCorrupt(f"{info.path} has no readable manifest")
+    saved = int(manifest["world_size"])
+    v2 = manifest.get("format") == FORMAT_V2
+    if saved != world and not v2:
+        raise ConfigError(
+            f"{info.path} was saved by {saved} ranks in format {manifest.get('format', 'hpcckpt/1')}, "
+            f"which records no distributed layout; this job has {world}. Resume with {saved} ranks once; "
+            "its next checkpoints can then be resumed on any number of ranks.")
+    src = source_rank(rank, saved) if v2 else rank
+    if into:  # one GPU per process: the staged reader pins for, and copies on, one device
+        one_cuda_device((t.device for t in into.values() if isinstance(t, torch.Tensor) and not _is_dtensor(t)),
+                        f"restore of {info.path}")
+    shared = dict(manifest.get("shared") or {}) if v2 else {}
+    rec = manifest["ranks"][str(src)]
+    _, entries = catalog.rank_entries(manifest, src)
+    for name in [n for n in entries if n not in shared and into is not None and _is_dtensor(into.get(n))]:
+        # Saved whole by one rank (a local tensor), resumed sharded: one piece, read by range.
+        e = entries[name]
+        shared[name] = {"dtype": e.dtype, "shape": list(e.shape), "kind": "replicated",
+                        "pieces": [{"rank": src, "start": 0, "nbytes": e.nbytes}]}
+    local = {n: e for n, e in entries.items() if n not in shared}
+    in_place: dict[str, Any] = {}
+    try:
+        tensors = _read_local(info, rec, local, into, in_place)
+        if shared:
+            tensors.update(_read_shared(info, manifest, shared, into, in_place))
+    finally:
+        if stats is not None:
+            stats.update(in_place.get("stats", {}))
+            stats["in_place_bytes"] = in_place.get("in_place_bytes", 0)
+    return Flat(tensors=tensors, meta=json.loads(json.dumps(rec["meta"])))
+
+
+def _add_stats(acc: dict[str, Any], got: Mapping[str, Any]) -> None:
+    """Sum a reader's figures into ``acc`` (byte counts and seconds add up; the rest is the last seen)."""
+    figures = acc.setdefault("stats", {})
+    for k, v in got.items():
+        if k == "in_place_bytes":
+            acc["in_place_bytes"] = acc.get("in_place_bytes", 0) + int(v)
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and isinstance(figures.get(k), (int, float)):
+            figures[k] = figures[k] + v
+        else:
+            figures[k] = v
+
+
+def _read_local(info: catalog.CheckpointInfo, rec: Mapping[str, Any], entries: dict[str, TensorEntry],
+                into: Mapping[str, Any] | None, acc: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The saving rank's own tensors, from its file."""
+    path = info.path / rec["file"]
+    if rec["format"] == "torch":
+        got = torchfile.read(path, rec)
+        return {n: got[n] for n in entries}
+    if rec["format"] != "hdf5":
+        raise CheckpointCorrupt(f"{info.path}: unknown rank file format {rec['format']!r}")
+    homes = _optimizer_homes(rec.get("meta"), entries, into)
+    stats: dict[str, Any] = {}
+    try:
+        return hdf5.read_tensors(path, entries, into={**into, **homes} if homes else into, stats=stats)
+    finally:
+        if homes:  # new memory: nothing live was overwritten there
+            stats["in_place_bytes"] = stats.get("in_place_bytes", 0) - sum(entries[n].nbytes for n in homes)
+        _add_stats(acc, stats)
+
+
+def _target(name: str, spec: Mapping[str, Any], live: Any) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
+    """(result, contiguous destination, its first byte in the global tensor, in place) for one shared tensor."""
+    dtype = hdf5.torch_dtype(str(spec["dtype"]))
+    shape = tuple(int(d) for d in spec["shape"])
+    if _is_dtensor(live):
+        if tuple(live.shape) != shape or live.dtype != dtype:
+            raise ConfigError(f"state tensor {name!r} is {tuple(live.shape)} {live.dtype} now and was saved as "
+                              f"{shape} {dtype}; the model must have the same shapes to resume")
+        local, start, _ = dtensor_range(live, name)
+        if not local.is_contiguous():
+            raise ConfigError(f"state tensor {name!r}: its local shard is not contiguous; cannot restore into it")
+        return live, local, start, True
+    if (isinstance(live, torch.Tensor) and live.layout == torch.strided and live.dtype == dtype
+            and tuple(live.shape) == shape and live.is_contiguous() and not live.is_conj() and not live.is_neg()):
+        return live, live, 0, True
+    fresh = torch.empty(shape, dtype=dtype)
+    return fresh, fresh, 0, False
+
+
+def _read_shared(info: catalog.CheckpointInfo, manifest: Mapping[str, Any], shared: Mapping[str, Any],
+                 into: Mapping[str, Any] | None, acc: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every distributed tensor this rank needs, piece by piece, from the files that hold them."""
+    out: dict[str, torch.Tensor] = {}
+    jobs: dict[int, list[tuple[str, TensorEntry, torch.Tensor, Any]]] = {}  # writer rank -> reads
+    spans: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (temp piece, destination bytes, offset)
+    for name, spec in shared.items():
+        result, dest, lo, live = _target(name, spec, (into or {}).get(name))
+        out[name] = result
+        flat = dest.detach().reshape(-1).view(torch.uint8)
+        hi = lo + flat.numel()
+        itemsize = dest.element_size()
+        if live:
+            acc["in_place_bytes"] = acc.get("in_place_bytes", 0) + flat.numel()
+        for p in spec["pieces"]:
+            r, start, nbytes = int(p["rank"]), int(p["start"]), int(p["nbytes"])
+            if start >= hi or start + nbytes <= lo:
+                continue
+            held = manifest["ranks"][str(r)]["tensors"][name]
+            entry = TensorEntry(name, str(spec["dtype"]), (nbytes // itemsize,), int(held.get("offset", 0)),
+                                nbytes, int(held.get("crc32c", 0)))
+            if lo <= start and start + nbytes <= hi:  # the whole piece lands in the destination
+                view = dest.detach().reshape(-1)[(start - lo) // itemsize:(start - lo + nbytes) // itemsize]
+                jobs.setdefault(r, []).append((name, entry, view, None))
+            else:  # a piece that straddles the shard: read it whole (its checksum covers all of it)
+                temp = torch.empty(nbytes // itemsize, dtype=dest.dtype)
+                jobs.setdefault(r, []).append((name, entry, temp, None))
+                a, b = max(start, lo), min(start + nbytes, hi)
+                spans.append((temp.view(torch.uint8)[a - start:b - start], flat, a - lo))
+    for r, reads in sorted(jobs.items()):
+        rec = manifest["ranks"][str(r)]
+        path = info.path / rec["file"]
+        if rec["format"] == "torch":
+            got = torchfile.read(path, rec)
+            for name, _, target, _ in reads:
+                target.copy_(got[name].reshape(-1))
+            continue
+        stats: dict[str, Any] = {}
+        try:
+            got = hdf5.read_tensors(path, {n: e for n, e, _, _ in reads}, into={n: t for n, _, t, _ in reads},
+                                    stats=stats)
+        finally:
+            stats.pop("in_place_bytes", None)  # counted above, once per destination
+            _add_stats(acc, stats)
+        for name, _, target, _ in reads:
+            if got[name] is not target:  # not read in place (a CUDA or odd target): copy it there
+                target.copy_(got[name])
+    for src, flat, offset in spans:
+        flat[offset:offset + src.numel()].copy_(src)
+    return out
+
+
+def _optimizer_state_names(meta: Any) -> list[str]:
+    """Tensor names of optimizer state (``objects/<opt>/state/<i>/<key>``) except ``step``."""
+    return [n for names in _optimizer_state_by_object(meta).values() for n in names]
+
+
+def _optimizer_state_by_object(meta: Any) -> dict[str, list[str]]:
+    """``_optimizer_state_names`` by optimizer (registered object name).
+
+    Recognised from the saved metadata tree: an object whose state_dict has
+    ``param_groups`` and ``state``. ``step`` stays where torch keeps it (on the CPU
+    unless the optimizer is capturable or fused; load_state_dict moves it then).
+    """
+    out: dict[str, list[str]] = {}
+    objects = meta.get("objects") if isinstance(meta, dict) else None
+    for obj, tree in (objects or {}).items():
+        if not (isinstance(tree, dict) and "param_groups" in tree and isinstance(tree.get("state"), dict)):
+            continue
+        names = out.setdefault(obj, [])
+        state = tree["state"]
+        for _, sub in state.get("__dict__", list(state.items())):
+            for key, leaf in (sub.items() if isinstance(sub, dict) else ()):
+                if key != "step" and isinstance(leaf, dict) and isinstance(leaf.get("__tensor__"), str):
+                    names.append(leaf["__tensor__"])
+    return out
+
+
+def _optimizer_homes(meta: Any, entries: Mapping[str, hdf5.TensorEntry],
+                     into: Mapping[str, Any] | None) -> dict[str, torch.Tensor]:
+    """New device memory for optimizer state the live optimizer does not hold yet.
+
+    A resumed process has parameters but no optimizer state until its first step:
+    without a home on the GPU that state (2/3 of an Adam checkpoint) would be read
+    into new host memory and copied up by ``load_state_dict`` from pageable memory.
+    When all of that optimizer's parameters are on one CUDA device, it is read
+    through the pinned pipeline straight into tensors on that device instead;
+    ``load_state_dict`` then keeps them (it moves state to each parameter's device,
+    a no-op here). An optimizer whose parameters are on the CPU (offloaded) keeps
+    its state on the host, whatever the model's device.
+    """
+    homes: dict[str, torch.Tensor] = {}
+    for name, device in _home_devices(meta, entries, into).items():
+        e = entries[name]
+        homes[name] = torch.empty(e.shape, dtype=hdf5.torch_dtype(e.dtype), device=device)
+    return homes
+
+
+def _home_devices(meta: Any, entries: Mapping[str, hdf5.TensorEntry],
+                  into: Mapping[str, Any] | None) -> dict[str, torch.device]:
+    """Which missing optimizer state tensors get a GPU home, and on which device (no allocation)."""
+    known = getattr(into, "optimizer_devices", None)
+    if not into or not known:
+        return {}  # where the optimizers' parameters live is unknown: host memory, as torch would
+    out: dict[str, torch.device] = {}
+    for obj, names in _optimizer_state_by_object(meta).items():
+        devices = known.get(obj) or set()
+        if len(devices) != 1:
+            continue
+        device = next(iter(devices))
+        if device.type != "cuda":
+            continue
+        for name in names:
+            e = entries.get(name)
+            if e is not None and e.nbytes and e.shape and into.get(name) is None:
+                out[name] = device
+    return out
+
+
