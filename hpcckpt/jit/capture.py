@@ -1,0 +1,162 @@
+"""What a JIT checkpoint holds, and where each part comes from.
+
+- *Replicated* tensors: the parameters of registered ``DistributedDataParallel`` modules
+  whose group spans the world, and the state of optimizers over only such parameters.
+  Only ``optimizer.step()`` changes them; with further steps held back (``StepGate``)
+  the live tensors of any survivor are the state after its last completed step.
+- *Rank-local* state: everything else (module buffers, schedulers, samplers, scalers,
+  RNG, user metadata). It changes between steps (a forward pass updates buffers, the
+  loop advances the sampler), so it is copied at every step boundary (``Boundary``),
+  which costs a few small copies and never touches parameters or optimizer state.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from .._core import crc32c
+from ..state import _escape, flatten, rng_state
+
+FINGERPRINT_BYTES = 4 << 20  # per sampled tensor
+
+
+def replication_problem(objects: Mapping[str, Any], world: int) -> str | None:
+    """Why the registered state is not replicated on every rank (None: JIT applies)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    ddp_params: set[int] = set()
+    models = 0
+    for name, obj in objects.items():
+        if isinstance(obj, torch.nn.Module):
+            if not isinstance(obj, DDP):
+                return (f"model {name!r} is a {type(obj).__name__}, not a DistributedDataParallel module: "
+                        "its parameters are not declared replicated")
+            group = getattr(obj, "process_group", None)
+            size = group.size() if group is not None and hasattr(group, "size") else world
+            if size != world:
+                return f"model {name!r} replicates over {size} of {world} ranks, not over the whole world"
+            for p in obj.parameters():
+                if _is_dtensor(p):
+                    return f"model {name!r} has sharded (DTensor) parameters with no live replica"
+                ddp_params.add(id(p))
+            models += 1
+    if not models:
+        return "no DistributedDataParallel model is registered"
+    for name, obj in objects.items():
+        if isinstance(obj, torch.optim.Optimizer):
+            params = [p for g in obj.param_groups for p in g["params"]]
+            if any(id(p) not in ddp_params for p in params):
+                return f"optimizer {name!r} holds parameters outside the registered DDP models"
+    return None
+
+
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - older torch
+        return False
+    return isinstance(t, DTensor)
+
+
+class StepGate:
+    """Optimizer step hooks: count completed steps; once frozen, no step may start."""
+
+    def __init__(self, optimizers: Mapping[str, torch.optim.Optimizer]) -> None:
+        self.names = sorted(optimizers)
+        self.counts = {n: 0 for n in self.names}
+        self.in_step = 0
+        self.frozen = False
+        self.cond = threading.Condition()
+        self._handles = []
+        for n in self.names:
+            opt = optimizers[n]
+            self._handles.append(opt.register_step_pre_hook(self._pre(n)))
+            self._handles.append(opt.register_step_post_hook(self._post(n)))
+
+    def _pre(self, name: str) -> Any:
+        def hook(opt: Any, args: Any, kwargs: Any) -> None:
+            with self.cond:
+                while self.frozen:  # the JIT save owns the state now; the process ends with it
+                    self.cond.wait()
+                self.in_step += 1
+        return hook
+
+    def _post(self, name: str) -> Any:
+        def hook(opt: Any, args: Any, kwargs: Any) -> None:
+            with self.cond:
+                self.in_step -= 1
+                self.counts[name] += 1
+                self.cond.notify_all()
+        return hook
+
+    def snapshot(self) -> tuple[int, ...]:
+        return tuple(self.counts[n] for n in self.names)
+
+    def freeze(self, timeout_s: float) -> bool:
+        """Hold back every further step; True once no step is running (within ``timeout_s``)."""
+        with self.cond:
+            self.frozen = True
+            return self.cond.wait_for(lambda: self.in_step <= 0, timeout_s)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+@dataclass
+class Boundary:
+    """Rank-local state as of the end of ``step`` (after its optimizer steps)."""
+
+    step: int
+    counts: tuple[int, ...]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    trees: dict[str, Any] = field(default_factory=dict)  # {"objects": {name: tree}, "rng": tree, "user": {...}}
+
+
+def capture_boundary(step: int, counts: tuple[int, ...], objects: Mapping[str, Any],
+                     user_meta: Mapping[str, Any]) -> Boundary:
+    """Copy the rank-local state now (small objects, RNG, module buffers); main thread."""
+    b = Boundary(step, counts)
+    objs: dict[str, Any] = {}
+    for name, obj in objects.items():
+        if isinstance(obj, torch.optim.Optimizer):
+            continue
+        if isinstance(obj, torch.nn.Module):
+            for key, buf in obj.named_buffers():
+                b.tensors[f"objects/{name}/{_escape(key)}"] = buf.detach().clone()
+            continue
+        objs[name] = flatten(obj.state_dict(), f"objects/{name}", b.tensors)
+    b.trees["objects"] = objs
+    b.trees["rng"] = flatten(rng_state(), "rng", b.tensors)
+    b.trees["user"] = json.loads(json.dumps(dict(user_meta), default=str))
+    for n, t in list(b.tensors.items()):
+        if not n.startswith("objects/") or n.split("/")[1] in objs:
+            b.tensors[n] = t.detach().clone()  # flatten aliases live state; buffers are copies already
+    return b
+
+
+def capture_replicated(objects: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(trees, tensors) of models and optimizers, aliasing live state; steps must be frozen."""
+    trees: dict[str, Any] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, obj in objects.items():
+        if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+            trees[name] = flatten(obj.state_dict(), f"objects/{name}", tensors)
+    return trees, tensors
+
+
+def fingerprint(step: int, counts: tuple[int, ...], tensors: Mapping[str, torch.Tensor]) -> str:
+    """Step, optimizer step counts and crc32c of a few replicated tensors (first, middle, last)."""
+    names = sorted(n for n, t in tensors.items() if t.numel())
+    picked = sorted({names[0], names[len(names) // 2], names[-1]}) if names else []
+    parts = [f"step={step}", f"counts={list(counts)}"]
+    for n in picked:
+        flat = tensors[n].detach().reshape(-1)
+        head = flat[: max(1, FINGERPRINT_BYTES // max(1, flat.element_size()))].to("cpu").contiguous()
+        raw = head.view(torch.uint8).numpy() if head.dtype != torch.bool else head.to(torch.uint8).numpy()
+        parts.append(f"{n}:{crc32c(raw):08x}")
+    return ";".join(parts)

@@ -1,0 +1,372 @@
+"""``JitGuard``: a just-in-time checkpoint when a rank fails (JITC, EuroSys 2024).
+
+In data-parallel training every rank holds the same parameters and optimizer state.
+When one rank dies (kill -9, segfault, OOM), raises, or hangs, the others still hold
+the state after the last completed optimizer step; they write it and requeue, and
+the next allocation replays at most the step that was in flight.
+
+Call sequence (every rank; the Checkpointer owns one guard)::
+
+    guard = JitGuard(ckpt)       # after register(): collective (agreement, heartbeat group)
+    guard.start()                # after the restore, before the first step
+    guard.at_boundary(step)      # main thread, at every step boundary, BEFORE any collective there
+    guard.close()                # collective on a normal end; close(error=True) when leaving on an error
+
+On a failure the heartbeat thread (``Heartbeat``) runs the whole JIT path and ends the
+process with ``os._exit(EXIT_REQUEUE)``; the main thread may be blocked in a collective
+for good, or raise (the interpreter's shutdown then waits for the save):
+
+1. hold back optimizer steps (``StepGate``) and take this rank's consistent state: the
+   boundary copy whose optimizer step counts equal the live ones;
+2. meet the other survivors in files under the checkpoint directory (``rendezvous``)
+   and agree on the step and the writer;
+3. the writer commits the checkpoint (``writer.commit``), records it in the ledger and
+   requeues through the cluster adapter; everyone exits 75 once it is durable (or once
+   the writer is known dead: the previous checkpoint then stands).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..exitcodes import EXIT_REQUEUE
+from ..store import catalog, torchfile
+from . import rendezvous, writer
+from .capture import Boundary, StepGate, capture_boundary, capture_replicated, fingerprint, replication_problem
+from .heartbeat import CLOSING, LEAVING, Heartbeat
+
+log = logging.getLogger("hpcckpt.jit")
+
+DEFAULT_TIMEOUT_S = 5.0
+TIMEOUT_ENV = "HPCCKPT_JIT_TIMEOUT_S"
+
+
+def _timeout_from(ckpt: Any, timeout_s: float | None) -> float:
+    value: Any = timeout_s
+    if value is None:
+        value = getattr(getattr(ckpt, "options", None), "jit_timeout_s", None)
+    if value is None and os.environ.get(TIMEOUT_ENV):
+        raw = os.environ[TIMEOUT_ENV]
+        try:
+            value = float(raw)
+        except ValueError:
+            from ..errors import ConfigError
+            raise ConfigError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds; e.g. {TIMEOUT_ENV}=5") from None
+    if value is None:
+        return DEFAULT_TIMEOUT_S
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        from ..errors import ConfigError
+        raise ConfigError(f"jit_timeout_s={value!r} is invalid: use a positive number of seconds "
+                          f"(e.g. jit_timeout_s=5 or {TIMEOUT_ENV}=5)")
+    return float(value)
+
+
+def requeue_cause() -> str:
+    """``rank_failure`` where the cluster adapter knows it (own budget), else ``node_failure``."""
+    from ..cluster.base import Cause
+    return "rank_failure" if any(c.value == "rank_failure" for c in Cause) else "node_failure"
+
+
+def _flush_and_exit(code: int) -> None:
+    for h in logging.getLogger().handlers + log.handlers + logging.getLogger("hpcckpt").handlers:
+        try:
+            h.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(code)
+
+
+class JitGuard:
+    """Detects a failed rank and writes the survivors' state; see the module docstring."""
+
+    #: seam for tests: how the process ends after the JIT path (never returns in production)
+    exit = staticmethod(_flush_and_exit)
+
+    def __init__(self, ckpt: Any, *, timeout_s: float | None = None, interval_s: float | None = None) -> None:
+        self.ckpt = ckpt
+        self.timeout_s = _timeout_from(ckpt, timeout_s)
+        self.interval_s = float(interval_s) if interval_s else min(0.5, self.timeout_s / 4)
+        self.rank, self.world = ckpt.ranks.rank, ckpt.ranks.world
+        self.root = Path(ckpt.root)
+        self.active = False
+        self.closed = False
+        self.problem: str | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.gate: StepGate | None = None
+        self.dir: Path | None = None
+        self._boundary: Boundary | None = None
+        self._cond = threading.Condition()
+        self._started_jit = threading.Event()
+        self._never = threading.Event()  # never set: what a thread waits on until os._exit
+        self.detected: dict[str, Any] | None = None
+        if self.world <= 1:
+            self.problem = "a single rank: there is no survivor to save for it"
+        else:
+            problem = replication_problem(ckpt.state.objects, self.world)
+            if ckpt.ranks.max(1 if problem else 0) and problem is None:  # collective: all ranks agree
+                problem = "another rank's registered state is not replicated"
+            self.problem = problem
+        if self.problem is not None:
+            log.warning("hpcckpt: jit: just-in-time checkpoints are off (%s); if a rank fails, the job resumes "
+                        "from the last periodic checkpoint", self.problem)
+            return
+        token = ckpt.ranks.token()  # collective
+        self.dir = rendezvous.session_dir(self.root, token)
+        self.heartbeat = Heartbeat(self.rank, self.world, timeout_s=self.timeout_s, interval_s=self.interval_s,
+                                   on_failure=self._on_failure)  # collective: creates the group
+        self.gate = StepGate({n: o for n, o in ckpt.state.objects.items() if isinstance(o, torch.optim.Optimizer)})
+        self.active = True
+
+    # -- the training side -------------------------------------------------------
+
+    def start(self) -> None:
+        """Copy the state at the current step and start the heartbeat; main thread, once."""
+        if not self.active or self.heartbeat is None or self.heartbeat._thread is not None:
+            return
+        if self.rank == 0:
+            self._sweep_sessions()
+        self._set_boundary(int(self.ckpt.step))
+        threading._register_atexit(self._at_shutdown)  # type: ignore[attr-defined]
+        self.heartbeat.start()
+        log.info("hpcckpt: jit: watching %d ranks (timeout %.1fs, heartbeat every %.2fs)", self.world,
+                 self.timeout_s, self.interval_s)
+
+    def at_boundary(self, step: int) -> None:
+        """Copy the rank-local state as of ``step`` (done). Call before any collective of the boundary."""
+        if not self.active or self.closed:
+            return
+        self._set_boundary(int(step))
+        if self._started_jit.is_set():
+            self._never.wait()  # the JIT path owns this process now and ends it
+
+    def _set_boundary(self, step: int) -> None:
+        assert self.gate is not None
+        b = capture_boundary(step, self.gate.snapshot(), self.ckpt.state.objects, self.ckpt.state.user_meta)
+        b.trees["wall"] = time.time()
+        with self._cond:
+            self._boundary = b
+            self._cond.notify_all()
+
+    def close(self, error: bool | None = None) -> None:
+        """Stop watching. ``error``: this rank leaves on an error (the others then save without it).
+
+        By default an exception being handled counts as an error. If a failure was
+        detected, never returns: the JIT path ends the process.
+        """
+        if not self.active or self.closed:
+            return
+        if error is None:
+            exc = sys.exc_info()[1]
+            error = exc is not None and not (isinstance(exc, SystemExit) and exc.code in (0, None, EXIT_REQUEUE))
+        self.closed = True
+        assert self.heartbeat is not None and self.gate is not None
+        self.heartbeat.announce(LEAVING if error else CLOSING, self.timeout_s + self.interval_s + 1.0)
+        if self._started_jit.is_set():
+            self._never.wait()
+        self.gate.remove()
+        self.heartbeat.destroy()
+
+    def _at_shutdown(self) -> None:
+        """The interpreter is ending (the main thread returned or raised) without ``close``."""
+        if not self.active:
+            return
+        if self._started_jit.is_set():
+            self._never.wait()
+        if self.closed:
+            return
+        self.closed = True
+        assert self.heartbeat is not None
+        self.heartbeat.announce(LEAVING, self.timeout_s + self.interval_s + 1.0)
+        if self._started_jit.is_set():
+            self._never.wait()
+
+    def _sweep_sessions(self) -> None:
+        """Rendezvous directories of earlier runs (this run holds the writer lease)."""
+        try:
+            for p in self.root.iterdir():
+                if p.name.startswith(".jit-") and p != self.dir and p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+        except OSError:
+            pass
+
+    # -- the JIT path (heartbeat thread) ---------------------------------------------
+
+    def _on_failure(self, reason: str, known_failed: list[int]) -> None:
+        if self._started_jit.is_set():
+            return
+        self._started_jit.set()
+        detected = time.time()
+        log.error("hpcckpt: jit: rank %d detected a failure (%s)", self.rank, reason)
+        code = EXIT_REQUEUE
+        try:
+            self._jit(reason, known_failed, detected)
+        except BaseException as exc:  # noqa: BLE001 - the process must still end with a requeue
+            log.exception("hpcckpt: jit: rank %d: the just-in-time checkpoint failed (%s); the previous "
+                          "checkpoint stands", self.rank, exc)
+        self.exit(code)
+
+    def _consistent_state(self) -> tuple[Boundary | None, str]:
+        """This rank's boundary copy if it matches the live parameters (steps held back)."""
+        assert self.gate is not None
+        if not self.gate.freeze(self.timeout_s):
+            return None, "an optimizer step did not finish"
+        want = self.gate.snapshot()
+        with self._cond:
+            # Between an optimizer step and its boundary the main thread may still get there.
+            self._cond.wait_for(lambda: self._boundary is not None and self._boundary.counts == want,
+                                self.timeout_s)
+            b = self._boundary
+        if b is None or b.counts != want:
+            return None, "parameters are past the last boundary (the step's boundary never came)"
+        return b, ""
+
+    def _jit(self, reason: str, known_failed: list[int], detected: float) -> None:
+        assert self.dir is not None
+        d = self.dir
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        b, why = self._consistent_state()
+        doc: dict[str, Any] = {"rank": self.rank, "ok": b is not None, "why": why, "reason": reason,
+                               "known_failed": known_failed, "detected_at": detected,
+                               "host": socket.gethostname(), "pid": os.getpid()}
+        replicated: dict[str, torch.Tensor] = {}
+        rep_trees: dict[str, Any] = {}
+        if b is not None:
+            rep_trees, live = capture_replicated(self.ckpt.state.objects)
+            replicated = {n: t for n, t in live.items() if n not in b.tensors}
+            rec = torchfile.write(d / f"local-{self.rank}.pt", b.tensors)
+            doc.update(step=b.step, counts=list(b.counts), fp=fingerprint(b.step, b.counts, replicated),
+                       local=rec, trees={k: v for k, v in b.trees.items() if k != "wall"},
+                       boundary_at=b.trees.get("wall"))
+        rendezvous.write_json(d / f"alive-{self.rank}.json", doc)
+        grace = self.timeout_s + self.interval_s + 3.0
+        decision = rendezvous.await_decision(d, self.world, set(known_failed), grace)
+        roster = decision.get("roster", [])
+        lead = min(roster) if roster else None
+        log.error("hpcckpt: jit: rank %d: decision %s", self.rank,
+                  {k: decision.get(k) for k in ("ok", "step", "writer", "failed", "reason")})
+        if self.rank == lead:
+            step = decision.get("step")
+            self.ckpt.ledger.append(
+                "rank_failure", failed_ranks=decision.get("failed"), survivors=roster, reason=reason,
+                detected_at=detected, detect_after_boundary_s=(detected - b.trees["wall"]) if b else None,
+                jit_step=step if decision.get("ok") else None,
+                lost_step=(step + 1) if isinstance(step, int) else None, timeout_s=self.timeout_s,
+                jit=bool(decision.get("ok")), problem=decision.get("reason"))
+        outcome: dict[str, Any] | None = None
+        if decision.get("ok") and decision.get("writer") == self.rank and b is not None:
+            outcome = self._write(d, decision, b, replicated, rep_trees)
+            requeuer = self.rank
+        elif decision.get("ok"):
+            outcome = rendezvous.await_outcome(d, dead_after_s=max(10.0, 2 * self.timeout_s))
+            writer_rank = decision.get("writer")
+            others = [r for r in roster if r != writer_rank]
+            requeuer = writer_rank if outcome is not None else (min(others) if others else -1)
+            if outcome is None:
+                log.error("hpcckpt: jit: the writer (rank %s) stopped during the just-in-time save; the previous "
+                          "checkpoint stands", writer_rank)
+                if self.rank == requeuer:
+                    self.ckpt.ledger.append("save_failed", step=decision.get("step"), final=True, engine="jit",
+                                            error=f"writer rank {writer_rank} stopped during the save")
+        else:
+            requeuer = lead if lead is not None else -1
+        if self.rank == requeuer:
+            self._stop_and_requeue(decision, outcome)
+        log.error("hpcckpt: jit: rank %d exits %d for a requeue (%s)", self.rank, EXIT_REQUEUE,
+                  f"checkpoint step {outcome['step']} committed" if outcome and outcome.get("ok")
+                  else "no just-in-time checkpoint")
+
+    def _write(self, d: Path, decision: dict[str, Any], b: Boundary, replicated: dict[str, torch.Tensor],
+               rep_trees: dict[str, Any]) -> dict[str, Any]:
+        """The writer's part: commit, then publish the outcome."""
+        step = int(decision["step"])
+        stop = threading.Event()
+
+        def beat() -> None:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                try:
+                    rendezvous.write_json(d / rendezvous.BEAT, n)
+                except OSError:
+                    pass
+                stop.wait(0.25)
+
+        beater = threading.Thread(target=beat, name="hpcckpt-jit-beat", daemon=True)
+        beater.start()
+        t0 = time.monotonic()
+        try:
+            existing = catalog.inspect_step(self.root, step)
+            if existing is not None and existing.status == "committed":
+                path, wrote = existing.path, False  # a periodic save already holds this step
+            else:
+                sources: dict[int, tuple[dict[str, torch.Tensor], Any]] = {
+                    self.rank: (b.tensors, {k: v for k, v in b.trees.items() if k != "wall"})}
+                docs = rendezvous.alive_docs(d)
+                for r in decision["holders"]:
+                    if r != self.rank:
+                        x = docs[r]
+                        sources[r] = (torchfile.read(d / f"local-{r}.pt", x["local"]), x["trees"])
+                source_of = {int(r): int(s) for r, s in decision["source_of"].items()}
+                path = writer.commit(
+                    self.root, step=step, world=self.world, keep=int(getattr(self.ckpt.options, "keep", 3)),
+                    job=self._job(), user={}, replicated_trees=rep_trees, replicated=replicated, sources=sources,
+                    source_of=source_of,
+                    info={"failed_ranks": decision["failed"], "writer": self.rank, "holders": decision["holders"],
+                          "substituted": sorted(r for r, s in source_of.items() if s != r),
+                          "fingerprint": decision["fingerprint"]})
+                wrote = True
+            save_s = time.monotonic() - t0
+            outcome = {"ok": True, "step": step, "path": str(path), "save_s": save_s, "wrote": wrote}
+            self.ckpt.committed_step = step
+            self.ckpt.ledger.append("commit", step=step, save_s=round(save_s, 6), engine=writer.ENGINE, final=True,
+                                    path=str(path), jit=True, wrote=wrote, failed_ranks=decision["failed"])
+            log.error("hpcckpt: jit: rank %d committed step %d in %.3fs (%s)", self.rank, step, save_s, path)
+        except Exception as exc:
+            outcome = {"ok": False, "step": step, "error": f"{type(exc).__name__}: {exc}"}
+            log.error("hpcckpt: jit: the just-in-time checkpoint of step %d failed: %s", step, exc)
+            self.ckpt.ledger.append("save_failed", step=step, final=True, engine=writer.ENGINE, error=outcome["error"])
+        finally:
+            stop.set()
+        rendezvous.write_json(d / rendezvous.OUTCOME, outcome)
+        return outcome
+
+    def _committed_step(self) -> int | None:
+        try:
+            newest = catalog.find(self.root, None)
+        except Exception:  # noqa: BLE001 - none committed
+            return None
+        return newest.step
+
+    def _stop_and_requeue(self, decision: dict[str, Any], outcome: dict[str, Any] | None) -> None:
+        committed = self._committed_step()
+        self.ckpt.ledger.append("stop", reason="rank_failure", step=decision.get("step"), committed_step=committed,
+                                requeue=True, final_saved=bool(outcome and outcome.get("ok")),
+                                failed_ranks=decision.get("failed"))
+        cause = requeue_cause()
+        try:
+            out = self.ckpt.cluster.requeue(cause, self.root, committed_step=committed)
+            result = out.as_dict() if hasattr(out, "as_dict") else dict(out)
+        except Exception as exc:  # noqa: BLE001 - exit 75 still lets the job script or supervisor retry
+            result = {"requeued": False, "method": "error", "detail": f"{type(exc).__name__}: {exc}"}
+        log.error("hpcckpt: jit: requeue decision: %s", result)
+        self.ckpt.ledger.append("requeue", **{k: v for k, v in result.items() if k != "time"})
+
+    def _job(self) -> dict[str, Any]:
+        cluster = self.ckpt.cluster
+        env = getattr(cluster, "env", None)
+        return {"job_id": getattr(env, "job_id", None), "restart_count": getattr(env, "restart_count", 0),
+                "backend": getattr(cluster, "name", "unknown")}

@@ -1,0 +1,94 @@
+"""Writing a JIT checkpoint: one file, the usual commit protocol.
+
+The format is hpcckpt/1 with the job's world size, so that the requeued job (same
+number of ranks) restores it through the ordinary path: one torch archive,
+``jit.pt``, holds every replicated tensor once (parameters and optimizer state, from
+the writer's live memory) and the rank-local tensors of each survivor under
+``jit/rank<R>/<name>``; every rank's record lists the replicated tensors and the
+local ones of its source (itself when it survived at the agreed step, else the
+writer: its RNG, sampler and scheduler state are those of the writer, which is exact
+when they do not depend on the rank, as with ``ResumableSampler`` and ranks seeded
+alike). Rank files are fsynced, the manifest is sealed and written last, the
+directory renamed, LATEST replaced: a save cut short leaves only a ``.tmp-``
+directory, which is never loaded.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from ..store import catalog, torchfile
+from ..store.commit import Transaction
+from ..store.lock import writer_lock
+
+JIT_FILE = "jit.pt"
+ENGINE = "jit"
+MANIFEST_FORMAT = "hpcckpt/1"
+LOCK_TIMEOUT_S = 60.0
+
+
+def renamed(meta: Any, names: Mapping[str, str]) -> Any:
+    """``meta`` with every tensor reference ``{"__tensor__": n}`` replaced by ``names[n]``."""
+    if isinstance(meta, list):
+        return [renamed(v, names) for v in meta]
+    if not isinstance(meta, dict):
+        return meta
+    out = {}
+    for k, v in meta.items():
+        if k in ("__tensor__", "__ndarray__") and isinstance(v, str):
+            out[k] = names[v]
+        else:
+            out[k] = renamed(v, names)
+    return out
+
+
+def local_name(src: int, name: str) -> str:
+    return f"jit/rank{src}/{name}"
+
+
+def write_file(tmp: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """The archive, fsynced (a seam for fault-injection tests)."""
+    return torchfile.write(tmp / JIT_FILE, tensors)
+
+
+def commit(root: Path, *, step: int, world: int, keep: int, job: Mapping[str, Any],
+           user: Mapping[str, Any], replicated_trees: Mapping[str, Any],
+           replicated: Mapping[str, torch.Tensor], sources: Mapping[int, tuple[Mapping[str, torch.Tensor], Any]],
+           source_of: Mapping[int, int], info: Mapping[str, Any]) -> Path:
+    """Write and commit step ``step``; returns its directory. ``sources[src] = (local tensors, trees)``.
+
+    Local tensors whose name is also a replicated one (module buffers, which every
+    rank copies at the boundary) take precedence in that source's records.
+    """
+    tensors: dict[str, torch.Tensor] = dict(replicated)
+    names_of: dict[int, dict[str, str]] = {}
+    for src, (local, _trees) in sources.items():
+        names = {n: n for n in replicated}
+        for n, t in local.items():
+            tensors[local_name(src, n)] = t
+            names[n] = local_name(src, n)
+        names_of[src] = names
+    with Transaction(root, catalog.step_name(step)) as txn:
+        rec = write_file(txn.path, tensors)
+        entries = rec["tensors"]
+        ranks: dict[str, Any] = {}
+        for r in range(world):
+            src = source_of[r]
+            _local, trees = sources[src]
+            names = names_of[src]
+            meta = {"step": step, "user": trees.get("user", {}),
+                    "objects": {**replicated_trees, **trees["objects"]}, "rng": trees["rng"]}
+            meta = renamed(meta, names)
+            used = sorted(set(names.values()))
+            ranks[str(r)] = {"file": JIT_FILE, "format": "torch", "meta": meta,
+                             "tensors": {n: entries[n] for n in used}}
+        manifest = {"format": MANIFEST_FORMAT, "step": step, "world_size": world, "engine": ENGINE,
+                    "created": time.time(), "job": dict(job), "user": dict(user), "ranks": ranks,
+                    "files": {JIT_FILE: rec["file_info"]}, "jit": dict(info)}
+        with writer_lock(root, timeout_s=LOCK_TIMEOUT_S):
+            path = txn.commit(manifest, checksum=False, fsync_files=False)
+            catalog.prune(root, keep, protect={path})
+    return path

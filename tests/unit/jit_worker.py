@@ -1,0 +1,90 @@
+"""One rank of a gloo DDP job (tiny MLP, no dropout) watched by a ``JitGuard``.
+
+Run by tests/unit/test_jit.py: ``python -m tests.unit.jit_worker RANK PORT ROOT CONFIG_JSON``.
+CONFIG: world, total (steps), timeout (jit_timeout_s), every (periodic saves or null),
+and optionally a fault on ``victim`` at step ``at``: ``how`` = "kill" (SIGKILL after the
+forward pass, before the gradient all-reduce), "stop" (SIGSTOP there), "kill_boundary"
+(SIGKILL at the start of the step); ``kill_writer_in_save``: the rank that writes the
+JIT checkpoint is killed after writing its file, before the commit. The victim writes
+ROOT/fault-time.json just before the fault. A rank that finishes writes
+ROOT/final-RANK.pt (model and optimizer state) and ROOT/result-RANK.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+
+from hpcckpt.api import Checkpointer
+from hpcckpt.data import ResumableSampler
+from hpcckpt.jit import JitGuard
+
+
+def fault(rank: int, step: int, cfg: dict, where: str, root: Path) -> None:
+    how = cfg.get("how")
+    if how is None or rank != cfg.get("victim") or step != cfg.get("at"):
+        return
+    if (where == "boundary") != (how == "kill_boundary"):
+        return
+    (root / "fault-time.json").write_text(json.dumps({"time": time.time(), "rank": rank, "step": step}))
+    os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
+
+
+def main() -> None:
+    rank, port, root, cfg = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), json.loads(sys.argv[4])
+    world = int(cfg["world"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if cfg.get("kill_writer_in_save"):
+        import hpcckpt.jit.writer as jw
+        real = jw.write_file
+
+        def write_then_die(tmp, tensors):  # type: ignore[no-untyped-def]
+            rec = real(tmp, tensors)
+            (root / "writer-killed.json").write_text(json.dumps({"rank": rank, "tmp": str(tmp)}))
+            os.kill(os.getpid(), signal.SIGKILL)
+            return rec
+
+        jw.write_file = write_then_die
+    torch.manual_seed(0)  # the same on every rank: RNG states stay alike (DDP broadcasts the weights anyway)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(256, 8, generator=g), torch.randint(0, 4, (256,), generator=g))
+    sampler = ResumableSampler(len(data), seed=2, num_replicas=world, rank=rank)
+    loader = DataLoader(data, batch_size=8, sampler=sampler)
+    # find_unused_parameters=True keeps DDP from rebuilding its gradient buckets after its first
+    # step: a resumed run's first step then sums gradients in the same order as the uninterrupted run.
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)),
+                find_unused_parameters=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
+    with Checkpointer(root / "ckpt", engine="sync", every_steps=cfg.get("every"), keep=10) as ck:
+        resumed = ck.register(model=model, optimizer=opt, scheduler=sched, sampler=sampler)
+        guard = JitGuard(ck, timeout_s=float(cfg["timeout"]))
+        guard.start()
+        try:
+            for step, (x, y) in ck.loop(loader, int(cfg["total"])):
+                fault(rank, step, cfg, "boundary", root)
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad()
+                fault(rank, step, cfg, "forward", root)
+                loss.backward()
+                opt.step()
+                sched.step()
+                guard.at_boundary(step + 1)
+        finally:
+            guard.close()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, root / f"final-{rank}.pt")
+    (root / f"result-{rank}.json").write_text(json.dumps({"resumed": resumed, "jit_active": guard.active}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

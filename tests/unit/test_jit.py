@@ -1,0 +1,183 @@
+"""Just-in-time checkpoints (hpcckpt.jit) with four real ranks: gloo over loopback, DDP on CPU.
+
+A rank killed (kill -9) or stopped (SIGSTOP) in the middle of a step: the survivors
+notice it through the guard's heartbeat, agree on the last completed step, one of them
+commits it through the usual commit protocol, and every survivor exits 75; four fresh
+ranks resume from it and end bit-identical to a run that was never interrupted. The
+writer killed during the JIT save: nothing half-written is ever loaded, the previous
+checkpoint (if any) stays the newest committed one. No test depends on timing beyond
+generous bounds; every process started is reaped.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hpcckpt.exitcodes import EXIT_REQUEUE
+from hpcckpt.ledger import Ledger
+from hpcckpt.store import catalog
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.native
+
+WORLD = 4
+TOTAL = 20
+TIMEOUT_S = 3.0
+RUN_LIMIT_S = 240.0  # a whole job (four interpreters starting torch on a small VM): generous
+BOUND_S = 60.0  # failure -> committed JIT checkpoint; the design bound is ~2 x timeout + the save
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPCCKPT_", "SLURM_"))}
+    env["HPCCKPT_CLUSTER"] = "local"
+    return env
+
+
+def run_job(root: Path, **cfg: Any) -> tuple[list[int | None], list[str]]:
+    """Start WORLD ranks; wait for all (a stopped victim is killed once the others ended)."""
+    cfg = {"world": WORLD, "total": TOTAL, "timeout": TIMEOUT_S, "every": None, **cfg}
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.unit.jit_worker", str(r), str(port), str(root),
+                               json.dumps(cfg)], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]
+    stopped = cfg["victim"] if cfg.get("how") == "stop" else None
+    outs: list[str] = [""] * WORLD
+    deadline = time.monotonic() + RUN_LIMIT_S
+    try:
+        for r, p in enumerate(procs):
+            if r == stopped:
+                continue
+            try:
+                outs[r] = p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"rank {r} did not end within {RUN_LIMIT_S}s")
+    finally:
+        for r, p in enumerate(procs):
+            if p.poll() is None:
+                p.kill()
+            out = p.communicate()[0]
+            outs[r] = outs[r] or out
+    codes = [p.returncode for p in procs]
+    if stopped is not None:
+        codes[stopped] = None  # it was still stopped: the harness killed it
+    return codes, outs
+
+
+def _committed(root: Path) -> list[int]:
+    return [i.step for i in catalog.scan(root / "ckpt") if i.status == "committed"]
+
+
+def _final(root: Path, rank: int) -> dict[str, Any]:
+    return torch.load(root / f"final-{rank}.pt", weights_only=True)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and \
+            bool(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))  # bits, not values
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted run (the guard watching, no failure)."""
+    root = tmp_path_factory.mktemp("reference")
+    codes, outs = run_job(root)
+    assert codes == [0] * WORLD, "\n".join(outs)
+    for r in range(WORLD):
+        assert json.loads((root / f"result-{r}.json").read_text()) == {"resumed": None, "jit_active": True}
+    assert _committed(root) == [], "no periodic checkpoint was asked for"
+    return root
+
+
+def _check_jit_and_resume(root: Path, reference: Path, codes: list[int | None], outs: list[str], *,
+                          victim: int, step: int) -> None:
+    survivors = [r for r in range(WORLD) if r != victim]
+    assert codes[victim] in (-signal.SIGKILL, None), "\n".join(outs)
+    assert [codes[r] for r in survivors] == [EXIT_REQUEUE] * len(survivors), "\n".join(outs)
+    # The last completed step is committed, and only it.
+    assert _committed(root) == [step], "\n".join(outs)
+    info = catalog.find(root / "ckpt", None)
+    assert catalog.check(info.path, full=True)[1] == []
+    assert info.manifest is not None and info.manifest["engine"] == "jit"
+    assert info.manifest["jit"]["failed_ranks"] == [victim]
+    assert info.manifest["jit"]["writer"] == min(survivors)
+    events = Ledger(root / "ckpt").read()
+    failure = [e for e in events if e["event"] == "rank_failure"]
+    assert len(failure) == 1 and failure[0]["failed_ranks"] == [victim], failure
+    assert failure[0]["jit_step"] == step and failure[0]["lost_step"] == step + 1, failure
+    commit = [e for e in events if e["event"] == "commit"]
+    assert len(commit) == 1 and commit[0]["step"] == step and commit[0]["jit"], commit
+    fault = json.loads((root / "fault-time.json").read_text())
+    assert commit[0]["time"] - fault["time"] < BOUND_S, (commit[0]["time"] - fault["time"], "\n".join(outs))
+    requeue = [e for e in events if e["event"] == "requeue"]
+    assert len(requeue) == 1 and requeue[0]["requeued"] and requeue[0]["method"] == "exit", requeue
+    assert not [p for p in (root / "ckpt").iterdir() if ".tmp-" in p.name]
+    # Four fresh ranks resume from it and end bit-identical to the uninterrupted run.
+    codes, outs = run_job(root)
+    assert codes == [0] * WORLD, "\n".join(outs)
+    for r in range(WORLD):
+        assert json.loads((root / f"result-{r}.json").read_text())["resumed"] == step
+        assert _same(_final(root, r), _final(reference, r)), f"rank {r} differs from the uninterrupted run"
+
+
+def test_kill_of_a_nonzero_rank_mid_step(tmp_path: Path, reference: Path) -> None:
+    codes, outs = run_job(tmp_path, victim=2, at=7, how="kill")
+    _check_jit_and_resume(tmp_path, reference, codes, outs, victim=2, step=7)
+
+
+def test_kill_of_rank_zero(tmp_path: Path, reference: Path) -> None:
+    codes, outs = run_job(tmp_path, victim=0, at=5, how="kill")
+    _check_jit_and_resume(tmp_path, reference, codes, outs, victim=0, step=5)
+
+
+def test_kill_at_a_step_boundary(tmp_path: Path, reference: Path) -> None:
+    codes, outs = run_job(tmp_path, victim=3, at=11, how="kill_boundary")
+    _check_jit_and_resume(tmp_path, reference, codes, outs, victim=3, step=11)
+
+
+def test_stopped_rank_is_detected_by_the_heartbeat(tmp_path: Path, reference: Path) -> None:
+    codes, outs = run_job(tmp_path, victim=1, at=6, how="stop")
+    _check_jit_and_resume(tmp_path, reference, codes, outs, victim=1, step=6)
+
+
+def test_writer_killed_during_the_jit_save_leaves_the_previous_checkpoint(tmp_path: Path, reference: Path) -> None:
+    codes, outs = run_job(tmp_path, victim=2, at=9, how="kill", every=4, kill_writer_in_save=True)
+    killed = json.loads((tmp_path / "writer-killed.json").read_text())
+    assert killed["rank"] == 0
+    assert codes[2] == -signal.SIGKILL and codes[0] == -signal.SIGKILL, "\n".join(outs)
+    assert codes[1] == codes[3] == EXIT_REQUEUE, "\n".join(outs)
+    # The periodic checkpoints stand; the half-written JIT save is a temporary directory, never listed.
+    assert _committed(tmp_path) == [4, 8], "\n".join(outs)
+    assert catalog.find(tmp_path / "ckpt", None).step == 8
+    assert Path(killed["tmp"]).exists() and ".tmp-" in Path(killed["tmp"]).name
+    assert [i.status for i in catalog.scan(tmp_path / "ckpt") if i.step == 9] == ["incomplete"]
+    events = Ledger(tmp_path / "ckpt").read()
+    assert [e["step"] for e in events if e["event"] == "save_failed"] == [9], events
+    assert [e["requeued"] for e in events if e["event"] == "requeue"] == [True], events
+    # A rerun resumes from step 8 (not the half-written 9) and ends bit-identical.
+    codes, outs = run_job(tmp_path)
+    assert codes == [0] * WORLD, "\n".join(outs)
+    for r in range(WORLD):
+        assert json.loads((tmp_path / f"result-{r}.json").read_text())["resumed"] == 8
+        assert _same(_final(tmp_path, r), _final(reference, r))
