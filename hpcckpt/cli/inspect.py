@@ -1,9 +1,16 @@
-"""``hpcckpt inspect DIR [--step S]``: what a checkpoint holds (manifest, tensors, metadata)."""
+"""``hpcckpt inspect DIR [--step S]``: what a checkpoint holds (manifest, tensors, metadata).
+
+For a distributed checkpoint (format ``hpcckpt/2``) the global view comes first: each
+shared tensor (dtype, global shape, replicated or sharded, size) with its pieces
+(writer rank -> file, byte range of the tensor, crc32c), then each rank's local
+tensors. The last line sums the bytes written per rank and in all against the
+state's own bytes (each shared tensor once): 1.0 when nothing is written twice.
+"""
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Mapping
 
 from .common import add_json, directory, emit, human_bytes
 
@@ -12,7 +19,8 @@ if TYPE_CHECKING:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("inspect", help="show a checkpoint's manifest and tensors", description=__doc__)
+    p = sub.add_parser("inspect", help="show a checkpoint's manifest and tensors", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dir", type=Path)
     p.add_argument("--step", type=int, default=None)
     add_json(p)
@@ -31,6 +39,38 @@ def _info(root: Path, step: int | None) -> CheckpointInfo:
     raise NoCheckpoint(f"checkpoints under {root} kept being removed while read (another job is pruning it)")
 
 
+def _shape(shape: Any) -> str:
+    return str(tuple(int(d) for d in shape))
+
+
+def global_view(m: Mapping[str, Any]) -> dict[str, Any]:
+    """The manifest's distributed layout as JSON: shared tensors with their pieces, local tensors, byte sums."""
+    from ..store.placement import global_nbytes, state_bytes, written_bytes
+    shared_tab = m.get("shared") or {}
+    shared = []
+    for name, spec in shared_tab.items():
+        pieces = []
+        for p in spec["pieces"]:
+            rec = m["ranks"][str(p["rank"])]
+            held = rec["tensors"].get(name, {})
+            pieces.append({"rank": int(p["rank"]), "file": rec["file"], "start": int(p["start"]),
+                           "nbytes": int(p["nbytes"]), "offset": held.get("offset"),
+                           "crc32c": held.get("crc32c")})
+        shared.append({"name": name, "dtype": spec["dtype"], "shape": list(spec["shape"]), "kind": spec["kind"],
+                       "nbytes": global_nbytes(spec), "pieces": pieces})
+    local = {str(r): [n for n in rec["tensors"] if n not in shared_tab]
+             for r, rec in sorted(m["ranks"].items(), key=lambda kv: int(kv[0]))}
+    written = written_bytes(m)
+    total, state = sum(written.values()), state_bytes(m)
+    return {"format": m.get("format", "hpcckpt/1"), "shared": shared, "local": local,
+            "written_bytes": {str(r): n for r, n in sorted(written.items())}, "written_total": total,
+            "state_bytes": state, "written_over_state": round(total / state, 4) if state else None}
+
+
+def _tensor_line(name: str, dtype: str, shape: Any, nbytes: int, tail: str) -> str:
+    return f"    {name:<60} {dtype:<9} {_shape(shape):<16} {human_bytes(nbytes):>10}  {tail}"
+
+
 def run(args: argparse.Namespace) -> int:
     info = _info(directory(args.dir, option="DIR"), args.step)
     m = info.manifest
@@ -40,13 +80,34 @@ def run(args: argparse.Namespace) -> int:
              f"step {info.step}: {info.status.upper()} ({info.path})\n" + "\n".join(f"  - {p}" for p in problems))
         return 1
     job = m.get("job") if isinstance(m.get("job"), dict) else {}
+    view = global_view(m)
     lines = [f"checkpoint step {m['step']} at {info.path}",
-             f"  engine {m.get('engine')}, world size {m['world_size']}, job {job.get('job_id')}, "
-             f"restart {job.get('restart_count')}"]
+             f"  format {view['format']}, engine {m.get('engine')}, world size {m['world_size']}, "
+             f"job {job.get('job_id')}, restart {job.get('restart_count')}"]
+    shared = view["shared"]
+    if shared:
+        kinds = [s["kind"] for s in shared]
+        lines.append(f"  shared tensors: {len(shared)} ({kinds.count('replicated')} replicated, "
+                     f"{kinds.count('sharded')} sharded), {human_bytes(sum(s['nbytes'] for s in shared))}")
+        for s in shared:
+            lines.append(_tensor_line(s["name"], s["dtype"], s["shape"], s["nbytes"], s["kind"]))
+            for p in s["pieces"]:
+                crc = p["crc32c"] if isinstance(p["crc32c"], int) else 0
+                lines.append(f"        rank {p['rank']:<4} -> {p['file']:<20} bytes {p['start']}..{p['start'] + p['nbytes']}"
+                             f" ({human_bytes(p['nbytes'])})  crc32c {crc:#010x}")
+    local_word = "local tensors" if shared else "tensors"
     for r, rec in sorted(m["ranks"].items(), key=lambda kv: int(kv[0])):
-        lines.append(f"  rank {r}: {rec['file']} ({rec['format']}), {len(rec['tensors'])} tensors")
-        for name, t in rec["tensors"].items():
-            lines.append(f"    {name:<60} {t['dtype']:<9} {str(tuple(t['shape'])):<16} "
-                         f"{human_bytes(t['nbytes']):>10}  crc32c {t.get('crc32c', 0):#010x}")
-    emit(args, {"step": m["step"], "path": str(info.path), "manifest": m}, "\n".join(lines))
+        names = view["local"][str(r)]
+        lines.append(f"  rank {r}: {rec['file']} ({rec['format']}), {len(names)} {local_word}"
+                     + (f" + {len(rec['tensors']) - len(names)} pieces of shared tensors" if shared else ""))
+        for name in names:
+            t = rec["tensors"][name]
+            lines.append(_tensor_line(name, t["dtype"], t["shape"], t["nbytes"],
+                                      f"crc32c {t.get('crc32c', 0):#010x}"))
+    per_rank = ", ".join(f"rank {r} {human_bytes(n)}" for r, n in view["written_bytes"].items())
+    ratio = view["written_over_state"]
+    lines.append(f"  written: {per_rank}; in all {human_bytes(view['written_total'])}; state "
+                 f"{human_bytes(view['state_bytes'])}; written/state "
+                 + (f"{ratio:.2f}" if ratio is not None else "n/a"))
+    emit(args, {"step": m["step"], "path": str(info.path), "manifest": m, **view}, "\n".join(lines))
     return 0
