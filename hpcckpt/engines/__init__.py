@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from ..errors import ConfigError
 from ..ranks import Ranks
-from .base import Engine, SaveContext, SaveHandle, load_rank
+from ..store.read import load_rank  # loading belongs to the store; kept here for callers
+from .base import Engine, SaveContext, SaveHandle
 
 
 def make_engine(name: str, ctx: SaveContext, ranks: Ranks, **options: object) -> Engine:

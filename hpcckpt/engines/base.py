@@ -15,7 +15,6 @@ reads whatever format the manifest names.
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -26,15 +25,13 @@ from typing import Any, Mapping
 
 import torch
 
-from ..errors import CheckpointCorrupt, CheckpointFailed, ConfigError
+from ..errors import CheckpointFailed
 from ..ranks import Ranks
 from ..state import Flat, TrainState
-from ..store import catalog, hdf5, placement, torchfile
-from ..store.commit import TMP_MARK, Transaction
-from ..store.hostmem import one_cuda_device
+from ..store import catalog, placement
+from ..store.commit import Transaction
+from ..store.manifest import build as build_manifest
 from ..store.lock import writer_lock
-from ..store.read import (_home_devices, _optimizer_homes, _optimizer_state_names,  # noqa: F401 - re-exported
-                          load_rank)
 
 log = logging.getLogger("hpcckpt.engines")
 
@@ -123,13 +120,11 @@ class Engine(ABC):
 
     def temp_path(self, step: int) -> Path:
         """The shared temporary directory of this save (same name on every rank; collective)."""
-        return self.ctx.root / f"{catalog.step_name(step)}{TMP_MARK}{self.ranks.token()}"
+        return Transaction.temp_path(self.ctx.root, catalog.step_name(step), self.ranks.token())
 
     def temp_dir(self, step: int) -> Path:
-        """``temp_path``, created."""
-        path = self.temp_path(step)
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        return path
+        """``temp_path``, created (collective)."""
+        return Transaction.temp_dir(self.ctx.root, catalog.step_name(step), self.ranks.token())
 
     def commit_step(self, step: int, tmp: Path, record: dict[str, Any] | None,
                     error: BaseException | None, started: float, *, ranks: Ranks | None = None) -> Path:
@@ -176,22 +171,9 @@ class Engine(ABC):
                                        coordinator=self.ranks.is_coordinator)
 
     def _commit(self, step: int, tmp: Path, records: list[dict[str, Any]]) -> Path:
-        shared = placement.merge_shared(records)
-        manifest: dict[str, Any] = {
-            "format": placement.FORMAT,
-            "step": step,
-            "world_size": len(records),
-            "engine": self.name,
-            "created": time.time(),
-            "job": self.ctx.job,
-            "user": self.ctx.user,
-            "ranks": {str(r): rec for r, rec in enumerate(records)},
-            "files": {rec["file"]: rec["file_info"] for rec in records if "file_info" in rec},
-            "shared": shared,
-        }
-        name = catalog.step_name(step)
+        manifest = build_manifest(step=step, engine=self.name, job=self.ctx.job, user=self.ctx.user, records=records)
         with writer_lock(self.ctx.root):
-            txn = Transaction(self.ctx.root, name, unique=tmp.name.split(TMP_MARK, 1)[1])
+            txn = Transaction(self.ctx.root, catalog.step_name(step), temp=tmp)
             # Rank files are already fsynced by their writers; sizes are re-read, crcs come from the writers.
             path = txn.commit(manifest, checksum=False, fsync_files=False)
             removed = catalog.prune(self.ctx.root, self.ctx.keep, protect={path})

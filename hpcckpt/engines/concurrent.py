@@ -57,7 +57,7 @@ from ..ranks import Ranks
 from ..store.hdf5 import TensorEntry, raw_bytes
 from ..store.hostmem import one_cuda_device
 from .base import Engine, SaveContext, SaveHandle
-from .layout import Layout, Spec
+from ..store.layout import Layout
 from .prepare import Prep, Preparer, build_staging
 from .staging import EngineStats, Key, RingStream, Slot, Staging, flat_bytes
 

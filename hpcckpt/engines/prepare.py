@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from .layout import Layout
+from ..store.layout import Layout
 from ..store.hostmem import make_slots
 from .staging import EngineStats, Key, Ring, Staging, ring_shape
 

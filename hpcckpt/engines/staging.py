@@ -37,7 +37,7 @@ from .._core import native
 from ..errors import ConfigError
 from ..store.hdf5 import ALIGN, TensorEntry
 from ..store.hostmem import Piece, Slot, make_slots, plan_rounds, round_up
-from .layout import Layout, Spec
+from ..store.layout import Layout, Spec
 
 __all__ = ["ALIGN", "EngineStats", "Key", "Piece", "Ring", "RingStream", "Slot", "Staging", "flat_bytes",
            "plan_rounds", "ring_shape"]

@@ -306,14 +306,32 @@ class Transaction:
     per-tensor checksums (HDF5) list only sizes for speed.
     """
 
-    def __init__(self, root: Path, name: str, *, unique: str | None = None) -> None:
+    def __init__(self, root: Path, name: str, *, unique: str | None = None, temp: Path | None = None) -> None:
+        """``temp``: adopt a directory made by ``temp_dir`` (ranks of one save write into it first)."""
         self.root = Path(root)
         self.name = name
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.path = self.root / f"{name}{TMP_MARK}{unique or secrets.token_hex(6)}"
-        self.path.mkdir(mode=0o700, exist_ok=unique is not None)
+        if temp is not None:
+            if Path(temp).parent != self.root or not Path(temp).name.startswith(f"{name}{TMP_MARK}"):
+                raise ValueError(f"{temp} is not a temporary directory of {self.root / name}")
+            self.path = Path(temp)
+        else:
+            self.path = self.temp_path(self.root, name, unique or secrets.token_hex(6))
+            self.path.mkdir(mode=0o700, exist_ok=unique is not None)
         self.final = self.root / name
         self.committed = False
+
+    @staticmethod
+    def temp_path(root: Path, name: str, unique: str) -> Path:
+        """Where a save of ``name`` is written before its commit: beside it, never in a system temp dir."""
+        return Path(root) / f"{name}{TMP_MARK}{unique}"
+
+    @staticmethod
+    def temp_dir(root: Path, name: str, unique: str) -> Path:
+        """``temp_path``, created (every rank of a save may call it; the coordinator's commit adopts it)."""
+        path = Transaction.temp_path(root, name, unique)
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return path
 
     def __enter__(self) -> Transaction:
         return self

@@ -161,6 +161,30 @@ def _rank(rank: int, rec: Any, step: int, files: Mapping[str, Any], shared: Mapp
     _meta(rec.get("meta"), step, tensors, where, shared)
 
 
+def build(*, step: int, engine: str, job: Mapping[str, Any], user: Mapping[str, Any],
+          records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The manifest of one save from every rank's commit record (rank order); the coordinator's.
+
+    The records' distributed-tensor fields become the ``shared`` table
+    (``placement.merge_shared``, which refuses pieces that do not tile a tensor).
+    """
+    import time
+    from .placement import merge_shared
+    shared = merge_shared(records)
+    return {
+        "format": FORMAT_V2,
+        "step": step,
+        "world_size": len(records),
+        "engine": engine,
+        "created": time.time(),
+        "job": dict(job),
+        "user": dict(user),
+        "ranks": {str(r): rec for r, rec in enumerate(records)},
+        "files": {rec["file"]: rec["file_info"] for rec in records if "file_info" in rec},
+        "shared": shared,
+    }
+
+
 def validate(manifest: Mapping[str, Any], *, step: int | None) -> None:
     """Raise ``CheckpointCorrupt`` naming the first field that cannot be trusted.
 

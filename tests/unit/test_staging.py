@@ -332,7 +332,7 @@ def test_checkpointer_passes_staging_bytes_to_the_engine(tmp_path: Path, monkeyp
 
 
 def test_optimizer_state_names_come_from_the_saved_tree_without_step() -> None:
-    from hpcckpt.engines.base import _optimizer_homes, _optimizer_state_names
+    from hpcckpt.store.read import _optimizer_homes, _optimizer_state_names
     from hpcckpt.state import TrainState
     model = torch.nn.Linear(3, 2)
     adam, sgd = torch.optim.Adam(model.parameters()), torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -406,7 +406,8 @@ def test_slots_built_before_a_failed_allocation_are_released(monkeypatch: pytest
 
 
 def test_resumed_optimizer_state_gets_a_gpu_home_only_where_its_parameters_are() -> None:
-    from hpcckpt.engines.base import LiveTensors, _home_devices, live_tensors
+    from hpcckpt.engines.base import LiveTensors, live_tensors
+    from hpcckpt.store.read import _home_devices
     from hpcckpt.state import TrainState
     from hpcckpt.store import hdf5
 
