@@ -92,7 +92,11 @@ def build(mode: str, world: int, seed: int) -> tuple[torch.nn.Module, torch.opti
     model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, HIDDEN),
                                 torch.nn.ReLU(), torch.nn.Linear(HIDDEN, OUT))
     if mode == "ddp":
-        wrapped: torch.nn.Module = torch.nn.parallel.DistributedDataParallel(model)
+        # As hpcckpt's demo and Lightning callback do: find_unused_parameters=True keeps DDP
+        # from rebuilding its gradient buckets after a process's first iteration, so a resumed
+        # run all-reduces its first step in the summation order of the uninterrupted run (with
+        # 3 or more ranks a plain DDP(model) differs there by a rounding).
+        wrapped: torch.nn.Module = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard

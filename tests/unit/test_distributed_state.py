@@ -271,7 +271,13 @@ def test_fsdp2_same_size_resume_is_exact_and_shards_are_saved_by_their_owners(tm
         t = m["shared"][name]
         assert t["kind"] == "sharded", (name, t)
         assert [p["rank"] for p in t["pieces"]] == [0, 1], (name, t["pieces"])
+    moments = [n for n in result(tmp_path, "save", 0)["names_end"] if n.endswith(("/exp_avg", "/exp_avg_sq"))]
+    assert moments and {m["shared"].get(n, {}).get("kind") for n in moments} == {"sharded"}, (
+        f"Adam moments of DTensor parameters are not saved as shards: "
+        f"{ {n: m['shared'].get(n, {}).get('kind') for n in moments} }")
     assert_pieces_tile(m)
+    written, state_bytes, _, _ = byte_figures(m)
+    assert abs(written / state_bytes - 1.0) <= 0.01, f"bytes written / state bytes = {written}/{state_bytes}"
     run_world(tmp_path, 2, "--phase", "resume", "--mode", "fsdp", "--engine", "sync", "--total", "10")
     for r, (got, want) in enumerate(zip(dumps(tmp_path, "restored", 2), dumps(tmp_path, "saved", 2))):
         assert_equal_states(got, want, f"FSDP2 2 -> 2: rank {r} restored vs saved at step 4")
