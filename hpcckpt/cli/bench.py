@@ -8,6 +8,11 @@ GPU with --device cuda) against the raw read and against torch.load + load_state
 the stall at staging budgets of 100/50/25% of the state, and the training overhead at
 checkpoint intervals 1, 10 and 50. Progress lines go to stderr; with --json stdout
 holds only the result. Run as root for true cold-cache reads (drop_caches).
+
+With --ranks N: a DDP job (synthetic model + Adam, gloo on CPU) on 1 and on N local
+ranks, per engine: bytes written per rank and per checkpoint against the state's size
+(replicated state is written once, striped over the ranks) and the persist time of a
+blocking save against 1 rank (default state 0.5 GB, --quick 0.016 GB).
 """
 from __future__ import annotations
 
@@ -31,11 +36,27 @@ def size_gb(raw: str) -> float:
     return value
 
 
+def ranks_arg(raw: str) -> int:
+    """``--ranks``: a whole number of local ranks, 2 or more (1 rank is the baseline, always measured)."""
+    try:
+        value = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a whole number of ranks (e.g. --ranks 4)") from None
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"{raw!r}: give 2 or more ranks (1 rank is always measured as the "
+                                         "baseline), e.g. --ranks 4")
+    return value
+
+
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("bench", help="measure stall, persist and load of each engine against this machine's limits",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size-gb", type=size_gb, default=None,
-                   help="largest state size in GB (default 2, --quick 0.016; smaller sizes are measured too)")
+                   help="largest state size in GB (default 2, --quick 0.016; smaller sizes are measured too; "
+                        "with --ranks: the state of the DDP job, default 0.5, --quick 0.016)")
+    p.add_argument("--ranks", type=ranks_arg, default=None, metavar="N",
+                   help="bytes written per rank and per checkpoint, and persist time, of a DDP job on N local "
+                        "ranks against 1 rank (gloo on CPU; N >= 2)")
     p.add_argument("--device", default="auto", help="auto (cuda when a GPU is visible), cuda or cpu")
     p.add_argument("--dir", type=Path, default=None,
                    help="file system to measure (created if missing; default: the system temp dir)")
@@ -91,7 +112,31 @@ def check_plot_path(path: Path) -> None:
         raise ConfigError(f"--plot {path}: give a file name in an existing directory (e.g. --plot bench.png)")
 
 
+def run_ranks(args: argparse.Namespace) -> int:
+    """``--ranks N``: the DDP job on 1 and N local ranks (``hpcckpt.bench.ranks``)."""
+    import tempfile
+
+    from ..bench import ranks
+    from ..demo.runtime import resolve_device, work_dir
+    from ..errors import ConfigError
+
+    if args.plot is not None:
+        raise ConfigError("--plot draws the single-process bench; drop --plot with --ranks (its result is a table)")
+    if args.device.strip().lower() != "auto" and resolve_device(args.device) != "cpu":
+        raise ConfigError(f"--device {args.device}: --ranks runs its ranks on the CPU (gloo); "
+                          "drop --device or give --device cpu")
+    directory = work_dir(args.dir) if args.dir is not None else None
+    o = ranks.RanksOptions.make(ranks=args.ranks, size_gb=args.size_gb, dir=directory, quick=args.quick,
+                                direct=args.direct)
+    ranks.check_room(o, directory or Path(tempfile.gettempdir()))
+    res = ranks.run_ranks(o, progress=lambda s: print(s, file=sys.stderr, flush=True))
+    emit(args, res, ranks.text(res))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.ranks is not None:
+        return run_ranks(args)
     from ..bench import BenchOptions, check_room, run_bench
     from ..bench.plot import plot_bench
     from ..demo.runtime import resolve_device, work_dir
