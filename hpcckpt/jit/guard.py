@@ -164,8 +164,9 @@ class JitGuard:
     def close(self, error: bool | None = None) -> None:
         """Stop watching. ``error``: this rank leaves on an error (the others then save without it).
 
-        By default an exception being handled counts as an error. If a failure was
-        detected, never returns: the JIT path ends the process.
+        By default an exception being handled counts as an error. A normal close returns
+        once every rank has closed (the last step's collectives keep them close together).
+        If a failure is detected meanwhile, never returns: the JIT path ends the process.
         """
         if not self.active or self.closed:
             return
@@ -174,7 +175,9 @@ class JitGuard:
             error = exc is not None and not (isinstance(exc, SystemExit) and exc.code in (0, None, EXIT_REQUEUE))
         self.closed = True
         assert self.heartbeat is not None and self.gate is not None
-        self.heartbeat.announce(LEAVING if error else CLOSING, self.timeout_s + self.interval_s + 1.0)
+        # CLOSING waits for every rank to close (a hung or dead one ends it as a failure instead).
+        self.heartbeat.announce(LEAVING, self.timeout_s + self.interval_s + 1.0) if error else \
+            self.heartbeat.announce(CLOSING, None)
         if self._started_jit.is_set():
             self._never.wait()
         self.gate.remove()

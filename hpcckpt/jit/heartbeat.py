@@ -7,8 +7,9 @@ one interval, whatever the training's main thread is doing (it may be blocked fo
 good in a collective of the user's step).
 
 Each rank contributes one slot of a vector: 0 healthy, ``CLOSING`` (a normal close:
-every rank stops beating), ``LEAVING`` (this rank's training ended on an error: the
-others treat it as failed and need not wait for it at the rendezvous).
+the heartbeat goes on until every rank has closed, so a rank that closes early never
+leaves the others unwatched), ``LEAVING`` (this rank's training ended on an error:
+the others treat it as failed and need not wait for it at the rendezvous).
 """
 from __future__ import annotations
 
@@ -60,20 +61,18 @@ class Heartbeat:
                     self._fail(f"heartbeat failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}", [])
                     return
                 leaving = [r for r in range(self.world) if int(t[r]) == LEAVING and r != self.rank]
-                closing = any(int(t[r]) == CLOSING for r in range(self.world))
+                done = all(int(t[r]) != HEALTHY for r in range(self.world))
                 with self._round:
                     self.rounds += 1
                     self.carried = sent
                     self._round.notify_all()
                 if sent == LEAVING:
-                    self.stopped.set()  # announced: this rank is out
-                    return
-                if leaving:
+                    return  # announced: this rank is out
+                if leaving and sent == HEALTHY:
                     self._fail(f"rank(s) {leaving} left training on an error", leaving)
                     return
-                if closing:
-                    self.stopped.set()
-                    return
+                if done:
+                    return  # every rank closed (or left): nothing more to watch
                 self._wake.wait(self.interval_s)
                 self._wake.clear()
         finally:
@@ -88,14 +87,18 @@ class Heartbeat:
             self._round.notify_all()
         self.on_failure(reason, known_failed)
 
-    def announce(self, status: int, timeout_s: float) -> bool:
-        """Send ``status`` in the next full round; True once a round carried it (False: failed or timed out)."""
+    def announce(self, status: int, timeout_s: float | None) -> bool:
+        """Send ``status``; wait until a round carried it (``LEAVING``) or the heartbeat
+        stopped (``CLOSING``: every rank closed, or a failure). False: stopped without it."""
         with self._round:
             if self.stopped.is_set():
                 return False
             self.status = status
             self._wake.set()
-            self._round.wait_for(lambda: self.carried == status or self.stopped.is_set(), timeout_s)
+            if status == CLOSING:
+                self._round.wait_for(self.stopped.is_set, timeout_s)
+            else:
+                self._round.wait_for(lambda: self.carried == status or self.stopped.is_set(), timeout_s)
             return self.carried == status
 
     def destroy(self) -> None:

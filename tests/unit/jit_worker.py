@@ -4,7 +4,8 @@ Run by tests/unit/test_jit.py: ``python -m tests.unit.jit_worker RANK PORT ROOT 
 CONFIG: world, total (steps), timeout (jit_timeout_s), every (periodic saves or null),
 and optionally a fault on ``victim`` at step ``at``: ``how`` = "kill" (SIGKILL after the
 forward pass, before the gradient all-reduce), "stop" (SIGSTOP there), "kill_boundary"
-(SIGKILL at the start of the step); ``kill_writer_in_save``: the rank that writes the
+(SIGKILL at the start of the step), "raise" (an exception after the forward pass: the
+rank leaves through the guard's close); ``kill_writer_in_save``: the rank that writes the
 JIT checkpoint is killed after writing its file, before the commit. The victim writes
 ROOT/fault-time.json just before the fault. A rank that finishes writes
 ROOT/final-RANK.pt (model and optimizer state) and ROOT/result-RANK.json.
@@ -36,6 +37,8 @@ def fault(rank: int, step: int, cfg: dict, where: str, root: Path) -> None:
     if (where == "boundary") != (how == "kill_boundary"):
         return
     (root / "fault-time.json").write_text(json.dumps({"time": time.time(), "rank": rank, "step": step}))
+    if how == "raise":
+        raise RuntimeError(f"injected failure on rank {rank} at step {step}")
     os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
 
 

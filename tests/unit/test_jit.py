@@ -113,7 +113,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _check_jit_and_resume(root: Path, reference: Path, codes: list[int | None], outs: list[str], *,
                           victim: int, step: int) -> None:
     survivors = [r for r in range(WORLD) if r != victim]
-    assert codes[victim] in (-signal.SIGKILL, None), "\n".join(outs)
+    assert codes[victim] in (-signal.SIGKILL, None, 1), "\n".join(outs)
     assert [codes[r] for r in survivors] == [EXIT_REQUEUE] * len(survivors), "\n".join(outs)
     # The last completed step is committed, and only it.
     assert _committed(root) == [step], "\n".join(outs)
@@ -159,6 +159,14 @@ def test_kill_at_a_step_boundary(tmp_path: Path, reference: Path) -> None:
 def test_stopped_rank_is_detected_by_the_heartbeat(tmp_path: Path, reference: Path) -> None:
     codes, outs = run_job(tmp_path, victim=1, at=6, how="stop")
     _check_jit_and_resume(tmp_path, reference, codes, outs, victim=1, step=6)
+
+
+def test_rank_that_raises_leaves_and_the_others_save_at_once(tmp_path: Path, reference: Path) -> None:
+    codes, outs = run_job(tmp_path, victim=1, at=4, how="raise")
+    assert codes[1] == 1 and "injected failure on rank 1 at step 4" in outs[1], outs[1]
+    events = Ledger(tmp_path / "ckpt").read()
+    assert "left training on an error" in [e for e in events if e["event"] == "rank_failure"][0]["reason"]
+    _check_jit_and_resume(tmp_path, reference, codes, outs, victim=1, step=4)
 
 
 def test_writer_killed_during_the_jit_save_leaves_the_previous_checkpoint(tmp_path: Path, reference: Path) -> None:
