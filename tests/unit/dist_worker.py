@@ -27,6 +27,11 @@ Every rank appends one JSON line per trained step to ``items-PHASE-rRANK.jsonl``
 state's flat tensor names). Dumps hold full tensors (``DTensor.full_tensor()`` for
 FSDP2), parameters under ``param/NAME`` and optimizer state under ``optim/IDX/KEY``.
 
+Slurm: without ``--rank/--world/--port`` the rank comes from ``$SLURM_PROCID`` and the
+rendezvous from ``$MASTER_ADDR:$MASTER_PORT`` (the ``ddp`` template exports them);
+``--only-first-run`` makes a requeued run end at once, so that the test can resume
+the checkpoint on another number of nodes by a new submission.
+
 Faults: ``--kill-rank R --kill-step S`` kills rank R with SIGKILL inside the save of
 step S, after its share of the bytes is written and before the commit exchange
 (``Ranks.gather_json`` of the save's record).
@@ -38,6 +43,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +72,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--stop", choices=("final", "signal"), default="final")
     p.add_argument("--dump-at", type=int, action="append", default=[],
                    help="reference: also dump the state after this many steps to state-at-N-rRANK.pt")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep in each step (Slurm tests)")
+    p.add_argument("--only-first-run", action="store_true",
+                   help="exit 0 at once in a requeued Slurm run ($SLURM_RESTART_COUNT >= 1): the test resubmits")
     p.add_argument("--kill-rank", type=int, default=None)
     p.add_argument("--kill-step", type=int, default=None)
     return p.parse_args()
@@ -173,6 +182,8 @@ def install_kill(rank: int, kill_rank: int | None, kill_step: int | None) -> Non
 
 def main() -> None:
     a = parse()
+    if a.only_first_run and int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) >= 1:
+        os._exit(0)
     rank = a.rank if a.rank is not None else int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
     world = a.world if a.world is not None else int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
     torch.set_num_threads(1)
@@ -233,7 +244,7 @@ def run(a: argparse.Namespace, rank: int, world: int) -> int:
     from hpcckpt.api import Checkpointer, RequeueExit
     install_kill(rank, a.kill_rank, a.kill_step)
     root = a.ckpt or a.out / "ckpt"
-    ck = Checkpointer(root, engine=a.engine, every_steps=a.every, keep=a.keep, signals=("SIGUSR2",))
+    ck = Checkpointer(root, engine=a.engine, every_steps=a.every, keep=a.keep)  # stop signals: USR2, TERM
     code = 0
     try:
         restored = ck.register(model=model, optimizer=opt, sampler=sampler)
@@ -251,6 +262,8 @@ def run(a: argparse.Namespace, rank: int, world: int) -> int:
                 if phase == "save" and a.stop == "signal" and rank == 0 and step == a.stop_at - 1:
                     os.kill(os.getpid(), signal.SIGUSR2)
                 record(step, batch, train_step(model, opt, batch))
+                if a.step_sleep:
+                    time.sleep(a.step_sleep)
             if phase == "save":
                 if a.stop == "signal":
                     raise SystemExit(f"rank {rank}: the signal did not stop training at step {a.stop_at}")
