@@ -189,3 +189,102 @@ def test_writer_killed_during_the_jit_save_leaves_the_previous_checkpoint(tmp_pa
     for r in range(WORLD):
         assert json.loads((tmp_path / f"result-{r}.json").read_text())["resumed"] == 8
         assert _same(_final(tmp_path, r), _final(reference, r))
+
+
+# -- in-process pieces (no ranks started) ----------------------------------------------
+
+def test_decision_takes_the_highest_step_whose_holders_agree() -> None:
+    from hpcckpt.jit.rendezvous import decide
+    docs = {0: {"rank": 0, "ok": True, "step": 7, "fp": "a"}, 1: {"rank": 1, "ok": True, "step": 8, "fp": "b"},
+            3: {"rank": 3, "ok": True, "step": 8, "fp": "b"}}
+    d = decide(docs, 4)
+    assert d["ok"] and d["step"] == 8 and d["writer"] == 1 and d["holders"] == [1, 3] and d["failed"] == [2]
+    # ranks not at the agreed step (and the dead one) take the writer's rank-local state
+    assert d["source_of"] == {"0": 1, "1": 1, "2": 1, "3": 3}
+
+
+def test_decision_refuses_survivors_that_disagree_or_hold_nothing_consistent() -> None:
+    from hpcckpt.jit.rendezvous import decide
+    split = decide({0: {"rank": 0, "ok": True, "step": 5, "fp": "a"}, 1: {"rank": 1, "ok": True, "step": 5, "fp": "x"}}, 3)
+    assert not split["ok"] and "different states" in split["reason"] and split["failed"] == [2]
+    none = decide({1: {"rank": 1, "ok": False, "why": "mid-step"}}, 2)
+    assert not none["ok"] and "no survivor holds a consistent state" in none["reason"]
+
+
+def test_only_the_first_decision_counts(tmp_path: Path) -> None:
+    from hpcckpt.jit.rendezvous import publish_decision
+    first = publish_decision(tmp_path, {"ok": True, "step": 3})
+    second = publish_decision(tmp_path, {"ok": True, "step": 4})
+    assert first == second == {"ok": True, "step": 3}
+    assert [p.name for p in tmp_path.iterdir()] == ["decision.json"]
+
+
+def test_state_that_is_not_declared_replicated_is_refused() -> None:
+    from hpcckpt.jit.capture import replication_problem
+    model = torch.nn.Linear(2, 2)
+    problem = replication_problem({"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}, 4)
+    assert problem is not None and "not a DistributedDataParallel module" in problem
+    assert replication_problem({}, 4) == "no DistributedDataParallel model is registered"
+
+
+def test_boundary_copy_is_independent_of_later_changes() -> None:
+    from hpcckpt.data import ResumableSampler
+    from hpcckpt.jit.capture import capture_boundary
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    sampler = ResumableSampler(32, num_replicas=2, rank=1)
+    objects = {"model": model, "optimizer": opt, "scheduler": sched, "sampler": sampler}
+    b = capture_boundary(3, (3,), objects, {"note": "x"})
+    mean = model[1].running_mean.clone()
+    rng = torch.get_rng_state()
+    model(torch.randn(8, 4))  # a forward pass moves the running statistics and the RNG was drawn
+    sampler.advance(4)
+    opt.step()
+    sched.step()
+    assert torch.equal(b.tensors["objects/model/1.running_mean"], mean)
+    assert not torch.equal(model[1].running_mean, mean)
+    assert b.trees["objects"]["sampler"]["consumed"] == 0 and b.trees["objects"]["scheduler"]["last_epoch"] == 0
+    assert torch.equal(b.tensors["rng/torch"], rng)
+    assert not any(n.startswith("objects/model/") and "weight" in n for n in b.tensors), "parameters are not copied"
+    assert not any(n.startswith("objects/optimizer") for n in b.tensors)
+
+
+def test_frozen_gate_holds_back_the_next_optimizer_step() -> None:
+    import threading
+    from hpcckpt.jit.capture import StepGate
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.5)
+    gate = StepGate({"opt": opt})
+    p.grad = torch.ones(2)
+    opt.step()
+    assert gate.snapshot() == (1,)
+    assert gate.freeze(timeout_s=60)
+    t = threading.Thread(target=opt.step, daemon=True)
+    t.start()
+    t.join(0.5)
+    assert t.is_alive() and gate.snapshot() == (1,) and torch.equal(p.detach(), torch.full((2,), 0.5))
+    with gate.cond:  # released only for this test: production ends the process instead
+        gate.frozen = False
+        gate.cond.notify_all()
+    t.join(60)
+    assert not t.is_alive() and gate.snapshot() == (2,)
+    gate.remove()
+
+
+def test_a_single_rank_or_a_bad_timeout_is_reported_clearly(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from types import SimpleNamespace
+    from hpcckpt.errors import ConfigError
+    from hpcckpt.jit import JitGuard
+    ckpt = SimpleNamespace(ranks=SimpleNamespace(rank=0, world=1), root=tmp_path, options=SimpleNamespace(),
+                           state=SimpleNamespace(objects={}), step=0)
+    guard = JitGuard(ckpt)
+    assert not guard.active and guard.problem is not None and "single rank" in guard.problem
+    guard.start()
+    guard.at_boundary(1)
+    guard.close()
+    monkeypatch.setenv("HPCCKPT_JIT_TIMEOUT_S", "soon")
+    with pytest.raises(ConfigError, match="HPCCKPT_JIT_TIMEOUT_S='soon' is not a number"):
+        JitGuard(ckpt)
+    with pytest.raises(ConfigError, match="jit_timeout_s=-1 is invalid"):
+        JitGuard(ckpt, timeout_s=-1)
