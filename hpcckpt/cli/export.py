@@ -44,6 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def _destination(to: Path, force: bool) -> tuple[Path, str]:
     """(path, "safetensors" | "torch"), checked before a byte is read."""
     from ..errors import ConfigError
+    if to.is_dir():
+        raise ConfigError(f"--to={to} is a directory; name a file in it, e.g. --to={to / 'model.safetensors'}")
     suffix = to.suffix.lower()
     if suffix in SAFETENSORS:
         kind = "safetensors"
@@ -57,8 +59,6 @@ def _destination(to: Path, force: bool) -> tuple[Path, str]:
         what = "is not a directory" if parent.exists() else "does not exist"
         raise ConfigError(f"--to={to}: its directory {parent} {what}; create it first (mkdir -p {parent}) "
                           "or pick another path")
-    if to.is_dir():
-        raise ConfigError(f"--to={to} is a directory; name a file in it, e.g. --to={to / ('model' + suffix)}")
     if (to.exists() or to.is_symlink()) and not force:
         raise ConfigError(f"--to={to} exists; pass --force to replace it, or pick another path")
     return to, kind
@@ -103,11 +103,17 @@ def state_tensors(state: Any, name: str, keep_prefix: bool) -> dict[str, Any]:
         elif isinstance(obj, Mapping) and obj:
             for k, v in obj.items():
                 walk(v, f"{prefix}.{k}" if prefix else str(k))
+        elif isinstance(obj, Mapping):
+            raise ConfigError(f"object {name!r} holds no tensors" + (f" at {prefix!r}" if prefix else "") +
+                              "; export writes tensors only: pick a model with --object NAME")
         else:
-            raise ConfigError(f"object {name!r} holds a {type(obj).__name__} at {prefix or '(top)'!r}, not a "
+            raise ConfigError(f"object {name!r} holds a value of type {type(obj).__name__} at {prefix!r}, not a "
                               "tensor; export writes tensors only: pick a model with --object NAME")
 
-    walk(state, "")
+    try:
+        walk(state, "")
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (an optimizer, sampler or scheduler has no weights to export)") from None
     if not keep_prefix and out and all(k.startswith(DDP_PREFIX) for k in out):
         out = {k[len(DDP_PREFIX):]: v for k, v in out.items()}
     return out

@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -175,6 +174,8 @@ def test_export_errors_are_one_clear_line(ddp_run: Path, tmp_path: Path) -> None
     cases = [
         (["--to", str(tmp_path / "model.bin")], 2, ".safetensors"),
         (["--to", str(tmp_path / "no such dir" / "m.pt")], 2, "mkdir -p"),
+        (["--to", str(tmp_path)], 2, "is a directory"),
+        (["--to", str(tmp_path / "m.pt"), "--object", "scheduler"], 2, "'scheduler'"),
         (["--to", str(tmp_path / "m.pt"), "--object", "nope"], 2, "'nope'"),
         (["--to", str(tmp_path / "m.pt"), "--object", "optimizer"], 2, "--object"),
         (["--to", str(tmp_path / "m.pt"), "--step", "77"], 3, "step 77"),
