@@ -73,6 +73,7 @@ class Checkpointer:
         self.cluster = cluster if cluster is not None else _detect_cluster()
         self.state = TrainState()
         self.state.rank, self.state.world = self.ranks.rank, self.ranks.world
+        self.state.replicated = self.options.replicated
         self.ledger = Ledger(self.root)
         self.policy = Policy(self.options.every_steps, margin_s=self.options.deadline_margin_s,
                              auto=AutoInterval(overhead_bound=self.options.overhead_bound)

@@ -26,6 +26,10 @@ ENGINES = ("sync", "concurrent")
 ON_BUSY = ("wait", "skip")
 ON_CORRUPT = ("raise", "fresh")  # when every checkpoint is damaged: stop and say so, or start fresh as asked
 CLUSTERS = ("local", "slurm-cli", "pyslurm")
+# Which tensors are identical on every rank (written once, striped): registered DDP modules and
+# their optimizers (auto), every registered module and its optimizers (models: the inner module
+# of a DDP was registered), or nothing (none: every rank writes its own copy).
+REPLICATED = ("auto", "models", "none")
 DEFAULT_SIGNALS = ("SIGUSR2", "SIGTERM")
 # Signals that a scheduler sends as a warning and a handler can catch. Excluded on
 # purpose: KILL/STOP cannot be caught; SEGV/BUS/FPE/ILL/ABRT/TRAP/SYS are faults of
@@ -152,6 +156,8 @@ TUNABLES: dict[str, Tunable] = {t.env.removeprefix("HPCCKPT_").lower(): t for t 
     Tunable("HPCCKPT_ON_BUSY", str, lambda v: v in ON_BUSY, f"one of {', '.join(ON_BUSY)}", "skip"),
     Tunable("HPCCKPT_ON_CORRUPT", lambda s: s.strip().lower(), lambda v: v in ON_CORRUPT,
             f"one of {', '.join(ON_CORRUPT)} (what to do when every checkpoint is damaged)", "fresh"),
+    Tunable("HPCCKPT_REPLICATED", lambda s: s.strip().lower(), lambda v: v in REPLICATED,
+            f"one of {', '.join(REPLICATED)} (which registered state is identical on every rank)", "models"),
     Tunable("HPCCKPT_MEMORY_BUDGET_BYTES", parse_bytes, lambda v: v is None or (_is_int(v) and v > 0),
             "a positive byte count (K, M, G, T suffixes are binary)", "4GiB"),
     Tunable("HPCCKPT_STAGING_BYTES", parse_bytes, lambda v: v is None or (_is_int(v) and v > 0),
@@ -249,13 +255,14 @@ class CheckpointOptions:
     staging_bytes: int | None = None  # concurrent engine: staging ring smaller than the state (None: full copies)
     direct: bool = True
     on_corrupt: str = "raise"
+    replicated: str = "auto"
 
     def __post_init__(self) -> None:
         if self.every_steps is not None and not (_is_int(self.every_steps) and self.every_steps > 0):
             raise ConfigError(f"every_steps={self.every_steps!r} is invalid: use a positive integer, 'auto' "
                               "or None; e.g. every_steps=100 or HPCCKPT_EVERY_STEPS=100")
         for option in ("engine", "overhead_bound", "keep", "deadline_margin_s", "max_async", "writer_threads",
-                       "on_busy", "memory_budget_bytes", "staging_bytes", "direct", "on_corrupt"):
+                       "on_busy", "memory_budget_bytes", "staging_bytes", "direct", "on_corrupt", "replicated"):
             validate(option, getattr(self, option))
         if not self.signals:
             raise ConfigError("signals=() leaves no stop signal; e.g. signals=('SIGUSR2', 'SIGTERM') "
@@ -314,6 +321,7 @@ def resolve_options(
     staging_bytes: int | None = None,
     direct: bool | None = None,
     on_corrupt: str | None = None,
+    replicated: str | None = None,
 ) -> CheckpointOptions:
     """Build options from arguments, then ``HPCCKPT_*`` variables, then defaults."""
     raw_dir = dir if dir is not None else os.environ.get("HPCCKPT_DIR")
@@ -344,4 +352,5 @@ def resolve_options(
         staging_bytes=pick(staging_bytes, "STAGING_BYTES", None, parse_bytes),  # type: ignore[arg-type]
         direct=pick(direct, "DIRECT", True, parse_bool),
         on_corrupt=pick(on_corrupt, "ON_CORRUPT", "raise", str),
+        replicated=pick(replicated, "REPLICATED", "auto", str),
     )

@@ -158,24 +158,28 @@ class TrainState:
         self.objects: dict[str, Stateful] = {}
         self.user_meta: dict[str, Any] = {}
         self.rank, self.world = 0, 1  # set by the Checkpointer (``placement``)
+        self.replicated = "auto"  # config.REPLICATED: which registered state the setup declares replicated
 
     def placement(self) -> Any:
         """Rank, world and the tensors the setup declares replicated (``store.placement``).
 
-        Replicated: the parameters of a registered ``DistributedDataParallel`` module
-        whose process group spans the world, and the state of an optimizer whose
-        parameters are all such parameters. Buffers stay local (DDP broadcasts rank 0's
-        at the next forward, so each rank keeps its own to restore exactly).
+        Replicated (``self.replicated``): "auto", the parameters of a registered
+        ``DistributedDataParallel`` module whose process group spans the world;
+        "models", the parameters of every registered module (the user registered the
+        module inside a DDP wrapper); "none", nothing. Plus the state of an optimizer
+        whose parameters are all such parameters. Buffers stay local (DDP broadcasts
+        rank 0's at the next forward, so each rank keeps its own to restore exactly).
         """
         from .store.placement import Placement
-        if self.world <= 1:
+        if self.world <= 1 or self.replicated == "none":
             return Placement()
         names: set[str] = set()
         prefixes: list[str] = []
         ddp_params: set[int] = set()
         for name, obj in self.objects.items():
-            if _replicates_world(obj, self.world):
-                for pname, param in obj.named_parameters():  # type: ignore[attr-defined]
+            if (_replicates_world(obj, self.world) if self.replicated == "auto"
+                    else isinstance(obj, torch.nn.Module)):
+                for pname, param in obj.named_parameters(remove_duplicate=False):  # type: ignore[attr-defined]
                     names.add(f"objects/{name}/{_escape(pname)}")
                     ddp_params.add(id(param))
         for name, obj in self.objects.items():

@@ -17,6 +17,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import pkgutil
 import sys
 from typing import Sequence
@@ -84,6 +85,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `hpcckpt inspect DIR | head`: the reader has what it wanted
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        except OSError:
+            pass
+        return 0
     except HpcckptError as exc:
         _report(args, str(exc), type(exc).__name__)
         return _code(exc)

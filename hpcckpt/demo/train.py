@@ -137,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from ..api import preemptible
 
-        @preemptible(dir=str(root / "ckpt"), engine=args.engine, every_steps=args.every)
+        # The inner model is registered (its names carry no "module." prefix), so the setup
+        # declares it replicated: each rank writes 1/world of the parameters and Adam state.
+        @preemptible(dir=str(root / "ckpt"), engine=args.engine, every_steps=args.every, replicated="models")
         def train(ckpt: Any) -> None:
             ckpt.register(model=model, optimizer=opt, scheduler=sched, sampler=sampler)
             for step, batch in ckpt.loop(loader, args.steps):
