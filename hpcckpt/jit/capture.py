@@ -115,6 +115,7 @@ class Boundary:
     counts: tuple[int, ...]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     trees: dict[str, Any] = field(default_factory=dict)  # {"objects": {name: tree}, "rng": tree, "user": {...}}
+    raw_rng: Any = None  # rng_state() as taken; ``finish`` flattens it
 
 
 def capture_boundary(step: int, counts: tuple[int, ...], objects: Mapping[str, Any],
@@ -131,11 +132,19 @@ def capture_boundary(step: int, counts: tuple[int, ...], objects: Mapping[str, A
             continue
         objs[name] = flatten(obj.state_dict(), f"objects/{name}", b.tensors)
     b.trees["objects"] = objs
-    b.trees["rng"] = flatten(rng_state(), "rng", b.tensors)
-    b.trees["user"] = json.loads(json.dumps(dict(user_meta), default=str))
+    b.trees["user"] = json.loads(json.dumps(dict(user_meta), default=str)) if user_meta else {}
     for n, t in list(b.tensors.items()):
-        if not n.startswith("objects/") or n.split("/")[1] in objs:
+        if n.split("/")[1] in objs:
             b.tensors[n] = t.detach().clone()  # flatten aliases live state; buffers are copies already
+    b.raw_rng = rng_state()  # fresh copies; flattened only if a JIT save needs them (``finish``)
+    return b
+
+
+def finish(b: Boundary) -> Boundary:
+    """Flatten the RNG states of ``b`` into its tensors and trees (the JIT path; idempotent)."""
+    if b.raw_rng is not None:
+        b.trees["rng"] = flatten(b.raw_rng, "rng", b.tensors)
+        b.raw_rng = None
     return b
 
 

@@ -41,7 +41,8 @@ import torch
 from ..exitcodes import EXIT_REQUEUE
 from ..store import catalog, torchfile
 from . import rendezvous, writer
-from .capture import Boundary, StepGate, capture_boundary, capture_replicated, fingerprint, replication_problem
+from .capture import (Boundary, StepGate, capture_boundary, capture_replicated, finish, fingerprint,
+                      replication_problem)
 from .heartbeat import CLOSING, LEAVING, Heartbeat
 
 log = logging.getLogger("hpcckpt.jit")
@@ -235,7 +236,7 @@ class JitGuard:
             b = self._boundary
         if b is None or b.counts != want:
             return None, "parameters are past the last boundary (the step's boundary never came)"
-        return b, ""
+        return finish(b), ""
 
     def _jit(self, reason: str, known_failed: list[int], detected: float) -> None:
         assert self.dir is not None
