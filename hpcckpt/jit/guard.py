@@ -113,7 +113,7 @@ class JitGuard:
         self._cond = threading.Condition()
         self._started_jit = threading.Event()
         self._never = threading.Event()  # never set: what a thread waits on until os._exit
-        self.detected: dict[str, Any] | None = None
+        self._start_step: int | None = None
         if self.world <= 1:
             self.problem = "a single rank: there is no survivor to save for it"
         else:
@@ -140,7 +140,8 @@ class JitGuard:
             return
         if self.rank == 0:
             self._sweep_sessions()
-        self._set_boundary(int(self.ckpt.step))
+        self._start_step = int(self.ckpt.step)
+        self._set_boundary(self._start_step)
         threading._register_atexit(self._at_shutdown)  # type: ignore[attr-defined]
         self.heartbeat.start()
         log.info("hpcckpt: jit: watching %d ranks (timeout %.1fs, heartbeat every %.2fs)", self.world,
@@ -151,7 +152,7 @@ class JitGuard:
         if not self.active or self.closed:
             return
         self._set_boundary(int(step))
-        if self._started_jit.is_set():
+        if self._failing():
             self._never.wait()  # the JIT path owns this process now and ends it
 
     def _set_boundary(self, step: int) -> None:
@@ -179,7 +180,7 @@ class JitGuard:
         # CLOSING waits for every rank to close (a hung or dead one ends it as a failure instead).
         self.heartbeat.announce(LEAVING, self.timeout_s + self.interval_s + 1.0) if error else \
             self.heartbeat.announce(CLOSING, None)
-        if self._started_jit.is_set():
+        if self._failing():
             self._never.wait()
         self.gate.remove()
         self.heartbeat.destroy()
@@ -188,15 +189,19 @@ class JitGuard:
         """The interpreter is ending (the main thread returned or raised) without ``close``."""
         if not self.active:
             return
-        if self._started_jit.is_set():
+        if self._failing():
             self._never.wait()
         if self.closed:
             return
         self.closed = True
         assert self.heartbeat is not None
         self.heartbeat.announce(LEAVING, self.timeout_s + self.interval_s + 1.0)
-        if self._started_jit.is_set():
+        if self._failing():
             self._never.wait()
+
+    def _failing(self) -> bool:
+        """A failure was detected: the JIT path runs (or is about to) and will end the process."""
+        return self._started_jit.is_set() or (self.heartbeat is not None and self.heartbeat.failed.is_set())
 
     def _sweep_sessions(self) -> None:
         """Rendezvous directories of earlier runs (this run holds the writer lease)."""
@@ -316,6 +321,9 @@ class JitGuard:
             existing = catalog.inspect_step(self.root, step)
             if existing is not None and existing.status == "committed":
                 path, wrote = existing.path, False  # a periodic save already holds this step
+            elif step == self._start_step:
+                raise RuntimeError(f"no step completed since this run started at step {step}: nothing to save "
+                                   "(the next run starts where this one did)")
             else:
                 sources: dict[int, tuple[dict[str, torch.Tensor], Any]] = {
                     self.rank: (b.tensors, {k: v for k, v in b.trees.items() if k != "wall"})}
@@ -361,6 +369,9 @@ class JitGuard:
                                 requeue=True, final_saved=bool(outcome and outcome.get("ok")),
                                 failed_ranks=decision.get("failed"))
         cause = requeue_cause()
+        # A rank died, so the job step's status is not 75 and a batch script that requeues only on
+        # 75 would not: the writer requeues itself (this process ends right after anyway).
+        os.environ.pop("HPCCKPT_REQUEUE_FROM_BATCH", None)
         try:
             out = self.ckpt.cluster.requeue(cause, self.root, committed_step=committed)
             result = out.as_dict() if hasattr(out, "as_dict") else dict(out)

@@ -1,6 +1,9 @@
 """One rank of a gloo DDP job (tiny MLP, no dropout) watched by a ``JitGuard``.
 
-Run by tests/unit/test_jit.py: ``python -m tests.unit.jit_worker RANK PORT ROOT CONFIG_JSON``.
+Run by tests/unit/test_jit.py: ``python -m tests.unit.jit_worker RANK PORT ROOT CONFIG_JSON``;
+under srun (tests/integration/test_slurm_jit.py) RANK is ``slurm`` and PORT is ignored: the
+rank, the world and the rendezvous come from Slurm's and the batch script's environment,
+and a requeued run (SLURM_RESTART_COUNT > 0) injects no fault.
 CONFIG: world, total (steps), timeout (jit_timeout_s), every (periodic saves or null),
 and optionally a fault on ``victim`` at step ``at``: ``how`` = "kill" (SIGKILL after the
 forward pass, before the gradient all-reduce), "stop" (SIGSTOP there), "kill_boundary"
@@ -43,9 +46,15 @@ def fault(rank: int, step: int, cfg: dict, where: str, root: Path) -> None:
 
 
 def main() -> None:
-    rank, port, root, cfg = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), json.loads(sys.argv[4])
-    world = int(cfg["world"])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    root, cfg = Path(sys.argv[3]), json.loads(sys.argv[4])
+    if sys.argv[1] == "slurm":  # one Slurm task: MASTER_ADDR/MASTER_PORT from the batch script
+        rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
+        if int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0:
+            cfg = {k: v for k, v in cfg.items() if k not in ("how", "victim", "at")}  # the requeued run
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
+    else:
+        rank, world = int(sys.argv[1]), int(cfg["world"])
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=rank, world_size=world)
     if cfg.get("kill_writer_in_save"):
         import hpcckpt.jit.writer as jw
         real = jw.write_file
