@@ -68,7 +68,7 @@ def test_ddp_preempted_on_two_nodes_resumes_on_one_node(slurm_cluster: SlurmClus
     saved = [json.loads((run_dir / f"result-save-r{r}.json").read_text()) for r in range(4)]
     k = saved[0]["requeue_step"]
     assert {s["requeue_step"] for s in saved} == {k} and {s["committed_step"] for s in saved} == {k}, saved
-    assert 8 <= k < 60, f"the stop at step {k} is not inside epoch 0 (60 steps on 4 ranks)"
+    assert k >= 8, f"the job stopped at step {k}, before the preemption"
     info = catalog.find(run_dir / "ckpt", None)
     assert info.step == k and info.manifest is not None
     m = info.manifest
@@ -78,8 +78,12 @@ def test_ddp_preempted_on_two_nodes_resumes_on_one_node(slurm_cluster: SlurmClus
     local0 = sum(int(e["nbytes"]) for n, e in m["ranks"]["0"]["tensors"].items() if n not in m["shared"])
     assert abs(written / (shared + local0) - 1.0) <= 0.01, (written, shared, local0)
 
-    # Epoch 0 ends on 2 ranks after (ITEMS - 4 * BATCH * k) / (2 * BATCH) more steps; go 5 steps past it.
-    total = k + (ITEMS - 4 * BATCH * k) // (2 * BATCH) + 5
+    # The interrupted epoch: its items trained on by the first job (steps < k), the rest by the second.
+    before = [row for row in _rows(run_dir, "save", 4) if row["step"] < k]
+    epoch = max(row["epoch"] for row in before)
+    consumed = sum(len(row["items"]) for row in before if row["epoch"] == epoch)
+    # It ends on 2 ranks after (ITEMS - consumed) / (2 * BATCH) more steps; go 5 steps past it.
+    total = k + (ITEMS - consumed) // (2 * BATCH) + 5
     second = _render(slurm_cluster, run_dir, "narrow", 1, _command("--phase", "resume", "--total", str(total)))
     job2 = slurm_cluster.sbatch(second, "-p", "low", "--exclusive", "--export=ALL,OMP_NUM_THREADS=1")
     out2 = run_dir / f"slurm-{job2}.out"
@@ -95,17 +99,16 @@ def test_ddp_preempted_on_two_nodes_resumes_on_one_node(slurm_cluster: SlurmClus
         assert not differ, f"rank {r} of the 1-node job restored {differ} unlike the 2-node job saved them"
 
     seen: Counter[int] = Counter()
-    for row in _rows(run_dir, "save", 4):
-        if row["step"] < k:
-            assert row["epoch"] == 0
+    for row in before:
+        if row["epoch"] == epoch:
             seen.update(row["items"])
     after = _rows(run_dir, "resume", 2)
     for row in after:
-        if row["epoch"] == 0:
+        if row["epoch"] == epoch:
             seen.update(row["items"])
-    assert sorted(seen) == list(range(ITEMS)), f"{ITEMS - len(seen)} items of epoch 0 never seen"
+    assert sorted(seen) == list(range(ITEMS)), f"{ITEMS - len(seen)} items of epoch {epoch} never seen"
     assert set(seen.values()) == {1}, {i: c for i, c in seen.items() if c > 1}
-    assert any(row["epoch"] == 1 for row in after), "training did not go on into epoch 1"
+    assert any(row["epoch"] == epoch + 1 for row in after), f"training did not go on into epoch {epoch + 1}"
     assert all(r["eval_end"] < r["eval_restored"] for r in resumed), resumed
 
     ledger = slurm_cluster.read_ledger(run_dir / "ckpt")
