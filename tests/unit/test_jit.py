@@ -205,7 +205,8 @@ def test_decision_takes_the_highest_step_whose_holders_agree() -> None:
 
 def test_decision_refuses_survivors_that_disagree_or_hold_nothing_consistent() -> None:
     from hpcckpt.jit.rendezvous import decide
-    split = decide({0: {"rank": 0, "ok": True, "step": 5, "fp": "a"}, 1: {"rank": 1, "ok": True, "step": 5, "fp": "x"}}, 3)
+    split = decide({0: {"rank": 0, "ok": True, "step": 5, "fp": "a"},
+                    1: {"rank": 1, "ok": True, "step": 5, "fp": "x"}}, 3)
     assert not split["ok"] and "different states" in split["reason"] and split["failed"] == [2]
     none = decide({1: {"rank": 1, "ok": False, "why": "mid-step"}}, 2)
     assert not none["ok"] and "no survivor holds a consistent state" in none["reason"]
