@@ -18,6 +18,10 @@ Phases:
   values), so hpcckpt restores them; the restored state is dumped to
   ``state-restored-rRANK.pt``, then training goes on to ``--total T`` and the final
   state is dumped to ``state-end-rRANK.pt``.
+- ``run``: a job as users run it under Slurm: from scratch or from the newest
+  checkpoint, to ``--total T``; a stop (preemption) dumps ``state-stopped-runN-rRANK.pt``,
+  a resumed run ``state-restored-runN-rRANK.pt`` (N: ``$SLURM_RESTART_COUNT``), the end
+  ``state-end-rRANK.pt``; its items and results are labelled ``runN``.
 - ``reference``: the same training without hpcckpt, uninterrupted to T; dumps at
   ``--stop-at K`` (``state-saved-...``) and at T (``state-end-...``).
 
@@ -60,7 +64,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--port", type=int, default=None, help="TCP port on 127.0.0.1 (default: env:// rendezvous)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--ckpt", type=Path, default=None, help="checkpoint directory (default: OUT/ckpt)")
-    p.add_argument("--phase", choices=("save", "resume", "reference"), required=True)
+    p.add_argument("--phase", choices=("save", "resume", "reference", "run"), required=True)
     p.add_argument("--mode", choices=("ddp", "fsdp"), default="ddp")
     p.add_argument("--engine", choices=("sync", "concurrent"), default="sync")
     p.add_argument("--items", type=int, default=96)
@@ -73,6 +77,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--dump-at", type=int, action="append", default=[],
                    help="reference: also dump the state after this many steps to state-at-N-rRANK.pt")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep in each step (Slurm tests)")
+    p.add_argument("--hold-at", type=int, default=None,
+                   help="before step N, wait until this rank has received a stop signal (a preemption lands "
+                        "while the job is held there, whenever it comes)")
     p.add_argument("--only-first-run", action="store_true",
                    help="exit 0 at once in a requeued Slurm run ($SLURM_RESTART_COUNT >= 1): the test resubmits")
     p.add_argument("--kill-rank", type=int, default=None)
@@ -209,6 +216,8 @@ def run(a: argparse.Namespace, rank: int, world: int) -> int:
     data = Items(a.items)
     phase = a.phase
     model, opt = build(a.mode, world, seed=0 if phase != "resume" else 1000 + rank)
+    if phase == "run":  # one label per run of a requeued Slurm job: run0, run1...
+        phase = f"run{int(os.environ.get('SLURM_RESTART_COUNT', '0') or 0)}"
     sampler = ResumableSampler(len(data), seed=7, shuffle=True, num_replicas=world, rank=rank)
     loader = torch.utils.data.DataLoader(data, batch_size=a.batch, sampler=sampler, num_workers=0)
     log = open(a.out / f"items-{phase}-r{rank}.jsonl", "a")
@@ -254,6 +263,10 @@ def run(a: argparse.Namespace, rank: int, world: int) -> int:
             dump(model, opt, a.out / f"state-restored-r{rank}.pt")
             result["eval_restored"] = eval_loss(model, data)
             total = a.total
+        elif phase.startswith("run"):
+            if restored is not None:
+                dump(model, opt, a.out / f"state-restored-{phase}-r{rank}.pt")
+            total = a.total
         else:
             result["eval_start"] = eval_loss(model, data)
             total = a.stop_at
@@ -261,6 +274,8 @@ def run(a: argparse.Namespace, rank: int, world: int) -> int:
             for step, batch in ck.loop(loader, total):
                 if phase == "save" and a.stop == "signal" and rank == 0 and step == a.stop_at - 1:
                     os.kill(os.getpid(), signal.SIGUSR2)
+                while a.hold_at is not None and step == a.hold_at and ck.signals.first() is None:
+                    time.sleep(0.05)
                 record(step, batch, train_step(model, opt, batch))
                 if a.step_sleep:
                     time.sleep(a.step_sleep)
@@ -278,7 +293,11 @@ def run(a: argparse.Namespace, rank: int, world: int) -> int:
     finally:
         ck.close()
         log.close()
-    dump(model, opt, a.out / f"state-{'saved' if phase == 'save' else 'end'}-r{rank}.pt")
+    if phase.startswith("run"):
+        name = f"stopped-{phase}" if "requeue_step" in result else "end"
+    else:
+        name = "saved" if phase == "save" else "end"
+    dump(model, opt, a.out / f"state-{name}-r{rank}.pt")
     result["eval_end"] = eval_loss(model, data)
     (a.out / f"result-{phase}-r{rank}.json").write_text(json.dumps(result))
     return code
