@@ -24,8 +24,20 @@ from ..state import _escape, flatten, rng_state
 FINGERPRINT_BYTES = 4 << 20  # per sampled tensor
 
 
-def replication_problem(objects: Mapping[str, Any], world: int) -> str | None:
-    """Why the registered state is not replicated on every rank (None: JIT applies)."""
+def replication_problem(objects: Mapping[str, Any], world: int, state: Any = None) -> str | None:
+    """Why the registered state is not replicated on every rank (None: JIT applies).
+
+    With ``state`` (a ``TrainState`` that knows the setup's declaration, the
+    ``replicated`` option), every parameter of every registered module and the state
+    of every registered optimizer must be declared replicated; without it, every
+    module must be a ``DistributedDataParallel`` over the whole world.
+    """
+    for name, obj in objects.items():
+        if isinstance(obj, torch.nn.Module) and any(_is_dtensor(p) for p in obj.parameters()):
+            return f"model {name!r} has sharded (DTensor) parameters with no live replica"
+    placement = getattr(state, "placement", None)
+    if callable(placement) and getattr(state, "world", 1) == world:
+        return _declared_problem(objects, placement(), getattr(state, "replicated", "auto"))
     from torch.nn.parallel import DistributedDataParallel as DDP
     ddp_params: set[int] = set()
     models = 0
@@ -50,6 +62,25 @@ def replication_problem(objects: Mapping[str, Any], world: int) -> str | None:
             params = [p for g in obj.param_groups for p in g["params"]]
             if any(id(p) not in ddp_params for p in params):
                 return f"optimizer {name!r} holds parameters outside the registered DDP models"
+    return None
+
+
+def _declared_problem(objects: Mapping[str, Any], placement: Any, option: str) -> str | None:
+    fix = ("register the DistributedDataParallel model (replicated='auto'), or declare the module inside "
+           "it replicated (replicated='models')")
+    modules = 0
+    for name, obj in objects.items():
+        if isinstance(obj, torch.nn.Module):
+            for pname, _ in obj.named_parameters(remove_duplicate=False):
+                if not placement.is_replicated(f"objects/{name}/{_escape(pname)}"):
+                    return (f"the parameters of model {name!r} are not declared replicated "
+                            f"(replicated={option!r}); {fix}")
+            modules += 1
+        elif isinstance(obj, torch.optim.Optimizer) and obj.param_groups and \
+                not placement.is_replicated(f"objects/{name}/state/0"):
+            return f"the state of optimizer {name!r} is not declared replicated (replicated={option!r}); {fix}"
+    if not modules:
+        return "no model is registered"
     return None
 
 

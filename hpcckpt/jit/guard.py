@@ -117,7 +117,7 @@ class JitGuard:
         if self.world <= 1:
             self.problem = "a single rank: there is no survivor to save for it"
         else:
-            problem = replication_problem(ckpt.state.objects, self.world)
+            problem = replication_problem(ckpt.state.objects, self.world, ckpt.state)
             if ckpt.ranks.max(1 if problem else 0) and problem is None:  # collective: all ranks agree
                 problem = "another rank's registered state is not replicated"
             self.problem = problem
@@ -334,7 +334,7 @@ class JitGuard:
                         sources[r] = (torchfile.read(d / f"local-{r}.pt", x["local"]), x["trees"])
                 source_of = {int(r): int(s) for r, s in decision["source_of"].items()}
                 path = writer.commit(
-                    self.root, step=step, world=self.world, keep=int(getattr(self.ckpt.options, "keep", 3)),
+                    self.root, step=step, world=self.world, writer_rank=self.rank, keep=int(getattr(self.ckpt.options, "keep", 3)),
                     job=self._job(), user={}, replicated_trees=rep_trees, replicated=replicated, sources=sources,
                     source_of=source_of,
                     info={"failed_ranks": decision["failed"], "writer": self.rank, "holders": decision["holders"],

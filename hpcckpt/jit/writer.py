@@ -1,10 +1,10 @@
 """Writing a JIT checkpoint: one file, the usual commit protocol.
 
-The format is hpcckpt/1 with the job's world size, so that the requeued job (same
-number of ranks) restores it through the ordinary path: one torch archive,
-``jit.pt``, holds every replicated tensor once (parameters and optimizer state, from
-the writer's live memory) and the rank-local tensors of each survivor under
-``jit/rank<R>/<name>``; every rank's record lists the replicated tensors and the
+The format is hpcckpt/2 with the job's world size, restored through the ordinary
+path on any number of ranks: one torch archive, ``jit.pt``, holds every replicated
+tensor once (parameters and optimizer state, from the writer's live memory: one
+piece each, held by the writer's record in the ``shared`` table) and the rank-local
+tensors of each survivor under ``jit/rank<R>/<name>``; every rank's record lists the
 local ones of its source (itself when it survived at the agreed step, else the
 writer: its RNG, sampler and scheduler state are those of the writer, which is exact
 when they do not depend on the rank, as with ``ResumableSampler`` and ranks seeded
@@ -26,7 +26,7 @@ from ..store.lock import writer_lock
 
 JIT_FILE = "jit.pt"
 ENGINE = "jit"
-MANIFEST_FORMAT = "hpcckpt/1"
+MANIFEST_FORMAT = "hpcckpt/2"
 LOCK_TIMEOUT_S = 60.0
 
 
@@ -54,11 +54,12 @@ def write_file(tmp: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]
     return torchfile.write(tmp / JIT_FILE, tensors)
 
 
-def commit(root: Path, *, step: int, world: int, keep: int, job: Mapping[str, Any],
+def commit(root: Path, *, step: int, world: int, writer_rank: int, keep: int, job: Mapping[str, Any],
            user: Mapping[str, Any], replicated_trees: Mapping[str, Any],
            replicated: Mapping[str, torch.Tensor], sources: Mapping[int, tuple[Mapping[str, torch.Tensor], Any]],
            source_of: Mapping[int, int], info: Mapping[str, Any]) -> Path:
-    """Write and commit step ``step``; returns its directory. ``sources[src] = (local tensors, trees)``.
+    """Write and commit step ``step``; returns its directory. ``sources[src] = (local tensors, trees)``;
+    ``writer_rank`` (a source of itself) holds the replicated tensors' pieces.
 
     Local tensors whose name is also a replicated one (module buffers, which every
     rank copies at the boundary) take precedence in that source's records.
@@ -66,7 +67,7 @@ def commit(root: Path, *, step: int, world: int, keep: int, job: Mapping[str, An
     tensors: dict[str, torch.Tensor] = dict(replicated)
     names_of: dict[int, dict[str, str]] = {}
     for src, (local, _trees) in sources.items():
-        names = {n: n for n in replicated}
+        names = {}
         for n, t in local.items():
             tensors[local_name(src, n)] = t
             names[n] = local_name(src, n)
@@ -74,20 +75,24 @@ def commit(root: Path, *, step: int, world: int, keep: int, job: Mapping[str, An
     with Transaction(root, catalog.step_name(step)) as txn:
         rec = write_file(txn.path, tensors)
         entries = rec["tensors"]
+        holder = writer_rank
+        shared = {n: {"dtype": entries[n]["dtype"], "shape": list(entries[n]["shape"]), "kind": "replicated",
+                      "pieces": [{"rank": holder, "start": 0, "nbytes": entries[n]["nbytes"]}]}
+                  for n in replicated}
         ranks: dict[str, Any] = {}
         for r in range(world):
             src = source_of[r]
             _local, trees = sources[src]
-            names = names_of[src]
+            names = {**{n: n for n in replicated}, **names_of[src]}  # a local buffer copy wins over a live one
             meta = {"step": step, "user": trees.get("user", {}),
                     "objects": {**replicated_trees, **trees["objects"]}, "rng": trees["rng"]}
             meta = renamed(meta, names)
-            used = sorted(set(names.values()))
+            held = sorted(set(names_of[src].values()) | (set(replicated) if r == holder else set()))
             ranks[str(r)] = {"file": JIT_FILE, "format": "torch", "meta": meta,
-                             "tensors": {n: entries[n] for n in used}}
+                             "tensors": {n: entries[n] for n in held}}
         manifest = {"format": MANIFEST_FORMAT, "step": step, "world_size": world, "engine": ENGINE,
                     "created": time.time(), "job": dict(job), "user": dict(user), "ranks": ranks,
-                    "files": {JIT_FILE: rec["file_info"]}, "jit": dict(info)}
+                    "files": {JIT_FILE: rec["file_info"]}, "shared": shared, "jit": dict(info)}
         with writer_lock(root, timeout_s=LOCK_TIMEOUT_S):
             path = txn.commit(manifest, checksum=False, fsync_files=False)
             catalog.prune(root, keep, protect={path})

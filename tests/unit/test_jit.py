@@ -53,11 +53,12 @@ def run_job(root: Path, **cfg: Any) -> tuple[list[int | None], list[str]]:
     """Start WORLD ranks; wait for all (a stopped victim is killed once the others ended)."""
     cfg = {"world": WORLD, "total": TOTAL, "timeout": TIMEOUT_S, "every": None, **cfg}
     port = _free_port()
+    world = int(cfg["world"])
     procs = [subprocess.Popen([sys.executable, "-m", "tests.unit.jit_worker", str(r), str(port), str(root),
                                json.dumps(cfg)], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]
+                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
     stopped = cfg["victim"] if cfg.get("how") == "stop" else None
-    outs: list[str] = [""] * WORLD
+    outs: list[str] = [""] * world
     deadline = time.monotonic() + RUN_LIMIT_S
     try:
         for r, p in enumerate(procs):
@@ -161,6 +162,22 @@ def test_stopped_rank_is_detected_by_the_heartbeat(tmp_path: Path, reference: Pa
     _check_jit_and_resume(tmp_path, reference, codes, outs, victim=1, step=6)
 
 
+def test_jit_checkpoint_resumes_on_fewer_ranks(tmp_path: Path, reference: Path) -> None:
+    """Format hpcckpt/2: the job may come back on fewer nodes (here 2 ranks instead of 4)."""
+    codes, outs = run_job(tmp_path, victim=3, at=8, how="kill")
+    assert [codes[r] for r in range(3)] == [EXIT_REQUEUE] * 3, "\n".join(outs)
+    info = catalog.find(tmp_path / "ckpt", None)
+    assert info.step == 8 and info.manifest is not None and info.manifest["format"] == "hpcckpt/2"
+    shared = info.manifest["shared"]
+    assert any(n.startswith("objects/model/") for n in shared) and any("/exp_avg" in n for n in shared)
+    for name in shared:  # replicated tensors are written once, by the writer, not once per rank
+        assert [r for r, rec in info.manifest["ranks"].items() if name in rec["tensors"]] == ["0"], name
+    codes, outs = run_job(tmp_path, world=2)
+    assert codes == [0, 0], "\n".join(outs)
+    for r in range(2):
+        assert json.loads((tmp_path / f"result-{r}.json").read_text())["resumed"] == 8
+
+
 def test_rank_that_raises_leaves_and_the_others_save_at_once(tmp_path: Path, reference: Path) -> None:
     codes, outs = run_job(tmp_path, victim=1, at=4, how="raise")
     assert codes[1] == 1 and "injected failure on rank 1 at step 4" in outs[1], outs[1]
@@ -226,6 +243,14 @@ def test_state_that_is_not_declared_replicated_is_refused() -> None:
     problem = replication_problem({"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}, 4)
     assert problem is not None and "not a DistributedDataParallel module" in problem
     assert replication_problem({}, 4) == "no DistributedDataParallel model is registered"
+    from hpcckpt.state import TrainState
+    state = TrainState()
+    state.register("model", model)
+    state.rank, state.world, state.replicated = 0, 4, "none"
+    problem = replication_problem(state.objects, 4, state)
+    assert problem is not None and "not declared replicated (replicated='none')" in problem
+    state.replicated = "models"  # the user declares the module inside the DDP wrapper replicated
+    assert replication_problem(state.objects, 4, state) is None
 
 
 def test_boundary_copy_is_independent_of_later_changes() -> None:
