@@ -5,11 +5,10 @@ A rank's captured state has three kinds of tensors:
 - **replicated**: identical on every rank (the parameters of a
   ``DistributedDataParallel`` module whose group spans the world, and the state of
   an optimizer over such parameters). Declared by the setup, never guessed. Written
-  once: the bytes of all replicated tensors, concatenated in capture order, are cut
-  into ``world`` contiguous shares and rank ``k`` writes share ``k``: every rank writes
-  about ``1/world`` of them. A tensor of 1 MiB or more is cut at element boundaries
-  into pieces written by consecutive ranks (at most one piece per tensor per rank); a
-  smaller one is written whole by the rank whose share holds its first byte.
+  once, balanced by bytes over the ranks (``_stripe``): tensors under 256 KiB are dealt
+  whole, the larger ones are cut at element boundaries into pieces written by
+  consecutive ranks (at most one piece per tensor per rank), so that every rank writes
+  ``1/world`` of the replicated bytes.
 - **sharded**: a ``DTensor`` (FSDP2 ``fully_shard``) whose placements are ``Shard(0)``
   or ``Replicate``: its local shard is a contiguous row range of the global tensor;
   the rank writes it (only the first replica of it, when a mesh dimension replicates).
@@ -37,7 +36,7 @@ FORMAT_V1 = "hpcckpt/1"
 FORMAT = "hpcckpt/2"
 REPLICATED, SHARDED = "replicated", "sharded"
 KINDS = (REPLICATED, SHARDED)
-SPLIT_MIN_BYTES = 1 << 20  # smaller replicated tensors are written whole (one piece, no tiny I/O)
+SPLIT_MIN_BYTES = 256 << 10  # smaller replicated tensors are written whole (one piece, no tiny I/O)
 
 
 @dataclass(frozen=True)
@@ -117,34 +116,46 @@ def plan(tensors: Mapping[str, torch.Tensor], where: Placement) -> Plan:
 
 
 def _stripe(tensors: list[tuple[str, torch.Tensor]], where: Placement, out: Plan) -> None:
-    """Rank ``where.rank``'s contiguous share of the concatenated replicated bytes."""
-    total = sum(t.numel() * t.element_size() for _, t in tensors)
-    lo, hi = total * where.rank // where.world, total * (where.rank + 1) // where.world
-    cursor = 0
+    """Rank ``where.rank``'s share of the replicated tensors, balanced by bytes.
+
+    Small tensors (under ``SPLIT_MIN_BYTES``) are dealt whole, largest first, each to
+    the rank with the fewest bytes so far; the large ones, concatenated in capture
+    order, are then cut so that every rank's total comes to ``total / world``: each
+    rank takes one contiguous range of them (at most one piece per tensor). Every rank
+    computes the same assignment from the same shapes, with no communication.
+    """
+    sizes = [t.numel() * t.element_size() for _, t in tensors]
     for name, t in tensors:
-        size = t.element_size()
-        nbytes = t.numel() * size
         out.shared[name] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "kind": REPLICATED}
-        if nbytes < SPLIT_MIN_BYTES:  # small: whole, by the rank whose share holds its first byte
-            a, b = (0, nbytes) if _owner(cursor, total, where.world) == where.rank else (0, 0)
-        else:  # each cut point rounded down to elements the same way by both ranks sharing it
-            a = min(max(lo - cursor, 0), nbytes) // size * size
-            b = min(max(hi - cursor, 0), nbytes) // size * size
+    load = [0] * where.world
+    small = sorted((i for i, n in enumerate(sizes) if n < SPLIT_MIN_BYTES), key=lambda i: (-sizes[i], i))
+    for i in small:
+        r = min(range(where.world), key=lambda k: (load[k], k))
+        load[r] += sizes[i]
+        if r == where.rank and sizes[i]:
+            out.tensors[tensors[i][0]] = tensors[i][1].detach()
+            out.pieces[tensors[i][0]] = 0
+    large = [i for i, n in enumerate(sizes) if n >= SPLIT_MIN_BYTES]
+    big = sum(sizes[i] for i in large)
+    target = -(-sum(sizes) // where.world)
+    quota = [max(0, target - load[k]) for k in range(where.world)]
+    total_quota = sum(quota) or 1
+    below = sum(quota[:where.rank])
+    lo, hi = big * below // total_quota, big * (below + quota[where.rank]) // total_quota
+    if where.rank == where.world - 1:
+        hi = big
+    cursor = 0
+    for i in large:
+        name, t = tensors[i]
+        size, nbytes = t.element_size(), sizes[i]
+        # Each cut point rounded down to elements the same way by both ranks sharing it.
+        a = min(max(lo - cursor, 0), nbytes) // size * size
+        b = min(max(hi - cursor, 0), nbytes) // size * size
         if b > a:
             flat = t.detach().reshape(-1) if t.is_contiguous() else t.detach().contiguous().reshape(-1)
             out.tensors[name] = t.detach() if (a, b) == (0, nbytes) else flat[a // size:b // size]
             out.pieces[name] = a
         cursor += nbytes
-
-
-def _owner(byte: int, total: int, world: int) -> int:
-    """The rank whose share ``[total*k//world, total*(k+1)//world)`` holds ``byte``."""
-    k = min(byte * world // max(total, 1), world - 1)
-    while k > 0 and total * k // world > byte:
-        k -= 1
-    while k < world - 1 and total * (k + 1) // world <= byte:
-        k += 1
-    return k
 
 
 def digest(shared: Mapping[str, Any]) -> str:
