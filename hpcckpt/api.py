@@ -74,6 +74,7 @@ class Checkpointer:
         self.state = TrainState()
         self.state.rank, self.state.world = self.ranks.rank, self.ranks.world
         self.state.replicated = self.options.replicated
+        self.state.check_replicas = self.options.check_replicas
         self.ledger = Ledger(self.root)
         self.policy = Policy(self.options.every_steps, margin_s=self.options.deadline_margin_s,
                              auto=AutoInterval(overhead_bound=self.options.overhead_bound)

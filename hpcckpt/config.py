@@ -158,6 +158,8 @@ TUNABLES: dict[str, Tunable] = {t.env.removeprefix("HPCCKPT_").lower(): t for t 
             f"one of {', '.join(ON_CORRUPT)} (what to do when every checkpoint is damaged)", "fresh"),
     Tunable("HPCCKPT_REPLICATED", lambda s: s.strip().lower(), lambda v: v in REPLICATED,
             f"one of {', '.join(REPLICATED)} (which registered state is identical on every rank)", "models"),
+    Tunable("HPCCKPT_CHECK_REPLICAS", parse_bool, lambda v: isinstance(v, bool),
+            "a boolean (1/0, true/false): checksum the replicated tensors at each save and compare ranks", "1"),
     Tunable("HPCCKPT_MEMORY_BUDGET_BYTES", parse_bytes, lambda v: v is None or (_is_int(v) and v > 0),
             "a positive byte count (K, M, G, T suffixes are binary)", "4GiB"),
     Tunable("HPCCKPT_STAGING_BYTES", parse_bytes, lambda v: v is None or (_is_int(v) and v > 0),
@@ -256,13 +258,15 @@ class CheckpointOptions:
     direct: bool = True
     on_corrupt: str = "raise"
     replicated: str = "auto"
+    check_replicas: bool = False  # debug: compare checksums of the replicated tensors across ranks at each save
 
     def __post_init__(self) -> None:
         if self.every_steps is not None and not (_is_int(self.every_steps) and self.every_steps > 0):
             raise ConfigError(f"every_steps={self.every_steps!r} is invalid: use a positive integer, 'auto' "
                               "or None; e.g. every_steps=100 or HPCCKPT_EVERY_STEPS=100")
         for option in ("engine", "overhead_bound", "keep", "deadline_margin_s", "max_async", "writer_threads",
-                       "on_busy", "memory_budget_bytes", "staging_bytes", "direct", "on_corrupt", "replicated"):
+                       "on_busy", "memory_budget_bytes", "staging_bytes", "direct", "on_corrupt", "replicated",
+                       "check_replicas"):
             validate(option, getattr(self, option))
         if not self.signals:
             raise ConfigError("signals=() leaves no stop signal; e.g. signals=('SIGUSR2', 'SIGTERM') "
@@ -322,6 +326,7 @@ def resolve_options(
     direct: bool | None = None,
     on_corrupt: str | None = None,
     replicated: str | None = None,
+    check_replicas: bool | None = None,
 ) -> CheckpointOptions:
     """Build options from arguments, then ``HPCCKPT_*`` variables, then defaults."""
     raw_dir = dir if dir is not None else os.environ.get("HPCCKPT_DIR")
@@ -353,4 +358,5 @@ def resolve_options(
         direct=pick(direct, "DIRECT", True, parse_bool),
         on_corrupt=pick(on_corrupt, "ON_CORRUPT", "raise", str),
         replicated=pick(replicated, "REPLICATED", "auto", str),
+        check_replicas=pick(check_replicas, "CHECK_REPLICAS", False, parse_bool),
     )

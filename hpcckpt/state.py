@@ -40,6 +40,7 @@ class Flat:
     meta: Any = None
     shared: dict[str, dict[str, Any]] = field(default_factory=dict)
     pieces: dict[str, int] = field(default_factory=dict)
+    fingerprints: dict[str, int] = field(default_factory=dict)  # check_replicas: crc32c of each replica
 
 
 def _escape(key: str) -> str:
@@ -159,6 +160,7 @@ class TrainState:
         self.user_meta: dict[str, Any] = {}
         self.rank, self.world = 0, 1  # set by the Checkpointer (``placement``)
         self.replicated = "auto"  # config.REPLICATED: which registered state the setup declares replicated
+        self.check_replicas = False  # debug: checksum replicated tensors at each save, compared at the commit
 
     def placement(self) -> Any:
         """Rank, world and the tensors the setup declares replicated (``store.placement``).
@@ -217,8 +219,8 @@ class TrainState:
         flat.meta = tree
         if plan:
             from .store.placement import plan as place
-            p = place(flat.tensors, self.placement())
-            flat.tensors, flat.shared, flat.pieces = p.tensors, p.shared, p.pieces
+            p = place(flat.tensors, self.placement(), fingerprint=self.check_replicas)
+            flat.tensors, flat.shared, flat.pieces, flat.fingerprints = p.tensors, p.shared, p.pieces, p.fingerprints
         return flat
 
     def restore(self, flat: Flat) -> dict[str, Any]:

@@ -167,7 +167,8 @@ class Engine(ABC):
 
     def placement_fields(self, flat: Flat) -> dict[str, Any]:
         """What this rank's commit record says about the distributed tensors (``store.placement``)."""
-        return placement.record_fields(placement.Plan(shared=flat.shared, pieces=flat.pieces),
+        return placement.record_fields(placement.Plan(shared=flat.shared, pieces=flat.pieces,
+                                                      fingerprints=flat.fingerprints),
                                        coordinator=self.ranks.is_coordinator)
 
     def _commit(self, step: int, tmp: Path, records: list[dict[str, Any]]) -> Path:

@@ -59,6 +59,7 @@ class Plan:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> bytes to write (a piece or whole)
     shared: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {dtype, shape, kind}
     pieces: dict[str, int] = field(default_factory=dict)  # name -> start byte of this rank's piece
+    fingerprints: dict[str, int] = field(default_factory=dict)  # replicated name -> crc32c (check_replicas)
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -96,8 +97,12 @@ def dtensor_range(t: Any, name: str) -> tuple[torch.Tensor, int, bool]:
     return local, int(offset[0]) * row if len(t.shape) else 0, first
 
 
-def plan(tensors: Mapping[str, torch.Tensor], where: Placement) -> Plan:
-    """Split ``tensors`` (a capture, live memory) into what this rank writes."""
+def plan(tensors: Mapping[str, torch.Tensor], where: Placement, *, fingerprint: bool = False) -> Plan:
+    """Split ``tensors`` (a capture, live memory) into what this rank writes.
+
+    ``fingerprint``: also checksum every replicated tensor whole (a debug mode: the
+    commit then refuses a checkpoint whose "replicas" differ between ranks).
+    """
     out = Plan()
     replicated: list[tuple[str, torch.Tensor]] = []
     for name, t in tensors.items():
@@ -112,6 +117,10 @@ def plan(tensors: Mapping[str, torch.Tensor], where: Placement) -> Plan:
         else:
             out.tensors[name] = t
     _stripe(replicated, where, out)
+    if fingerprint:
+        from .._core import crc32c
+        from .hdf5 import raw_bytes
+        out.fingerprints = {n: crc32c(raw_bytes(t.detach().cpu().contiguous())) for n, t in replicated}
     return out
 
 
@@ -166,6 +175,8 @@ def digest(shared: Mapping[str, Any]) -> str:
 def record_fields(p: Plan, *, coordinator: bool) -> dict[str, Any]:
     """The fields a rank adds to its commit record (the whole table from the coordinator only)."""
     fields: dict[str, Any] = {"pieces": p.pieces, "shared_digest": digest(p.shared)}
+    if p.fingerprints:
+        fields["fingerprints"] = p.fingerprints
     if coordinator:
         fields["shared"] = p.shared
     return fields
@@ -184,6 +195,7 @@ def merge_shared(records: list[dict[str, Any]]) -> dict[str, Any]:
         raise CheckpointFailed(f"ranks {odd} captured other distributed tensors than rank 0 (names, shapes or "
                                "dtypes of replicated/sharded state differ); every rank must register the same "
                                "model and optimizer")
+    _check_fingerprints(records)
     out = {name: {**spec, "pieces": []} for name, spec in table.items()}
     for r, rec in enumerate(records):
         for name, start in (rec.pop("pieces", None) or {}).items():
@@ -191,12 +203,26 @@ def merge_shared(records: list[dict[str, Any]]) -> dict[str, Any]:
             out[name]["pieces"].append({"rank": r, "start": int(start), "nbytes": nbytes})
         rec.pop("shared", None)
         rec.pop("shared_digest", None)
+        rec.pop("fingerprints", None)
     for name, spec in out.items():
         spec["pieces"].sort(key=lambda p: p["start"])
         problem = tiling_problem(spec)
         if problem:
             raise CheckpointFailed(f"shared tensor {name!r}: {problem}; nothing was committed")
     return out
+
+
+def _check_fingerprints(records: list[dict[str, Any]]) -> None:
+    """CheckpointFailed naming the first tensor declared replicated whose bytes differ between ranks."""
+    want = records[0].get("fingerprints") or {}
+    for r, rec in enumerate(records[1:], start=1):
+        got = rec.get("fingerprints") or {}
+        odd = sorted(n for n in want if n in got and got[n] != want[n])
+        if odd:
+            raise CheckpointFailed(
+                f"tensor {odd[0]!r} is declared replicated but its bytes differ between rank 0 and rank {r} "
+                f"({len(odd)} such tensors); it is not a replica: register the DDP module itself, or set "
+                "replicated='none' (HPCCKPT_REPLICATED=none) so that every rank writes its own copy")
 
 
 def global_nbytes(spec: Mapping[str, Any]) -> int:

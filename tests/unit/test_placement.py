@@ -125,3 +125,20 @@ def test_crafted_shared_tables_are_refused_by_name(case: str) -> None:
     change(m)
     with pytest.raises(Invalid, match=words):
         validate(m, step=1)
+
+
+def test_check_replicas_refuses_tensors_that_differ_between_ranks() -> None:
+    """The debug mode: declared replicas are checksummed whole and compared at the commit."""
+    same = {"objects/model/w": torch.arange(10.0), "objects/model/b": torch.ones(3)}
+    other = {"objects/model/w": torch.arange(10.0), "objects/model/b": torch.ones(3) * 2}
+
+    def record(tensors: dict[str, torch.Tensor], rank: int) -> dict[str, Any]:
+        p = plan(tensors, Placement(rank, 2, frozenset(tensors)), fingerprint=True)
+        assert set(p.fingerprints) == set(tensors)
+        entries = {n: {"nbytes": t.numel() * t.element_size()} for n, t in p.tensors.items()}
+        return {"tensors": entries, **record_fields(p, coordinator=rank == 0)}
+
+    merge_shared([record(same, 0), record(same, 1)])  # true replicas commit
+    with pytest.raises(CheckpointFailed, match=r"'objects/model/b' is declared replicated but its bytes differ "
+                                               r"between rank 0 and rank 1.*replicated='none'"):
+        merge_shared([record(same, 0), record(other, 1)])
