@@ -102,6 +102,11 @@ class StepGate:
         self.frozen = False
         self.cond = threading.Condition()
         self._handles = []
+        # CUDA devices of each optimizer's parameters: an event recorded after each step marks
+        # when its kernels are done (the JIT copy waits on it from a stream of its own).
+        self._devices = {n: sorted({p.device for g in optimizers[n].param_groups for p in g["params"]
+                                    if p.is_cuda}, key=str) for n in self.names}
+        self.events: dict[tuple[str, Any], Any] = {}
         for n in self.names:
             opt = optimizers[n]
             self._handles.append(opt.register_step_pre_hook(self._pre(n)))
@@ -117,6 +122,10 @@ class StepGate:
 
     def _post(self, name: str) -> Any:
         def hook(opt: Any, args: Any, kwargs: Any) -> None:
+            for device in self._devices[name]:
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(device))
+                self.events[(name, device)] = ev
             with self.cond:
                 self.in_step -= 1
                 self.counts[name] += 1
@@ -147,6 +156,7 @@ class Boundary:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     trees: dict[str, Any] = field(default_factory=dict)  # {"objects": {name: tree}, "rng": tree, "user": {...}}
     raw_rng: Any = None  # rng_state() as taken; ``finish`` flattens it
+    events: list[Any] = field(default_factory=list)  # CUDA events after the copies (devices' streams)
 
 
 def capture_boundary(step: int, counts: tuple[int, ...], objects: Mapping[str, Any],
@@ -168,7 +178,39 @@ def capture_boundary(step: int, counts: tuple[int, ...], objects: Mapping[str, A
         if n.split("/")[1] in objs:
             b.tensors[n] = t.detach().clone()  # flatten aliases live state; buffers are copies already
     b.raw_rng = rng_state()  # fresh copies; flattened only if a JIT save needs them (``finish``)
+    for device in sorted({t.device for t in b.tensors.values() if t.is_cuda}, key=str):
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(device))
+        b.events.append(ev)
     return b
+
+
+def to_host(tensors: Mapping[str, torch.Tensor], events: list[Any]) -> dict[str, torch.Tensor]:
+    """Host copies of ``tensors``; CUDA ones copied on a stream of the JIT's own.
+
+    The training stream may be stuck for good behind a collective that will never
+    complete (a NCCL all-reduce waiting for the dead rank): anything queued there would
+    wait too. The JIT stream waits only on ``events`` (recorded after the last optimizer
+    step and after the boundary copies), then copies.
+    """
+    out: dict[str, torch.Tensor] = {}
+    streams: dict[Any, Any] = {}
+    for n, t in tensors.items():
+        if not t.is_cuda:
+            out[n] = t
+            continue
+        stream = streams.get(t.device)
+        if stream is None:
+            stream = streams[t.device] = torch.cuda.Stream(device=t.device)
+            for ev in events:
+                stream.wait_event(ev)  # an event of another device is waited on by that device's stream only
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        with torch.cuda.stream(stream):
+            host.copy_(t.detach())
+        out[n] = host
+    for stream in streams.values():
+        stream.synchronize()
+    return out
 
 
 def finish(b: Boundary) -> Boundary:
@@ -189,14 +231,18 @@ def capture_replicated(objects: Mapping[str, Any]) -> tuple[dict[str, Any], dict
     return trees, tensors
 
 
-def fingerprint(step: int, counts: tuple[int, ...], tensors: Mapping[str, torch.Tensor]) -> str:
+def fingerprint(step: int, counts: tuple[int, ...], tensors: Mapping[str, torch.Tensor],
+                events: list[Any] | None = None) -> str:
     """Step, optimizer step counts and crc32c of a few replicated tensors (first, middle, last)."""
     names = sorted(n for n, t in tensors.items() if t.numel())
     picked = sorted({names[0], names[len(names) // 2], names[-1]}) if names else []
     parts = [f"step={step}", f"counts={list(counts)}"]
+    count = {n: max(1, FINGERPRINT_BYTES // tensors[n].element_size()) for n in picked}
+    # A view of a contiguous tensor launches nothing on the (maybe stuck) training stream.
+    heads = to_host({n: tensors[n].detach().view(-1)[:count[n]] if tensors[n].is_contiguous()
+                     else tensors[n].detach() for n in picked}, events or [])
     for n in picked:
-        flat = tensors[n].detach().reshape(-1)
-        head = flat[: max(1, FINGERPRINT_BYTES // max(1, flat.element_size()))].to("cpu").contiguous()
+        head = heads[n].reshape(-1)[:count[n]].contiguous()
         raw = head.view(torch.uint8).numpy() if head.dtype != torch.bool else head.to(torch.uint8).numpy()
         parts.append(f"{n}:{crc32c(raw):08x}")
     return ";".join(parts)

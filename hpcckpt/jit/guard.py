@@ -42,7 +42,7 @@ from ..exitcodes import EXIT_REQUEUE
 from ..store import catalog, torchfile
 from . import rendezvous, writer
 from .capture import (Boundary, StepGate, capture_boundary, capture_replicated, finish, fingerprint,
-                      replication_problem)
+                      replication_problem, to_host)
 from .heartbeat import CLOSING, LEAVING, Heartbeat
 
 log = logging.getLogger("hpcckpt.jit")
@@ -255,9 +255,12 @@ class JitGuard:
         rep_trees: dict[str, Any] = {}
         if b is not None:
             rep_trees, live = capture_replicated(self.ckpt.state.objects)
-            replicated = {n: t for n, t in live.items() if n not in b.tensors}
+            assert self.gate is not None
+            replicated = {n: t for n, t in live.items() if n not in b.tensors}  # live: the writer copies them
+            b.tensors = to_host(b.tensors, b.events)
             rec = torchfile.write(d / f"local-{self.rank}.pt", b.tensors)
-            doc.update(step=b.step, counts=list(b.counts), fp=fingerprint(b.step, b.counts, replicated),
+            doc.update(step=b.step, counts=list(b.counts),
+                       fp=fingerprint(b.step, b.counts, replicated, list(self.gate.events.values())),
                        local=rec, trees={k: v for k, v in b.trees.items() if k != "wall"},
                        boundary_at=b.trees.get("wall"))
         rendezvous.write_json(d / f"alive-{self.rank}.json", doc)
@@ -333,8 +336,11 @@ class JitGuard:
                         x = docs[r]
                         sources[r] = (torchfile.read(d / f"local-{r}.pt", x["local"]), x["trees"])
                 source_of = {int(r): int(s) for r, s in decision["source_of"].items()}
+                assert self.gate is not None
+                replicated = to_host(replicated, list(self.gate.events.values()))
                 path = writer.commit(
-                    self.root, step=step, world=self.world, writer_rank=self.rank, keep=int(getattr(self.ckpt.options, "keep", 3)),
+                    self.root, step=step, world=self.world, writer_rank=self.rank,
+                    keep=int(getattr(self.ckpt.options, "keep", 3)),
                     job=self._job(), user={}, replicated_trees=rep_trees, replicated=replicated, sources=sources,
                     source_of=source_of,
                     info={"failed_ranks": decision["failed"], "writer": self.rank, "holders": decision["holders"],

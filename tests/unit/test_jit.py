@@ -314,3 +314,17 @@ def test_a_single_rank_or_a_bad_timeout_is_reported_clearly(monkeypatch: pytest.
         JitGuard(ckpt)
     with pytest.raises(ConfigError, match="jit_timeout_s=-1 is invalid"):
         JitGuard(ckpt, timeout_s=-1)
+
+
+def test_fingerprint_tells_states_apart_and_reads_only_a_few_tensors() -> None:
+    from hpcckpt.jit.capture import fingerprint, to_host
+    a = {f"objects/model/{i}.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3) + i for i in range(5)}
+    b = {n: t.clone() for n, t in a.items()}
+    assert fingerprint(4, (4,), a) == fingerprint(4, (4,), b)
+    assert fingerprint(4, (4,), a) != fingerprint(5, (4,), a)
+    b["objects/model/4.weight"][1, 2] += 1  # the last tensor is among the sampled ones
+    assert fingerprint(4, (4,), a) != fingerprint(4, (4,), b)
+    assert fingerprint(4, (4,), {"x": a["objects/model/0.weight"].t()}) == \
+        fingerprint(4, (4,), {"x": a["objects/model/0.weight"].t().contiguous()})
+    host = to_host(a, [])
+    assert all(host[n] is a[n] for n in a), "CPU tensors are not copied"
