@@ -177,6 +177,10 @@ class JitGuard:
             error = exc is not None and not (isinstance(exc, SystemExit) and exc.code in (0, None, EXIT_REQUEUE))
         self.closed = True
         assert self.heartbeat is not None and self.gate is not None
+        if self.heartbeat._thread is None:  # never started: nothing to tell the others
+            self.gate.remove()
+            self.heartbeat.destroy()
+            return
         # CLOSING waits for every rank to close (a hung or dead one ends it as a failure instead).
         self.heartbeat.announce(LEAVING, self.timeout_s + self.interval_s + 1.0) if error else \
             self.heartbeat.announce(CLOSING, None)
