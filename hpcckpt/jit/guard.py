@@ -94,7 +94,7 @@ def _flush_and_exit(code: int) -> None:
 class JitGuard:
     """Detects a failed rank and writes the survivors' state; see the module docstring."""
 
-    #: seam for tests: how the process ends after the JIT path (never returns in production)
+    #: how the process ends after the JIT path (never returns)
     exit = staticmethod(_flush_and_exit)
 
     def __init__(self, ckpt: Any, *, timeout_s: float | None = None, interval_s: float | None = None) -> None:
