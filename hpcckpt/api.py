@@ -87,6 +87,8 @@ class Checkpointer:
         self._load_attempted = False
         self._restore_s = 0.0
         self._sampler: ResumableSampler | None = None
+        self._fresh_ok = False
+        self._initialized: list[torch.optim.Optimizer] = []  # optimizers whose state a restore created
         self._handles: list[SaveHandle] = []
         self._started = False
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -162,9 +164,11 @@ class Checkpointer:
             return None
         fresh_ok = self.options.on_corrupt == "fresh"
         # Read straight into the live model/optimizer tensors where they match (no first touch of
-        # new memory, no second copy: hdf5.read_tensors), unless a fresh start must stay possible.
+        # new memory, no second copy: hdf5.read_tensors), unless a fresh start must stay possible:
+        # then they only give shapes, devices and DTensor placements, and new memory is read.
         # The optimizers' parameter devices say where missing optimizer state belongs (GPU or host).
-        live = None if fresh_ok else self._live_targets
+        self._fresh_ok = fresh_ok
+        live = self._live_targets
         outcome = load_newest(self.root, self.ranks, into=live, on_skip=self._skipped)
         self._restore_s = time.monotonic() - t0
         if outcome.flat is not None:
@@ -172,8 +176,11 @@ class Checkpointer:
             self.step = int(outcome.flat.meta["step"])
             self.resumed_from = self.committed_step = self.step
             log.warning("hpcckpt: resumed from step %d under %s (%.2fs)", self.step, self.root, self._restore_s)
-        elif outcome.damaged or outcome.unusable:
-            self._nothing_restored(outcome, fresh_ok)
+        else:
+            for opt in self._initialized:  # a fresh start: the optimizers as they were, without state
+                opt.state.clear()
+            if outcome.damaged or outcome.unusable:
+                self._nothing_restored(outcome, fresh_ok)
         return self._loaded
 
     def _live_targets(self) -> Any:
@@ -184,10 +191,10 @@ class Checkpointer:
         does), so that the restore fills DTensor shards in place instead of handing
         plain tensors to an optimizer that expects DTensors.
         """
-        for obj in self.state.objects.values():
-            if isinstance(obj, torch.optim.Optimizer):
-                init_dtensor_optimizer_state(obj)
-        return live_tensors(self.state.capture(step=self.step, plan=False).tensors, self.state.objects)
+        self._initialized = [obj for obj in self.state.objects.values()
+                             if isinstance(obj, torch.optim.Optimizer) and init_dtensor_optimizer_state(obj)]
+        return live_tensors(self.state.capture(step=self.step, plan=False).tensors, self.state.objects,
+                            overwrite=not self._fresh_ok)
 
     def _skipped(self, step: int, problem: str) -> None:
         log.error("hpcckpt: skipping checkpoint step %d: %s", step, problem)

@@ -132,6 +132,14 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(cuda_states)
 
 
+def _ddp_ignored(module: Any) -> set[str]:
+    """Parameter names (as ``module.named_parameters`` gives them) that DDP leaves unsynchronised."""
+    ddp = getattr(getattr(torch.nn, "parallel", None), "DistributedDataParallel", None)
+    if ddp is not None and isinstance(module, ddp):
+        return {f"module.{n}" for n in getattr(module, "parameters_to_ignore", ())}
+    return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+
+
 def _replicates_world(obj: Any, world: int) -> bool:
     """``obj`` is a DistributedDataParallel module whose group is the whole job."""
     ddp = getattr(getattr(torch.nn, "parallel", None), "DistributedDataParallel", None)
@@ -181,7 +189,10 @@ class TrainState:
         for name, obj in self.objects.items():
             if (_replicates_world(obj, self.world) if self.replicated == "auto"
                     else isinstance(obj, torch.nn.Module)):
+                ignored = _ddp_ignored(obj)
                 for pname, param in obj.named_parameters(remove_duplicate=False):  # type: ignore[attr-defined]
+                    if pname in ignored:  # DDP does not synchronise it: each rank's own
+                        continue
                     names.add(f"objects/{name}/{_escape(pname)}")
                     ddp_params.add(id(param))
         for name, obj in self.objects.items():
@@ -262,19 +273,26 @@ def init_dtensor_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if optimizer.state or not any(_is_dtensor(p) for p in params) or any(p.grad is not None for p in params):
         return False
-    lrs = []
+    name = type(optimizer).__name__
+    if not all("lr" in g for g in optimizer.param_groups):
+        raise ConfigError(f"cannot restore the state of {name} over DTensor parameters: it has no 'lr' to set "
+                          "to 0 while its state is created; create the state yourself (one step) before "
+                          "Checkpointer.register, or save it sharded another way")
+    lrs = [g["lr"] for g in optimizer.param_groups]
     for g in optimizer.param_groups:
-        lrs.append(g.get("lr"))
-        if "lr" in g:
-            g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+        g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
     try:
         for p in params:
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
-        optimizer.step()
+        optimizer.step(lambda: 0.0)
+    except Exception as exc:
+        optimizer.state.clear()
+        raise ConfigError(f"cannot create the state of {name} over DTensor parameters before restoring it "
+                          f"({type(exc).__name__}: {exc}); create it yourself (one step) before "
+                          "Checkpointer.register") from None
     finally:
         for g, lr in zip(optimizer.param_groups, lrs):
-            if lr is not None:
-                g["lr"] = lr
+            g["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
     return True

@@ -39,18 +39,24 @@ log = logging.getLogger("hpcckpt.engines")
 
 class LiveTensors(dict):  # type: ignore[type-arg]
     """Live tensors by flat name (``TrainState.capture``) plus, per registered optimizer,
-    the devices its parameters are on: where its missing state belongs on a resume."""
+    the devices its parameters are on: where its missing state belongs on a resume.
 
-    def __init__(self, tensors: Mapping[str, Any], optimizer_devices: Mapping[str, set[torch.device]]) -> None:
+    ``overwrite=False``: the tensors only say what to build (shapes, devices, DTensor
+    placements); a restore reads into new memory, so a failed one leaves them intact.
+    """
+
+    def __init__(self, tensors: Mapping[str, Any], optimizer_devices: Mapping[str, set[torch.device]],
+                 *, overwrite: bool = True) -> None:
         super().__init__(tensors)
         self.optimizer_devices = dict(optimizer_devices)
+        self.overwrite = overwrite
 
 
-def live_tensors(tensors: Mapping[str, Any], objects: Mapping[str, Any]) -> LiveTensors:
+def live_tensors(tensors: Mapping[str, Any], objects: Mapping[str, Any], *, overwrite: bool = True) -> LiveTensors:
     """``tensors`` with the devices of each optimizer's parameters (``param_groups``) in ``objects``."""
     devices = {name: {p.device for g in obj.param_groups for p in g["params"]}
                for name, obj in objects.items() if isinstance(obj, torch.optim.Optimizer)}
-    return LiveTensors(tensors, devices)
+    return LiveTensors(tensors, devices, overwrite=overwrite)
 
 
 class SaveHandle:

@@ -234,9 +234,13 @@ def _shared(name: str, spec: Any, ranks: Mapping[str, Any], world: int) -> None:
     pieces = spec.get("pieces")
     if not isinstance(pieces, list):
         raise Invalid(f"{what} has no list of pieces")
+    writers: set[int] = set()
     for p in pieces:
         p = _dict(p, f"{what} piece")
         r = _int(p.get("rank"), f"{what} piece rank", hi=world - 1)
+        if r in writers:  # one piece per tensor per rank file: a file's entry backs one piece only
+            raise Invalid(f"{what}: rank {r} is named for two pieces; a rank file holds one piece of a tensor")
+        writers.add(r)
         start = _int(p.get("start"), f"{what} piece start")
         nbytes = _int(p.get("nbytes"), f"{what} piece nbytes")
         held = ranks[str(r)]["tensors"].get(name)

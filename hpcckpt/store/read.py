@@ -66,7 +66,7 @@ def load_rank(info: catalog.CheckpointInfo, rank: int, world: int, *, into: Mapp
     try:
         tensors = _read_local(info, rec, local, into, in_place)
         if shared:
-            tensors.update(_read_shared(info, manifest, shared, into, in_place))
+            tensors.update(_read_shared(info, manifest, shared, into, in_place, rec.get("meta")))
     finally:
         if stats is not None:
             stats.update(in_place.get("stats", {}))
@@ -96,17 +96,25 @@ def _read_local(info: catalog.CheckpointInfo, rec: Mapping[str, Any], entries: d
     if rec["format"] != "hdf5":
         raise CheckpointCorrupt(f"{info.path}: unknown rank file format {rec['format']!r}")
     homes = _optimizer_homes(rec.get("meta"), entries, into)
+    targets = into if getattr(into, "overwrite", True) else None  # else shapes only: new memory
     stats: dict[str, Any] = {}
     try:
-        return hdf5.read_tensors(path, entries, into={**into, **homes} if homes else into, stats=stats)
+        return hdf5.read_tensors(path, entries, into={**(targets or {}), **homes} if homes else targets,
+                                 stats=stats)
     finally:
         if homes:  # new memory: nothing live was overwritten there
             stats["in_place_bytes"] = stats.get("in_place_bytes", 0) - sum(entries[n].nbytes for n in homes)
         _add_stats(acc, stats)
 
 
-def _target(name: str, spec: Mapping[str, Any], live: Any) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
-    """(result, contiguous destination, its first byte in the global tensor, in place) for one shared tensor."""
+def _target(name: str, spec: Mapping[str, Any], live: Any, *, overwrite: bool,
+            home: torch.device | None) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
+    """(result, contiguous destination, its first byte in the global tensor, in place) for one shared tensor.
+
+    ``overwrite=False``: the live tensor only gives shape, device and DTensor placement;
+    the bytes go to new memory. ``home``: the device of new memory for optimizer state
+    the live optimizer does not hold yet (``_home_devices``).
+    """
     dtype = hdf5.torch_dtype(str(spec["dtype"]))
     shape = tuple(int(d) for d in spec["shape"])
     if _is_dtensor(live):
@@ -114,24 +122,36 @@ def _target(name: str, spec: Mapping[str, Any], live: Any) -> tuple[torch.Tensor
             raise ConfigError(f"state tensor {name!r} is {tuple(live.shape)} {live.dtype} now and was saved as "
                               f"{shape} {dtype}; the model must have the same shapes to resume")
         local, start, _ = dtensor_range(live, name)
-        if not local.is_contiguous():
-            raise ConfigError(f"state tensor {name!r}: its local shard is not contiguous; cannot restore into it")
-        return live, local, start, True
-    if (isinstance(live, torch.Tensor) and live.layout == torch.strided and live.dtype == dtype
+        if overwrite:
+            if not local.is_contiguous():
+                raise ConfigError(f"state tensor {name!r}: its local shard is not contiguous; cannot restore into it")
+            return live, local, start, True
+        from torch.distributed.tensor import DTensor
+        fresh = torch.empty(local.shape, dtype=dtype, device=local.device)
+        built = DTensor.from_local(fresh, live.device_mesh, live.placements, run_check=False,
+                                   shape=live.shape, stride=live.stride())
+        return built, fresh, start, False
+    if (overwrite and isinstance(live, torch.Tensor) and live.layout == torch.strided and live.dtype == dtype
             and tuple(live.shape) == shape and live.is_contiguous() and not live.is_conj() and not live.is_neg()):
         return live, live, 0, True
-    fresh = torch.empty(shape, dtype=dtype)
+    device = live.device if isinstance(live, torch.Tensor) and tuple(live.shape) == shape else home
+    fresh = torch.empty(shape, dtype=dtype, device=device)
     return fresh, fresh, 0, False
 
 
 def _read_shared(info: catalog.CheckpointInfo, manifest: Mapping[str, Any], shared: Mapping[str, Any],
-                 into: Mapping[str, Any] | None, acc: dict[str, Any]) -> dict[str, torch.Tensor]:
+                 into: Mapping[str, Any] | None, acc: dict[str, Any], meta: Any) -> dict[str, torch.Tensor]:
     """Every distributed tensor this rank needs, piece by piece, from the files that hold them."""
+    overwrite = getattr(into, "overwrite", True)
+    homes = _home_devices(meta, {n: TensorEntry(n, str(sp["dtype"]), tuple(int(d) for d in sp["shape"]), 0,
+                                                sum(int(p["nbytes"]) for p in sp["pieces"]))
+                                 for n, sp in shared.items()}, into)
     out: dict[str, torch.Tensor] = {}
     jobs: dict[int, list[tuple[str, TensorEntry, torch.Tensor, Any]]] = {}  # writer rank -> reads
     spans: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (temp piece, destination bytes, offset)
     for name, spec in shared.items():
-        result, dest, lo, live = _target(name, spec, (into or {}).get(name))
+        result, dest, lo, live = _target(name, spec, (into or {}).get(name), overwrite=overwrite,
+                                         home=homes.get(name))
         out[name] = result
         flat = dest.detach().reshape(-1).view(torch.uint8)
         hi = lo + flat.numel()

@@ -114,6 +114,8 @@ CASES = {
     "bad dtype": (lambda m: _split(m).update(dtype="object"), "dtype"),
     "shape past its bytes": (lambda m: _split(m).update(shape=[400_001]), "cover"),
     "unknown format": (lambda m: m.update(format="hpcckpt/9"), "upgrade hpcckpt"),
+    "one rank named for two pieces": (lambda m: _split(m)["pieces"][1].update(rank=_split(m)["pieces"][0]["rank"]),
+                                      "two pieces"),
     "dangling reference": (lambda m: m["shared"].pop("objects/model/b"), "does not hold"),
 }
 
@@ -142,3 +144,23 @@ def test_check_replicas_refuses_tensors_that_differ_between_ranks() -> None:
     with pytest.raises(CheckpointFailed, match=r"'objects/model/b' is declared replicated but its bytes differ "
                                                r"between rank 0 and rank 1.*replicated='none'"):
         merge_shared([record(same, 0), record(other, 1)])
+
+
+def test_parameters_ddp_ignores_stay_local() -> None:
+    """DDP leaves ignored parameters unsynchronised: each rank keeps (and restores) its own."""
+    from hpcckpt.state import TrainState
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model._ddp_params_and_buffers_to_ignore = ["1.bias"]  # what DDP's ignore helper sets
+    opt_all = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_synced = torch.optim.SGD([p for n, p in model.named_parameters() if n != "1.bias"], lr=0.1)
+    state = TrainState()
+    state.register("model", model)
+    state.register("opt_all", opt_all)
+    state.register("opt_synced", opt_synced)
+    state.rank, state.world, state.replicated = 0, 2, "models"
+    where = state.placement()
+    assert where.is_replicated("objects/model/0.weight") and where.is_replicated("objects/model/1.weight")
+    assert not where.is_replicated("objects/model/1.bias")
+    # An optimizer over an unsynchronised parameter is not a replica either.
+    assert where.is_replicated("objects/opt_synced/state/0/momentum_buffer")
+    assert not where.is_replicated("objects/opt_all/state/0/momentum_buffer")
