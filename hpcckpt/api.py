@@ -88,6 +88,7 @@ class Checkpointer:
         self._restore_s = 0.0
         self._sampler: ResumableSampler | None = None
         self._fresh_ok = False
+        self._jit: Any = None  # hpcckpt.jit.JitGuard with jit=True, from the first step on
         self._initialized: list[torch.optim.Optimizer] = []  # optimizers whose state a restore created
         self._handles: list[SaveHandle] = []
         self._started = False
@@ -284,11 +285,17 @@ class Checkpointer:
             return
         self._started = True
         self._load()
+        if self.options.jit:  # collective: every rank starts it, after the restore
+            from .jit import JitGuard
+            self._jit = JitGuard(self)
+            self._jit.start()
         if self.ranks.is_coordinator:
             self.ledger.append("start", resumed_from=self.resumed_from, restore_s=round(self._restore_s, 6),
                                engine=self.options.engine, world_size=self.ranks.world)
 
     def _boundary(self) -> None:
+        if self._jit is not None:
+            self._jit.at_boundary(self.step)  # the small state of this boundary, for a JIT save
         self._reap()
         for r in self.signals.log_new():  # every rank logs what it received
             self.ledger.append("signal", signum=r.signum, signame=r.name, step=self.step,
@@ -408,6 +415,9 @@ class Checkpointer:
     # -- lifecycle ---------------------------------------------------------------
 
     def close(self) -> None:
+        if self._jit is not None:  # first: a failure it saw ends the process here, with exit 75
+            jit, self._jit = self._jit, None
+            jit.close()
         self.engine.close()  # first: its finisher thread uses the background group
         self.ranks.close()
         self.signals.uninstall()

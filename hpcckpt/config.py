@@ -160,6 +160,10 @@ TUNABLES: dict[str, Tunable] = {t.env.removeprefix("HPCCKPT_").lower(): t for t 
             f"one of {', '.join(REPLICATED)} (which registered state is identical on every rank)", "models"),
     Tunable("HPCCKPT_CHECK_REPLICAS", parse_bool, lambda v: isinstance(v, bool),
             "a boolean (1/0, true/false): checksum the replicated tensors at each save and compare ranks", "1"),
+    Tunable("HPCCKPT_JIT", parse_bool, lambda v: isinstance(v, bool),
+            "a boolean (1/0, true/false): survivors write a checkpoint when a rank dies or hangs", "1"),
+    Tunable("HPCCKPT_JIT_TIMEOUT_S", parse_float, lambda v: v is None or (_is_num(v) and 0.5 <= v <= 3600),
+            "seconds from 0.5 to 3600 a silent rank may take before it counts as failed", "5"),
     Tunable("HPCCKPT_MEMORY_BUDGET_BYTES", parse_bytes, lambda v: v is None or (_is_int(v) and v > 0),
             "a positive byte count (K, M, G, T suffixes are binary)", "4GiB"),
     Tunable("HPCCKPT_STAGING_BYTES", parse_bytes, lambda v: v is None or (_is_int(v) and v > 0),
@@ -186,7 +190,7 @@ TUNABLES: dict[str, Tunable] = {t.env.removeprefix("HPCCKPT_").lower(): t for t 
             "epoch seconds when the job will be stopped", "1767225600"),
     *(Tunable(f"HPCCKPT_REQUEUE_MAX_{key}", parse_int, lambda v: _is_int(v) and v >= 0,
               "a whole number of requeues >= 0", "10")
-      for key in ("TIME_LIMIT", "PREEMPTION", "SIGNAL", "FAILURE", "FAILURES_WITHOUT_PROGRESS")),
+      for key in ("TIME_LIMIT", "PREEMPTION", "SIGNAL", "FAILURE", "RANK_FAILURE", "FAILURES_WITHOUT_PROGRESS")),
 )}
 
 
@@ -259,6 +263,8 @@ class CheckpointOptions:
     on_corrupt: str = "raise"
     replicated: str = "auto"
     check_replicas: bool = False  # debug: compare checksums of the replicated tensors across ranks at each save
+    jit: bool = False  # just-in-time checkpoint by the survivors when a rank dies or hangs (hpcckpt.jit)
+    jit_timeout_s: float | None = None  # how long a silent rank may take before it counts as failed
 
     def __post_init__(self) -> None:
         if self.every_steps is not None and not (_is_int(self.every_steps) and self.every_steps > 0):
@@ -266,7 +272,7 @@ class CheckpointOptions:
                               "or None; e.g. every_steps=100 or HPCCKPT_EVERY_STEPS=100")
         for option in ("engine", "overhead_bound", "keep", "deadline_margin_s", "max_async", "writer_threads",
                        "on_busy", "memory_budget_bytes", "staging_bytes", "direct", "on_corrupt", "replicated",
-                       "check_replicas"):
+                       "check_replicas", "jit", "jit_timeout_s"):
             validate(option, getattr(self, option))
         if not self.signals:
             raise ConfigError("signals=() leaves no stop signal; e.g. signals=('SIGUSR2', 'SIGTERM') "
@@ -327,6 +333,8 @@ def resolve_options(
     on_corrupt: str | None = None,
     replicated: str | None = None,
     check_replicas: bool | None = None,
+    jit: bool | None = None,
+    jit_timeout_s: float | None = None,
 ) -> CheckpointOptions:
     """Build options from arguments, then ``HPCCKPT_*`` variables, then defaults."""
     raw_dir = dir if dir is not None else os.environ.get("HPCCKPT_DIR")
@@ -359,4 +367,6 @@ def resolve_options(
         on_corrupt=pick(on_corrupt, "ON_CORRUPT", "raise", str),
         replicated=pick(replicated, "REPLICATED", "auto", str),
         check_replicas=pick(check_replicas, "CHECK_REPLICAS", False, parse_bool),
+        jit=pick(jit, "JIT", False, parse_bool),
+        jit_timeout_s=pick(jit_timeout_s, "JIT_TIMEOUT_S", None, parse_float),  # type: ignore[arg-type]
     )

@@ -45,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
         f"{_fmt(r.save_s, 's'):>7} {_fmt(r.queue_wait_s, 's'):>7} {_fmt(r.restore_s, 's'):>7}"
         for r in rows]
     info = summary(events, rows)
+    lines += [f"! #{r.index}: rank(s) {', '.join(map(str, r.failed_ranks))} failed; the survivors saved step "
+              f"{_fmt(r.committed_step)} just in time" for r in rows if r.failed_ranks]
     lines.append(f"{info['interruptions']} interruption(s), {info['lost_steps_total']} lost step(s), "
                  f"{'finished' if info['finished'] else 'not finished'}")
     # A failed CRIU dump is no interruption (the job ran on) but must not go unseen.

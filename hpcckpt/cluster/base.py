@@ -31,6 +31,7 @@ class Cause(str, Enum):
     PREEMPTION = "preemption"
     MAINTENANCE = "maintenance"
     NODE_FAILURE = "node_failure"
+    RANK_FAILURE = "rank_failure"  # a rank died or hung; the survivors saved (JIT) and requeued
     USER_CANCEL = "user_cancel"
     SIGNAL = "signal"
     FAILURE = "failure"
@@ -50,7 +51,7 @@ class Cause(str, Enum):
         norm = text.strip().lower().replace("-", "_")
         aliases = {"timeout": cls.TIME_LIMIT, "deadline": cls.TIME_LIMIT,
                    "preempted": cls.PREEMPTION, "maint": cls.MAINTENANCE,
-                   "node_fail": cls.NODE_FAILURE, "cancelled": cls.USER_CANCEL,
+                   "node_fail": cls.NODE_FAILURE, "rank_fail": cls.RANK_FAILURE, "cancelled": cls.USER_CANCEL,
                    "error": cls.FAILURE, "failed": cls.FAILURE}
         if norm in aliases:
             return aliases[norm]

@@ -30,6 +30,7 @@ _BUDGET_KEY = {
     Cause.PREEMPTION: "preemption",
     Cause.MAINTENANCE: "preemption",
     Cause.NODE_FAILURE: "preemption",
+    Cause.RANK_FAILURE: "rank_failure",
     Cause.SIGNAL: "signal",
     Cause.USER_CANCEL: "signal",
     Cause.FAILURE: "failure",
@@ -46,13 +47,14 @@ class BudgetOptions:
     max_preemption: int = 100
     max_signal: int = 100
     max_failure: int = 5
+    max_rank_failure: int = 20  # JIT saves after a rank died or hung (hardware, or a bug that repeats)
     max_failures_without_progress: int = 2
 
     @classmethod
     def from_env(cls) -> BudgetOptions:
         base = cls()
         return cls(**{name: env_value(f"requeue_{name}", getattr(base, name))
-                      for name in ("max_time_limit", "max_preemption", "max_signal", "max_failure",
+                      for name in ("max_time_limit", "max_preemption", "max_signal", "max_failure", "max_rank_failure",
                                    "max_failures_without_progress")})
 
     def limit(self, key: str) -> int:

@@ -171,13 +171,15 @@ def classify(stop: Mapping[str, object] | None, signame: str | None, signal_time
     shows there even when the job stopped early on the moved end time).
     """
     reason = str(stop.get("reason", "")) if stop else ""
-    site = {Cause.PREEMPTION, Cause.NODE_FAILURE, Cause.MAINTENANCE}
+    site = {Cause.PREEMPTION, Cause.NODE_FAILURE, Cause.MAINTENANCE, Cause.RANK_FAILURE}
     if requeue_cause and Cause.parse(requeue_cause) in site:
         return Cause.parse(requeue_cause)
     if reason in {"deadline", "time_limit"}:
         return Cause.TIME_LIMIT
     if reason in {"maintenance", "drain"}:
         return Cause.MAINTENANCE
+    if reason == "rank_failure":
+        return Cause.RANK_FAILURE
     if run is not None and run.cause not in (None, Cause.DONE, Cause.FAILURE):
         return run.cause  # type: ignore[return-value]
     if signame in {"SIGTERM", "TERM"}:

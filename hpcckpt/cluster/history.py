@@ -37,6 +37,7 @@ class Interruption:
     restore_s: float | None
     requeue_method: str | None
     requeue_detail: str | None
+    failed_ranks: list[int] | None = None  # a rank failure (JIT): which ranks died or hung
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,6 +71,8 @@ def _float(value: Any) -> float | None:
 
 def _last_step(run: Sequence[Event]) -> int | None:
     steps = [_int(e.get("step")) for e in run if e.get("event") in {"signal", "commit", "stop"}]
+    # A rank failure loses the step in flight (the JIT checkpoint holds the one before it).
+    steps += [_int(e.get("lost_step")) for e in run if e.get("event") == "rank_failure"]
     known = [s for s in steps if s is not None]
     return max(known) if known else None
 
@@ -116,7 +119,14 @@ def _interruption(index: int, run: Sequence[Event], nxt: Sequence[Event] | None,
         queue_wait_s=(next_time - end_time if next_time is not None and end_time is not None else None),
         restore_s=_float(start_next.get("restore_s")) if start_next else None,
         requeue_method=str(req.get("method")) if req else None,
-        requeue_detail=str(req.get("detail")) if req else None)
+        requeue_detail=str(req.get("detail")) if req else None,
+        failed_ranks=_failed_ranks(run))
+
+
+def _failed_ranks(run: Sequence[Event]) -> list[int] | None:
+    ev = _last(run, "rank_failure")
+    ranks = ev.get("failed_ranks") if ev else None
+    return sorted(r for r in ranks if _int(r) is not None) if isinstance(ranks, list) else None
 
 
 def interruptions(events: Sequence[Event], *, slurm: Sequence[RunRecord] | None = None) -> list[Interruption]:

@@ -78,7 +78,7 @@ def test_failed_rank_jit_requeue_and_identical_resume(slurm_cluster: SlurmCluste
     commits = [e for e in ledger if e["event"] == "commit"]
     assert [(c["step"], c.get("jit")) for c in commits] == [(at, True)], commits
     requeue = [e for e in ledger if e["event"] == "requeue" and e.get("requeued")]
-    assert requeue and requeue[-1]["cause"] in ("node_failure", "rank_failure"), requeue
+    assert requeue and requeue[-1]["cause"] == "rank_failure", requeue
     starts = [e for e in ledger if e["event"] == "start"]
     assert [s["resumed_from"] for s in starts] == [None, at], starts
     for r in range(WORLD):
@@ -87,4 +87,6 @@ def test_failed_rank_jit_requeue_and_identical_resume(slurm_cluster: SlurmCluste
         assert _same(got, torch.load(reference / f"final-{r}.pt", weights_only=True)), f"rank {r} differs"
     history = slurm_cluster.history(run_dir / "ckpt")
     assert len(history["rows"]) == 1 and history["rows"][0]["committed_step"] == at, history
-    assert history["rows"][0]["resumed_step"] == at, history
+    row = history["rows"][0]
+    assert row["resumed_step"] == at and row["cause"] == "rank_failure", history
+    assert row["failed_ranks"] == [victim] and row["lost_steps"] == 1, history  # the step in flight

@@ -1,4 +1,4 @@
-"""One rank of a gloo DDP job (tiny MLP, no dropout) watched by a ``JitGuard``.
+"""One rank of a gloo DDP job (tiny MLP, no dropout) with ``Checkpointer(jit=True)``.
 
 Run by tests/unit/test_jit.py: ``python -m tests.unit.jit_worker RANK PORT ROOT CONFIG_JSON``;
 under srun (tests/integration/test_slurm_jit.py) RANK is ``slurm`` and PORT is ignored: the
@@ -30,7 +30,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hpcckpt.api import Checkpointer
 from hpcckpt.data import ResumableSampler
-from hpcckpt.jit import JitGuard
 
 
 def fault(rank: int, step: int, cfg: dict, where: str, root: Path) -> None:
@@ -77,24 +76,21 @@ def main() -> None:
                 find_unused_parameters=True)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
-    with Checkpointer(root / "ckpt", engine="sync", every_steps=cfg.get("every"), keep=10) as ck:
+    active = False
+    with Checkpointer(root / "ckpt", engine="sync", every_steps=cfg.get("every"), keep=10, jit=True,
+                      jit_timeout_s=float(cfg["timeout"])) as ck:
         resumed = ck.register(model=model, optimizer=opt, scheduler=sched, sampler=sampler)
-        guard = JitGuard(ck, timeout_s=float(cfg["timeout"]))
-        guard.start()
-        try:
-            for step, (x, y) in ck.loop(loader, int(cfg["total"])):
-                fault(rank, step, cfg, "boundary", root)
-                loss = F.cross_entropy(model(x), y)
-                opt.zero_grad()
-                fault(rank, step, cfg, "forward", root)
-                loss.backward()
-                opt.step()
-                sched.step()
-                guard.at_boundary(step + 1)
-        finally:
-            guard.close()
+        for step, (x, y) in ck.loop(loader, int(cfg["total"])):
+            active = active or bool(ck._jit is not None and ck._jit.active)
+            fault(rank, step, cfg, "boundary", root)
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            fault(rank, step, cfg, "forward", root)
+            loss.backward()
+            opt.step()
+            sched.step()
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, root / f"final-{rank}.pt")
-    (root / f"result-{rank}.json").write_text(json.dumps({"resumed": resumed, "jit_active": guard.active}))
+    (root / f"result-{rank}.json").write_text(json.dumps({"resumed": resumed, "jit_active": active}))
     dist.destroy_process_group()
 
 
