@@ -20,6 +20,23 @@ and per engine ``bytes_vs_state`` (at N ranks) and ``persist_vs_1_rank``
 (``persist_s`` at N over ``persist_s`` at 1). The ranks of one machine share its
 disk and cores, so the persist ratio measures how the write splits, not how a
 parallel file system scales with nodes.
+
+Then the steady-state cost of ``jit=True`` with no failure (``run_jit``): N fresh ranks
+train the same small DDP model (``rankproc.JIT_*``, tens of milliseconds a step here)
+through ``Checkpointer(dir, engine="concurrent", every_steps=None, jit=False)`` and then
+``jit=True``, in the same processes on the same model and data stream, ``jit_rounds``
+times (the arm that runs first alternates by round); each arm skips ``jit_warmup``
+steps, then times ``jit_steps`` steps with their boundaries. Per round the arm's time
+is the slowest rank's and the overhead is ``(on - off) / off``; ``overhead`` is the
+median over rounds; ``cpu_overhead`` the median over rounds of the same ratio on the
+CPU time the ranks' processes used over the timed steps (every thread, the heartbeat's
+included): on a machine whose cores other work shares, wall-clock rounds vary by
+several percent and the CPU time is the steadier figure; ``guard_cpu_share`` the median
+share of the jit=True arm's CPU time that the guard itself used (its boundary copies,
+its heartbeat thread and that thread's gloo group: a direct figure, not a difference); ``step_s_off``/``step_s_on`` the median per-step times, and
+``boundary_s`` the median time of the guard's own work at a step boundary
+(``JitGuard.at_boundary``, timed around the call) with ``boundary_vs_step`` its share
+of a step. The heartbeat thread's cost shows only in the overhead.
 """
 from __future__ import annotations
 
@@ -43,6 +60,9 @@ ENGINES = ("sync", "concurrent")
 DEFAULT_GB = 0.5  # N ranks each hold the whole state (DDP): N x this in memory
 QUICK_GB = 0.016
 DEFAULT_ROUNDS = 3
+# The JIT overhead: rounds of (jit off, jit on), timed steps per arm, untimed warm-up steps per arm.
+JIT_ROUNDS, JIT_STEPS, JIT_WARMUP = 10, 30, 5
+QUICK_JIT_ROUNDS, QUICK_JIT_STEPS, QUICK_JIT_WARMUP = 2, 15, 3
 # Bytes on disk at the worst moment, per byte of state: the kept checkpoint and the one
 # being committed (each run's directory is removed before the next starts), with room to spare.
 DISK_FACTOR = 3
@@ -60,6 +80,9 @@ class RanksOptions:
     dir: Path | None = None
     quick: bool = False
     direct: bool | None = None
+    jit_rounds: int = JIT_ROUNDS
+    jit_steps: int = JIT_STEPS
+    jit_warmup: int = JIT_WARMUP
 
     @staticmethod
     def make(*, ranks: int, size_gb: float | None, dir: Path | None, quick: bool,
@@ -70,7 +93,10 @@ class RanksOptions:
                               "baseline), e.g. --ranks 4")
         size = check_size_gb(size_gb) or (QUICK_GB if quick else DEFAULT_GB)
         return RanksOptions(ranks=ranks, size_bytes=int(size * GB), rounds=1 if quick else DEFAULT_ROUNDS,
-                            dir=dir, quick=quick, direct=direct)
+                            dir=dir, quick=quick, direct=direct,
+                            jit_rounds=QUICK_JIT_ROUNDS if quick else JIT_ROUNDS,
+                            jit_steps=QUICK_JIT_STEPS if quick else JIT_STEPS,
+                            jit_warmup=QUICK_JIT_WARMUP if quick else JIT_WARMUP)
 
 
 def check_room(o: RanksOptions, directory: Path) -> None:
@@ -201,6 +227,57 @@ def _one_world(o: RanksOptions, engine: str, world: int, base: Path) -> dict[str
             "format": manifest.get("format"), "world_size": manifest.get("world_size")}
 
 
+def run_jit(o: RanksOptions, base: Path) -> dict[str, Any]:
+    """The steady-state overhead of ``jit=True`` on ``o.ranks`` ranks (see the module doc)."""
+    from ..demo.runtime import module_cmd
+    from . import rankproc
+
+    world, out = o.ranks, base / "jit"
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    cmds = [[*module_cmd("hpcckpt.bench.rankproc"), "--rank", str(r), "--world", str(world), "--port", str(port),
+             "--dir", str(out / "ckpt"), "--rounds", str(o.jit_rounds), "--jit-steps", str(o.jit_steps),
+             "--jit-warmup", str(o.jit_warmup), "--out", str(out / f"result-r{r}.json")] for r in range(world)]
+    logs = [out / f"log-r{r}.txt" for r in range(world)]
+    env = {k: v for k, v in rank_env().items() if not k.startswith("HPCCKPT_JIT")}  # the bench sets jit itself
+    run_procs(cmds, logs, what=f"jit=False against jit=True on {world} ranks", env=env,
+              timeout_s=600 + 4 * o.jit_rounds * (o.jit_steps + o.jit_warmup))
+    results = [json.loads((out / f"result-r{r}.json").read_text())["jit"] for r in range(world)]
+    shutil.rmtree(out, ignore_errors=True)
+    per_round = []
+    for k in range(o.jit_rounds):
+        off = max(res["off_s"][k] for res in results)
+        on = max(res["on_s"][k] for res in results)
+        cpu_off = sum(res["off_cpu_s"][k] for res in results)
+        cpu_on = sum(res["on_cpu_s"][k] for res in results)
+        guard = sum(res["guard_cpu_s"][k] for res in results)
+        per_round.append({"round": k, "first": "off" if k % 2 == 0 else "on", "off_s": off, "on_s": on,
+                          "overhead": (on - off) / off,
+                          "cpu_overhead": cpu_on / cpu_off - 1.0 if cpu_off > 0 else None,
+                          "guard_cpu_share": guard / cpu_on if cpu_on > 0 else None,
+                          "guard_cpu_s_per_step": guard / world / o.jit_steps,
+                          "boundary_s": max(res["boundary_s"][k] for res in results),
+                          "heartbeats": min(res["heartbeats"][k] for res in results)})
+    step_off = statistics.median(r["off_s"] for r in per_round) / o.jit_steps
+    step_on = statistics.median(r["on_s"] for r in per_round) / o.jit_steps
+    boundary = statistics.median(r["boundary_s"] for r in per_round)
+    return {"world": world, "steps": o.jit_steps, "rounds": o.jit_rounds, "warmup": o.jit_warmup,
+            "engine": "concurrent", "every_steps": None,
+            "model": {"width": rankproc.JIT_WIDTH, "layers": rankproc.JIT_LAYERS, "rows": rankproc.JIT_ROWS},
+            "step_s_off": step_off, "step_s_on": step_on,
+            "overhead": statistics.median(r["overhead"] for r in per_round),
+            "overhead_min": min(r["overhead"] for r in per_round),
+            "overhead_max": max(r["overhead"] for r in per_round),
+            "cpu_overhead": statistics.median(r["cpu_overhead"] for r in per_round if r["cpu_overhead"] is not None)
+            if any(r["cpu_overhead"] is not None for r in per_round) else None,
+            "guard_cpu_s_per_step": statistics.median(r["guard_cpu_s_per_step"] for r in per_round),
+            "guard_cpu_share": statistics.median(r["guard_cpu_share"] for r in per_round
+                                                 if r["guard_cpu_share"] is not None)
+            if any(r["guard_cpu_share"] is not None for r in per_round) else None,
+            "boundary_s": boundary, "boundary_vs_step": boundary / step_off if step_off > 0 else None,
+            "per_round": per_round}
+
+
 def run_ranks(o: RanksOptions, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Measure each engine at 1 and ``o.ranks`` ranks; return the result tree (see the module doc)."""
     import torch
@@ -225,14 +302,22 @@ def run_ranks(o: RanksOptions, progress: Callable[[str], None] = lambda s: None)
             row["bytes_vs_state"] = many["bytes_per_checkpoint"] / many["state_bytes"]
             row["persist_vs_1_rank"] = many["persist_s"] / one["persist_s"] if one["persist_s"] > 0 else None
             engines[engine] = row
+        progress(f"[bench --ranks {time.monotonic() - t0:6.1f}s] jit=False against jit=True on {o.ranks} ranks: "
+                 f"{o.jit_rounds} rounds of {o.jit_steps} timed steps per arm (after {o.jit_warmup} warm-up steps)")
+        jit = run_jit(o, base)
+        progress(f"[bench --ranks {time.monotonic() - t0:6.1f}s] jit overhead {100 * jit['overhead']:+.2f}% "
+                 f"(median of {o.jit_rounds} rounds; step {1e3 * jit['step_s_off']:.1f} ms off, "
+                 f"{1e3 * jit['step_s_on']:.1f} ms on)")
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return {
         "ranks": o.ranks,
         "state_bytes": engines["sync"]["1"]["state_bytes"],
         "engines": engines,
+        "jit": jit,
         "machine": {"cpus": os.cpu_count(), "dir": str(o.dir or tempfile.gettempdir()), "torch": torch.__version__},
-        "options": {"size_bytes": o.size_bytes, "rounds": o.rounds, "quick": o.quick, "direct": o.direct},
+        "options": {"size_bytes": o.size_bytes, "rounds": o.rounds, "quick": o.quick, "direct": o.direct,
+                    "jit_rounds": o.jit_rounds, "jit_steps": o.jit_steps, "jit_warmup": o.jit_warmup},
     }
 
 
@@ -256,4 +341,21 @@ def text(res: dict[str, Any]) -> str:
                          f"{e['bytes_per_checkpoint'] / e['state_bytes']:>10.2f}  {shares} ({share})")
     lines.append("the ranks share this machine's disk and cores: the persist ratio shows how the write splits, "
                  "not how a parallel file system scales with nodes")
+    j = res.get("jit")
+    if j:
+        m = j["model"]
+        pct = lambda v: "n/a" if v is None else f"{100 * v:+.2f}%"  # noqa: E731
+        lines += [
+            f"jit=True against jit=False on {j['world']} ranks, no failure (concurrent engine, every_steps=None; "
+            f"DDP MLP {m['layers']}x{m['width']}, {m['rows']} rows a step), {j['rounds']} paired rounds of "
+            f"{j['steps']} timed steps per arm after {j['warmup']} warm-up steps:",
+            f"  wall-clock overhead {pct(j['overhead'])} (median; rounds {pct(j['overhead_min'])} to "
+            f"{pct(j['overhead_max'])}: " + ", ".join(f"{100 * r['overhead']:+.1f}%" for r in j["per_round"])
+            + f"); step {1e3 * j['step_s_off']:.2f} ms off, {1e3 * j['step_s_on']:.2f} ms on",
+            f"  CPU time of the ranks {pct(j['cpu_overhead'])} (median); the guard's own: boundary copy "
+            f"{1e3 * j['boundary_s']:.3f} ms a step ({100 * (j['boundary_vs_step'] or 0):.2f}% of a step), with its "
+            f"heartbeat thread and gloo group {1e3 * j['guard_cpu_s_per_step']:.3f} ms a step per rank = "
+            + ("n/a" if j["guard_cpu_share"] is None else f"{100 * j['guard_cpu_share']:.2f}%")
+            + " of the ranks' CPU time",
+        ]
     return "\n".join(lines)

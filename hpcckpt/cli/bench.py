@@ -12,7 +12,10 @@ holds only the result. Run as root for true cold-cache reads (drop_caches).
 With --ranks N: a DDP job (synthetic model + Adam, gloo on CPU) on 1 and on N local
 ranks, per engine: bytes written per rank and per checkpoint against the state's size
 (replicated state is written once, striped over the ranks) and the persist time of a
-blocking save against 1 rank (default state 0.5 GB, --quick 0.016 GB).
+blocking save against 1 rank (default state 0.5 GB, --quick 0.016 GB); then the
+steady-state overhead of jit=True with no failure on N ranks: the same DDP training
+loop with jit=False and jit=True, in paired rounds (wall clock, CPU time, and the JIT
+guard's own cost at a step boundary).
 """
 from __future__ import annotations
 
@@ -56,7 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         "with --ranks: the state of the DDP job, default 0.5, --quick 0.016)")
     p.add_argument("--ranks", type=ranks_arg, default=None, metavar="N",
                    help="bytes written per rank and per checkpoint, and persist time, of a DDP job on N local "
-                        "ranks against 1 rank (gloo on CPU; N >= 2)")
+                        "ranks against 1 rank, and the overhead of jit=True on N ranks (gloo on CPU; N >= 2)")
     p.add_argument("--device", default="auto", help="auto (cuda when a GPU is visible), cuda or cpu")
     p.add_argument("--dir", type=Path, default=None,
                    help="file system to measure (created if missing; default: the system temp dir)")

@@ -3,12 +3,15 @@
 The real command through the CLI entry (2 gloo ranks, --quick), asserting what must
 hold whatever the machine's speed: replicated state written once (bytes per
 checkpoint = state bytes at 2 ranks, for both engines), each rank a near-equal share,
-1 rank writing the whole state. Never a timing. Also: bad --ranks values, and that a
-failing or interrupted rank set is reported and reaped.
+1 rank writing the whole state. The JIT overhead part: its figures exist, are finite,
+and come from the rounds asked for, with the arms alternating (never a bound on the
+overhead itself: that is a timing). Also: bad --ranks values, and that a failing or
+interrupted rank set is reported and reaped.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -65,7 +68,60 @@ def test_ranks_2_quick_json_reports_bytes_written_once_and_persist_against_1_ran
         for share in two["share_per_rank"]:
             assert close(share, 0.5, 0.02), (name, two["share_per_rank"])
         assert close(row["persist_vs_1_rank"], two["persist_s"] / one["persist_s"], 1e-9)
+    jit = res["jit"]
+    assert jit["world"] == 2 and jit["rounds"] == ranks.QUICK_JIT_ROUNDS == len(jit["per_round"])
+    assert jit["steps"] == ranks.QUICK_JIT_STEPS and math.isfinite(jit["overhead"])
+    assert res["options"]["jit_rounds"] == ranks.QUICK_JIT_ROUNDS
+    assert "jit=False against jit=True on 2 ranks" in out.stderr
     assert os.listdir(work) == []  # the checkpoints and the ranks' logs are removed
+
+
+def _finite(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@pytest.mark.native
+@pytest.mark.slow
+def test_jit_overhead_pairs_off_and_on_arms_over_the_rounds_asked_for(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HPCCKPT_JIT", "0")  # the bench sets jit per arm whatever the environment says
+    o = ranks.RanksOptions(ranks=2, size_bytes=1, dir=tmp_path, jit_rounds=3, jit_steps=4, jit_warmup=1)
+    j = ranks.run_jit(o, tmp_path)
+    assert (j["world"], j["steps"], j["rounds"], j["warmup"]) == (2, 4, 3, 1)
+    assert j["engine"] == "concurrent" and j["every_steps"] is None
+    for key in ("step_s_off", "step_s_on", "overhead", "overhead_min", "overhead_max", "cpu_overhead",
+                "boundary_s", "boundary_vs_step", "guard_cpu_s_per_step", "guard_cpu_share"):
+        assert _finite(j[key]), (key, j[key])
+    assert j["step_s_off"] > 0 and j["step_s_on"] > 0
+    assert j["boundary_s"] > 0  # the guard ran: its boundary work was timed at every step
+    assert j["overhead_min"] <= j["overhead"] <= j["overhead_max"]
+    rounds = j["per_round"]
+    assert [r["round"] for r in rounds] == [0, 1, 2]
+    assert [r["first"] for r in rounds] == ["off", "on", "off"]  # the arm that runs first alternates
+    for r in rounds:
+        assert r["off_s"] > 0 and r["on_s"] > 0
+        assert math.isclose(r["overhead"], (r["on_s"] - r["off_s"]) / r["off_s"])
+        assert r["guard_cpu_share"] is None or 0 <= r["guard_cpu_share"] < 1
+    assert os.listdir(tmp_path) == []  # the ranks' directories and logs are removed
+    res = {"ranks": 2, "state_bytes": 1, "options": {"rounds": 1}, "engines": {}, "jit": j}
+    shown = ranks.text(res)
+    assert "2 ranks" in shown and "3 paired rounds of 4 timed steps" in shown and "1 warm-up" in shown
+    assert f"{100 * j['overhead']:+.2f}%" in shown
+
+
+@pytest.mark.parametrize("args", [
+    ["--jit-steps", "5", "--world", "1"],
+    ["--jit-steps", "-1", "--world", "2"],
+    ["--world", "2"],  # neither a state size nor --jit-steps
+])
+def test_rankproc_refuses_a_jit_run_it_cannot_do(args: list[str], tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from hpcckpt.bench import rankproc
+    with pytest.raises(SystemExit) as info:
+        rankproc.parse(["--rank", "0", "--port", "1", "--dir", str(tmp_path), "--rounds", "1",
+                        "--out", str(tmp_path / "r.json"), *args])
+    assert info.value.code == 2
+    assert "--" in capsys.readouterr().err
 
 
 def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
