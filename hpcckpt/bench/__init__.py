@@ -79,25 +79,37 @@ def check_size_gb(size_gb: float | None) -> float | None:
     return size_gb
 
 
-def check_room(o: BenchOptions, directory: Path) -> None:
-    """Refuse a size this file system (or this host's memory) cannot hold, before writing anything."""
+def require_room(directory: Path, size_bytes: int, *, disk_factor: int, memory_bytes: int,
+                 memory_what: str, option: str = "", other_fix: str = "") -> None:
+    """Refuse a size this file system or this host's memory cannot hold, before writing anything.
+
+    ``memory_bytes``: what the run holds in host memory; ``memory_what`` says what that is.
+    ``option``: more of the command line to name in the message (e.g. " --ranks 4");
+    ``other_fix``: another way out to offer (e.g. " or fewer --ranks").
+    """
+    gb = size_bytes / GB
     free = shutil.disk_usage(directory).free
-    need = DISK_FACTOR * o.size_bytes
+    need = disk_factor * size_bytes
     if need > free:
         raise ConfigError(
-            f"--size-gb {o.size_bytes / GB:g}: the bench needs about {DISK_FACTOR}x the state on disk "
+            f"--size-gb {gb:g}{option}: the bench needs about {disk_factor}x the state on disk "
             f"({need / GB:.1f} GB) and {directory} has {free / GB:.1f} GB free; give a smaller size "
-            f"(e.g. --size-gb {max(0.001, free / DISK_FACTOR / GB / 2):.3g}) or another --dir")
+            f"(e.g. --size-gb {max(0.001, free / disk_factor / GB / 2):.3g}) or another --dir")
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         return
-    # the synthetic state and its staging copy are both in host memory
-    if 2 * o.size_bytes > ram:
+    if memory_bytes > ram:
         raise ConfigError(
-            f"--size-gb {o.size_bytes / GB:g}: the bench holds the state and a staging copy in host memory "
-            f"({2 * o.size_bytes / GB:.1f} GB) and this host has {ram / GB:.1f} GB; "
-            f"give a smaller size (e.g. --size-gb {max(0.001, ram / 4 / GB):.3g})")
+            f"--size-gb {gb:g}{option}: the bench holds {memory_what} in host memory "
+            f"({memory_bytes / GB:.1f} GB) and this host has {ram / GB:.1f} GB; give a smaller size "
+            f"(e.g. --size-gb {max(0.001, gb * ram / memory_bytes / 2):.3g}){other_fix}")
+
+
+def check_room(o: BenchOptions, directory: Path) -> None:
+    """``require_room`` for the single-process bench: the state and its staging copy in memory."""
+    require_room(directory, o.size_bytes, disk_factor=DISK_FACTOR, memory_bytes=2 * o.size_bytes,
+                 memory_what="the state and a staging copy")
 
 
 def _targets(top: dict[str, Any], limits: dict[str, Any], over: dict[str, Any], device: str) -> dict[str, Any]:

@@ -101,25 +101,11 @@ class RanksOptions:
 
 def check_room(o: RanksOptions, directory: Path) -> None:
     """Refuse a size this file system or this host's memory cannot hold, before starting any rank."""
-    free = shutil.disk_usage(directory).free
-    need = DISK_FACTOR * o.size_bytes
-    gb = o.size_bytes / GB
-    if need > free:
-        raise ConfigError(
-            f"--size-gb {gb:g}: the bench needs about {DISK_FACTOR}x the state on disk ({need / GB:.1f} GB) "
-            f"and {directory} has {free / GB:.1f} GB free; give a smaller size "
-            f"(e.g. --size-gb {max(0.001, free / DISK_FACTOR / GB / 2):.3g}) or another --dir")
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return
-    need = MEMORY_FACTOR * o.ranks * o.size_bytes
-    if need > ram:
-        raise ConfigError(
-            f"--size-gb {gb:g} --ranks {o.ranks}: every rank holds the whole state, its gradients and a "
-            f"staging copy (about {need / GB:.1f} GB in all) and this host has {ram / GB:.1f} GB; give a "
-            f"smaller size (e.g. --size-gb {max(0.001, ram / MEMORY_FACTOR / o.ranks / GB / 2):.3g}) "
-            "or fewer --ranks")
+    from . import require_room
+    require_room(directory, o.size_bytes, disk_factor=DISK_FACTOR, option=f" --ranks {o.ranks}",
+                 memory_bytes=MEMORY_FACTOR * o.ranks * o.size_bytes,
+                 memory_what="every rank's whole state, its gradients and a staging copy",
+                 other_fix=" or fewer --ranks")
 
 
 def free_port() -> int:
