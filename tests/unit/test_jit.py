@@ -142,24 +142,16 @@ def _check_jit_and_resume(root: Path, reference: Path, codes: list[int | None], 
         assert _same(_final(root, r), _final(reference, r)), f"rank {r} differs from the uninterrupted run"
 
 
-def test_kill_of_a_nonzero_rank_mid_step(tmp_path: Path, reference: Path) -> None:
-    codes, outs = run_job(tmp_path, victim=2, at=7, how="kill")
-    _check_jit_and_resume(tmp_path, reference, codes, outs, victim=2, step=7)
-
-
-def test_kill_of_rank_zero(tmp_path: Path, reference: Path) -> None:
-    codes, outs = run_job(tmp_path, victim=0, at=5, how="kill")
-    _check_jit_and_resume(tmp_path, reference, codes, outs, victim=0, step=5)
-
-
-def test_kill_at_a_step_boundary(tmp_path: Path, reference: Path) -> None:
-    codes, outs = run_job(tmp_path, victim=3, at=11, how="kill_boundary")
-    _check_jit_and_resume(tmp_path, reference, codes, outs, victim=3, step=11)
-
-
-def test_stopped_rank_is_detected_by_the_heartbeat(tmp_path: Path, reference: Path) -> None:
-    codes, outs = run_job(tmp_path, victim=1, at=6, how="stop")
-    _check_jit_and_resume(tmp_path, reference, codes, outs, victim=1, step=6)
+@pytest.mark.parametrize(("victim", "at", "how"), [
+    (2, 7, "kill"),            # a non-zero rank killed mid-step
+    (0, 5, "kill"),            # rank 0 killed: the coordinator's role moves to a survivor
+    (3, 11, "kill_boundary"),  # killed at a step boundary
+    (1, 6, "stop"),            # SIGSTOPped: a hang, seen by the heartbeat
+], ids=["nonzero-rank-killed-mid-step", "rank-zero-killed", "killed-at-boundary", "rank-stopped"])
+def test_survivors_save_the_last_step_and_a_rerun_ends_identically(
+        tmp_path: Path, reference: Path, victim: int, at: int, how: str) -> None:
+    codes, outs = run_job(tmp_path, victim=victim, at=at, how=how)
+    _check_jit_and_resume(tmp_path, reference, codes, outs, victim=victim, step=at)
 
 
 def test_jit_checkpoint_resumes_on_fewer_ranks(tmp_path: Path, reference: Path) -> None:
