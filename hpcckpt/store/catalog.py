@@ -11,8 +11,8 @@ from typing import Any, Iterator
 
 from ..errors import CheckpointCorrupt, NoCheckpoint
 from .commit import LATEST, MANIFEST, TMP_MARK, discard, open_member, read_latest, read_manifest, verify_files
-from . import torchfile
-from .hdf5 import TensorEntry, verify_tensors
+from . import rankfile
+from .hdf5 import TensorEntry
 from .lock import reader_lock
 from .manifest import validate
 
@@ -118,10 +118,8 @@ def _verify_rank(path: Path, manifest: dict[str, Any], rank: int) -> list[str]:
         _, st = open_member(path, rec["file"])
         if st.st_size != manifest["files"][rec["file"]]["bytes"]:
             return []
-        if rec["format"] == "hdf5":
-            fname, entries = rank_entries(manifest, rank)
-            return verify_tensors(path / fname, entries)
-        return torchfile.verify(path / rec["file"], rec)
+        fname, entries = rank_entries(manifest, rank)
+        return rankfile.verify(path / fname, rec, entries)
     except CheckpointCorrupt:
         return []  # a symlink or special file: verify_files reported it
     except OSError as exc:

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import CheckpointCorrupt, ConfigError
 from ..state import Flat
-from . import catalog, hdf5, torchfile
+from . import catalog, hdf5, rankfile
 from .hdf5 import TensorEntry
 from .hostmem import one_cuda_device
 from .manifest import FORMAT_V2
@@ -90,17 +90,12 @@ def _read_local(info: catalog.CheckpointInfo, rec: Mapping[str, Any], entries: d
                 into: Mapping[str, Any] | None, acc: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The saving rank's own tensors, from its file."""
     path = info.path / rec["file"]
-    if rec["format"] == "torch":
-        got = torchfile.read(path, rec)
-        return {n: got[n] for n in entries}
-    if rec["format"] != "hdf5":
-        raise CheckpointCorrupt(f"{info.path}: unknown rank file format {rec['format']!r}")
-    homes = _optimizer_homes(rec.get("meta"), entries, into)
+    homes = _optimizer_homes(rec.get("meta"), entries, into) if rec.get("format") == "hdf5" else {}
     targets = into if getattr(into, "overwrite", True) else None  # else shapes only: new memory
     stats: dict[str, Any] = {}
     try:
-        return hdf5.read_tensors(path, entries, into={**(targets or {}), **homes} if homes else targets,
-                                 stats=stats)
+        return rankfile.read(path, rec, entries, into={**(targets or {}), **homes} if homes else targets,
+                             stats=stats)
     finally:
         if homes:  # new memory: nothing live was overwritten there
             stats["in_place_bytes"] = stats.get("in_place_bytes", 0) - sum(entries[n].nbytes for n in homes)
@@ -176,21 +171,16 @@ def _read_shared(info: catalog.CheckpointInfo, manifest: Mapping[str, Any], shar
     for r, reads in sorted(jobs.items()):
         rec = manifest["ranks"][str(r)]
         path = info.path / rec["file"]
-        if rec["format"] == "torch":
-            got = torchfile.read(path, rec)
-            for name, _, target, _ in reads:
-                target.copy_(got[name].reshape(-1))
-            continue
         stats: dict[str, Any] = {}
         try:
-            got = hdf5.read_tensors(path, {n: e for n, e, _, _ in reads}, into={n: t for n, _, t, _ in reads},
-                                    stats=stats)
+            got = rankfile.read(path, rec, {n: e for n, e, _, _ in reads}, into={n: t for n, _, t, _ in reads},
+                                stats=stats)
         finally:
             stats.pop("in_place_bytes", None)  # counted above, once per destination
             _add_stats(acc, stats)
         for name, _, target, _ in reads:
-            if got[name] is not target:  # not read in place (a CUDA or odd target): copy it there
-                target.copy_(got[name])
+            if got[name] is not target:  # not read in place (an archive, a CUDA or odd target): copy it
+                target.copy_(got[name].reshape(target.shape))
     for src, flat, offset in spans:
         flat[offset:offset + src.numel()].copy_(src)
     return out

@@ -1,0 +1,45 @@
+"""A rank file's format, dispatched in one place for reading and for verifying.
+
+- ``hdf5`` (concurrent engine): tensors at raw offsets, read by parallel ``pread``
+  straight into live or new memory, each chunk's crc32c checked as it lands
+  (``hdf5.read_tensors``);
+- ``torch`` (sync engine): a ``torch.save`` archive, loaded with
+  ``weights_only=True`` and every tensor's crc32c checked (``torchfile.read``).
+
+``entries`` names the tensors wanted from the file (a rank's own, or the pieces of
+shared tensors it holds); the manifest record ``rec`` says the format.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from ..errors import CheckpointCorrupt
+from . import hdf5, torchfile
+from .hdf5 import TensorEntry
+from .manifest import FORMATS
+
+
+def _format(path: Path, rec: Mapping[str, Any]) -> str:
+    fmt = rec.get("format")
+    if fmt not in FORMATS:
+        raise CheckpointCorrupt(f"{path}: unknown rank file format {fmt!r}; known formats: {', '.join(FORMATS)}")
+    return str(fmt)
+
+
+def read(path: Path, rec: Mapping[str, Any], entries: Mapping[str, TensorEntry], *,
+         into: Mapping[str, Any] | None = None, stats: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors ``entries`` of one rank file, verified; HDF5 ones in place where ``into`` matches."""
+    if _format(path, rec) == "torch":
+        got = torchfile.read(path, rec)
+        return {n: got[n] for n in entries}
+    return hdf5.read_tensors(path, entries, into=into, stats=stats)
+
+
+def verify(path: Path, rec: Mapping[str, Any], entries: Mapping[str, TensorEntry]) -> list[str]:
+    """Every damaged tensor of one rank file (an empty list when it reads back intact)."""
+    if _format(path, rec) == "torch":
+        return torchfile.verify(path, rec)
+    return hdf5.verify_tensors(path, entries)
