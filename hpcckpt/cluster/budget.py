@@ -149,7 +149,7 @@ def _decide(state: _BudgetState, key: str, cause: Cause, attempt: str,
     if attempt in state.charged:
         return BudgetDecision(allowed=True, key=key, used=used, limit=limit,
                               reason=f"attempt {attempt} already charged")
-    if cause is Cause.FAILURE:
+    if cause in (Cause.FAILURE, Cause.RANK_FAILURE):  # a rank failure may be a bug that repeats too
         stuck = state.last_failure_step is not None and committed_step == state.last_failure_step
         state.failures_without_progress = state.failures_without_progress + 1 if stuck else 0
         state.last_failure_step = committed_step

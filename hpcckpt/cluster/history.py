@@ -72,7 +72,7 @@ def _float(value: Any) -> float | None:
 def _last_step(run: Sequence[Event]) -> int | None:
     steps = [_int(e.get("step")) for e in run if e.get("event") in {"signal", "commit", "stop"}]
     # A rank failure loses the step in flight (the JIT checkpoint holds the one before it).
-    steps += [_int(e.get("lost_step")) for e in run if e.get("event") == "rank_failure"]
+    steps += [_int(e.get(k)) for e in run if e.get("event") == "rank_failure" for k in ("lost_step", "reached_step")]
     known = [s for s in steps if s is not None]
     return max(known) if known else None
 

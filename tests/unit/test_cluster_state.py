@@ -74,6 +74,17 @@ def test_crash_loop_stops_requeueing(tmp_path: Path) -> None:
     assert not stuck.allowed and "crash loop" in stuck.reason and "step 200" in stuck.reason
 
 
+def test_rank_failures_without_progress_stop_requeueing(tmp_path: Path) -> None:
+    """A rank that fails at the same step again and again (a bug on its data) is a crash loop too."""
+    opts = BudgetOptions(max_rank_failure=20, max_failures_without_progress=2)
+    assert charge(tmp_path, "rank_failure", attempt="2:0", committed_step=50, options=opts).allowed
+    assert charge(tmp_path, "rank_fail", attempt="2:1", committed_step=50, options=opts).allowed
+    stuck = charge(tmp_path, "rank_failure", attempt="2:2", committed_step=50, options=opts)
+    assert not stuck.allowed and "crash loop" in stuck.reason and "step 50" in stuck.reason
+    saved = json.loads((tmp_path / BUDGET_FILE).read_text())
+    assert saved["counts"] == {"rank_failure": 2}  # its own budget, not preemption's
+
+
 def test_budget_env_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("HPCCKPT_REQUEUE_MAX_SIGNAL", "0")
     assert not charge(tmp_path, "signal", attempt="a").allowed
