@@ -8,11 +8,16 @@
   RNG, user metadata). It changes between steps (a forward pass updates buffers, the
   loop advances the sampler), so it is copied at every step boundary (``Boundary``),
   which costs a few small copies and never touches parameters or optimizer state.
+  The optimizers' hyperparameters (each param group's ``lr``, weight decay...) are copied
+  there too: a scheduler stepped before ``optimizer.step()`` changes them mid-step.
 """
 from __future__ import annotations
 
+import copy
 import json
 import threading
+import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -22,6 +27,12 @@ from .._core import crc32c
 from ..state import _escape, flatten, rng_state
 
 FINGERPRINT_BYTES = 4 << 20  # per sampled tensor
+CUDA_WAIT_S = 30.0  # the most the JIT path waits for CUDA work (events, copies) before giving up
+_PLAIN = (int, float, bool, str, bytes, type(None))
+
+
+class CudaWaitTimeout(RuntimeError):
+    """CUDA work the JIT copy depends on did not complete in time (a stuck device or stream)."""
 
 
 def replication_problem(objects: Mapping[str, Any], world: int, state: Any = None) -> str | None:
@@ -156,19 +167,52 @@ class Boundary:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     trees: dict[str, Any] = field(default_factory=dict)  # {"objects": {name: tree}, "rng": tree, "user": {...}}
     raw_rng: Any = None  # rng_state() as taken; ``finish`` flattens it
+    groups: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # optimizers' param groups sans params
     events: list[Any] = field(default_factory=list)  # CUDA events after the copies (devices' streams)
+
+
+def _copy_value(v: Any) -> Any:
+    if isinstance(v, _PLAIN):
+        return v
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone()
+    return copy.deepcopy(v)
+
+
+def copy_groups(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's entries but ``params`` (hyperparameters), copied."""
+    return [{k: _copy_value(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+
+_persistent: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[str, ...], frozenset[str]]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``named_buffers()`` that ``state_dict()`` holds (non-persistent ones are never saved)."""
+    named = list(module.named_buffers())
+    names = tuple(n for n, _ in named)
+    cached = _persistent.get(module)
+    if cached is None or cached[0] != names:
+        keys = frozenset(module.state_dict(keep_vars=True))
+        cached = _persistent[module] = (names, keys)
+    return [(n, t) for n, t in named if n in cached[1]]
 
 
 def capture_boundary(step: int, counts: tuple[int, ...], objects: Mapping[str, Any],
                      user_meta: Mapping[str, Any]) -> Boundary:
-    """Copy the rank-local state now (small objects, RNG, module buffers); main thread."""
+    """Copy the rank-local state now (small objects, RNG, persistent module buffers, optimizer
+    hyperparameters); main thread."""
     b = Boundary(step, counts)
     objs: dict[str, Any] = {}
+    group_tensors: list[torch.Tensor] = []
     for name, obj in objects.items():
         if isinstance(obj, torch.optim.Optimizer):
+            b.groups[name] = copy_groups(obj)
+            group_tensors += [v for g in b.groups[name] for v in g.values() if isinstance(v, torch.Tensor)]
             continue
         if isinstance(obj, torch.nn.Module):
-            for key, buf in obj.named_buffers():
+            for key, buf in persistent_buffers(obj):
                 b.tensors[f"objects/{name}/{_escape(key)}"] = buf.detach().clone()
             continue
         objs[name] = flatten(obj.state_dict(), f"objects/{name}", b.tensors)
@@ -178,39 +222,66 @@ def capture_boundary(step: int, counts: tuple[int, ...], objects: Mapping[str, A
         if n.split("/")[1] in objs:
             b.tensors[n] = t.detach().clone()  # flatten aliases live state; buffers are copies already
     b.raw_rng = rng_state()  # fresh copies; flattened only if a JIT save needs them (``finish``)
-    for device in sorted({t.device for t in b.tensors.values() if t.is_cuda}, key=str):
+    for device in sorted({t.device for t in (*b.tensors.values(), *group_tensors) if t.is_cuda}, key=str):
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(device))
         b.events.append(ev)
     return b
 
 
-def to_host(tensors: Mapping[str, torch.Tensor], events: list[Any]) -> dict[str, torch.Tensor]:
+def wait_events(events: list[Any], deadline: float, what: str = "CUDA work") -> None:
+    """Poll ``events`` until each completed; ``CudaWaitTimeout`` at ``deadline`` (monotonic)."""
+    pending = list(events)
+    while pending:
+        pending = [ev for ev in pending if not ev.query()]
+        if not pending:
+            return
+        if time.monotonic() >= deadline:
+            raise CudaWaitTimeout(f"{what} did not complete within the JIT path's bound "
+                                  f"({len(pending)} event(s) pending): the device or its stream is stuck")
+        time.sleep(0.002)
+
+
+def to_host(tensors: Mapping[str, torch.Tensor], events: list[Any],
+            timeout_s: float = CUDA_WAIT_S) -> dict[str, torch.Tensor]:
     """Host copies of ``tensors``; CUDA ones copied on a stream of the JIT's own.
 
     The training stream may be stuck for good behind a collective that will never
     complete (a NCCL all-reduce waiting for the dead rank): anything queued there would
     wait too. The JIT stream waits only on ``events`` (recorded after the last optimizer
-    step and after the boundary copies), then copies.
+    step and after the boundary copies), then copies. No wait is unbounded: the events
+    and the copies are polled (``event.query()``) until ``timeout_s``, then
+    ``CudaWaitTimeout`` (the survivor reports no consistent state and still requeues).
+    CPU tensors are returned as they are, without any wait. (The CUDA path cannot be
+    exercised by the CPU test suite.)
     """
     out: dict[str, torch.Tensor] = {}
-    streams: dict[Any, Any] = {}
+    cuda = {n: t for n, t in tensors.items() if t.is_cuda}
     for n, t in tensors.items():
         if not t.is_cuda:
             out[n] = t
-            continue
+    if not cuda:
+        return out
+    deadline = time.monotonic() + timeout_s
+    wait_events(events, deadline, "the last optimizer step or boundary copy")
+    streams: dict[Any, Any] = {}
+    for n, t in cuda.items():
         stream = streams.get(t.device)
         if stream is None:
             stream = streams[t.device] = torch.cuda.Stream(device=t.device)
             for ev in events:
-                stream.wait_event(ev)  # an event of another device is waited on by that device's stream only
-        host = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+                stream.wait_event(ev)  # complete already; an event of another device is waited on by that device's stream only
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)  # pinned: the copy is asynchronous
         with torch.cuda.stream(stream):
-            host.copy_(t.detach())
+            host.copy_(t.detach(), non_blocking=True)
         out[n] = host
-    for stream in streams.values():
-        stream.synchronize()
-    return out
+    done = []
+    for device, stream in streams.items():
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        done.append(ev)
+    wait_events(done, deadline, "the JIT's device-to-host copy")
+    return {n: out[n] for n in tensors}
 
 
 def finish(b: Boundary) -> Boundary:
@@ -221,13 +292,23 @@ def finish(b: Boundary) -> Boundary:
     return b
 
 
-def capture_replicated(objects: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(trees, tensors) of models and optimizers, aliasing live state; steps must be frozen."""
+def capture_replicated(objects: Mapping[str, Any], groups: Mapping[str, list[dict[str, Any]]] | None = None
+                       ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(trees, tensors) of models and optimizers, aliasing live state; steps must be frozen.
+
+    ``groups``: each optimizer's hyperparameters as copied at the boundary (``Boundary.groups``);
+    they replace the live ones, which a scheduler may have moved on since.
+    """
     trees: dict[str, Any] = {}
     tensors: dict[str, torch.Tensor] = {}
     for name, obj in objects.items():
         if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
-            trees[name] = flatten(obj.state_dict(), f"objects/{name}", tensors)
+            sd = obj.state_dict()
+            if isinstance(obj, torch.optim.Optimizer) and groups and name in groups:
+                kept = groups[name]
+                sd = {**sd, "param_groups": [{**g, **kept[i], "params": g["params"]} if i < len(kept) else g
+                                             for i, g in enumerate(sd["param_groups"])]}
+            trees[name] = flatten(sd, f"objects/{name}", tensors)
     return trees, tensors
 
 

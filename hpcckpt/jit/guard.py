@@ -33,6 +33,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +42,14 @@ import torch
 from ..exitcodes import EXIT_REQUEUE
 from ..store import catalog, torchfile
 from . import rendezvous, writer
-from .capture import (Boundary, StepGate, capture_boundary, capture_replicated, finish, fingerprint,
-                      replication_problem, to_host)
+from .capture import (Boundary, CudaWaitTimeout, StepGate, capture_boundary, capture_replicated, finish,
+                      fingerprint, replication_problem, to_host)
 from .heartbeat import CLOSING, LEAVING, Heartbeat
 
 log = logging.getLogger("hpcckpt.jit")
 
 DEFAULT_TIMEOUT_S = 5.0
+LEDGER_WAIT_S = 10.0  # the JIT path's ledger appends: a rank stopped inside an append holds the ledger's lock
 TIMEOUT_ENV = "HPCCKPT_JIT_TIMEOUT_S"
 
 
@@ -75,6 +77,35 @@ def requeue_cause() -> str:
     """``rank_failure`` where the cluster adapter knows it (own budget), else ``node_failure``."""
     from ..cluster.base import Cause
     return "rank_failure" if any(c.value == "rank_failure" for c in Cause) else "node_failure"
+
+
+def bounded_append(ledger: Any, event: str, wait_s: float = LEDGER_WAIT_S, **fields: Any) -> bool:
+    """``ledger.append`` on a daemon thread, waiting at most ``wait_s``; False (logged) when skipped.
+
+    The ledger's file lock may be held for good by a rank that was stopped (SIGSTOP) or
+    hung inside an append: the JIT path must still save and requeue.
+    """
+    t = threading.Thread(target=ledger.append, args=(event,), kwargs=fields, name="hpcckpt-jit-ledger",
+                         daemon=True)
+    t.start()
+    t.join(wait_s)
+    if t.is_alive():
+        log.error("hpcckpt: jit: the ledger did not take the %r event within %.0fs (its lock is held, maybe by "
+                  "the failed rank); not recorded", event, wait_s)
+        return False
+    return True
+
+
+def _shutdown_hook(ref: "weakref.ref[JitGuard]") -> None:
+    guard = ref()
+    if guard is not None:
+        guard._at_shutdown()
+
+
+def _fork_hook(ref: "weakref.ref[JitGuard]") -> None:
+    guard = ref()
+    if guard is not None:
+        guard._in_child()
 
 
 def _flush_and_exit(code: int) -> None:
@@ -114,6 +145,7 @@ class JitGuard:
         self._started_jit = threading.Event()
         self._never = threading.Event()  # never set: what a thread waits on until os._exit
         self._start_step: int | None = None
+        self._pid: int | None = None  # the process that started the guard (a forked child never watches)
         if self.world <= 1:
             self.problem = "a single rank: there is no survivor to save for it"
         else:
@@ -138,12 +170,16 @@ class JitGuard:
         """Copy the state at the current step and start the heartbeat; main thread, once."""
         if not self.active or self.heartbeat is None or self.heartbeat._thread is not None:
             return
-        if self.rank == 0:
-            self._sweep_sessions()
+        self._pid = os.getpid()
         self._start_step = int(self.ckpt.step)
         self._set_boundary(self._start_step)
-        threading._register_atexit(self._at_shutdown)  # type: ignore[attr-defined]
+        # Through weak references: the registrations never keep the Checkpointer and its model alive.
+        ref = weakref.ref(self)
+        threading._register_atexit(_shutdown_hook, ref)  # type: ignore[attr-defined]
+        os.register_at_fork(after_in_child=lambda: _fork_hook(ref))
         self.heartbeat.start()
+        if self.rank == 0:  # after the heartbeat started: a slow file system never delays it
+            threading.Thread(target=self._sweep_sessions, name="hpcckpt-jit-sweep", daemon=True).start()
         log.info("hpcckpt: jit: watching %d ranks (timeout %.1fs, heartbeat every %.2fs)", self.world,
                  self.timeout_s, self.interval_s)
 
@@ -189,17 +225,31 @@ class JitGuard:
         self.gate.remove()
         self.heartbeat.destroy()
 
+    def _in_child(self) -> None:
+        """In a forked child (DataLoader worker, multiprocessing): the parent watches, never the child."""
+        if self._pid is not None and os.getpid() != self._pid:
+            self.active = False
+
     def _at_shutdown(self) -> None:
-        """The interpreter is ending (the main thread returned or raised) without ``close``."""
-        if not self.active:
-            return
+        """The interpreter is ending (the main thread returned or raised) without ``close``.
+
+        An uncaught exception (``sys.last_value``, set when its traceback was printed)
+        makes this rank leave (``LEAVING``: the others save without it); a normal end
+        closes (``CLOSING``), as ``close()`` does.
+        """
+        if not self.active or os.getpid() != self._pid:
+            return  # never started, or a forked child: no heartbeat thread here
         if self._failing():
             self._never.wait()
         if self.closed:
             return
         self.closed = True
         assert self.heartbeat is not None
-        self.heartbeat.announce(LEAVING, self.timeout_s + self.interval_s + 1.0)
+        error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+        if error is not None:
+            self.heartbeat.announce(LEAVING, self.timeout_s + self.interval_s + 1.0)
+        else:
+            self.heartbeat.announce(CLOSING, None)
         if self._failing():
             self._never.wait()
 
@@ -252,19 +302,31 @@ class JitGuard:
         d = self.dir
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
         b, why = self._consistent_state()
+        with self._cond:
+            last = self._boundary
         doc: dict[str, Any] = {"rank": self.rank, "ok": b is not None, "why": why, "reason": reason,
                                "known_failed": known_failed, "detected_at": detected,
+                               "reached": last.step if last is not None else None,
                                "host": socket.gethostname(), "pid": os.getpid()}
         replicated: dict[str, torch.Tensor] = {}
         rep_trees: dict[str, Any] = {}
         if b is not None:
-            rep_trees, live = capture_replicated(self.ckpt.state.objects)
+            rep_trees, live = capture_replicated(self.ckpt.state.objects, b.groups)
             assert self.gate is not None
             replicated = {n: t for n, t in live.items() if n not in b.tensors}  # live: the writer copies them
-            b.tensors = to_host(b.tensors, b.events)
+            try:
+                b.tensors = to_host(b.tensors, b.events)
+                fp = fingerprint(b.step, b.counts, replicated, list(self.gate.events.values()) + b.events)
+            except CudaWaitTimeout as exc:  # this survivor holds nothing it can write; the others may
+                log.error("hpcckpt: jit: rank %d: %s", self.rank, exc)
+                b, replicated = None, {}
+                doc.update(ok=False, why=str(exc))
+        if b is not None:
             rec = torchfile.write(d / f"local-{self.rank}.pt", b.tensors)
             doc.update(step=b.step, counts=list(b.counts),
-                       fp=fingerprint(b.step, b.counts, replicated, list(self.gate.events.values())),
+                       state_bytes=sum(t.numel() * t.element_size() for t in (*replicated.values(),
+                                                                              *b.tensors.values())),
+                       fp=fp,
                        local=rec, trees={k: v for k, v in b.trees.items() if k != "wall"},
                        boundary_at=b.trees.get("wall"))
         rendezvous.write_json(d / f"alive-{self.rank}.json", doc)
@@ -274,31 +336,39 @@ class JitGuard:
         lead = min(roster) if roster else None
         log.error("hpcckpt: jit: rank %d: decision %s", self.rank,
                   {k: decision.get(k) for k in ("ok", "step", "writer", "failed", "reason")})
-        if self.rank == lead:
-            step = decision.get("step")
-            self.ckpt.ledger.append(
-                "rank_failure", failed_ranks=decision.get("failed"), survivors=roster, reason=reason,
-                detected_at=detected, detect_after_boundary_s=(detected - b.trees["wall"]) if b else None,
-                jit_step=step if decision.get("ok") else None,
-                lost_step=(step + 1) if isinstance(step, int) else None, timeout_s=self.timeout_s,
-                jit=bool(decision.get("ok")), problem=decision.get("reason"))
         outcome: dict[str, Any] | None = None
         if decision.get("ok") and decision.get("writer") == self.rank and b is not None:
             outcome = self._write(d, decision, b, replicated, rep_trees)
             requeuer = self.rank
         elif decision.get("ok"):
-            outcome = rendezvous.await_outcome(d, dead_after_s=max(10.0, 2 * self.timeout_s))
+            state_bytes = sum(int(x.get("state_bytes", 0)) for x in rendezvous.alive_docs(d).values()
+                              if x.get("rank") == decision.get("writer"))
+            limit = self._outcome_deadline(state_bytes)
+            outcome, why = rendezvous.await_outcome(d, dead_after_s=max(10.0, 2 * self.timeout_s),
+                                                    deadline_s=limit)
             writer_rank = decision.get("writer")
             others = [r for r in roster if r != writer_rank]
             requeuer = writer_rank if outcome is not None else (min(others) if others else -1)
             if outcome is None:
-                log.error("hpcckpt: jit: the writer (rank %s) stopped during the just-in-time save; the previous "
-                          "checkpoint stands", writer_rank)
+                log.error("hpcckpt: jit: rank %d stops waiting for the writer (rank %s): %s; the previous "
+                          "checkpoint stands", self.rank, writer_rank, why)
                 if self.rank == requeuer:
-                    self.ckpt.ledger.append("save_failed", step=decision.get("step"), final=True, engine="jit",
-                                            error=f"writer rank {writer_rank} stopped during the save")
+                    bounded_append(self.ckpt.ledger, "save_failed", step=decision.get("step"), final=True,
+                                   engine="jit", error=f"writer rank {writer_rank}: {why}")
         else:
             requeuer = lead if lead is not None else -1
+        if self.rank == lead:  # once the outcome is known
+            step = decision.get("step")
+            saved = bool(outcome and outcome.get("ok"))
+            reached = [int(x["reached"]) for r, x in rendezvous.alive_docs(d).items()
+                       if r in roster and isinstance(x.get("reached"), int)]
+            bounded_append(
+                self.ckpt.ledger, "rank_failure", failed_ranks=decision.get("failed"), survivors=roster,
+                reason=reason, detected_at=detected,
+                detect_after_boundary_s=(detected - b.trees["wall"]) if b else None,
+                jit_step=step if saved else None, lost_step=(step + 1) if isinstance(step, int) else None,
+                reached_step=max(reached) if reached else None, timeout_s=self.timeout_s, jit=saved,
+                problem=decision.get("reason") or (None if saved or outcome is None else outcome.get("error")))
         if self.rank == requeuer:
             self._stop_and_requeue(decision, outcome)
         log.error("hpcckpt: jit: rank %d exits %d for a requeue (%s)", self.rank, EXIT_REQUEUE,
@@ -326,8 +396,10 @@ class JitGuard:
         t0 = time.monotonic()
         try:
             existing = catalog.inspect_step(self.root, step)
-            if existing is not None and existing.status == "committed":
-                path, wrote = existing.path, False  # a periodic save already holds this step
+            ours = {self.ckpt.committed_step, self.ckpt.resumed_from} - {None}
+            if existing is not None and existing.status == "committed" and step in ours:
+                path, wrote = existing.path, False  # this run committed (or resumed from) this very step
+            # (a step-``step`` directory of an earlier run may hold other state: a fresh one replaces it)
             elif step == self._start_step:
                 raise RuntimeError(f"no step completed since this run started at step {step}: nothing to save "
                                    "(the next run starts where this one did)")
@@ -341,7 +413,7 @@ class JitGuard:
                         sources[r] = (torchfile.read(d / f"local-{r}.pt", x["local"]), x["trees"])
                 source_of = {int(r): int(s) for r, s in decision["source_of"].items()}
                 assert self.gate is not None
-                replicated = to_host(replicated, list(self.gate.events.values()))
+                replicated = to_host(replicated, list(self.gate.events.values()) + b.events)
                 path = writer.commit(
                     self.root, step=step, world=self.world, writer_rank=self.rank,
                     keep=int(getattr(self.ckpt.options, "keep", 3)),
@@ -354,17 +426,25 @@ class JitGuard:
             save_s = time.monotonic() - t0
             outcome = {"ok": True, "step": step, "path": str(path), "save_s": save_s, "wrote": wrote}
             self.ckpt.committed_step = step
-            self.ckpt.ledger.append("commit", step=step, save_s=round(save_s, 6), engine=writer.ENGINE, final=True,
+            bounded_append(self.ckpt.ledger, "commit", step=step, save_s=round(save_s, 6), engine=writer.ENGINE, final=True,
                                     path=str(path), jit=True, wrote=wrote, failed_ranks=decision["failed"])
             log.error("hpcckpt: jit: rank %d committed step %d in %.3fs (%s)", self.rank, step, save_s, path)
         except Exception as exc:
             outcome = {"ok": False, "step": step, "error": f"{type(exc).__name__}: {exc}"}
             log.error("hpcckpt: jit: the just-in-time checkpoint of step %d failed: %s", step, exc)
-            self.ckpt.ledger.append("save_failed", step=step, final=True, engine=writer.ENGINE, error=outcome["error"])
+            bounded_append(self.ckpt.ledger, "save_failed", step=step, final=True, engine=writer.ENGINE,
+                           error=outcome["error"])
         finally:
             stop.set()
         rendezvous.write_json(d / rendezvous.OUTCOME, outcome)
         return outcome
+
+    def _outcome_deadline(self, state_bytes: int) -> float:
+        """How long the others wait for the writer's outcome at most, even while it beats.
+
+        Generous: the state written at 20 MB/s, the writer lock's wait, and a few timeouts.
+        """
+        return state_bytes / 20e6 + writer.LOCK_TIMEOUT_S + 6 * self.timeout_s + 60.0
 
     def _committed_step(self) -> int | None:
         try:
@@ -375,7 +455,7 @@ class JitGuard:
 
     def _stop_and_requeue(self, decision: dict[str, Any], outcome: dict[str, Any] | None) -> None:
         committed = self._committed_step()
-        self.ckpt.ledger.append("stop", reason="rank_failure", step=decision.get("step"), committed_step=committed,
+        bounded_append(self.ckpt.ledger, "stop", reason="rank_failure", step=decision.get("step"), committed_step=committed,
                                 requeue=True, final_saved=bool(outcome and outcome.get("ok")),
                                 failed_ranks=decision.get("failed"))
         cause = requeue_cause()
@@ -388,7 +468,7 @@ class JitGuard:
         except Exception as exc:  # noqa: BLE001 - exit 75 still lets the job script or supervisor retry
             result = {"requeued": False, "method": "error", "detail": f"{type(exc).__name__}: {exc}"}
         log.error("hpcckpt: jit: requeue decision: %s", result)
-        self.ckpt.ledger.append("requeue", **{k: v for k, v in result.items() if k != "time"})
+        bounded_append(self.ckpt.ledger, "requeue", **{k: v for k, v in result.items() if k != "time"})
 
     def _job(self) -> dict[str, Any]:
         cluster = self.ckpt.cluster

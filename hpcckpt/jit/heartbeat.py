@@ -26,6 +26,11 @@ log = logging.getLogger("hpcckpt.jit")
 HEALTHY, CLOSING, LEAVING = 0, 1, 2
 
 
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """The first line of ``str(exc)`` (empty for an exception without a message)."""
+    return (str(exc).splitlines() or [""])[0][:limit]
+
+
 class Heartbeat:
     """One background thread; ``on_failure(reason, known_failed)`` runs on it, once."""
 
@@ -51,34 +56,41 @@ class Heartbeat:
 
     def _run(self) -> None:
         try:
-            while True:
-                sent = self.status
-                t = torch.zeros(self.world, dtype=torch.int64)
-                t[self.rank] = sent
-                try:
-                    dist.all_reduce(t, group=self.group)
-                except Exception as exc:  # a peer died (connection closed) or hangs (timeout)
-                    self._fail(f"heartbeat failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}", [])
-                    return
-                leaving = [r for r in range(self.world) if int(t[r]) == LEAVING and r != self.rank]
-                done = all(int(t[r]) != HEALTHY for r in range(self.world))
-                with self._round:
-                    self.rounds += 1
-                    self.carried = sent
-                    self._round.notify_all()
-                if sent == LEAVING:
-                    return  # announced: this rank is out
-                if leaving and sent == HEALTHY:
-                    self._fail(f"rank(s) {leaving} left training on an error", leaving)
-                    return
-                if done:
-                    return  # every rank closed (or left): nothing more to watch
-                self._wake.wait(self.interval_s)
-                self._wake.clear()
+            self._rounds()
+        except BaseException as exc:  # noqa: BLE001 - never a silently dead watchdog
+            if not self.failed.is_set():
+                log.exception("hpcckpt: jit: rank %d: the heartbeat thread failed", self.rank)
+                self._fail(f"heartbeat thread error: {type(exc).__name__}: {first_line(exc)}", [])
         finally:
             self.stopped.set()
             with self._round:
                 self._round.notify_all()
+
+    def _rounds(self) -> None:
+        while True:
+            sent = self.status
+            t = torch.zeros(self.world, dtype=torch.int64)
+            t[self.rank] = sent
+            try:
+                dist.all_reduce(t, group=self.group)
+            except Exception as exc:  # a peer died (connection closed) or hangs (timeout)
+                self._fail(f"heartbeat failed: {type(exc).__name__}: {first_line(exc)}", [])
+                return
+            leaving = [r for r in range(self.world) if int(t[r]) == LEAVING and r != self.rank]
+            done = all(int(t[r]) != HEALTHY for r in range(self.world))
+            with self._round:
+                self.rounds += 1
+                self.carried = sent
+                self._round.notify_all()
+            if sent == LEAVING:
+                return  # announced: this rank is out
+            if leaving and sent == HEALTHY:
+                self._fail(f"rank(s) {leaving} left training on an error", leaving)
+                return
+            if done:
+                return  # every rank closed (or left): nothing more to watch
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
 
     def _fail(self, reason: str, known_failed: list[int]) -> None:
         self.failed.set()

@@ -12,7 +12,8 @@ file system every rank sees):
    agreed step (the highest step whose holders all have the same fingerprint), the
    writer (the lowest rank at that step) and each rank's source of local state;
 3. the writer bumps ``beat`` while it saves, then writes ``outcome.json``; the others
-   wait for it, and judge the writer dead when ``beat`` stops changing.
+   wait for it, and judge the writer dead when ``beat`` stops changing, or give up after an
+   overall deadline (a writer stuck in a hung commit still beats).
 """
 from __future__ import annotations
 
@@ -113,20 +114,24 @@ def await_decision(d: Path, world: int, known_failed: set[int], grace_s: float) 
         time.sleep(_POLL_S)
 
 
-def await_outcome(d: Path, dead_after_s: float) -> dict[str, Any] | None:
-    """The writer's outcome, or None once its ``beat`` has not changed for ``dead_after_s``."""
+def await_outcome(d: Path, dead_after_s: float, deadline_s: float | None = None) -> tuple[dict[str, Any] | None, str]:
+    """``(the writer's outcome, "")``, or ``(None, why)`` once its ``beat`` has not changed for
+    ``dead_after_s`` or ``deadline_s`` has passed in all (a writer stuck in a hung commit still beats)."""
     last: bytes | None = None
-    changed = time.monotonic()
+    start = changed = time.monotonic()
     while True:
         doc = read_json(d / OUTCOME)
         if isinstance(doc, dict):
-            return doc
+            return doc, ""
         try:
             beat = read_regular(d / BEAT, 64)
         except OSError:
             beat = b""
+        now = time.monotonic()
         if beat != last:
-            last, changed = beat, time.monotonic()
-        elif time.monotonic() - changed >= dead_after_s:
-            return None
+            last, changed = beat, now
+        elif now - changed >= dead_after_s:
+            return None, f"its heartbeat file stopped changing for {dead_after_s:.0f}s (the writer is dead or stopped)"
+        if deadline_s is not None and now - start >= deadline_s:
+            return None, f"no outcome within {deadline_s:.0f}s although it still beats (a hung save)"
         time.sleep(_POLL_S * 4)

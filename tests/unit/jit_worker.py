@@ -9,7 +9,9 @@ and optionally a fault on ``victim`` at step ``at``: ``how`` = "kill" (SIGKILL a
 forward pass, before the gradient all-reduce), "stop" (SIGSTOP there), "kill_boundary"
 (SIGKILL at the start of the step), "raise" (an exception after the forward pass: the
 rank leaves through the guard's close); ``kill_writer_in_save``: the rank that writes the
-JIT checkpoint is killed after writing its file, before the commit. The victim writes
+JIT checkpoint is killed after writing its file, before the commit; ``sched_first``: the
+scheduler steps before the optimizer (after the forward pass), so a failure that interrupts
+the step leaves the live learning rate one step ahead of the last completed step. The victim writes
 ROOT/fault-time.json just before the fault. A rank that finishes writes
 ROOT/final-RANK.pt (model and optimizer state) and ROOT/result-RANK.json.
 """
@@ -20,6 +22,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -65,6 +68,8 @@ def main() -> None:
             return rec
 
         jw.write_file = write_then_die
+    # sched_first calls the scheduler before the first optimizer step on purpose
+    warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
     torch.manual_seed(0)  # the same on every rank: RNG states stay alike (DDP broadcasts the weights anyway)
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(256, 8, generator=g), torch.randint(0, 4, (256,), generator=g))
@@ -86,9 +91,12 @@ def main() -> None:
             loss = F.cross_entropy(model(x), y)
             opt.zero_grad()
             fault(rank, step, cfg, "forward", root)
+            if cfg.get("sched_first"):
+                sched.step()
             loss.backward()
             opt.step()
-            sched.step()
+            if not cfg.get("sched_first"):
+                sched.step()
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, root / f"final-{rank}.pt")
     (root / f"result-{rank}.json").write_text(json.dumps({"resumed": resumed, "jit_active": active}))
     dist.destroy_process_group()

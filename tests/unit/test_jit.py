@@ -127,6 +127,7 @@ def _check_jit_and_resume(root: Path, reference: Path, codes: list[int | None], 
     failure = [e for e in events if e["event"] == "rank_failure"]
     assert len(failure) == 1 and failure[0]["failed_ranks"] == [victim], failure
     assert failure[0]["jit_step"] == step and failure[0]["lost_step"] == step + 1, failure
+    assert failure[0]["reached_step"] == step, failure  # the survivors were all inside step + 1
     commit = [e for e in events if e["event"] == "commit"]
     assert len(commit) == 1 and commit[0]["step"] == step and commit[0]["jit"], commit
     fault = json.loads((root / "fault-time.json").read_text())
@@ -320,3 +321,177 @@ def test_fingerprint_tells_states_apart_and_reads_only_a_few_tensors() -> None:
         fingerprint(4, (4,), {"x": a["objects/model/0.weight"].t().contiguous()})
     host = to_host(a, [])
     assert all(host[n] is a[n] for n in a), "CPU tensors are not copied"
+
+
+def test_scheduler_stepped_before_the_optimizer_does_not_leak_into_the_jit_checkpoint(tmp_path: Path) -> None:
+    """The live learning rate is one scheduler step ahead of the last completed step when the
+    failure interrupts a step; the checkpoint holds the hyperparameters of the boundary."""
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    codes, outs = run_job(reference, sched_first=True)
+    assert codes == [0] * WORLD, "\n".join(outs)
+    root = tmp_path / "failed"
+    root.mkdir()
+    # at=8: the survivors' scheduler step of step 9 (last_epoch 9, a multiple of step_size=3) changes the lr
+    codes, outs = run_job(root, victim=2, at=8, how="kill", sched_first=True)
+    assert [codes[r] for r in (0, 1, 3)] == [EXIT_REQUEUE] * 3, "\n".join(outs)
+    assert _committed(root) == [8], "\n".join(outs)
+    codes, outs = run_job(root, sched_first=True)
+    assert codes == [0] * WORLD, "\n".join(outs)
+    for r in range(WORLD):
+        assert json.loads((root / f"result-{r}.json").read_text())["resumed"] == 8
+        assert _same(_final(root, r), _final(reference, r)), f"rank {r} differs from the uninterrupted run"
+
+
+class _FakeHeartbeat:
+    """Records what the guard announces (in a forked child: into a file the parent reads)."""
+
+    def __init__(self, marker: Path | None = None) -> None:
+        import threading
+        self._thread: Any = None
+        self.failed = threading.Event()
+        self.calls: list[int] = []
+        self.marker = marker
+
+    def start(self) -> None:
+        self._thread = object()
+
+    def announce(self, status: int, timeout_s: float | None) -> bool:
+        self.calls.append(status)
+        if self.marker is not None:
+            self.marker.write_text(f"{os.getpid()} announced {status}")
+        return True
+
+
+def _started_guard(tmp_path: Path, hb: _FakeHeartbeat) -> Any:
+    """A JitGuard started as on rank 1 of 2, with a recording heartbeat (no process group)."""
+    from types import SimpleNamespace
+    from hpcckpt.jit import JitGuard
+    from hpcckpt.jit.capture import StepGate
+    ckpt = SimpleNamespace(ranks=SimpleNamespace(rank=1, world=1), root=tmp_path, options=SimpleNamespace(),
+                           state=SimpleNamespace(objects={}, user_meta={}), step=3)
+    guard = JitGuard(ckpt)  # one rank: inactive; made active below with the recording heartbeat
+    guard.active, guard.problem, guard.heartbeat, guard.gate = True, None, hb, StepGate({})
+    guard.start()
+    return guard
+
+
+def _child_exits() -> None:
+    pass  # multiprocessing's child ends through threading._shutdown, like a DataLoader worker
+
+
+def test_a_forked_child_never_announces_and_the_guard_is_not_kept_alive(tmp_path: Path) -> None:
+    import gc
+    import multiprocessing
+    import weakref
+    marker = tmp_path / "announced"
+    guard = _started_guard(tmp_path, _FakeHeartbeat(marker))
+    p = multiprocessing.get_context("fork").Process(target=_child_exits)
+    p.start()
+    p.join(120)
+    assert p.exitcode == 0
+    assert not marker.exists(), marker.read_text()  # the child would wait a full LEAVING timeout there
+    assert guard.active and guard.heartbeat.calls == []  # the parent still watches
+    ref = weakref.ref(guard)
+    del guard
+    gc.collect()
+    assert ref() is None, "the atexit and at-fork registrations keep the guard alive"
+
+
+def test_an_end_without_close_closes_normally_and_leaves_only_on_an_uncaught_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcckpt.jit.heartbeat import CLOSING, LEAVING
+    monkeypatch.delattr(sys, "last_value", raising=False)
+    monkeypatch.delattr(sys, "last_exc", raising=False)
+    normal = _started_guard(tmp_path, _FakeHeartbeat())
+    normal._at_shutdown()
+    assert normal.heartbeat.calls == [CLOSING]
+    monkeypatch.setattr(sys, "last_value", RuntimeError("uncaught"), raising=False)
+    failed = _started_guard(tmp_path, _FakeHeartbeat())
+    failed._at_shutdown()
+    assert failed.heartbeat.calls == [LEAVING]
+    failed._at_shutdown()  # once only
+    assert failed.heartbeat.calls == [LEAVING]
+
+
+@pytest.mark.parametrize("how", ["empty-message", "unexpected"])
+def test_a_heartbeat_error_always_ends_in_the_failure_path(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    import torch.distributed as dist
+    from hpcckpt.jit.heartbeat import Heartbeat
+    monkeypatch.setattr(dist, "new_group", lambda **kw: None)
+
+    def all_reduce(t: torch.Tensor, group: Any = None) -> None:
+        raise RuntimeError("")  # no message at all: splitlines() is empty
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    seen: list[tuple[str, list[int]]] = []
+    # "unexpected": rank 5 of 2 fails outside the all-reduce (an IndexError in the thread itself)
+    hb = Heartbeat(0 if how == "empty-message" else 5, 2, timeout_s=60, interval_s=0.01,
+                   on_failure=lambda reason, failed: seen.append((reason, failed)))
+    hb.start()
+    assert hb._thread is not None
+    hb._thread.join(120)
+    assert not hb._thread.is_alive() and hb.failed.is_set() and hb.stopped.is_set()
+    want = "heartbeat failed: RuntimeError: " if how == "empty-message" else "heartbeat thread error: IndexError"
+    assert len(seen) == 1 and seen[0][0].startswith(want) and seen[0][1] == [], seen
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before:UserWarning")
+def test_the_boundary_copies_only_persistent_buffers_and_the_optimizer_hyperparameters() -> None:
+    from hpcckpt.jit.capture import capture_boundary, capture_replicated
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    model.register_buffer("scratch", torch.zeros(3), persistent=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    objects = {"model": model, "optimizer": opt, "scheduler": sched}
+    b = capture_boundary(2, (0,), objects, {})
+    assert "objects/model/1.running_mean" in b.tensors and "objects/model/scratch" not in b.tensors
+    sched.step()  # stepped before the next optimizer step: the live lr moved on
+    assert opt.param_groups[0]["lr"] == 0.05
+    trees, _ = capture_replicated(objects, b.groups)
+    group = trees["optimizer"]["param_groups"][0]
+    assert group["lr"] == 0.1 and group["weight_decay"] == 0.01 and group["params"] == [0, 1, 2, 3]
+    live, _ = capture_replicated(objects)
+    assert live["optimizer"]["param_groups"][0]["lr"] == 0.05
+
+
+def test_ledger_appends_on_the_jit_path_never_wait_forever(tmp_path: Path) -> None:
+    import threading
+    from hpcckpt.jit.guard import bounded_append
+    release = threading.Event()
+
+    class StuckLedger:  # as if a stopped rank held the ledger's lock
+        def append(self, event: str, **fields: Any) -> None:
+            release.wait()
+
+    try:
+        assert bounded_append(StuckLedger(), "rank_failure", wait_s=0.2, failed_ranks=[1]) is False
+    finally:
+        release.set()
+    ledger = Ledger(tmp_path)
+    assert bounded_append(ledger, "rank_failure", reached_step=7) is True
+    assert [(e["event"], e["reached_step"]) for e in ledger.read()] == [("rank_failure", 7)]
+
+
+def test_survivors_stop_waiting_for_a_writer_that_beats_but_never_finishes(tmp_path: Path) -> None:
+    import threading
+    from hpcckpt.jit import rendezvous
+    stop = threading.Event()
+
+    def beat() -> None:  # a writer stuck in a hung commit: its beat thread goes on
+        n = 0
+        while not stop.is_set():
+            n += 1
+            rendezvous.write_json(tmp_path / rendezvous.BEAT, n)
+            stop.wait(0.02)
+
+    t = threading.Thread(target=beat, daemon=True)
+    t.start()
+    try:
+        outcome, why = rendezvous.await_outcome(tmp_path, dead_after_s=3600, deadline_s=0.5)
+    finally:
+        stop.set()
+        t.join(60)
+    assert outcome is None and "still beats" in why
+    rendezvous.write_json(tmp_path / rendezvous.OUTCOME, {"ok": True, "step": 3})
+    assert rendezvous.await_outcome(tmp_path, dead_after_s=3600, deadline_s=0.5) == ({"ok": True, "step": 3}, "")
