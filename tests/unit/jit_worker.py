@@ -10,7 +10,7 @@ forward pass, before the gradient all-reduce), "stop" (SIGSTOP there), "kill_bou
 (SIGKILL at the start of the step), "raise" (an exception after the forward pass: the
 rank leaves through the guard's close); ``kill_writer_in_save``: the rank that writes the
 JIT checkpoint is killed after writing its file, before the commit; ``sched_first``: the
-scheduler steps before the optimizer (after the forward pass), so a failure that interrupts
+scheduler steps first in each step (before the forward pass and the optimizer), so a failure that interrupts
 the step leaves the live learning rate one step ahead of the last completed step. The victim writes
 ROOT/fault-time.json just before the fault. A rank that finishes writes
 ROOT/final-RANK.pt (model and optimizer state) and ROOT/result-RANK.json.
@@ -88,11 +88,11 @@ def main() -> None:
         for step, (x, y) in ck.loop(loader, int(cfg["total"])):
             active = active or bool(ck._jit is not None and ck._jit.active)
             fault(rank, step, cfg, "boundary", root)
+            if cfg.get("sched_first"):
+                sched.step()
             loss = F.cross_entropy(model(x), y)
             opt.zero_grad()
             fault(rank, step, cfg, "forward", root)
-            if cfg.get("sched_first"):
-                sched.step()
             loss.backward()
             opt.step()
             if not cfg.get("sched_first"):

@@ -363,13 +363,14 @@ class _FakeHeartbeat:
         return True
 
 
-def _started_guard(tmp_path: Path, hb: _FakeHeartbeat) -> Any:
-    """A JitGuard started as on rank 1 of 2, with a recording heartbeat (no process group)."""
+def _started_guard(tmp_path: Path, hb: _FakeHeartbeat, rank: int = 1) -> Any:
+    """A JitGuard started as on ``rank`` with a recording heartbeat (no process group)."""
     from types import SimpleNamespace
     from hpcckpt.jit import JitGuard
     from hpcckpt.jit.capture import StepGate
-    ckpt = SimpleNamespace(ranks=SimpleNamespace(rank=1, world=1), root=tmp_path, options=SimpleNamespace(),
-                           state=SimpleNamespace(objects={}, user_meta={}), step=3)
+    ckpt = SimpleNamespace(ranks=SimpleNamespace(rank=rank, world=1), root=tmp_path, options=SimpleNamespace(),
+                           state=SimpleNamespace(objects={}, user_meta={}), step=3, committed_step=None,
+                           resumed_from=None, ledger=Ledger(tmp_path), cluster=SimpleNamespace(name="local"))
     guard = JitGuard(ckpt)  # one rank: inactive; made active below with the recording heartbeat
     guard.active, guard.problem, guard.heartbeat, guard.gate = True, None, hb, StepGate({})
     guard.start()
@@ -495,3 +496,36 @@ def test_survivors_stop_waiting_for_a_writer_that_beats_but_never_finishes(tmp_p
     assert outcome is None and "still beats" in why
     rendezvous.write_json(tmp_path / rendezvous.OUTCOME, {"ok": True, "step": 3})
     assert rendezvous.await_outcome(tmp_path, dead_after_s=3600, deadline_s=0.5) == ({"ok": True, "step": 3}, "")
+
+
+def test_a_committed_step_of_an_earlier_run_is_replaced_not_reused(tmp_path: Path) -> None:
+    """Only a step this run committed (or resumed from) holds this run's state at that step."""
+    from hpcckpt.jit import writer
+    from hpcckpt.jit.capture import capture_boundary, capture_replicated, finish
+    from hpcckpt.store import torchfile
+    guard = _started_guard(tmp_path, _FakeHeartbeat(), rank=0)
+    model = torch.nn.Linear(2, 2)
+    objects = {"model": model}
+    b = finish(capture_boundary(5, (), objects, {}))
+    trees, live = capture_replicated(objects)
+    local = {k: v for k, v in b.trees.items() if k != "wall"}
+    decision = {"step": 5, "holders": [0], "source_of": {"0": 0}, "failed": [], "fingerprint": "fp"}
+    # an earlier run committed a step 5 of its own (other weights)
+    writer.commit(tmp_path, step=5, world=1, writer_rank=0, keep=3, job={}, user={}, replicated_trees=trees,
+                  replicated={n: torch.zeros_like(t) for n, t in live.items()}, sources={0: (b.tensors, local)},
+                  source_of={0: 0}, info={})
+
+    def weight() -> torch.Tensor:
+        info = catalog.inspect_step(tmp_path, 5, full=True)
+        assert info is not None and info.status == "committed" and info.manifest is not None
+        rec = info.manifest["ranks"]["0"]
+        return torchfile.read(info.path / writer.JIT_FILE, {"tensors": rec["tensors"]})["objects/model/weight"]
+
+    assert torch.equal(weight(), torch.zeros(2, 2))
+    out = guard._write(tmp_path, decision, b, dict(live), trees)
+    assert out["ok"] and out["wrote"], out
+    assert torch.equal(weight(), model.weight.detach())
+    guard.ckpt.committed_step = 5  # this run's own commit of step 5: reused
+    out = guard._write(tmp_path, decision, b, dict(live), trees)
+    assert out["ok"] and not out["wrote"], out
+    guard.active = False
