@@ -176,6 +176,8 @@ def _copy_value(v: Any) -> Any:
         return v
     if isinstance(v, torch.Tensor):
         return v.detach().clone()
+    if isinstance(v, tuple) and all(isinstance(x, _PLAIN) for x in v):
+        return v  # betas and the like: immutable already
     return copy.deepcopy(v)
 
 
