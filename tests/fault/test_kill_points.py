@@ -29,24 +29,37 @@ def check_root(root: Path) -> int | None:
     return committed[-1].step if committed else None
 
 
+def _run(root: Path, engine: str, func: str, n: int) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tests.fault.kill_at_call", str(root), engine, func, str(n)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
 @pytest.mark.parametrize("engine", ["sync", "concurrent"])
 @pytest.mark.parametrize("func", ["os.fsync", "os.replace", "os.write"])
 def test_kill_before_each_protocol_call(tmp_path: Path, engine: str, func: str) -> None:
+    """Two chains of runs, each in its own directory: every run resumes from what the one
+    before it left and dies at the n-th call (counted from its own start), so the kill
+    points fall on a first save in an empty directory and on later saves of resumed runs;
+    a last run of each chain must finish."""
     killed = 0
-    for n in range(1, 36, 5):
-        root = tmp_path / f"{func}-{n}"
-        # a first run commits some checkpoints, then dies at the n-th call
-        p = subprocess.run([sys.executable, "-m", "tests.fault.kill_at_call", str(root), engine, func, str(n)],
-                           cwd=REPO, capture_output=True, text=True, timeout=300)
-        before = check_root(root)
-        if p.returncode == -9:
-            killed += 1
+    for chain, points in enumerate([(1, 11, 21, 31), (6, 16, 26)]):
+        root = tmp_path / f"{func}-{chain}"
+        newest: int | None = None
+        for n in points:
+            p = _run(root, engine, func, n)
+            # killed at the n-th call, or finished its steps before making n calls; a run
+            # that resumed from what the killed one before it left never fails otherwise
+            assert p.returncode == -9 or (p.returncode == 0 and "finished" in p.stdout), p.stderr[-2000:]
+            killed += p.returncode == -9
+            step = check_root(root)
+            assert step is not None or newest is None, "a kill lost the committed checkpoints"
+            assert newest is None or step >= newest, (newest, step)
+            newest = step
         # the restarted run resumes from the newest good checkpoint and finishes its steps
-        p2 = subprocess.run([sys.executable, "-m", "tests.fault.kill_at_call", str(root), engine, func, "0"],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
-        assert p2.returncode == 0 and "finished" in p2.stdout, p2.stderr[-2000:]
+        p = _run(root, engine, func, 0)
+        assert p.returncode == 0 and "finished" in p.stdout, p.stderr[-2000:]
         after = check_root(root)
-        assert after is not None and (before is None or after > before)
+        assert after is not None and (newest is None or after > newest)
     assert killed >= 3, f"{func} was called too rarely to kill the process"
 
 
@@ -54,14 +67,12 @@ def test_kill_before_each_protocol_call(tmp_path: Path, engine: str, func: str) 
 def test_kill_during_pruning_leaves_no_half_deleted_checkpoint(tmp_path: Path, func: str, n: int) -> None:
     """Retention (keep=2) deletes a step directory: killed at its n-th file or directory removal."""
     root = tmp_path / "ck"
-    p = subprocess.run([sys.executable, "-m", "tests.fault.kill_at_call", str(root), "sync", func, str(n)],
-                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    p = _run(root, "sync", func, n)
     assert p.returncode == -9, p.stderr[-2000:]  # pruning happens on every save from the third on
     before = check_root(root)
     leftovers = [e for e in root.iterdir() if e.name.startswith(TRASH_PREFIX)]
     assert leftovers  # the directory being deleted was renamed aside first: invisible to ls
-    p2 = subprocess.run([sys.executable, "-m", "tests.fault.kill_at_call", str(root), "sync", func, "0"],
-                        cwd=REPO, capture_output=True, text=True, timeout=300)
+    p2 = _run(root, "sync", func, 0)
     assert p2.returncode == 0 and "finished" in p2.stdout, p2.stderr[-2000:]
     after = check_root(root)
     assert after is not None and before is not None and after > before
