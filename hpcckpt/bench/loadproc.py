@@ -31,6 +31,7 @@ def main(argv: list[str]) -> int:
     import torch
 
     from ..engines import load_rank
+    from ..engines.base import live_tensors
     from ..state import Flat
     from ..store import catalog
     from .synthetic import SyntheticRig
@@ -44,8 +45,10 @@ def main(argv: list[str]) -> int:
         rig = SyntheticRig(rig_bytes, warm=False, device=device)
         rig.sync()
         t0 = time.perf_counter()
-        # what Checkpointer.register does: capture the live tensors, read into them, restore
-        flat = load_rank(info, 0, 1, into=rig.state.capture(step=0).tensors)
+        # what Checkpointer.register does: capture the live tensors (with the devices of the
+        # optimizers' parameters, so missing optimizer state gets its GPU home), read into them
+        live = live_tensors(rig.state.capture(step=0, plan=False).tensors, rig.state.objects)
+        flat = load_rank(info, 0, 1, into=live)
         rig.state.restore(flat)
     elif kind == "fresh":
         info = catalog.find(Path(argv[1]), int(argv[2]))

@@ -36,24 +36,32 @@ class Slot:
     the last reference (this object, a numpy or torch view) is gone.
     """
 
-    def __init__(self, nbytes: int, *, pin: bool) -> None:
+    def __init__(self, nbytes: int, *, pin: bool, prefault: bool | None = None) -> None:
         # Pinning faults every page in (the driver pins them writable), so a prefault pass
-        # first would touch the memory twice.
-        self.buffer = native().aligned_buffer(nbytes, ALIGN, not pin)
+        # first would touch the memory twice. ``prefault`` False: neither (a slot pinned
+        # later with ``pin()``, or one whose pages the first read faults in).
+        self.buffer = native().aligned_buffer(nbytes, ALIGN, (not pin) if prefault is None else prefault)
         self.bytes = np.frombuffer(self.buffer, dtype=np.uint8)
         self.tensor = torch.from_numpy(self.bytes)
         self.pinned = False
         if pin:
-            rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
-            self.pinned = int(rc) == 0
-            if not self.pinned:
-                log.warning("hpcckpt: cudaHostRegister of %d staging bytes failed (%s); D2H copies will be slower",
-                            nbytes, rc)
+            self.pin()
         self.busy = False
 
     @property
     def nbytes(self) -> int:
         return int(self.bytes.nbytes)
+
+    def pin(self) -> bool:
+        """``cudaHostRegister`` the buffer on the current device's context; False (and a
+        warning) if the driver refuses: copies from it are then slower, not wrong."""
+        if not self.pinned:
+            rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
+            self.pinned = int(rc) == 0
+            if not self.pinned:
+                log.warning("hpcckpt: cudaHostRegister of %d staging bytes failed (%s); copies will be slower",
+                            self.nbytes, rc)
+        return self.pinned
 
     def release(self) -> None:
         if self.pinned:
@@ -61,13 +69,13 @@ class Slot:
             self.pinned = False
 
 
-def make_slots(count: int, nbytes: int, *, pin: bool) -> list[Slot]:
+def make_slots(count: int, nbytes: int, *, pin: bool, prefault: bool | None = None) -> list[Slot]:
     """``count`` slots of ``nbytes``; if one cannot be built, those already built are released
     (unpinned) before the error propagates, so a failed allocation leaks no pinned memory."""
     slots: list[Slot] = []
     try:
         for _ in range(count):
-            slots.append(Slot(nbytes, pin=pin))
+            slots.append(Slot(nbytes, pin=pin, prefault=prefault))
     except BaseException:
         for s in slots:
             s.release()

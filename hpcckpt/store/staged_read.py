@@ -52,7 +52,7 @@ class StagedReader:
 
     def __init__(self, path: str | os.PathLike[str], targets: Sequence[tuple[TensorEntry, torch.Tensor]], *,
                  direct: bool, threads: int = 0, chunk_bytes: int | None = None,
-                 chunks: int | None = None) -> None:
+                 chunks: int | None = None, pin: bool | None = None) -> None:
         self.path = str(path)
         self.targets = {e.name: (e, _flat(t)) for e, t in targets if e.nbytes}
         self.direct, self.threads = direct, threads
@@ -64,11 +64,35 @@ class StagedReader:
         self.rounds = plan_rounds([e for e, _ in self.targets.values()], size)
         self.device = one_cuda_device((t.device for _, t in self.targets.values()), f"restore of {self.path}")
         n = max(1, min(chunks or ROUND_CHUNKS, len(self.rounds)))
-        pin = self.device is not None
-        with torch.cuda.device(self.device) if pin else contextlib.nullcontext():
-            self.chunks = make_slots(n, size, pin=pin) if self.rounds else []
+        # Unpinned, untouched memory: the first reads fault it in while a thread pins the
+        # chunks in turn (cudaHostRegister of a few hundred MiB is tens of milliseconds,
+        # about a round's read), and a round's H2D copies wait for its chunk's pinning.
+        self.chunks = make_slots(n, size, pin=False, prefault=False) if self.rounds else []
+        self._pinned = [threading.Event() for _ in self.chunks]
+        self._pinner: threading.Thread | None = None
+        if (self.device is not None if pin is None else pin) and self.chunks:
+            self._pinner = threading.Thread(target=self._pin_chunks, name="hpcckpt-pin", daemon=True)
+            self._pinner.start()
+        else:
+            for e in self._pinned:
+                e.set()
         self.info: dict[str, int] = {"staged_bytes": 0, "rounds": len(self.rounds)}
         self._info_lock = threading.Lock()
+
+    def _pin_chunks(self) -> None:
+        """Pinning thread: register each chunk on the device's context, in the order rounds use them."""
+        try:
+            with torch.cuda.device(self.device) if self.device is not None else contextlib.nullcontext():
+                for chunk, pinned in zip(self.chunks, self._pinned):
+                    try:
+                        chunk.pin()
+                    finally:
+                        pinned.set()
+        except BaseException:
+            log.warning("hpcckpt: pinning the restore chunks failed; copies go from pageable memory", exc_info=True)
+        finally:
+            for e in self._pinned:
+                e.set()
 
     def read(self) -> dict[str, int]:
         """Read every round; returns crc32c by tensor name. Calling thread, blocks until done."""
@@ -94,6 +118,7 @@ class StagedReader:
                     crcs = futures.pop(r).result()
                     for p, crc in zip(round_pieces, crcs):
                         pieces.setdefault(p.name, []).append((p.src_off, crc, p.nbytes))
+                    self._pinned[r % n].wait()  # pinned (or given up on): an async copy may read it
                     done[r % n] = self._copy_up(self.chunks[r % n], round_pieces, stream)
                     submit(r + n)
             finally:
@@ -105,9 +130,19 @@ class StagedReader:
         return _combine(pieces)
 
     def release(self) -> None:
-        for c in self.chunks:
-            c.release()
-        self.chunks = []
+        """Unpin and drop the chunks. CUDA: on a thread of its own (unregistering takes about as
+        long as registering), after every copy from them is done (``read`` synchronises)."""
+        chunks, self.chunks = self.chunks, []
+        if self._pinner is not None:
+            self._pinner.join()
+            self._pinner = None
+        if not any(c.pinned for c in chunks):
+            return
+
+        def unpin() -> None:
+            for c in chunks:
+                c.release()
+        threading.Thread(target=unpin, name="hpcckpt-unpin").start()
 
     def _read_round(self, r: int) -> list[int]:
         """Reader thread: one native read_items call for round r into its chunk."""
@@ -154,7 +189,8 @@ def read_staged(path: str | os.PathLike[str], targets: Sequence[tuple[TensorEntr
                 info: dict[str, int] | None = None) -> dict[str, int]:
     """Read ``targets`` in place through pinned chunks; returns crc32c by name (not yet verified).
 
-    The chunks are pinned for CUDA targets and unpinned (and freed) before returning.
+    For CUDA targets the chunks are pinned by a thread while the first rounds are read, and
+    unpinned (then freed) by another once every copy from them is done.
     """
     reader = StagedReader(path, targets, direct=direct, threads=threads, chunk_bytes=chunk_bytes, chunks=chunks)
     try:

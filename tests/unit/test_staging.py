@@ -8,6 +8,8 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -292,6 +294,60 @@ def test_staged_read_crc_shows_a_flipped_byte_in_a_later_round(tmp_path: Path) -
     assert crcs["a"] == entries["a"].crc32c and crcs["b"] != e.crc32c
     with pytest.raises(CheckpointCorrupt, match="'b'"):
         read_tensors(path, entries)
+
+
+def test_staged_read_copies_a_round_only_from_a_pinned_chunk_and_unpins_every_chunk(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path's pinning (a thread registering the chunks while the first rounds are
+    read) with the driver calls replaced at one seam: ``Slot.pin`` / ``Slot.release``."""
+    from hpcckpt.store import hostmem, staged_read
+    log: list[tuple[str, int]] = []
+    lock = threading.Lock()
+
+    def pin(self: hostmem.Slot) -> bool:
+        time.sleep(0.02)  # registering takes a while; what is asserted holds however long
+        with lock:
+            log.append(("pin", id(self)))
+        self.pinned = True
+        return True
+
+    def release(self: hostmem.Slot) -> None:
+        if self.pinned:
+            with lock:
+                log.append(("unpin", id(self)))
+            self.pinned = False
+
+    real_copy_up = staged_read.StagedReader._copy_up
+
+    def copy_up(self: staged_read.StagedReader, chunk: hostmem.Slot, pieces: list, stream: object) -> object:
+        with lock:
+            log.append(("copy", id(chunk)))
+        return real_copy_up(self, chunk, pieces, stream)
+
+    monkeypatch.setattr(hostmem.Slot, "pin", pin)
+    monkeypatch.setattr(hostmem.Slot, "release", release)
+    monkeypatch.setattr(staged_read.StagedReader, "_copy_up", copy_up)
+    tensors = {"a": torch.randn(9000), "b": torch.randn(4000).double()}
+    path = tmp_path / "rank-0.h5"
+    entries = write_tensors(path, tensors)
+    targets = [(entries[n], torch.zeros_like(t)) for n, t in tensors.items()]
+    reader = staged_read.StagedReader(path, targets, direct=True, chunk_bytes=2 * ALIGN, chunks=3, pin=True)
+    chunks = list(reader.chunks)
+    assert len(chunks) == 3 and len(reader.rounds) > 3
+    try:
+        crcs = reader.read()
+    finally:
+        reader.release()
+    for t in threading.enumerate():
+        if t.name in ("hpcckpt-unpin", "hpcckpt-pin"):
+            t.join()
+    for e, live in targets:
+        assert torch.equal(live, tensors[e.name]) and crcs[e.name] == e.crc32c, e.name
+    for c in chunks:
+        first_copy = log.index(("copy", id(c)))
+        assert log.index(("pin", id(c))) < first_copy, log
+        assert ("unpin", id(c)) in log and not c.pinned
+    assert len([x for x in log if x[0] == "copy"]) == len(reader.rounds)
 
 
 # -- through the Checkpointer --------------------------------------------------------
