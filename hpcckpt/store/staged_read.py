@@ -139,9 +139,12 @@ class StagedReader:
         if not any(c.pinned for c in chunks):
             return
 
-        def unpin() -> None:
-            for c in chunks:
-                c.release()
+        device = self.device
+
+        def unpin() -> None:  # on the context that registered them
+            with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+                for c in chunks:
+                    c.release()
         threading.Thread(target=unpin, name="hpcckpt-unpin").start()
 
     def _read_round(self, r: int) -> list[int]:
