@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,35 +18,50 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_criu_local import (EXIT_REQUEUE, TRAIN, criu_ok, finish, ledger, start,  # noqa: F401
-                                               wait_for_step)
+from tests.integration.test_criu_local import (EXIT_REQUEUE, TRAIN, criu_ok, finish, kill_supervised,  # noqa: F401
+                                               ledger, local_env, start, wait_for_step)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.criu, pytest.mark.slow]
 
 STEPS = 40
 DETERMINISTIC = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+# The tiny model takes ~5-10 ms a step on an H100, less than the dump path (load the
+# driver, cuInit, state query, lock: ~0.7 s): without a pause the job would end before it
+# is locked. The pause changes no number (the reference runs without it).
+STEP_SLEEP_S = 0.3
 
 
-def train(out: Path, device: str) -> list[str]:
-    return [sys.executable, str(TRAIN), "--steps", str(STEPS), "--out", str(out), "--device", device]
+def train(out: Path, device: str, *, step_sleep_s: float = 0.0) -> list[str]:
+    return [sys.executable, str(TRAIN), "--steps", str(STEPS), "--out", str(out), "--device", device,
+            "--step-sleep-s", str(step_sleep_s)]
 
 
 def uninterrupted(out: Path, device: str) -> dict:
     subprocess.run(train(out, device), check=True, stdout=subprocess.DEVNULL, timeout=900,
-                   env={**os.environ, **DETERMINISTIC})
+                   env=local_env(DETERMINISTIC))
     return json.loads(out.read_text())
 
 
 def twice_interrupted(run_dir: Path, out: Path, device: str, at_steps: tuple[int, ...] = (10, 25)) -> list[dict]:
     summaries = []
-    for step in at_steps:
-        proc = start(run_dir, out, cmd=train(out, device), env=DETERMINISTIC)
-        wait_for_step(run_dir, step, proc)
-        proc.send_signal(signal.SIGUSR2)
-        code, summary, stderr = finish(proc)
-        assert code == EXIT_REQUEUE, f"expected exit 75 after the dump, got {code}: {stderr}"
+    cmd = train(out, device, step_sleep_s=STEP_SLEEP_S)
+    for n, step in enumerate(at_steps, start=1):
+        proc = start(run_dir, out, cmd=cmd, env=DETERMINISTIC)
+        try:
+            wait_for_step(run_dir, step, proc)
+            proc.send_signal(signal.SIGUSR2)
+            code, summary, stderr = finish(proc)
+        finally:
+            kill_supervised(proc)  # an assertion or timeout above must not leave the job running
+        assert code == EXIT_REQUEUE, f"expected exit 75 after dump {n}, got {code}: {stderr}"
+        assert summary.get("images") == [f"image-{n:06d}"], \
+            f"dump {n} (signalled at step {step}) committed no image: {summary}; {stderr}"
         summaries.append(summary)
-    code, summary, stderr = finish(start(run_dir, out, cmd=train(out, device), env=DETERMINISTIC))
+    proc = start(run_dir, out, cmd=cmd, env=DETERMINISTIC)
+    try:
+        code, summary, stderr = finish(proc)
+    finally:
+        kill_supervised(proc)
     assert code == 0, f"final incarnation failed ({code}): {stderr}"
     return [*summaries, summary]
 

@@ -84,12 +84,35 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, *, timeout_s
     raise AssertionError(f"the job did not reach step {step} within {timeout_s} s")
 
 
+def local_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment without Slurm's variables, on the local cluster backend: a test run
+    inside an allocation must never ``scontrol requeue`` the allocation itself."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    return {**env, "HPCCKPT_CLUSTER": "local", **(extra or {})}
+
+
 def start(run_dir: Path, out: Path, *extra: str, cmd: list[str] | None = None, workers: int = 0,
           env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(hpcckpt("run", "--mode", "criu", "--dir", str(run_dir), "--json", *extra, "--",
                                     *(cmd or train_cmd(out, workers=workers))),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=local_env(env))
+
+
+def kill_supervised(proc: subprocess.Popen) -> None:
+    """Kill a supervisor that is still running and everything under it (the job's
+    namespace, a criu in flight); a no-op once it has finished. For ``finally`` blocks."""
+    from hpcckpt.proc import tree as proctree
+
+    if proc.returncode is not None or proc.poll() is not None:
+        return
+    below = proctree.tree(proc.pid)[1:]
+    proc.kill()  # first, so that it starts nothing more
+    for pid in below:  # SIGKILL to the namespace's init (nsinit) ends all inside it
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.communicate(timeout=60)
 
 
 def finish(proc: subprocess.Popen, *, timeout_s: float = 600) -> tuple[int, dict, str]:
@@ -103,9 +126,12 @@ def run_with_dumps(run_dir: Path, out: Path, at_steps: list[int], *extra: str, w
     summaries = []
     for step in at_steps:
         proc = start(run_dir, out, *extra, workers=workers)
-        wait_for_step(run_dir, step, proc)
-        proc.send_signal(signal.SIGUSR2)
-        code, summary, stderr = finish(proc)
+        try:
+            wait_for_step(run_dir, step, proc)
+            proc.send_signal(signal.SIGUSR2)
+            code, summary, stderr = finish(proc)
+        finally:
+            kill_supervised(proc)
         assert code == EXIT_REQUEUE, f"expected exit 75 after the dump, got {code}: {stderr}"
         summaries.append(summary)
     code, summary, stderr = finish(start(run_dir, out, *extra, workers=workers))
