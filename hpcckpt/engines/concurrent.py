@@ -249,6 +249,9 @@ class ConcurrentEngine(Engine):
             key = _specs(tensors)
         except ConfigError:
             return  # save() reports it, where the user sees it
+        cuda = next((t.device for t in tensors.values() if isinstance(t, torch.Tensor) and t.is_cuda), None)
+        if cuda is not None:
+            self._side_stream(cuda)  # the first torch.cuda.Stream builds torch's stream pool: not in save()
         if self._staging is None or self._staging.key != key:
             self._preparer.start(key)
 

@@ -443,10 +443,10 @@ def test_slots_built_before_a_failed_allocation_are_released(monkeypatch: pytest
     released: list[int] = []
     real_init, real_release = hostmem.Slot.__init__, hostmem.Slot.release
 
-    def init(self: hostmem.Slot, nbytes: int, *, pin: bool) -> None:
+    def init(self: hostmem.Slot, nbytes: int, *, pin: bool, prefault: bool | None = None) -> None:
         if len(built) == 2:  # the third allocation fails (injected), as an exhausted pin would
             raise MemoryError("cannot allocate staging (injected)")
-        real_init(self, nbytes, pin=pin)
+        real_init(self, nbytes, pin=pin, prefault=prefault)
         built.append(id(self))
 
     def release(self: hostmem.Slot) -> None:
