@@ -42,6 +42,9 @@ Call sequence:
           Any failure after the CUDA checkpoint (criu, the image directory, fork, a log
           file) gives every CUDA process its GPU back; one that cannot be is named and the
           job is said to be stuck.
+  job ended during the dump: it exited by itself (any status but criu's SIGKILL) while
+          the CUDA lock or criu was under way, so the dump failed for want of a process:
+          that is its natural end. Its status is ours, no requeue, no image marked stale.
   dump ended the job, no image: criu killed the tree but the image could not be
           committed (or criu reported failure after killing it, e.g. a timeout): the
           existing images are marked STALE (the job had run past them; restoring one
@@ -383,8 +386,13 @@ class Supervisor:
             return self._job_lost(job, sig, str(exc))
         except (HpcckptError, OSError) as exc:
             if not self._job_alive(job):
-                # e.g. a timeout after criu had already killed the dumped tree: never say
+                # Gone: either it finished by itself while the dump was under way (the lock
+                # or criu then fail for want of a process), or criu killed it (SIGKILL, at
+                # the end of a dump it then reported failed, e.g. a timeout). Never say
                 # "keeps running" of a job that is gone, and never signal it.
+                code = self._gone_status(job)
+                if code is not None and code != 128 + signal.SIGKILL:
+                    return self._ended_during_dump(sig, exc, code)
                 return self._job_lost(job, sig, f"{exc}; and the job is gone (criu had already ended it)")
             self._dump_failed(job, sig, exc)
             return None
@@ -394,6 +402,22 @@ class Supervisor:
 
     def _job_alive(self, job: ops.Job) -> bool:
         return job.poll() is None and proctree.alive(job.app_pid)
+
+    def _gone_status(self, job: ops.Job) -> int | None:
+        """The exit status of a job whose root is gone (None if it cannot be collected)."""
+        self._wait_gone(job)
+        return self._reap(job)
+
+    def _ended_during_dump(self, sig: signal.Signals, exc: BaseException, code: int) -> int:
+        """The job ended by itself (its own exit, not criu's SIGKILL) while it was being
+        dumped: that is its natural end, exactly as without hpcckpt. Nothing is lost and
+        nothing is requeued; the images stay as they were (the finished run consumes them)."""
+        why = (f"the job ended by itself (status {code}) while it was being dumped, so the dump could not "
+               f"complete ({exc})")
+        self.log(f"{why}; no requeue: its exit status is the run's")
+        self.ledger.append("criu_dump_failed", error=why, signame=sig.name, job_ended=True, stale=None,
+                           exited_itself=True, exit_code=code)
+        return self._job_exited(code, dumped=False)
 
     def _job_lost(self, job: ops.Job, sig: signal.Signals, why: str) -> int:
         """criu ended the job without a committed image: its state since the last image is

@@ -326,3 +326,48 @@ def test_restored_job_is_pid_2_under_nsinit_and_gets_forwarded_signals(criu_ok: 
     assert code == 7, stderr  # the job's own status, through nsinit and unshare
     # Inside its fresh namespaces the restored job is PID 2, child of nsinit (PID 1).
     assert out.read_text() == "2 1"
+
+
+ENDS_ON_FLAG = """
+import os, sys, time
+i = 0
+while not os.path.exists(sys.argv[1]):
+    i += 1
+    print(f"step {i} ", flush=True)
+    time.sleep(0.05)
+print("done by itself", flush=True)
+sys.exit(3)
+"""
+
+
+def test_job_ending_by_itself_during_the_dump_is_its_natural_end(criu_ok: None, tmp_path: Path) -> None:
+    # The race made deterministic at one seam: the criu that dumps first lets the job end
+    # (a flag it polls) and waits until PID 2 is gone inside the job's namespace, then the
+    # real criu fails for want of a process. No requeue, no stale image: the job's status.
+    real = find_criu().path
+    flag, run_dir = tmp_path / "finish-now", tmp_path / "run"
+    wrapper = tmp_path / "criu-job-ends-first"
+    wrapper.write_text("#!/bin/sh\n"
+                       f'if [ "$1" = dump ]; then touch "{flag}"; n=0\n'
+                       '  while [ -e /proc/2/stat ] && [ $n -lt 1200 ]; do sleep 0.05; n=$((n+1)); done\n'
+                       "fi\n"
+                       f'exec "{real}" "$@"\n')
+    wrapper.chmod(0o755)
+    script = tmp_path / "job.py"
+    script.write_text(ENDS_ON_FLAG)
+    proc = start(run_dir, flag, cmd=[sys.executable, str(script), str(flag)], env={"HPCCKPT_CRIU": str(wrapper)})
+    try:
+        wait_for_step(run_dir, 3, proc)
+        proc.send_signal(signal.SIGUSR2)
+        code, summary, stderr = finish(proc)
+    finally:
+        kill_supervised(proc)
+    assert code == 3, stderr
+    assert summary["action"] == "exited" and summary["images"] == [], summary
+    assert "ended by itself (status 3)" in stderr and "requeue" not in stderr.replace("no requeue", "")
+    assert "done by itself" in job_output(run_dir)
+    events = ledger(run_dir)
+    assert "requeue" not in [e["event"] for e in events]
+    failed = [e for e in events if e["event"] == "criu_dump_failed"]
+    assert len(failed) == 1 and failed[0]["exited_itself"] is True and failed[0]["exit_code"] == 3
+    assert not (run_dir / "criu" / "STALE").exists()

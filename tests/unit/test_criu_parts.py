@@ -531,3 +531,27 @@ def test_nsinit_writes_to_its_log_never_to_the_jobs_files(tmp_path: Path) -> Non
         assert job.proc is not None
         job.proc.wait(timeout=60)
     assert out.read_text() == "hello\n" and err.read_text() == "oops\n"
+
+
+def test_job_that_ends_by_itself_during_the_cuda_lock_is_not_requeued(tmp_path: Path, cuda_job: object) -> None:
+    # The seam: the driver's lock. The job ends (SIGTERM, not criu's SIGKILL) while it is
+    # being locked and the driver then fails: its end is natural, never "lost".
+    from hpcckpt.cuda import CudaCallFailed
+
+    class EndsDuringLock(FakeCuda):
+        def lock(self, pid: int, *, timeout_ms: int = 0) -> None:
+            os.kill(pid, signal.SIGTERM)
+            cuda_job.proc.wait(timeout=60)  # type: ignore[attr-defined]
+            raise CudaCallFailed(f"cuCheckpointProcessLock(pid={pid}) failed: CUDA_ERROR_UNKNOWN (999)",
+                                 code=999, name="CUDA_ERROR_UNKNOWN")
+
+    FakeCuda.instance = EndsDuringLock()
+    commit_image(tmp_path / "run" / "criu", 1)
+    sup, said = _supervisor(tmp_path / "run")
+    assert sup._on_dump_signal(cuda_job, signal.SIGUSR2) == 128 + signal.SIGTERM  # type: ignore[attr-defined]
+    assert sup.outcome.action == "exited"  # type: ignore[attr-defined]
+    assert not (tmp_path / "run" / "criu" / "STALE").exists()
+    assert any("ended by itself" in line for line in said), said
+    events = [json.loads(x) for x in (tmp_path / "run" / "ledger.jsonl").read_text().splitlines()]
+    assert "requeue" not in [e["event"] for e in events]
+    assert [e.get("exited_itself") for e in events if e["event"] == "criu_dump_failed"] == [True]
