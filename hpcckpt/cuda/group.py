@@ -73,8 +73,23 @@ def cuda_pids(root: int, *, driver: Callable[[], CudaCheckpoint] = CudaCheckpoin
     return found
 
 
+def _not_running(cu: CudaCheckpoint, pid: int) -> str | None:
+    """None when the driver says ``pid`` is RUNNING; else what is wrong with it."""
+    try:
+        st = cu.state(pid)
+    except CudaCheckpointError as exc:
+        return f"PID {pid}: its CUDA state cannot be read ({exc})"
+    if st is ProcessState.RUNNING:
+        return None
+    if st is ProcessState.FAILED:
+        return (f"PID {pid} is in CUDA state FAILED (a checkpoint or restore of it failed inside the driver; "
+                "its GPU state cannot be trusted)")
+    return f"PID {pid} is left {st.name}, not RUNNING"
+
+
 def _undo(cu: CudaCheckpoint, pids: list[int]) -> list[str]:
-    """Bring every PID back to RUNNING, best effort: one that fails does not stop the rest."""
+    """Bring every PID back to RUNNING, best effort: one that fails does not stop the rest.
+    Each PID's state is read again at the end: anything but RUNNING is a problem."""
     problems: list[str] = []
     for pid in pids:
         try:
@@ -86,6 +101,10 @@ def _undo(cu: CudaCheckpoint, pids: list[int]) -> list[str]:
                 cu.unlock(pid)
         except CudaCheckpointError as exc:
             problems.append(f"PID {pid}: {exc}")
+            continue
+        left = _not_running(cu, pid)
+        if left:
+            problems.append(left)
     return problems
 
 
@@ -134,10 +153,16 @@ def checkpoint_all(cu: CudaCheckpoint, pids: list[int], *, lock_timeout_ms: int)
 
 
 def restore_all(cu: CudaCheckpoint, pids: list[int], pairs: list[tuple[str, str]] | None = None) -> None:
-    """Restore every PID's device state (onto other GPUs per ``pairs``), then unlock every PID."""
+    """Restore every PID's device state (onto other GPUs per ``pairs``), then unlock every PID.
+
+    Raises CudaCheckpointError unless the driver then says every PID is RUNNING (a process
+    in CU_PROCESS_STATE_FAILED, or any other state, is never reported as restored)."""
     for pid in pids:
         if cu.state(pid) is ProcessState.CHECKPOINTED:
             cu.restore(pid, pairs)
     for pid in pids:
         if cu.state(pid) is ProcessState.LOCKED:
             cu.unlock(pid)
+    bad = [why for why in (_not_running(cu, pid) for pid in pids) if why]
+    if bad:
+        raise CudaCheckpointError(f"CUDA restore of PIDs {pids} did not leave them running: {'; '.join(bad)}")

@@ -555,3 +555,21 @@ def test_job_that_ends_by_itself_during_the_cuda_lock_is_not_requeued(tmp_path: 
     events = [json.loads(x) for x in (tmp_path / "run" / "ledger.jsonl").read_text().splitlines()]
     assert "requeue" not in [e["event"] for e in events]
     assert [e.get("exited_itself") for e in events if e["event"] == "criu_dump_failed"] == [True]
+
+
+def test_a_process_the_driver_reports_failed_is_never_called_restored() -> None:
+    # The seam: the state the driver reports. FAILED is neither restored nor unlocked.
+    from hpcckpt.cuda import ProcessState
+    from hpcckpt.cuda.group import resume_all, restore_all
+    from hpcckpt.errors import CudaCheckpointError
+
+    cu = FakeCuda()
+    cu.states = {201: ProcessState.CHECKPOINTED, 202: ProcessState.FAILED}
+    with pytest.raises(CudaCheckpointError, match=r"did not leave them running: PID 202 is in CUDA state FAILED"):
+        restore_all(cu, [201, 202])  # type: ignore[arg-type]
+    assert cu.states[201] is ProcessState.RUNNING and ("restore", 202) not in cu.calls
+    cu.states = {201: ProcessState.CHECKPOINTED, 202: ProcessState.FAILED}
+    with pytest.raises(CudaCheckpointError, match=r"STUCK.*PID 202 is in CUDA state FAILED"):
+        resume_all(cu, [201, 202])  # type: ignore[arg-type]
+    assert cu.states[201] is ProcessState.RUNNING
+    restore_all(cu, [201])  # type: ignore[arg-type]  # RUNNING already: nothing to say
