@@ -3,6 +3,8 @@
 Moves a CUDA process through the driver's checkpoint states (driver >= 570):
 RUNNING -lock-> LOCKED -checkpoint-> CHECKPOINTED -restore-> LOCKED -unlock-> RUNNING.
 ``toggle`` goes RUNNING -> CHECKPOINTED or back. PIDs are as seen from here.
+A stopped or traced process is refused (the driver works through its own restore
+thread); a call that does not return within --call-timeout-s is reported stuck.
 """
 from __future__ import annotations
 
@@ -18,7 +20,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("action", choices=ACTIONS)
     p.add_argument("pid", type=int)
-    p.add_argument("--timeout-ms", type=int, default=0, help="lock timeout (0 = wait indefinitely)")
+    p.add_argument("--timeout-ms", type=int, default=0,
+                   help="the driver's lock timeout (0 = the driver waits indefinitely)")
+    p.add_argument("--call-timeout-s", type=float, default=None,
+                   help="give up on a driver call that has not returned after this long and report it stuck "
+                        "(default 600; a lock gets --timeout-ms on top)")
     add_json(p)
     p.set_defaults(func=run)
 
@@ -26,7 +32,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def run(args: argparse.Namespace) -> int:
     from ..cuda import CudaCheckpoint
 
-    cu = CudaCheckpoint()
+    from ..cuda.driver import CALL_TIMEOUT_S
+    from ..errors import ConfigError
+
+    if args.call_timeout_s is not None and args.call_timeout_s <= 0:
+        raise ConfigError(f"--call-timeout-s must be > 0 (got {args.call_timeout_s})")
+    cu = CudaCheckpoint(call_timeout_s=args.call_timeout_s or CALL_TIMEOUT_S)
     pid = args.pid
     result: dict[str, object] = {"pid": pid, "action": args.action, "driver_api": cu.info.text}
     if args.action == "restore-tid":

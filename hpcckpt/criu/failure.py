@@ -31,20 +31,24 @@ class FailureReport:
     catchers_inner: list[int] = field(default_factory=list)
     older_image: str | None = None
     fix: str = ""
+    stuck: bool = False  # a CUDA process may be left locked: the job does not really run on
 
     def as_dict(self) -> dict[str, Any]:
         return {"error": self.error, "signame": self.signame, "forwarded_to": self.catchers_inner,
-                "older_image": self.older_image, "requeue_from_older": False, "fix": self.fix}
+                "older_image": self.older_image, "requeue_from_older": False, "fix": self.fix,
+                "stuck": self.stuck}
 
     def lines(self) -> list[str]:
         told = (f"forwarded {self.signame} to the job's processes that catch it (PIDs {self.catchers_inner} "
                 "inside its namespace), so it can save itself" if self.catchers_inner else
-                f"NOT forwarding {self.signame}: no process of the job catches it, and it would kill the job; "
-                "the job keeps running to its natural end or the scheduler's kill")
+                f"NOT forwarding {self.signame}: no process of the job catches it, and it would kill the job"
+                + ("" if self.stuck else "; the job keeps running to its natural end or the scheduler's kill"))
         older = (f"an older image {self.older_image} exists; not requeueing from it: the running job is ahead "
                  "of it (it stays the image a later run restores)" if self.older_image else
                  "no older image exists")
-        return ["!" * 72, f"CRIU DUMP FAILED; the job keeps running. Why: {self.error}", told, older,
+        head = ("CRIU DUMP FAILED; THE JOB MAY BE STUCK (a CUDA process may be left locked: its CUDA calls "
+                "block until it is unlocked)" if self.stuck else "CRIU DUMP FAILED; the job keeps running")
+        return ["!" * 72, f"{head}. Why: {self.error}", told, older,
                 f"What to change: {self.fix}", "!" * 72]
 
 
@@ -79,9 +83,22 @@ def _older_image(root: Path, consumed: str | None) -> str | None:
     return None if image.name == consumed or images.stale(root, image) else image.name
 
 
+def is_stuck(exc: BaseException | None) -> bool:
+    """Whether a failure (or one it came from) left CUDA state locked: a stuck driver call,
+    or an undo that failed (their messages say STUCK)."""
+    from ..cuda.driver import CudaCallStuck
+
+    seen = 0
+    while exc is not None and seen < 20:
+        if isinstance(exc, CudaCallStuck) or "STUCK" in str(exc):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
 def report(job: ops.Job, sig: signal.Signals, exc: BaseException, *, root: Path,
            consumed: str | None) -> FailureReport:
     told = catchers(job, sig)
     return FailureReport(error=str(exc), signame=sig.name, forwarded_to=told,
                          catchers_inner=[proctree.inner_pid(p) or p for p in told],
-                         older_image=_older_image(root, consumed), fix=_fix(exc, sig, root))
+                         older_image=_older_image(root, consumed), fix=_fix(exc, sig, root), stuck=is_stuck(exc))

@@ -9,13 +9,24 @@ A CHECKPOINTED process holds no GPU resources, which is what lets CRIU dump it.
 
 Every argument struct is 64 bytes and "reserved fields must be zero"; zeroed
 structs are passed rather than NULL so that the layout is explicit.
+
+The driver does the work through the TARGET's own CUDA restore thread (CRIU's cuda
+plugin PTRACE_CONTs that thread before each call for this reason). A target that is
+stopped (SIGSTOP: task state T) or held by a tracer (t) would block the call forever,
+so lock/checkpoint/restore/unlock refuse such a process up front, and every call runs
+with a deadline (``call_timeout_s``): one that does not return is reported as stuck,
+with the target's task states, and no further call is made through that instance.
 """
 from __future__ import annotations
 
 import ctypes
 import enum
 import os
+import threading
+from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, ClassVar
 
 from ..errors import CudaCheckpointError
 from ..proc.tree import maps_library
@@ -35,6 +46,15 @@ _CUDA_SUCCESS = 0
 NO_CONTEXT_CODES = (1, 3)  # CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_INITIALIZED
 _CUDA_ERROR_NO_DEVICE = 100
 _CUDA_ERROR_NOT_FOUND = 500
+# How long one cuCheckpointProcess* call may take before it is called stuck (a lock gets
+# its own timeout on top). Checkpoint and restore copy all device memory (80 GB on an
+# H100) between GPU and host: minutes at worst, never hours.
+CALL_TIMEOUT_S = 600.0
+# Calls that run on the target's restore thread and so need the target's tasks running.
+_NEEDS_TARGET_RUNNING = ("Lock", "Checkpoint", "Restore", "Unlock")
+_STUCK_LOCK = threading.Lock()
+_TASK_STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible wait", "T": "stopped by a signal",
+                "t": "stopped by a tracer", "Z": "zombie", "X": "dead", "I": "idle"}
 
 
 class CudaDriverMissing(CudaCheckpointError):
@@ -47,6 +67,57 @@ class CudaDriverTooOld(CudaCheckpointError):
 
 class CudaNoContext(CudaCheckpointError):
     """The PID does not exist or has no CUDA context."""
+
+
+class CudaProcessStopped(CudaCheckpointError):
+    """The target is stopped or held by a tracer: its restore thread cannot run."""
+
+
+class CudaCallStuck(CudaCheckpointError):
+    """A cuCheckpointProcess* call did not return within its deadline."""
+
+
+def task_states(pid: int) -> dict[int, str]:
+    """Each task's one-letter state (/proc/PID/task/TID/stat); empty when the process is gone."""
+    out: dict[int, str] = {}
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except (FileNotFoundError, ProcessLookupError):
+        return out
+    for task in tasks:
+        try:
+            out[int(task.name)] = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+            continue
+    return out
+
+
+def describe_tasks(pid: int) -> str:
+    """``PID 12: 9 tasks: 8 sleeping, 1 stopped by a signal (TID 15)`` (for messages)."""
+    states = task_states(pid)
+    if not states:
+        return f"PID {pid} is gone"
+    counts = Counter(states.values())
+    parts = []
+    for st, n in sorted(counts.items()):
+        tids = [t for t, s in states.items() if s == st]
+        parts.append(f"{n} {_TASK_STATES.get(st, st)}" + (f" (TID {', '.join(map(str, tids[:5]))})"
+                                                            if st in "Tt" else ""))
+    return f"PID {pid}: {len(states)} task(s): {', '.join(parts)}"
+
+
+def refuse_stopped(pid: int, what: str) -> None:
+    """Raise CudaProcessStopped when any task of ``pid`` is stopped (T) or in a tracing stop (t)."""
+    stopped = {tid: st for tid, st in task_states(pid).items() if st in ("T", "t")}
+    if not stopped:
+        return
+    traced = any(st == "t" for st in stopped.values())
+    fix = ("detach the tracer (a debugger, strace, or a criu still holding it) and retry" if traced else
+           f"resume it (kill -CONT {pid}) and retry")
+    raise CudaProcessStopped(
+        f"not calling cuCheckpointProcess{what}(pid={pid}): the process is "
+        f"{'held by a tracer' if traced else 'stopped'} ({describe_tasks(pid)}); the driver does this work "
+        f"through the process's own CUDA restore thread, so the call would block until it runs again: {fix}")
 
 
 class CudaCallFailed(CudaCheckpointError):
@@ -130,8 +201,13 @@ def load_library(path: str = LIBCUDA) -> ctypes.CDLL:
 class CudaCheckpoint:
     """One loaded driver. Methods take the target's PID as this process sees it."""
 
-    def __init__(self, library: str | None = None) -> None:
+    # The call still blocked in the driver, if any: one per process (the driver is), so no
+    # instance calls into it again until that call has returned.
+    _stuck: ClassVar[str | None] = None
+
+    def __init__(self, library: str | None = None, *, call_timeout_s: float = CALL_TIMEOUT_S) -> None:
         self.path = library or os.environ.get("HPCCKPT_LIBCUDA") or LIBCUDA
+        self.call_timeout_s = call_timeout_s
         self._lib = load_library(self.path)
         self.info = DriverInfo(path=self.path, api_version=self._driver_version())
         self._require_checkpoint_api()
@@ -169,15 +245,58 @@ class CudaCheckpoint:
             return f"{text.value.decode()} ({code})"
         return f"CUresult {code}"
 
-    def _call(self, what: str, pid: int, *args: object) -> None:
+    def _call(self, what: str, pid: int, *args: object, extra_s: float = 0.0) -> None:
+        name = f"cuCheckpointProcess{what}(pid={pid})"
+        if CudaCheckpoint._stuck is not None:
+            raise CudaCallStuck(f"not calling {name}: {CudaCheckpoint._stuck} has not returned and is still "
+                                "blocked in the driver (STUCK); check the process with `hpcckpt cuda state PID`")
+        if what in _NEEDS_TARGET_RUNNING:
+            refuse_stopped(pid, what)
         fn = getattr(self._lib, f"cuCheckpointProcess{what}")
-        rc = fn(ctypes.c_int(pid), *args)
+        rc = self._with_deadline(name, what, pid, lambda: fn(ctypes.c_int(pid), *args),
+                                 self.call_timeout_s + extra_s)
         if rc != _CUDA_SUCCESS:
             hint = ""
             if rc == _CUDA_ERROR_NOT_FOUND or not maps_library(pid, MAPPED_DRIVER):
                 hint = f"; PID {pid} has no CUDA context (is it a CUDA process, and alive?)"
             raise CudaCallFailed(f"cuCheckpointProcess{what}(pid={pid}) failed: {self.error_name(rc)}{hint}",
                                  code=int(rc), name=self.error_name(rc))
+
+    def _with_deadline(self, name: str, what: str, pid: int, call: Callable[[], int], deadline_s: float) -> int:
+        """Run one driver call on a helper thread (ctypes drops the GIL); a call that does
+        not return in time is left there, recorded as stuck, and reported."""
+        result: list[int] = []
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                result.append(int(call()))
+            except BaseException as exc:  # noqa: BLE001  (re-raised in the caller's thread)
+                failure.append(exc)
+            with _STUCK_LOCK:
+                done.append(True)
+                if CudaCheckpoint._stuck == name:  # returned after all, late: the driver is free again
+                    CudaCheckpoint._stuck = None
+
+        done: list[bool] = []
+        worker = threading.Thread(target=run, name=f"hpcckpt-{what}-{pid}", daemon=True)
+        worker.start()
+        worker.join(deadline_s)
+        with _STUCK_LOCK:
+            stuck = not done
+            if stuck:
+                CudaCheckpoint._stuck = name
+        if stuck:
+            held = ("the process may already be LOCKED (its CUDA calls block) or further, and the call may "
+                    "still complete once the process runs" if what != "GetState" else "its state is unknown")
+            raise CudaCallStuck(
+                f"{name} did not return within {deadline_s:.0f} s (STUCK): the driver waits for the process's "
+                f"own CUDA restore thread. Now {describe_tasks(pid)}. {held}: check with `hpcckpt cuda state "
+                f"{pid}`, bring it back with `hpcckpt cuda restore {pid}` and `hpcckpt cuda unlock {pid}`, or "
+                "cancel the job (its last committed checkpoint is intact)")
+        if failure:
+            raise failure[0]
+        return result[0]
 
     def state(self, pid: int) -> ProcessState:
         require_cuda_process(pid)
@@ -221,10 +340,11 @@ class CudaCheckpoint:
             raise CudaCallFailed(f"{what} failed: {self.error_name(rc)}", code=int(rc), name=self.error_name(rc))
 
     def lock(self, pid: int, *, timeout_ms: int = 0) -> None:
-        """Block new CUDA work in ``pid`` and wait for submitted work (0 = no timeout)."""
+        """Block new CUDA work in ``pid`` and wait for submitted work (0: the driver waits
+        indefinitely; hpcckpt still gives up after ``call_timeout_s`` + the timeout)."""
         require_cuda_process(pid)
         args = _LockArgs(timeoutMs=timeout_ms)
-        self._call("Lock", pid, ctypes.byref(args))
+        self._call("Lock", pid, ctypes.byref(args), extra_s=timeout_ms / 1000)
 
     def checkpoint(self, pid: int) -> None:
         require_cuda_process(pid)

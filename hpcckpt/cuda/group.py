@@ -19,7 +19,7 @@ from typing import Callable
 
 from ..proc import tree as proctree
 from ..errors import CudaCheckpointError
-from .driver import MAPPED_DRIVER, NO_CONTEXT_CODES, CudaCallFailed, CudaCheckpoint, ProcessState
+from .driver import MAPPED_DRIVER, NO_CONTEXT_CODES, CudaCallFailed, CudaCallStuck, CudaCheckpoint, ProcessState
 
 
 def driver_mappers(root: int) -> list[int]:
@@ -147,7 +147,10 @@ def checkpoint_all(cu: CudaCheckpoint, pids: list[int], *, lock_timeout_ms: int)
             cu.checkpoint(pid)
     except CudaCheckpointError as exc:
         problems = _undo(cu, moved)
-        extra = f" (and undoing it failed: {'; '.join(problems)})" if problems else " (processes resumed)"
+        extra = (f"; and undoing it failed, so the job is STUCK (its CUDA calls block until it is unlocked): "
+                 f"{'; '.join(problems)}. Try `hpcckpt cuda restore PID` and `hpcckpt cuda unlock PID`; otherwise "
+                 "cancel the job (its last committed checkpoint is intact)" if problems else
+                 "" if isinstance(exc, CudaCallStuck) else " (processes resumed)")
         raise CudaCheckpointError(f"CUDA checkpoint of PIDs {pids} failed: {exc}{extra}") from exc
     return locked
 

@@ -22,11 +22,22 @@ from hpcckpt.cuda import CudaCheckpoint, CudaDriverMissing, CudaDriverTooOld, Cu
 from hpcckpt.cuda import driver
 
 FAKE_SRC = r"""
+#include <stdlib.h>
+#include <unistd.h>
 int cuDriverGetVersion(int *v) { *v = VERSION; return 0; }
 int cuInit(unsigned flags) { (void)flags; return INIT_RC; }
 #ifdef WITH_CHECKPOINT
 int cuCheckpointProcessLock(int pid, void *args) { (void)pid; (void)args; return STATE_RC; }
 int cuCheckpointProcessGetState(int pid, int *state) { (void)pid; *state = 0; return STATE_RC; }
+/* FAKE_BLOCK_FD: the call blocks until a byte can be read from that fd (a driver call
+   waiting for a target that never runs, released by the test). */
+int cuCheckpointProcessCheckpoint(int pid, void *args) {
+    const char *fd = getenv("FAKE_BLOCK_FD"); char c;
+    (void)pid; (void)args;
+    if (fd) { if (read(atoi(fd), &c, 1) != 1) return 999; }
+    return STATE_RC;
+}
+int cuCheckpointProcessUnlock(int pid, void *args) { (void)pid; (void)args; return STATE_RC; }
 #endif
 """
 
@@ -224,3 +235,56 @@ def test_unusable_driver_and_gpu_handles_is_a_clear_error(tmp_path: Path, monkey
     with _mapper(build_fake(tmp_path / "m", version=12080, checkpoint=True, name="libcuda.so.1")) as pid:
         with pytest.raises(CudaCheckpointError, match=r"holds /dev/nvidia0.*uses the GPU.*CUDA 12\.8"):
             cuda_pids(pid, driver=lambda: CudaCheckpoint(str(driver_lib)))
+
+
+def _wait_state(pid: int, want: str) -> None:
+    import time
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if set(driver.task_states(pid).values()) == {want}:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"PID {pid} never reached task state {want}: {driver.task_states(pid)}")
+
+
+def test_stopped_process_is_refused_before_any_call(tmp_path: Path) -> None:
+    import signal
+
+    cu = CudaCheckpoint(str(build_fake(tmp_path / "d", version=12080, checkpoint=True)))
+    with _mapper(build_fake(tmp_path / "m", version=12080, checkpoint=True, name="libcuda.so.1")) as pid:
+        os.kill(pid, signal.SIGSTOP)
+        _wait_state(pid, "T")
+        for call in (cu.lock, cu.checkpoint, cu.unlock):
+            with pytest.raises(driver.CudaProcessStopped, match=rf"the process is stopped.*kill -CONT {pid}"):
+                call(pid)
+        os.kill(pid, signal.SIGCONT)
+        _wait_state(pid, "S")
+        cu.lock(pid)  # running again: the call goes through
+
+
+def test_driver_call_that_never_returns_is_reported_stuck(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    r, w = os.pipe()
+    monkeypatch.setenv("FAKE_BLOCK_FD", str(r))
+    lib = build_fake(tmp_path / "d", version=12080, checkpoint=True)
+    cu = CudaCheckpoint(str(lib), call_timeout_s=0.2)
+    try:
+        with _mapper(build_fake(tmp_path / "m", version=12080, checkpoint=True, name="libcuda.so.1")) as pid:
+            with pytest.raises(driver.CudaCallStuck, match=rf"Checkpoint\(pid={pid}\) did not return.*STUCK.*"
+                                                          rf"PID {pid}: \d+ task\(s\).*may already be LOCKED"):
+                cu.checkpoint(pid)
+            # While it is blocked, nothing else goes into the driver (this instance or another).
+            with pytest.raises(driver.CudaCallStuck, match="not calling .*Unlock.*has not returned"):
+                CudaCheckpoint(str(lib)).unlock(pid)
+            os.write(w, b"x")  # the target "runs again": the call returns, late
+            for t in [t for t in threading.enumerate() if t.name == f"hpcckpt-Checkpoint-{pid}"]:
+                t.join(60)
+            assert driver.CudaCheckpoint._stuck is None
+            cu.unlock(pid)
+    finally:
+        os.write(w, b"x")
+        os.close(r)
+        os.close(w)
+        driver.CudaCheckpoint._stuck = None
