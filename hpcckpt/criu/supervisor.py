@@ -8,13 +8,15 @@ mounts, Lustre, GPFS, NFS, autofs). CRIU's criu-ns shape solves both:
   * the job runs as PID 2 under nsinit (PID 1) in fresh PID + mount namespaces with
     a fresh /proc (``unshare --pid --fork --mount-proc``; fds above 2 closed first);
   * CUDA lock + checkpoint act on the job's host PIDs, only for processes that have
-    a CUDA context (see hpcckpt.cuda.group);
+    a CUDA context (see hpcckpt.cuda.group); the manifest records the GPUs those
+    processes use (hpcckpt.cuda.gpumap), not every GPU of the node;
   * ``criu dump -t 2`` runs from INSIDE the job's PID + mount namespaces (nsjoin.py):
     neither is serialised, files reopen by path on the next node;
   * ``criu restore`` runs inside fresh PID + mount namespaces under a new nsinit,
     which sets the PID counter above the image's PIDs; the restored PID 2 cannot
     clash with anything on the node; CUDA restore + unlock act on its host PID,
-    onto the same GPUs or, by UUID pairs, onto GPUs of the same model (driver >= 580).
+    onto the same GPUs or, by UUID pairs (identical UUIDs kept, the rest paired in
+    index order with free GPUs of the same model), onto others (driver >= 580).
 After a restore the job looks exactly like a fresh start, so every later dump takes
 the same path. Parent, signals, waiting: the job's parent is always nsinit (criu runs
 ``--restore-detached`` under it and the orphaned PID 2 is re-parented to it); signals
@@ -452,9 +454,11 @@ class Supervisor:
         pids = cuda_pids(job.app_pid, driver=self.cuda, log=self.log)
         if not pids:
             return None, [], []
+        from ..cuda.gpumap import job_gpus
+
         t0 = time.monotonic()
         cu = self.cuda()
-        gpus = [g.as_dict() for g in cu.gpus()]
+        gpus = job_gpus(pids, cu.gpus(), log=self.log)  # before the lock: checkpointed, they hold no GPU files
         pids = checkpoint_all(cu, pids, lock_timeout_ms=self.opts.cuda_lock_timeout_ms)
         self.log(f"CUDA state of host PIDs {pids} locked and checkpointed in {time.monotonic() - t0:.2f} s")
         return cu, pids, gpus

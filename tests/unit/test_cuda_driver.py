@@ -288,3 +288,71 @@ def test_driver_call_that_never_returns_is_reported_stuck(tmp_path: Path, monkey
         os.close(r)
         os.close(w)
         driver.CudaCheckpoint._stuck = None
+
+
+H100, A100 = "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"
+
+
+def _uuid(n: int) -> str:
+    return f"GPU-{n:08x}-0000-0000-0000-000000000000"
+
+
+def _rec(index: int, n: int, name: str = H100) -> dict:
+    return {"index": index, "uuid": _uuid(n), "name": name}
+
+
+def test_gpu_plan_keeps_identical_uuids_and_pairs_the_rest_by_index_within_a_model() -> None:
+    from hpcckpt.cuda.driver import Gpu
+    from hpcckpt.cuda.gpumap import plan
+    from hpcckpt.errors import CudaCheckpointError
+
+    # The job used GPUs 1 and 3 (of 4); GPU 3 (UUID 13) is still here, but at index 0.
+    rec = [_rec(1, 11), _rec(3, 13)]
+    here = [Gpu(index=0, uuid=_uuid(13), name=H100), Gpu(index=1, uuid=_uuid(21), name=H100),
+            Gpu(index=2, uuid=_uuid(22), name=H100)]
+    assert plan(rec, here, can_remap=True) == [(_uuid(11), _uuid(21)), (_uuid(13), _uuid(13))]
+    # Two moved GPUs go, in index order, to the free GPUs of their own model, whatever the order here.
+    rec = [_rec(0, 1), _rec(1, 2, A100), _rec(2, 3)]
+    here = [Gpu(index=0, uuid=_uuid(30), name=A100), Gpu(index=1, uuid=_uuid(31), name=H100),
+            Gpu(index=2, uuid=_uuid(32), name=H100)]
+    assert plan(rec, here, can_remap=True) == [(_uuid(1), _uuid(31)), (_uuid(2), _uuid(30)), (_uuid(3), _uuid(32))]
+    # A GPU still here is never handed to another: too few free H100s is a clear error.
+    rec = [_rec(0, 1), _rec(1, 2)]
+    here = [Gpu(index=0, uuid=_uuid(2), name=H100), Gpu(index=1, uuid=_uuid(40), name=A100)]
+    with pytest.raises(CudaCheckpointError, match=rf"used 1 {H100} GPU\(s\).*only 0 free.*same GPU count and model"):
+        plan(rec, here, can_remap=True)
+    # Only the job's GPUs matter: extra GPUs here change nothing.
+    assert plan([_rec(0, 5)], [Gpu(index=0, uuid=_uuid(6), name=H100), Gpu(index=1, uuid=_uuid(5), name=H100)],
+                can_remap=False) is None
+
+
+def test_job_gpus_are_the_device_files_its_processes_use() -> None:
+    from hpcckpt.cuda.driver import Gpu
+    from hpcckpt.cuda.gpumap import job_gpus
+
+    visible = [Gpu(index=i, uuid=_uuid(100 + i), name=H100) for i in range(4)]
+    table = {m: {"uuid": _uuid(100 + m).upper(), "name": H100, "bus": f"0000:0{m}:00.0"}
+             for m in range(4)}
+    minors = {7: ({2}, {0, 1, 2, 3}), 8: (set(), {0, 1, 2, 3})}
+    said: list[str] = []
+    got = job_gpus([7], visible, log=said.append, minors_of=minors.__getitem__, by_minor=lambda: table)
+    assert got == [{"index": 2, "uuid": _uuid(102), "name": H100, "seen_as": "mapped"}] and not said
+    # Nothing mapped: the open device files; nothing readable in /proc/driver: every visible GPU, said.
+    got = job_gpus([8], visible, log=said.append, minors_of=minors.__getitem__, by_minor=lambda: table)
+    assert [g["index"] for g in got] == [0, 1, 2, 3] and {g["seen_as"] for g in got} == {"open"}
+    got = job_gpus([7], visible, log=said.append, minors_of=minors.__getitem__, by_minor=dict)
+    assert {g["seen_as"] for g in got} == {"visible"} and len(got) == 4
+    assert "no /proc/driver/nvidia/gpus" in said[0] and "recording all 4 visible GPU(s)" in said[0]
+
+
+def test_driver_gpus_parses_the_proc_information_files(tmp_path: Path) -> None:
+    from hpcckpt.cuda.gpumap import driver_gpus
+
+    d = tmp_path / "0000:05:00.0"
+    d.mkdir()
+    (d / "information").write_text(f"Model: \t\t {H100}\nIRQ:   \t\t 45\nGPU UUID: \t {_uuid(9)}\n"
+                                   "Video BIOS: \t 96.00.99.00.01\nBus Type: \t PCIe\nDevice Minor: \t 3\n"
+                                   "GPU Excluded:\t No\n")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "information").write_text("garbage\n")
+    assert driver_gpus(tmp_path) == {3: {"uuid": _uuid(9), "name": H100, "bus": "0000:05:00.0"}}
