@@ -4,8 +4,12 @@ A CUDA process is one with CUDA state, not one that maps libcuda: a CPU-only job
 with a CUDA build of torch maps the driver but never creates a context, and the
 driver answers its state query with CUDA_ERROR_NOT_INITIALIZED (or INVALID_VALUE).
 Such a process is skipped, unless it still holds /dev/nvidia* files or mappings (a
-child forked from a CUDA parent without exec): criu cannot dump those and the CUDA
-API cannot release them, which is a clear error, never a dump.
+job still starting CUDA, a child forked from a CUDA parent without exec, an NVML
+user): criu cannot dump those and the CUDA API cannot release them, which is a clear
+error, never a dump. Every process of the tree is checked for such files, not only
+those that map libcuda (nvidia-smi or a pynvml monitor holds /dev/nvidiactl without
+it). A state query failing with any other code, for a process that holds no
+/dev/nvidia* files, also means no context (there can be none without them).
 
 Order matters: every process is LOCKED before any is CHECKPOINTED. Locking one
 process while a peer still runs can leave the peer waiting on work the locked one
@@ -19,7 +23,8 @@ from typing import Callable
 
 from ..proc import tree as proctree
 from ..errors import CudaCheckpointError
-from .driver import MAPPED_DRIVER, NO_CONTEXT_CODES, CudaCallFailed, CudaCallStuck, CudaCheckpoint, ProcessState
+from .driver import (MAPPED_DRIVER, NO_CONTEXT_CODES, CudaCallFailed, CudaCallStuck, CudaCheckpoint, CudaNoContext,
+                     ProcessState)
 
 
 def driver_mappers(root: int) -> list[int]:
@@ -27,28 +32,53 @@ def driver_mappers(root: int) -> list[int]:
     return [p for p in proctree.tree(root) if proctree.maps_library(p, MAPPED_DRIVER)]
 
 
+def _who(pid: int) -> str:
+    return f"PID {pid} ({proctree.command(pid) or '?'})"
+
+
 def _no_context(pid: int, *, because: str | None = None) -> None:
-    """``pid`` has no CUDA context: fine, unless it holds GPU device files.
+    """``pid`` maps libcuda and has no CUDA context: fine, unless it holds GPU device files.
 
     ``because``: the driver could not be used, so the handles are the only evidence."""
     held = proctree.nvidia_handles(pid)
     if held and because is not None:
         raise CudaCheckpointError(
-            f"PID {pid} holds {', '.join(held)} (it uses the GPU), but the CUDA checkpoint API cannot be "
+            f"{_who(pid)} holds {', '.join(held)} (it uses the GPU), but the CUDA checkpoint API cannot be "
             f"used here: {because}. Fix the driver (the checkpoint API needs CUDA 12.8, driver >= 570), "
             "or use --mode app")
     if held:
         raise CudaCheckpointError(
-            f"PID {pid} has no CUDA context but holds {', '.join(held)} (typically a process forked "
-            "from a CUDA process without exec, or one using NVML): criu cannot dump it and the CUDA "
-            "checkpoint API cannot release it. Start such workers with the 'spawn' method (e.g. "
-            "DataLoader(multiprocessing_context='spawn')), or use --mode app")
+            f"{_who(pid)} has no CUDA context but holds {', '.join(held)}: criu cannot dump GPU device files "
+            "and the CUDA checkpoint API cannot release them without a context. Either (1) it was still "
+            "starting CUDA when the dump signal came (the GPU opened, no context yet): nothing was changed, "
+            "send the signal again once the job is training (with Slurm, a --signal lead time that falls after "
+            "start-up); or (2) it was forked from a CUDA process without exec: start such workers with the "
+            "'spawn' method (e.g. DataLoader(multiprocessing_context='spawn')); or (3) it uses the GPU only "
+            "through NVML (nvidia-smi, pynvml): run such monitors outside the job. Otherwise use --mode app")
+
+
+def _gpu_without_driver(pid: int, held: list[str]) -> CudaCheckpointError:
+    return CudaCheckpointError(
+        f"{_who(pid)} holds {', '.join(held)} without the CUDA driver library (a process using NVML, such as "
+        "nvidia-smi or a pynvml GPU monitor, or one forked from a CUDA process without exec): criu cannot dump "
+        "GPU device files and the CUDA checkpoint API cannot release them. Run GPU monitors outside the job "
+        "(outside `hpcckpt run`, e.g. in the batch script or another job step), start worker processes with "
+        "the 'spawn' method, or use --mode app")
 
 
 def cuda_pids(root: int, *, driver: Callable[[], CudaCheckpoint] = CudaCheckpoint,
               log: Callable[[str], None] = lambda _m: None) -> list[int]:
-    """PIDs in the tree under ``root`` that have CUDA state (see the module docstring)."""
-    mappers = driver_mappers(root)
+    """PIDs in the tree under ``root`` that have CUDA state (see the module docstring).
+
+    Every process of the tree is looked at: one that holds /dev/nvidia* files without
+    libcuda mapped (NVML only) can never be dumped, and is a clear error naming it."""
+    everyone = proctree.tree(root)
+    mappers = [p for p in everyone if proctree.maps_library(p, MAPPED_DRIVER)]
+    for pid in everyone:
+        if pid not in mappers:
+            held = proctree.nvidia_handles(pid)
+            if held:
+                raise _gpu_without_driver(pid, held)
     if not mappers:
         return []
     try:
@@ -65,12 +95,33 @@ def cuda_pids(root: int, *, driver: Callable[[], CudaCheckpoint] = CudaCheckpoin
         return []
     found = []
     for pid in mappers:
-        if cu.probe(pid) is None:
-            _no_context(pid)
-            log(f"PID {pid} maps libcuda but has no CUDA context: dumped as a CPU process")
-        else:
+        if _has_context(cu, pid, log):
             found.append(pid)
     return found
+
+
+def _has_context(cu: CudaCheckpoint, pid: int, log: Callable[[str], None]) -> bool:
+    try:
+        state = cu.probe(pid)
+    except CudaNoContext as exc:  # gone meanwhile (a worker that ended): nothing to checkpoint
+        log(f"PID {pid} is not a CUDA process ({exc}): left to criu as it is")
+        return False
+    except CudaCallFailed as exc:
+        # An error code other than the known "no context" ones (never seen on a node for a
+        # process without a context, but not ruled out): without /dev/nvidia* files there
+        # cannot be a context, so it is a CPU process; with them it is a real failure.
+        held = proctree.nvidia_handles(pid)
+        if held:
+            raise CudaCheckpointError(f"cannot tell whether {_who(pid)} has CUDA state: {exc}; it holds "
+                                      f"{', '.join(held)}") from exc
+        log(f"PID {pid}: the driver's state query failed ({exc}), but it holds no /dev/nvidia* files, so it has "
+            "no CUDA context: dumped as a CPU process")
+        return False
+    if state is None:
+        _no_context(pid)
+        log(f"PID {pid} maps libcuda but has no CUDA context: dumped as a CPU process")
+        return False
+    return True
 
 
 def _not_running(cu: CudaCheckpoint, pid: int) -> str | None:

@@ -94,6 +94,16 @@ def nvidia_handles(pid: int) -> list[str]:
     return sorted(found)
 
 
+def command(pid: int, *, limit: int = 120) -> str:
+    """``pid``'s command line, shortened for messages ("" when gone)."""
+    try:
+        raw = (PROC / str(pid) / "cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return ""
+    text = " ".join(raw.replace(b"\0", b" ").decode(errors="replace").split())  # one line
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def inner_pid(pid: int) -> int | None:
     """The PID ``pid`` has inside its own (innermost) PID namespace."""
     pids = ns_pids(pid)

@@ -356,3 +356,53 @@ def test_driver_gpus_parses_the_proc_information_files(tmp_path: Path) -> None:
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "information").write_text("garbage\n")
     assert driver_gpus(tmp_path) == {3: {"uuid": _uuid(9), "name": H100, "bus": "0000:05:00.0"}}
+
+
+def test_process_holding_gpu_files_without_libcuda_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An NVML-only process (nvidia-smi, a pynvml monitor) holds /dev/nvidiactl without libcuda.
+    # The seam: what /proc says it holds (no GPU here to open /dev/nvidiactl for real).
+    from hpcckpt.cuda import cuda_pids, group
+    from hpcckpt.errors import CudaCheckpointError
+
+    with subprocess.Popen(["sleep", "30"]) as proc:
+        try:
+            monkeypatch.setattr(group.proctree, "nvidia_handles",
+                                lambda pid: ["/dev/nvidiactl"] if pid == proc.pid else [])
+
+            def no_driver() -> CudaCheckpoint:
+                raise AssertionError("the driver is not needed to refuse this")
+
+            with pytest.raises(CudaCheckpointError, match=rf"PID {proc.pid} \(sleep 30\) holds /dev/nvidiactl "
+                                                          r"without the CUDA driver.*monitors outside the job"):
+                cuda_pids(proc.pid, driver=no_driver)
+        finally:
+            proc.kill()
+
+
+def test_unexpected_state_query_error_without_gpu_files_is_a_cpu_process(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # The seam: the driver's answer to the state query (999, not a known "no context" code).
+    from hpcckpt.cuda import cuda_pids, group
+    from hpcckpt.errors import CudaCheckpointError
+
+    driver_lib = build_fake(tmp_path / "d", version=12080, checkpoint=True, state_rc=999)
+    with _mapper(build_fake(tmp_path / "m", version=12080, checkpoint=True, name="libcuda.so.1")) as pid:
+        said: list[str] = []
+        assert cuda_pids(pid, driver=lambda: CudaCheckpoint(str(driver_lib)), log=said.append) == []
+        assert "state query failed" in said[0] and "999" in said[0] and "no CUDA context" in said[0]
+        monkeypatch.setattr(group.proctree, "nvidia_handles", lambda p: ["/dev/nvidia0"] if p == pid else [])
+        with pytest.raises(CudaCheckpointError, match=rf"cannot tell whether PID {pid} .*has CUDA state.*nvidia0"):
+            cuda_pids(pid, driver=lambda: CudaCheckpoint(str(driver_lib)))
+
+
+def test_gpu_files_without_a_context_say_starting_cuda_or_forked(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcckpt.cuda import cuda_pids, group
+    from hpcckpt.errors import CudaCheckpointError
+
+    driver_lib = build_fake(tmp_path / "d", version=12080, checkpoint=True, state_rc=3)
+    with _mapper(build_fake(tmp_path / "m", version=12080, checkpoint=True, name="libcuda.so.1")) as pid:
+        monkeypatch.setattr(group.proctree, "nvidia_handles", lambda p: ["/dev/nvidiactl"] if p == pid else [])
+        with pytest.raises(CudaCheckpointError, match=r"still starting CUDA.*send the signal again.*forked from a "
+                                                      r"CUDA process without exec.*'spawn'.*NVML"):
+            cuda_pids(pid, driver=lambda: CudaCheckpoint(str(driver_lib)))
