@@ -458,8 +458,15 @@ class Supervisor:
 
         t0 = time.monotonic()
         cu = self.cuda()
-        gpus = job_gpus(pids, cu.gpus(), log=self.log)  # before the lock: checkpointed, they hold no GPU files
+        said: list[str] = []  # said only if some process turns out to have CUDA state
+        gpus = job_gpus(pids, cu.gpus(), log=said.append)  # before the lock: checkpointed, they hold no GPU files
+        candidates = pids
         pids = checkpoint_all(cu, pids, lock_timeout_ms=self.opts.cuda_lock_timeout_ms)
+        if not pids:
+            self.log(f"the CUDA lock said PIDs {candidates} have no CUDA context: dumped as CPU processes")
+            return cu, [], []
+        for line in said:
+            self.log(line)
         self.log(f"CUDA state of host PIDs {pids} locked and checkpointed in {time.monotonic() - t0:.2f} s")
         return cu, pids, gpus
 
