@@ -56,6 +56,16 @@ Call sequence:
   exit:   the job's exit status becomes ours; the newest image is marked consumed so a
           later run in the same DIR does not resurrect a finished job.
 Signal handlers only record; all work happens in the main loop.
+
+Limits. ``criu restore --restore-detached`` lets the restored job run before its CUDA
+state is back: from criu's exit until CUDA restore + unlock (seconds), it runs CPU code
+only, and its CUDA calls block (it is still locked) until the unlock, which is harmless.
+Code that touches UVM/managed memory (cudaMallocManaged) from the CPU in that window
+would fault and crash; such jobs (UVM is not supported by the CUDA checkpoint API
+anyway), like NCCL and CUDA IPC users, are not CRIU-mode jobs: use --mode app.
+A CUDA process that is stopped or traced (SIGSTOP, a debugger, scontrol suspend) is
+refused by the CUDA steps, since the driver works through the process's own restore
+thread; a driver call that does not return in time is reported as stuck.
 """
 from __future__ import annotations
 
