@@ -138,6 +138,9 @@ def unsupported(root: int) -> list[str]:
     for pid in proctree.tree(root):
         if proctree.maps_library(pid, "/libnccl.so"):
             found.append(f"PID {pid} uses NCCL (communicators hold peer and network state)")
+        if not proctree.maps_library(pid, "/libcuda.so") and proctree.nvidia_handles(pid):
+            found.append(f"PID {pid} ({proctree.command(pid, limit=60)}) holds GPU device files without the CUDA "
+                         "driver (NVML: nvidia-smi, pynvml): a dump of the job would fail on it")
         environ = _environ(pid)
         if environ.get("CUDA_MPS_PIPE_DIRECTORY") or Path("/tmp/nvidia-mps").exists():
             found.append(f"PID {pid} may run under MPS")

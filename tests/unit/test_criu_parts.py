@@ -275,6 +275,17 @@ def test_doctor_sees_nccl_in_a_process_tree(tmp_path: Path) -> None:
             proc.kill()
 
 
+def test_doctor_names_a_process_holding_gpu_files_without_libcuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcckpt.criu import doctor
+
+    with _live("ignore") as proc:
+        try:
+            monkeypatch.setattr(doctor.proctree, "nvidia_handles", lambda p: ["/dev/nvidiactl"] if p == proc.pid else [])
+            assert any(f"PID {proc.pid} (" in p and "without the CUDA driver" in p for p in doctor.unsupported(proc.pid))
+        finally:
+            proc.kill()
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="fresh PID + mount namespaces need root")
 def test_doctor_starts_fresh_pid_and_mount_namespaces() -> None:
     from hpcckpt.criu.doctor import _namespace_check
