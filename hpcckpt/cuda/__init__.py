@@ -6,4 +6,5 @@ from .driver import (CudaCallFailed, CudaCallStuck, CudaCheckpoint, CudaDriverMi
 from .group import checkpoint_all, cuda_pids, restore_all
 
 __all__ = ["CudaCallFailed", "CudaCallStuck", "CudaCheckpoint", "CudaDriverMissing", "CudaDriverTooOld",
-           "CudaNoContext", "CudaProcessStopped", "ProcessState", "require_cuda_process", "checkpoint_all", "cuda_pids", "restore_all"]
+           "CudaNoContext", "CudaProcessStopped", "ProcessState", "require_cuda_process", "checkpoint_all",
+           "cuda_pids", "restore_all"]

@@ -280,8 +280,10 @@ def test_doctor_names_a_process_holding_gpu_files_without_libcuda(monkeypatch: p
 
     with _live("ignore") as proc:
         try:
-            monkeypatch.setattr(doctor.proctree, "nvidia_handles", lambda p: ["/dev/nvidiactl"] if p == proc.pid else [])
-            assert any(f"PID {proc.pid} (" in p and "without the CUDA driver" in p for p in doctor.unsupported(proc.pid))
+            monkeypatch.setattr(doctor.proctree, "nvidia_handles",
+                                lambda p: ["/dev/nvidiactl"] if p == proc.pid else [])
+            said = doctor.unsupported(proc.pid)
+            assert any(f"PID {proc.pid} (" in p and "without the CUDA driver" in p for p in said), said
         finally:
             proc.kill()
 
