@@ -51,8 +51,17 @@ def run(args: argparse.Namespace) -> int:
                  f"{'finished' if info['finished'] else 'not finished'}")
     # A failed CRIU dump is no interruption (the job ran on) but must not go unseen.
     failed = [e for e in events if e.get("event") == "criu_dump_failed"]
-    lines += [f"! {_when(e.get('time'))} CRIU dump failed, job {'ended' if e.get('job_ended') else 'kept running'}: "
+    lines += [f"! {_when(e.get('time'))} CRIU dump failed, {_dump_outcome(e)}: "
               f"{e.get('error')}" + (f"; fix: {e['fix']}" if e.get("fix") else "") for e in failed]
     emit(args, {"dir": str(args.dir), **info, "rows": [r.as_dict() for r in rows], "failed_dumps": failed},
          "\n".join(lines))
     return 0
+
+
+def _dump_outcome(e: dict) -> str:
+    """What became of the job when its CRIU dump failed (ledger ``criu_dump_failed``)."""
+    if e.get("stuck"):
+        return "THE JOB MAY BE STUCK (a CUDA driver call did not return)"
+    if e.get("exited_itself"):
+        return f"the job finished by itself (exit {e.get('exit_code')})"
+    return "job ended" if e.get("job_ended") else "job kept running"

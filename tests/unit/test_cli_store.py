@@ -125,3 +125,22 @@ def test_non_utf8_latest_and_ledger_line_break_nothing(ckdir: Path) -> None:
         for _ in ck.steps(8):
             train_step(objs)
     assert [i.step for i in catalog.scan(ckdir)] == [8]
+
+
+def test_history_says_what_became_of_the_job_when_its_criu_dump_failed(tmp_path: Path) -> None:
+    from hpcckpt.ledger import Ledger
+    ledger = Ledger(tmp_path)
+    ledger.append("start", restart_count=0)
+    ledger.append("criu_dump_failed", error="no space", job_ended=False, fix="free some space")
+    ledger.append("criu_dump_failed", error="lock found no process", job_ended=True, exited_itself=True,
+                  exit_code=0)
+    ledger.append("criu_dump_failed", error="cuCheckpointProcessLock did not return", stuck=True)
+    code, out = cli("history", str(tmp_path))
+    assert code == 0, out
+    lines = [line for line in out.splitlines() if "CRIU dump failed" in line]
+    assert len(lines) == 3, out
+    assert "job kept running: no space; fix: free some space" in lines[0]
+    assert "the job finished by itself (exit 0): lock found no process" in lines[1]
+    assert "THE JOB MAY BE STUCK" in lines[2]
+    code, out = cli("history", str(tmp_path), "--json")
+    assert code == 0 and [e["error"] for e in json.loads(out)["failed_dumps"]][1] == "lock found no process"
