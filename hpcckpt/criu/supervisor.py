@@ -44,11 +44,16 @@ Call sequence:
           Any failure after the CUDA checkpoint (criu, the image directory, fork, a log
           file) gives every CUDA process its GPU back; one that cannot be is named and the
           job is said to be stuck.
-  job ended during the dump: it exited by itself (any status but criu's SIGKILL) while
-          the CUDA lock or criu was under way, so the dump failed for want of a process:
-          that is its natural end. Its status is ours, no requeue, no image marked stale.
+  job ended during the dump: it exited by itself (a normal exit, status < 128, with no
+          TERM/INT/HUP/XCPU pending here) while the CUDA lock or criu was under way, so the
+          dump failed for want of a process: that is its natural end. Its status is ours,
+          no requeue, no image marked stale. A job killed by a signal (143: the scheduler's
+          TERM at the time limit or preemption; 137: criu's or anyone's SIGKILL), or one that
+          exited while a TERM/INT/HUP/XCPU is pending here, did not end naturally: it is
+          handled as below (images STALE, requeue, fallback).
   dump ended the job, no image: criu killed the tree but the image could not be
-          committed (or criu reported failure after killing it, e.g. a timeout): the
+          committed (or criu reported failure after killing it, e.g. a timeout), or the
+          job was killed from outside while it was being dumped: the
           existing images are marked STALE (the job had run past them; restoring one
           would rewind), and the job is requeued; the next run falls back per
           ``--on-restore-failure``. An image renamed into place whose LATEST update
@@ -94,6 +99,9 @@ MODES = ("criu", "app")
 FALLBACKS = ("app", "fresh", "fail")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGQUIT, signal.SIGALRM, signal.SIGXCPU, signal.SIGCONT)
+# Signals that end a run from outside (the scheduler's time limit, preemption, scancel, a
+# hang-up): a job that ends while one is pending has not reached its natural end.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGXCPU)
 CONSUMED = "CONSUMED"
 STALE = images.STALE
 NS_LAYOUT = 2  # images of the job tree at PID 2, dumped from inside its namespaces
@@ -403,14 +411,36 @@ class Supervisor:
                 # the end of a dump it then reported failed, e.g. a timeout). Never say
                 # "keeps running" of a job that is gone, and never signal it.
                 code = self._gone_status(job)
-                if code is not None and code != 128 + signal.SIGKILL:
+                if code is not None and code < 128 and not self._told_to_stop():
                     return self._ended_during_dump(sig, exc, code)
-                return self._job_lost(job, sig, f"{exc}; and the job is gone (criu had already ended it)")
+                return self._job_lost(job, sig, f"{exc}; and the job is gone ({self._how_gone(code)})")
             self._dump_failed(job, sig, exc)
             return None
         self._wait_gone(job)
         self.outcome.images.append(name)
         return self._requeue(name)
+
+    def _how_gone(self, code: int | None) -> str:
+        if code is None:
+            return "its exit status could not be collected; criu had probably ended it"
+        if code == 128 + signal.SIGKILL:
+            return "killed by SIGKILL: criu had already ended it, or the scheduler or the OOM killer did"
+        if code > 128:
+            try:
+                name = signal.Signals(code - 128).name
+            except ValueError:
+                name = f"signal {code - 128}"
+            return f"status {code}: killed by {name} from outside, e.g. the scheduler's time limit or preemption"
+        return (f"it exited with status {code} while this run was being told to stop "
+                f"({', '.join(s.name for s in self._stop_signals())})")
+
+    def _stop_signals(self) -> list[signal.Signals]:
+        return [s for s in self.pending if s in STOP_SIGNALS]
+
+    def _told_to_stop(self) -> bool:
+        """Whether this run has a TERM/INT/HUP/XCPU pending (Slurm's time limit or preemption
+        sends TERM to every process of the step): a job that then ended did not end naturally."""
+        return bool(self._stop_signals())
 
     def _job_alive(self, job: ops.Job) -> bool:
         return job.poll() is None and proctree.alive(job.app_pid)

@@ -548,28 +548,75 @@ def test_nsinit_writes_to_its_log_never_to_the_jobs_files(tmp_path: Path) -> Non
     assert out.read_text() == "hello\n" and err.read_text() == "oops\n"
 
 
-def test_job_that_ends_by_itself_during_the_cuda_lock_is_not_requeued(tmp_path: Path, cuda_job: object) -> None:
-    # The seam: the driver's lock. The job ends (SIGTERM, not criu's SIGKILL) while it is
-    # being locked and the driver then fails: its end is natural, never "lost".
+# A process that maps a stand-in libcuda and exits with the status written to its stdin.
+EXITER = ("import ctypes, sys, time\nctypes.CDLL(sys.argv[1])\nprint('ready', flush=True)\n"
+          "sys.exit(int(sys.stdin.readline()))\n")
+
+
+@pytest.fixture
+def exiting_job(tmp_path: Path) -> "Iterator[object]":
+    from hpcckpt.criu.ops import Job
+
+    from .test_cuda_driver import build_fake
+
+    lib = build_fake(tmp_path / "m", version=12080, checkpoint=True, name="libcuda.so.1")
+    with subprocess.Popen([sys.executable, "-c", EXITER, str(lib)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+            yield Job(init_pid=proc.pid, app_pid=proc.pid, wait_pid=proc.pid, stdout=Path("o"), stderr=Path("e"),
+                      proc=proc)
+        finally:
+            proc.kill()
+
+
+@pytest.mark.parametrize("how", ["exits-3", "exits-0-while-TERM-pending", "killed-by-TERM"])
+def test_job_that_ends_during_the_cuda_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exiting_job: object,
+                                            how: str) -> None:
+    # The seam: the driver's lock. The job ends while it is being locked and the driver then
+    # fails. A normal exit is its natural end (no requeue, nothing stale); killed by TERM from
+    # outside (Slurm's time limit or preemption), or exiting while a TERM is pending here, it
+    # did not end naturally: images STALE and a requeue, so the next run falls back.
+    from hpcckpt.criu.locate import Criu
     from hpcckpt.cuda import CudaCallFailed
+
+    proc = exiting_job.proc  # type: ignore[attr-defined]
 
     class EndsDuringLock(FakeCuda):
         def lock(self, pid: int, *, timeout_ms: int = 0) -> None:
-            os.kill(pid, signal.SIGTERM)
-            cuda_job.proc.wait(timeout=60)  # type: ignore[attr-defined]
+            if how == "killed-by-TERM":
+                os.kill(pid, signal.SIGTERM)
+            else:
+                proc.stdin.write("3\n" if how == "exits-3" else "0\n")
+                proc.stdin.flush()
+            proc.wait(timeout=60)
             raise CudaCallFailed(f"cuCheckpointProcessLock(pid={pid}) failed: CUDA_ERROR_UNKNOWN (999)",
                                  code=999, name="CUDA_ERROR_UNKNOWN")
 
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     FakeCuda.instance = EndsDuringLock()
     commit_image(tmp_path / "run" / "criu", 1)
     sup, said = _supervisor(tmp_path / "run")
-    assert sup._on_dump_signal(cuda_job, signal.SIGUSR2) == 128 + signal.SIGTERM  # type: ignore[attr-defined]
-    assert sup.outcome.action == "exited"  # type: ignore[attr-defined]
-    assert not (tmp_path / "run" / "criu" / "STALE").exists()
-    assert any("ended by itself" in line for line in said), said
+    sup._criu = Criu(path=Path("/bin/false"), version="4.1.1", major=4, source="explicit")  # type: ignore[attr-defined]
+    if how == "exits-0-while-TERM-pending":
+        sup.pending.append(signal.SIGTERM)  # type: ignore[attr-defined]
+    code = sup._on_dump_signal(exiting_job, signal.SIGUSR2)  # type: ignore[attr-defined]
     events = [json.loads(x) for x in (tmp_path / "run" / "ledger.jsonl").read_text().splitlines()]
-    assert "requeue" not in [e["event"] for e in events]
-    assert [e.get("exited_itself") for e in events if e["event"] == "criu_dump_failed"] == [True]
+    failed = [e for e in events if e["event"] == "criu_dump_failed"]
+    if how == "exits-3":
+        assert code == 3 and sup.outcome.action == "exited"  # type: ignore[attr-defined]
+        assert not (tmp_path / "run" / "criu" / "STALE").exists()
+        assert any("ended by itself" in line for line in said), said
+        assert "requeue" not in [e["event"] for e in events]
+        assert [e.get("exited_itself") for e in failed] == [True]
+    else:
+        assert sup.outcome.action == "requeue"  # type: ignore[attr-defined]
+        assert (tmp_path / "run" / "criu" / "STALE").read_text().strip() == "image-000001"
+        assert [e["event"] for e in events].count("requeue") == 1
+        assert len(failed) == 1 and failed[0]["job_ended"] is True and not failed[0].get("exited_itself")
+        text = "\n".join(said)
+        assert ("status 143: killed by SIGTERM from outside" in text if how == "killed-by-TERM" else
+                "exited with status 0 while this run was being told to stop (SIGTERM)" in text), text
 
 
 def test_a_process_the_driver_reports_failed_is_never_called_restored() -> None:
