@@ -60,7 +60,12 @@ def catchers(job: ops.Job, sig: signal.Signals) -> list[int]:
 
 
 def _fix(exc: BaseException, sig: signal.Signals, root: Path) -> str:
-    if isinstance(exc, CudaCheckpointError):
+    from ..cuda.driver import CudaQueryTimedOut
+
+    if _caused_by(exc, CudaQueryTimedOut):
+        cause = ("the CUDA driver did not answer a state query (nothing was locked or changed); check the "
+                 "node's driver (nvidia-smi, dmesg) and signal again, or use --mode app")
+    elif isinstance(exc, CudaCheckpointError):
         cause = ("the CUDA checkpoint failed (see the message: NCCL, CUDA IPC, UVM, MIG/MPS are not supported); "
                  "use --mode app with hpcckpt's in-process checkpoints for such a job")
     elif isinstance(exc, CriuError):
@@ -71,6 +76,15 @@ def _fix(exc: BaseException, sig: signal.Signals, root: Path) -> str:
         cause = f"check that {root} is writable and has room for an image about the job's memory size"
     return (f"{cause}. To survive a failed dump, let the job save itself on {sig.name} "
             "(install a handler; hpcckpt then forwards the signal to it)")
+
+
+def _caused_by(exc: BaseException | None, kind: type) -> bool:
+    seen = 0
+    while exc is not None and seen < 20:
+        if isinstance(exc, kind):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 def _older_image(root: Path, consumed: str | None) -> str | None:
@@ -84,13 +98,16 @@ def _older_image(root: Path, consumed: str | None) -> str | None:
 
 
 def is_stuck(exc: BaseException | None) -> bool:
-    """Whether a failure (or one it came from) left CUDA state locked: a stuck driver call,
-    or an undo that failed (their messages say STUCK)."""
-    from ..cuda.driver import CudaCallStuck
+    """Whether a failure (or one it came from) may have left CUDA state locked: a stuck
+    lock/checkpoint/restore/unlock, or an undo that failed (their messages say STUCK). A
+    state query that timed out changed nothing: the job keeps running."""
+    from ..cuda.driver import _NEEDS_TARGET_RUNNING, CudaCallStuck, CudaQueryTimedOut
 
     seen = 0
     while exc is not None and seen < 20:
-        if isinstance(exc, CudaCallStuck) or "STUCK" in str(exc):
+        if isinstance(exc, CudaCallStuck) and exc.what in _NEEDS_TARGET_RUNNING:
+            return True
+        if not isinstance(exc, CudaQueryTimedOut) and "STUCK" in str(exc):
             return True
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
     return False

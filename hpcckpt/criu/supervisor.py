@@ -70,7 +70,12 @@ would fault and crash; such jobs (UVM is not supported by the CUDA checkpoint AP
 anyway), like NCCL and CUDA IPC users, are not CRIU-mode jobs: use --mode app.
 A CUDA process that is stopped or traced (SIGSTOP, a debugger, scontrol suspend) is
 refused by the CUDA steps, since the driver works through the process's own restore
-thread; a driver call that does not return in time is reported as stuck.
+thread (a traced one, e.g. by a criu that was just killed on its timeout, gets ~10 s for
+the tracer to let go); a lock/checkpoint/restore/unlock that does not return in time is
+reported as STUCK, and calls for the job's other processes still go on, so those already
+locked are given back. Should the stuck call return later, the main loop says so and
+gives that process its GPU back too. A state query that does not answer (30 s) changed
+nothing: the dump fails with the job running.
 """
 from __future__ import annotations
 
@@ -229,6 +234,8 @@ class Supervisor:
 
     def _loop(self, job: ops.Job, *, dumps: bool) -> int:
         while True:
+            if dumps:
+                self._resume_late()
             code = self._reap(job)
             if code is not None:
                 return self._job_exited(code, dumped=False)
@@ -523,7 +530,32 @@ class Supervisor:
         if live:
             self.log(f"CUDA state of host PIDs {live} restored and unlocked after the failed dump")
 
+    def _resume_late(self) -> None:
+        """A CUDA call reported STUCK after a failed dump may return later, leaving its process
+        LOCKED or CHECKPOINTED (its CUDA calls block): give it its GPU back then."""
+        driver = sys.modules.get("hpcckpt.cuda.driver")
+        if driver is None:
+            return  # no driver call was ever made
+        for late in driver.take_late_returns():
+            self.log(driver.late_text(late))
+            self.ledger.append("cuda_late_return", pid=late.pid, call=late.what, result=late.result,
+                               left=late.left.name if late.left is not None else None, after_s=late.after_s)
+            if late.left not in (driver.ProcessState.LOCKED, driver.ProcessState.CHECKPOINTED):
+                continue
+            if not proctree.alive(late.pid):
+                continue
+            from ..cuda.group import resume_all
+
+            try:
+                resume_all(self.cuda(), [late.pid])
+            except CudaCheckpointError as exc:
+                self.log(f"could not bring PID {late.pid} back after its late {late.what}: {exc}")
+                continue
+            self.log(f"CUDA state of host PID {late.pid} restored and unlocked after its late {late.what}: "
+                     "the job runs on")
+
     def _dump(self, job: ops.Job, sig: signal.Signals) -> str:
+        self._resume_late()
         criu = self.criu()
         seq = images.next_seq(self.root)
         name = images.image_name(seq)

@@ -13,16 +13,25 @@ structs are passed rather than NULL so that the layout is explicit.
 The driver does the work through the TARGET's own CUDA restore thread (CRIU's cuda
 plugin PTRACE_CONTs that thread before each call for this reason). A target that is
 stopped (SIGSTOP: task state T) or held by a tracer (t) would block the call forever,
-so lock/checkpoint/restore/unlock refuse such a process up front, and every call runs
-with a deadline (``call_timeout_s``): one that does not return is reported as stuck,
-with the target's task states, and no further call is made through that instance.
+so lock/checkpoint/restore/unlock refuse a stopped process up front (a traced one
+gets a few seconds for its tracer to let go: a criu that was just killed), and every
+call runs with a deadline (``call_timeout_s``; state queries a short one): a lock,
+checkpoint, restore or unlock that does not return is reported as STUCK, with the
+target's task states, and no further call is made for THAT process until it returns
+(calls for other processes go on, each with its own deadline, so peers already locked
+can still be brought back). A state query that does not return changed nothing: it is
+reported as "could not query". A stuck call that returns late is said on stderr with
+what it left (LOCKED or CHECKPOINTED, and the command that brings the process back),
+and recorded for the supervisor (``take_late_returns``), which brings it back itself.
 """
 from __future__ import annotations
 
 import ctypes
 import enum
 import os
+import sys
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +59,12 @@ _CUDA_ERROR_NOT_FOUND = 500
 # its own timeout on top). Checkpoint and restore copy all device memory (80 GB on an
 # H100) between GPU and host: minutes at worst, never hours.
 CALL_TIMEOUT_S = 600.0
+# State queries (GetState, GetRestoreThreadId) change nothing and answer at once when the
+# driver is sane; one that hangs is a failed query, not a stuck process.
+QUERY_TIMEOUT_S = 30.0
+# How long a traced (t) target's tracer gets to let go before the call is refused: criu
+# killed on a timeout detaches from the job only once the kernel has reaped it.
+TRACER_WAIT_S = 10.0
 # Calls that run on the target's restore thread and so need the target's tasks running.
 _NEEDS_TARGET_RUNNING = ("Lock", "Checkpoint", "Restore", "Unlock")
 _STUCK_LOCK = threading.Lock()
@@ -74,7 +89,61 @@ class CudaProcessStopped(CudaCheckpointError):
 
 
 class CudaCallStuck(CudaCheckpointError):
-    """A cuCheckpointProcess* call did not return within its deadline."""
+    """A lock/checkpoint/restore/unlock did not return within its deadline (or one of the
+    same process has not): the process may be left LOCKED or CHECKPOINTED."""
+
+    def __init__(self, message: str, *, pid: int = 0, what: str = "") -> None:
+        super().__init__(message)
+        self.pid = pid
+        self.what = what
+
+
+class CudaQueryTimedOut(CudaCheckpointError):
+    """A state query (GetState, GetRestoreThreadId) did not return in time: nothing in the
+    process was changed by it, but its CUDA state could not be read."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LateReturn:
+    """A call reported stuck that returned after all. ``left``: the state a successful
+    lock/checkpoint/restore/unlock puts the process in (None when it failed or was a query)."""
+
+    pid: int
+    what: str
+    name: str
+    result: str
+    left: "ProcessState | None"
+    after_s: float
+
+
+_LATE: list[LateReturn] = []
+
+
+def take_late_returns() -> list[LateReturn]:
+    """The stuck calls that have returned since the last call (each is reported once)."""
+    with _STUCK_LOCK:
+        out = list(_LATE)
+        _LATE.clear()
+    return out
+
+
+def any_stuck() -> bool:
+    """Whether some driver call of this process is still blocked in the driver."""
+    with _STUCK_LOCK:
+        return bool(CudaCheckpoint._stuck)
+
+
+def exit_now_if_stuck(code: int) -> None:
+    """With a driver call still blocked, a normal exit can hang in libcuda's own teardown
+    (its exit handlers wait for that call): flush and leave with ``code`` at once."""
+    if not any_stuck():
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def task_states(pid: int) -> dict[int, str]:
@@ -106,13 +175,42 @@ def describe_tasks(pid: int) -> str:
     return f"PID {pid}: {len(states)} task(s): {', '.join(parts)}"
 
 
+def tracer_of(pid: int, tid: int) -> int:
+    """TracerPid of a task (0: not traced, or gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
+            if line.startswith("TracerPid:"):
+                return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+        pass
+    return 0
+
+
+def _traced_tasks(pid: int) -> list[int]:
+    return [tid for tid, st in task_states(pid).items() if st == "t"]
+
+
+def wait_for_tracer(pid: int, *, timeout_s: float | None = None, poll_s: float = 0.05) -> None:
+    """Give tasks of ``pid`` in a tracing stop (t) up to ``timeout_s`` for their tracer to let go
+    (a criu killed on a timeout detaches only once it is gone); returns at once when none is."""
+    deadline = time.monotonic() + (TRACER_WAIT_S if timeout_s is None else timeout_s)
+    while _traced_tasks(pid) and time.monotonic() < deadline:
+        time.sleep(poll_s)
+
+
 def refuse_stopped(pid: int, what: str) -> None:
-    """Raise CudaProcessStopped when any task of ``pid`` is stopped (T) or in a tracing stop (t)."""
+    """Raise CudaProcessStopped when any task of ``pid`` is stopped (T), or still traced (t)
+    after TRACER_WAIT_S for its tracer to detach."""
+    states = task_states(pid)
+    if "t" in states.values() and "T" not in states.values():
+        wait_for_tracer(pid)
     stopped = {tid: st for tid, st in task_states(pid).items() if st in ("T", "t")}
     if not stopped:
         return
     traced = any(st == "t" for st in stopped.values())
-    fix = ("detach the tracer (a debugger, strace, or a criu still holding it) and retry" if traced else
+    tracers = sorted({tracer_of(pid, tid) for tid, st in stopped.items() if st == "t"} - {0})
+    by = f" (tracer PID {', '.join(map(str, tracers))})" if tracers else ""
+    fix = (f"detach the tracer{by} (a debugger, strace, or a criu still holding it) and retry" if traced else
            f"resume it (kill -CONT {pid}) and retry")
     raise CudaProcessStopped(
         f"not calling cuCheckpointProcess{what}(pid={pid}): the process is "
@@ -201,9 +299,9 @@ def load_library(path: str = LIBCUDA) -> ctypes.CDLL:
 class CudaCheckpoint:
     """One loaded driver. Methods take the target's PID as this process sees it."""
 
-    # The call still blocked in the driver, if any: one per process (the driver is), so no
-    # instance calls into it again until that call has returned.
-    _stuck: ClassVar[str | None] = None
+    # The calls still blocked in the driver, by target PID: (call name, what). No call is
+    # made for that PID until it has returned; other PIDs are not held up by it.
+    _stuck: ClassVar[dict[int, tuple[str, str]]] = {}
 
     def __init__(self, library: str | None = None, *, call_timeout_s: float = CALL_TIMEOUT_S) -> None:
         self.path = library or os.environ.get("HPCCKPT_LIBCUDA") or LIBCUDA
@@ -247,14 +345,21 @@ class CudaCheckpoint:
 
     def _call(self, what: str, pid: int, *args: object, extra_s: float = 0.0) -> None:
         name = f"cuCheckpointProcess{what}(pid={pid})"
-        if CudaCheckpoint._stuck is not None:
-            raise CudaCallStuck(f"not calling {name}: {CudaCheckpoint._stuck} has not returned and is still "
-                                "blocked in the driver (STUCK); check the process with `hpcckpt cuda state PID`")
+        with _STUCK_LOCK:
+            held = CudaCheckpoint._stuck.get(pid)
+        if held is not None:
+            if held[1] in _NEEDS_TARGET_RUNNING:
+                raise CudaCallStuck(f"not calling {name}: {held[0]} has not returned and is still blocked in "
+                                    f"the driver (STUCK): PID {pid} may be left LOCKED or CHECKPOINTED; check it "
+                                    f"with `hpcckpt cuda state {pid}`", pid=pid, what=held[1])
+            raise CudaQueryTimedOut(f"not calling {name}: an earlier {held[0]} has not returned, so PID {pid}'s "
+                                    "CUDA state could not be queried (nothing was changed in it)")
         if what in _NEEDS_TARGET_RUNNING:
             refuse_stopped(pid, what)
         fn = getattr(self._lib, f"cuCheckpointProcess{what}")
-        rc = self._with_deadline(name, what, pid, lambda: fn(ctypes.c_int(pid), *args),
-                                 self.call_timeout_s + extra_s)
+        deadline = self.call_timeout_s + extra_s if what in _NEEDS_TARGET_RUNNING else \
+            min(self.call_timeout_s, QUERY_TIMEOUT_S)
+        rc = self._with_deadline(name, what, pid, lambda: fn(ctypes.c_int(pid), *args), deadline)
         if rc != _CUDA_SUCCESS:
             hint = ""
             if rc == _CUDA_ERROR_NOT_FOUND or not maps_library(pid, MAPPED_DRIVER):
@@ -264,9 +369,11 @@ class CudaCheckpoint:
 
     def _with_deadline(self, name: str, what: str, pid: int, call: Callable[[], int], deadline_s: float) -> int:
         """Run one driver call on a helper thread (ctypes drops the GIL); a call that does
-        not return in time is left there, recorded as stuck, and reported."""
+        not return in time is left there, recorded as stuck for ``pid``, and reported."""
         result: list[int] = []
         failure: list[BaseException] = []
+        done: list[bool] = []
+        t0 = time.monotonic()
 
         def run() -> None:
             try:
@@ -275,28 +382,50 @@ class CudaCheckpoint:
                 failure.append(exc)
             with _STUCK_LOCK:
                 done.append(True)
-                if CudaCheckpoint._stuck == name:  # returned after all, late: the driver is free again
-                    CudaCheckpoint._stuck = None
+                late = CudaCheckpoint._stuck.get(pid, ("",))[0] == name
+                if late:  # returned after all: the driver is free again for this PID
+                    del CudaCheckpoint._stuck[pid]
+            if late:
+                self._returned_late(name, what, pid, result, failure, time.monotonic() - t0)
 
-        done: list[bool] = []
         worker = threading.Thread(target=run, name=f"hpcckpt-{what}-{pid}", daemon=True)
         worker.start()
-        worker.join(deadline_s)
+        _join(worker, deadline_s)
         with _STUCK_LOCK:
             stuck = not done
             if stuck:
-                CudaCheckpoint._stuck = name
+                CudaCheckpoint._stuck[pid] = (name, what)
+        if stuck and what not in _NEEDS_TARGET_RUNNING:
+            raise CudaQueryTimedOut(
+                f"could not query PID {pid}'s CUDA state: {name} did not return within {deadline_s:.0f} s "
+                f"(nothing was changed in the process; now {describe_tasks(pid)})")
         if stuck:
-            held = ("the process may already be LOCKED (its CUDA calls block) or further, and the call may "
-                    "still complete once the process runs" if what != "GetState" else "its state is unknown")
             raise CudaCallStuck(
                 f"{name} did not return within {deadline_s:.0f} s (STUCK): the driver waits for the process's "
-                f"own CUDA restore thread. Now {describe_tasks(pid)}. {held}: check with `hpcckpt cuda state "
-                f"{pid}`, bring it back with `hpcckpt cuda restore {pid}` and `hpcckpt cuda unlock {pid}`, or "
-                "cancel the job (its last committed checkpoint is intact)")
+                f"own CUDA restore thread. Now {describe_tasks(pid)}. The process may already be LOCKED (its CUDA "
+                "calls block) or further, and the call may still complete once the process runs (this is said "
+                f"when it does): check with `hpcckpt cuda state {pid}`, bring it back with `hpcckpt cuda restore "
+                f"{pid}` and `hpcckpt cuda unlock {pid}`, or cancel the job (its last committed checkpoint is "
+                "intact)", pid=pid, what=what)
         if failure:
             raise failure[0]
         return result[0]
+
+    def _returned_late(self, name: str, what: str, pid: int, result: list[int], failure: list[BaseException],
+                       after_s: float) -> None:
+        """A call reported stuck has returned: say so, with what it left, and record it."""
+        left: ProcessState | None = None
+        if failure:
+            text = f"raised {failure[0]!r}"
+        elif result[0] != _CUDA_SUCCESS:
+            text = f"failed: {self.error_name(result[0])}"
+        else:
+            text = "succeeded"
+            left = _LEFT_BY.get(what)
+        late = LateReturn(pid=pid, what=what, name=name, result=text, left=left, after_s=after_s)
+        with _STUCK_LOCK:
+            _LATE.append(late)
+        print(f"hpcckpt: {late_text(late)}", file=sys.stderr, flush=True)
 
     def state(self, pid: int) -> ProcessState:
         require_cuda_process(pid)
@@ -401,3 +530,26 @@ def require_cuda_process(pid: int) -> None:
     if not maps_library(pid, MAPPED_DRIVER):
         raise CudaNoContext(f"PID {pid} has not loaded the CUDA driver (libcuda), so it has no CUDA "
                             "context to lock or checkpoint")
+
+
+# The state a successful call leaves its process in.
+_LEFT_BY = {"Lock": ProcessState.LOCKED, "Checkpoint": ProcessState.CHECKPOINTED, "Restore": ProcessState.LOCKED,
+            "Unlock": ProcessState.RUNNING}
+
+
+def late_text(late: LateReturn) -> str:
+    """What a late return means, and the commands that bring the process back."""
+    said = "reported STUCK" if late.what in _NEEDS_TARGET_RUNNING else "timed out"
+    head = f"{late.name}, {said}, returned after {late.after_s:.0f} s and {late.result}"
+    if late.left is ProcessState.LOCKED:
+        return (f"{head}: PID {late.pid} is now LOCKED (its CUDA calls block): bring it back with "
+                f"`hpcckpt cuda unlock {late.pid}`")
+    if late.left is ProcessState.CHECKPOINTED:
+        return (f"{head}: PID {late.pid} is now CHECKPOINTED (its GPU memory is in host memory, its CUDA calls "
+                f"block): bring it back with `hpcckpt cuda restore {late.pid}` and `hpcckpt cuda unlock {late.pid}`")
+    return f"{head}; check PID {late.pid} with `hpcckpt cuda state {late.pid}`"
+
+
+def _join(thread: threading.Thread, timeout_s: float) -> None:
+    """Wait for a driver call's thread (a seam: tests decide which call "never returns")."""
+    thread.join(timeout_s)

@@ -637,25 +637,59 @@ def test_a_process_the_driver_reports_failed_is_never_called_restored() -> None:
     restore_all(cu, [201])  # type: ignore[arg-type]  # RUNNING already: nothing to say
 
 
-def test_a_stuck_lock_is_never_called_resumed() -> None:
-    # The seam: the driver's lock does not return in time. Nothing may claim the job resumed.
-    from hpcckpt.criu.failure import is_stuck
-    from hpcckpt.cuda import checkpoint_all
-    from hpcckpt.cuda.driver import CudaCallStuck
-    from hpcckpt.errors import CudaCheckpointError
+# A stuck lock with the real driver wrapper and its per-PID guard: test_cuda_driver.py
+# (test_a_stuck_lock_never_stops_the_peers_being_given_back).
 
-    class StuckLock(FakeCuda):
-        def lock(self, pid: int, *, timeout_ms: int = 0) -> None:
-            if pid == 302:
-                raise CudaCallStuck(f"cuCheckpointProcessLock(pid={pid}) did not return within 60 s (STUCK)")
-            super().lock(pid, timeout_ms=timeout_ms)
 
-    cu = StuckLock()
-    with pytest.raises(CudaCheckpointError) as info:
-        checkpoint_all(cu, [301, 302], lock_timeout_ms=1000)  # type: ignore[arg-type]
-    assert "processes resumed" not in str(info.value) and is_stuck(info.value)
-    assert ("unlock", 301) in cu.calls  # the one that was locked is given back
-    cu2 = StuckLock()
-    with pytest.raises(CudaCheckpointError) as info:
-        checkpoint_all(cu2, [302], lock_timeout_ms=1000)  # type: ignore[arg-type]
-    assert "processes resumed" not in str(info.value) and is_stuck(info.value)
+def test_a_state_query_that_hangs_fails_the_dump_with_the_job_running(tmp_path: Path, cuda_job: object) -> None:
+    # The seam: the driver's state query does not answer. Nothing was locked: not STUCK.
+    from hpcckpt.criu.locate import Criu
+    from hpcckpt.cuda.driver import CudaQueryTimedOut
+
+    class QueryHangs(FakeCuda):
+        def probe(self, pid: int) -> object:
+            raise CudaQueryTimedOut(f"could not query PID {pid}'s CUDA state: cuCheckpointProcessGetState(pid={pid}) "
+                                    "did not return within 30 s (nothing was changed in the process)")
+
+    FakeCuda.instance = cu = QueryHangs()
+    sup, said = _supervisor(tmp_path / "run")
+    sup._criu = Criu(path=Path("/bin/false"), version="4.1.1", major=4, source="explicit")  # type: ignore[attr-defined]
+    assert sup._on_dump_signal(cuda_job, signal.SIGUSR2) is None  # type: ignore[attr-defined]
+    text = "\n".join(said)
+    assert "CRIU DUMP FAILED; the job keeps running" in text and "could not query" in text
+    assert "did not answer a state query" in text and "MAY BE STUCK" not in text
+    assert cu.calls == [] and cuda_job.poll() is None  # type: ignore[attr-defined]
+    failed = [json.loads(x) for x in (tmp_path / "run" / "ledger.jsonl").read_text().splitlines()
+              if json.loads(x)["event"] == "criu_dump_failed"]
+    assert len(failed) == 1 and failed[0]["stuck"] is False
+
+
+@pytest.mark.parametrize("left", ["LOCKED", "CHECKPOINTED", "failed"])
+def test_a_stuck_call_that_returns_late_is_undone_by_the_supervisor(tmp_path: Path, cuda_job: object,
+                                                                   left: str) -> None:
+    # The seam: the driver wrapper's record of a call that was reported STUCK and returned late.
+    from hpcckpt.cuda import ProcessState, driver
+
+    pid = cuda_job.app_pid  # type: ignore[attr-defined]
+    FakeCuda.instance = cu = FakeCuda()
+    state = None if left == "failed" else ProcessState[left]
+    if state is not None:
+        cu.states[pid] = state
+    what = "Checkpoint" if left == "CHECKPOINTED" else "Lock"
+    with driver._STUCK_LOCK:
+        driver._LATE.append(driver.LateReturn(pid=pid, what=what, name=f"cuCheckpointProcess{what}(pid={pid})",
+                                              result="succeeded" if state else "failed: CUDA_ERROR_UNKNOWN (999)",
+                                              left=state, after_s=700.0))
+    sup, said = _supervisor(tmp_path / "run")
+    sup._resume_late()  # type: ignore[attr-defined]
+    text = "\n".join(said)
+    assert f"cuCheckpointProcess{what}(pid={pid}), reported STUCK, returned after 700 s" in text
+    if state is None:
+        assert cu.calls == [] and "restored and unlocked" not in text
+    else:
+        assert cu.calls == ([("restore", pid), ("unlock", pid)] if state is ProcessState.CHECKPOINTED else
+                            [("unlock", pid)])
+        assert cu.states[pid] is ProcessState.RUNNING and f"PID {pid} restored and unlocked after its late" in text
+    events = [json.loads(x) for x in (tmp_path / "run" / "ledger.jsonl").read_text().splitlines()]
+    assert [e["left"] for e in events if e["event"] == "cuda_late_return"] == [state.name if state else None]
+    assert driver.take_late_returns() == []  # each is handled once

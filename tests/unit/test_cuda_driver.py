@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -23,21 +24,49 @@ from hpcckpt.cuda import driver
 
 FAKE_SRC = r"""
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 int cuDriverGetVersion(int *v) { *v = VERSION; return 0; }
 int cuInit(unsigned flags) { (void)flags; return INIT_RC; }
 #ifdef WITH_CHECKPOINT
-int cuCheckpointProcessLock(int pid, void *args) { (void)pid; (void)args; return STATE_RC; }
-int cuCheckpointProcessGetState(int pid, int *state) { (void)pid; *state = 0; return STATE_RC; }
-/* FAKE_BLOCK_FD: the call blocks until a byte can be read from that fd (a driver call
-   waiting for a target that never runs, released by the test). */
-int cuCheckpointProcessCheckpoint(int pid, void *args) {
-    const char *fd = getenv("FAKE_BLOCK_FD"); char c;
-    (void)pid; (void)args;
-    if (fd) { if (read(atoi(fd), &c, 1) != 1) return 999; }
-    return STATE_RC;
+/* Each PID's state as the checkpoint API's state machine moves it (0 RUNNING, 1 LOCKED,
+   2 CHECKPOINTED), so that tests see what our code asked for. */
+static int spid[64], sstate[64];
+static int *slot(int pid) {
+    int i;
+    for (i = 0; i < 64; i++) if (spid[i] == pid) return &sstate[i];
+    for (i = 0; i < 64; i++) if (spid[i] == 0) { spid[i] = pid; sstate[i] = 0; return &sstate[i]; }
+    return &sstate[0];
 }
-int cuCheckpointProcessUnlock(int pid, void *args) { (void)pid; (void)args; return STATE_RC; }
+/* FAKE_BLOCK_FD: the call named by FAKE_BLOCK_WHAT (default Checkpoint), for FAKE_BLOCK_PID
+   (default any), blocks until a byte can be read from that fd (a driver call waiting for a
+   target that never runs, released by the test). */
+static int block(const char *what, int pid) {
+    const char *fd = getenv("FAKE_BLOCK_FD"), *w = getenv("FAKE_BLOCK_WHAT"), *p = getenv("FAKE_BLOCK_PID");
+    char c;
+    if (!fd || strcmp(w ? w : "Checkpoint", what) != 0 || (p && atoi(p) != pid)) return 0;
+    return read(atoi(fd), &c, 1) != 1;
+}
+int cuCheckpointProcessGetState(int pid, int *state) {
+    if (block("GetState", pid)) return 999;
+    *state = *slot(pid); return STATE_RC;
+}
+int cuCheckpointProcessLock(int pid, void *args) {
+    (void)args; if (block("Lock", pid)) return 999;
+    if (STATE_RC == 0) *slot(pid) = 1; return STATE_RC;
+}
+int cuCheckpointProcessCheckpoint(int pid, void *args) {
+    (void)args; if (block("Checkpoint", pid)) return 999;
+    if (STATE_RC == 0) *slot(pid) = 2; return STATE_RC;
+}
+int cuCheckpointProcessRestore(int pid, void *args) {
+    (void)args; if (block("Restore", pid)) return 999;
+    if (STATE_RC == 0) *slot(pid) = 1; return STATE_RC;
+}
+int cuCheckpointProcessUnlock(int pid, void *args) {
+    (void)args; if (block("Unlock", pid)) return 999;
+    if (STATE_RC == 0) *slot(pid) = 0; return STATE_RC;
+}
 #endif
 """
 
@@ -263,31 +292,146 @@ def test_stopped_process_is_refused_before_any_call(tmp_path: Path) -> None:
         cu.lock(pid)  # running again: the call goes through
 
 
-def test_driver_call_that_never_returns_is_reported_stuck(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import threading
+class _Block:
+    """The stand-in's call ``what`` (for ``pid``) blocks until ``release()``; meanwhile the
+    deadline seam (driver._join) gives up on that call at once and waits for every other
+    call to return, so which call is "stuck" never depends on timing."""
 
-    r, w = os.pipe()
-    monkeypatch.setenv("FAKE_BLOCK_FD", str(r))
-    lib = build_fake(tmp_path / "d", version=12080, checkpoint=True)
-    cu = CudaCheckpoint(str(lib), call_timeout_s=0.2)
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, what: str, pid: int | None) -> None:
+        self.r, self.w = os.pipe()
+        self.monkeypatch = monkeypatch
+        self.prefix: str | None = f"hpcckpt-{what}-{pid if pid is not None else ''}"
+        self.stuck: list = []
+        monkeypatch.setenv("FAKE_BLOCK_FD", str(self.r))
+        monkeypatch.setenv("FAKE_BLOCK_WHAT", what)
+        if pid is not None:
+            monkeypatch.setenv("FAKE_BLOCK_PID", str(pid))
+        monkeypatch.setattr(driver, "_join", self.join)
+
+    def join(self, thread: "threading.Thread", _timeout_s: float) -> None:
+        if self.prefix is not None and thread.name.startswith(self.prefix):
+            self.stuck.append(thread)
+            return
+        thread.join(60)
+        assert not thread.is_alive(), f"{thread.name} did not return"
+
+    def release(self) -> None:
+        """The blocked call returns (late); later calls do not block."""
+        self.monkeypatch.delenv("FAKE_BLOCK_FD")
+        self.prefix = None
+        os.write(self.w, b"x" * 8)
+        for t in self.stuck:
+            t.join(60)
+            assert not t.is_alive()
+
+    def close(self) -> None:
+        os.write(self.w, b"x" * 8)  # never leave a thread blocked in the stand-in
+        for t in self.stuck:
+            t.join(60)
+        os.close(self.r)
+        os.close(self.w)
+        driver.CudaCheckpoint._stuck.clear()
+        driver.take_late_returns()
+
+
+@contextlib.contextmanager
+def _blocking(monkeypatch: pytest.MonkeyPatch, what: str, pid: int | None = None) -> Iterator[_Block]:
+    block = _Block(monkeypatch, what, pid)
     try:
-        with _mapper(build_fake(tmp_path / "m", version=12080, checkpoint=True, name="libcuda.so.1")) as pid:
-            with pytest.raises(driver.CudaCallStuck, match=rf"Checkpoint\(pid={pid}\) did not return.*STUCK.*"
-                                                          rf"PID {pid}: \d+ task\(s\).*may already be LOCKED"):
-                cu.checkpoint(pid)
-            # While it is blocked, nothing else goes into the driver (this instance or another).
-            with pytest.raises(driver.CudaCallStuck, match="not calling .*Unlock.*has not returned"):
-                CudaCheckpoint(str(lib)).unlock(pid)
-            os.write(w, b"x")  # the target "runs again": the call returns, late
-            for t in [t for t in threading.enumerate() if t.name == f"hpcckpt-Checkpoint-{pid}"]:
-                t.join(60)
-            assert driver.CudaCheckpoint._stuck is None
-            cu.unlock(pid)
+        yield block
     finally:
-        os.write(w, b"x")
-        os.close(r)
-        os.close(w)
-        driver.CudaCheckpoint._stuck = None
+        block.close()
+
+
+def test_driver_call_that_never_returns_is_reported_stuck(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    lib = build_fake(tmp_path / "d", version=12080, checkpoint=True)
+    cu = CudaCheckpoint(str(lib))
+    mapped = build_fake(tmp_path / "m", version=12080, checkpoint=True, name="libcuda.so.1")
+    with _mapper(mapped) as pid, _mapper(mapped) as other, _blocking(monkeypatch, "Checkpoint", pid) as block:
+        cu.lock(pid)
+        with pytest.raises(driver.CudaCallStuck, match=rf"Checkpoint\(pid={pid}\) did not return.*STUCK.*"
+                                                      rf"PID {pid}: \d+ task\(s\).*may already be LOCKED"):
+            cu.checkpoint(pid)
+        # While it is blocked, nothing else goes into the driver for that PID (this instance or another)...
+        with pytest.raises(driver.CudaCallStuck, match="not calling .*Unlock.*has not returned.*STUCK"):
+            CudaCheckpoint(str(lib)).unlock(pid)
+        # ... but other PIDs are not held up: a peer already locked can still be brought back.
+        cu.lock(other)
+        cu.unlock(other)
+        assert cu.state(other) is driver.ProcessState.RUNNING
+        assert driver.take_late_returns() == []
+        block.release()  # the target "runs again": the call returns, late
+        assert driver.CudaCheckpoint._stuck == {}
+        late = driver.take_late_returns()
+        assert [(x.pid, x.what, x.left) for x in late] == [(pid, "Checkpoint", driver.ProcessState.CHECKPOINTED)]
+        err = capsys.readouterr().err
+        assert (f"Checkpoint(pid={pid}), reported STUCK, returned after" in err and "now CHECKPOINTED" in err
+                and f"`hpcckpt cuda restore {pid}` and `hpcckpt cuda unlock {pid}`" in err), err
+        assert cu.state(pid) is driver.ProcessState.CHECKPOINTED
+        cu.restore(pid)
+        cu.unlock(pid)
+        assert cu.state(pid) is driver.ProcessState.RUNNING
+
+
+def test_a_stuck_lock_never_stops_the_peers_being_given_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    # The real driver wrapper and its guard, the stand-in's lock blocking for one PID only.
+    from hpcckpt.criu.failure import is_stuck
+    from hpcckpt.cuda import checkpoint_all
+    from hpcckpt.errors import CudaCheckpointError
+
+    cu = CudaCheckpoint(str(build_fake(tmp_path / "d", version=12080, checkpoint=True)))
+    mapped = build_fake(tmp_path / "m", version=12080, checkpoint=True, name="libcuda.so.1")
+    with _mapper(mapped) as first, _mapper(mapped) as second, _blocking(monkeypatch, "Lock", second) as block:
+        with pytest.raises(CudaCheckpointError) as info:
+            checkpoint_all(cu, [first, second], lock_timeout_ms=1000)
+        assert "processes resumed" not in str(info.value) and is_stuck(info.value)
+        assert f"Lock(pid={second}) did not return" in str(info.value)
+        assert cu.state(first) is driver.ProcessState.RUNNING  # locked, then unlocked by the undo
+        with pytest.raises(driver.CudaCallStuck, match=rf"not calling .*GetState\(pid={second}\).*STUCK"):
+            cu.state(second)
+        block.release()  # the lock completes late: the process is LOCKED, and that is said
+        assert "is now LOCKED" in capsys.readouterr().err and cu.state(second) is driver.ProcessState.LOCKED
+
+
+def test_a_state_query_that_hangs_is_could_not_query_not_stuck(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcckpt.criu.failure import is_stuck
+    from hpcckpt.cuda import cuda_pids
+
+    lib = build_fake(tmp_path / "d", version=12080, checkpoint=True)
+    with _mapper(build_fake(tmp_path / "m", version=12080, checkpoint=True, name="libcuda.so.1")) as pid, \
+            _blocking(monkeypatch, "GetState", pid) as block:
+        with pytest.raises(driver.CudaQueryTimedOut, match=rf"could not query PID {pid}'s CUDA state.*within 30 s.*"
+                                                          "nothing was changed") as info:
+            cuda_pids(pid, driver=lambda: CudaCheckpoint(str(lib)))
+        assert not is_stuck(info.value) and "STUCK" not in str(info.value)
+        with pytest.raises(driver.CudaQueryTimedOut, match="could not be queried") as info:
+            CudaCheckpoint(str(lib)).lock(pid)  # nothing goes in for that PID until the query returns
+        assert not is_stuck(info.value)
+        block.release()
+        assert [x.left for x in driver.take_late_returns()] == [None]
+        assert CudaCheckpoint(str(lib)).state(pid) is driver.ProcessState.RUNNING
+
+
+def test_a_traced_task_gets_time_for_its_tracer_to_let_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The seam: the task states /proc reports. A task traced (t) by a criu that is going away
+    # is waited for; stopped (T) is refused at once; still traced at the deadline is refused.
+    answers = iter([{11: "t", 12: "S"}, {11: "t", 12: "S"}, {11: "S", 12: "S"}, {11: "S", 12: "S"}])
+    monkeypatch.setattr(driver, "task_states", lambda _pid: next(answers))
+    monkeypatch.setattr(driver.time, "sleep", lambda _s: None)
+    driver.refuse_stopped(10, "Restore")  # the tracer let go on the second look: the call may go on
+    monkeypatch.setattr(driver, "task_states", lambda _pid: {11: "T", 12: "S"})
+    waited: list[float | None] = []
+    monkeypatch.setattr(driver, "wait_for_tracer", lambda _pid, **k: waited.append(k.get("timeout_s")))
+    with pytest.raises(driver.CudaProcessStopped, match="kill -CONT 10"):
+        driver.refuse_stopped(10, "Restore")
+    assert waited == []  # a stopped task: no waiting
+    monkeypatch.setattr(driver, "task_states", lambda _pid: {11: "t"})
+    monkeypatch.setattr(driver, "tracer_of", lambda _pid, _tid: 4242)
+    with pytest.raises(driver.CudaProcessStopped, match=r"held by a tracer.*tracer PID 4242"):
+        driver.refuse_stopped(10, "Unlock")
+    assert waited == [None]  # waited (the default TRACER_WAIT_S), then refused
 
 
 H100, A100 = "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"
