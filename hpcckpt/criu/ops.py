@@ -182,13 +182,42 @@ def _log_tail(path: Path, *, lines: int = 6) -> str:
     return " | ".join((errors or text)[-lines:]) or "(nothing)"
 
 
+CRIU_EXIT_WAIT_S = 30.0  # how long a killed criu gets to exit (and so let go of the job's tasks)
+
+
+def end_criu(proc: subprocess.Popen, *, wait_s: float = CRIU_EXIT_WAIT_S) -> list[int]:
+    """Kill nsjoin and the criu under it, and wait until they are gone: while criu lives it
+    may still hold the job's tasks (traced, t), and the CUDA undo that follows a failed dump
+    needs them running. Returns the PIDs still there after ``wait_s`` (none, normally)."""
+    helpers = proctree.tree(proc.pid)[1:]  # criu, in the job's namespaces, and anything it started
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # its own process group: one that forks meanwhile is in it too
+    except ProcessLookupError:
+        pass
+    proc.kill()
+    proc.wait()
+    signal_pids(helpers, signal.SIGKILL)  # what criu's PR_SET_PDEATHSIG does anyway, said plainly
+    deadline = time.monotonic() + wait_s
+    while any(proctree.alive(p) for p in helpers) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return [p for p in helpers if proctree.alive(p)]
+
+
 def _run_criu(argv: list[str], what: str, *, log: Path, timeout_s: float) -> None:
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log.with_suffix(".out"), "ab") as out:
+        # A session (and process group) of its own: a timeout ends nsjoin and everything
+        # under it at once, and a Ctrl-C meant for the supervisor never kills criu mid-dump.
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
         try:
-            proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, timeout=timeout_s)
+            proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            raise CriuError(f"criu {what} did not finish within {timeout_s:.0f} s; see {log}") from None
+            left = end_criu(proc)
+            still = f"; criu PIDs {left} had not exited {CRIU_EXIT_WAIT_S:.0f} s after being killed" if left else ""
+            raise CriuError(f"criu {what} did not finish within {timeout_s:.0f} s (killed){still}; see {log}") from None
+        except BaseException:
+            end_criu(proc)
+            raise
     if proc.returncode == 125:
         raise CriuError(f"cannot enter the job's namespaces for criu {what}: "
                         f"{_log_tail(log.with_suffix('.out'))}")

@@ -693,3 +693,47 @@ def test_a_stuck_call_that_returns_late_is_undone_by_the_supervisor(tmp_path: Pa
     events = [json.loads(x) for x in (tmp_path / "run" / "ledger.jsonl").read_text().splitlines()]
     assert [e["left"] for e in events if e["event"] == "cuda_late_return"] == [state.name if state else None]
     assert driver.take_late_returns() == []  # each is handled once
+
+
+# A stand-in for nsjoin: it starts a child (the stand-in criu, which records its PID and
+# would run for a minute), then waits for it.
+NSJOIN_STANDIN = ("import os, sys, time\nif os.fork() == 0:\n"
+                  "    open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid()))\n"
+                  "    os.rename(sys.argv[1] + '.tmp', sys.argv[1])\n    time.sleep(60)\n    os._exit(0)\nos.wait()\n")
+
+
+def test_a_criu_that_is_given_up_on_is_gone_before_anything_else_runs(tmp_path: Path) -> None:
+    # While criu lives it may hold the job's tasks traced; the CUDA undo after a failed dump
+    # needs them running. end_criu returns only once nsjoin and the criu under it are gone.
+    from hpcckpt.criu.ops import end_criu
+    from hpcckpt.proc import tree as proctree
+
+    pidfile = tmp_path / "criu.pid"
+    proc = subprocess.Popen([sys.executable, "-c", NSJOIN_STANDIN, str(pidfile)], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not pidfile.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        criu_pid = int(pidfile.read_text())
+        assert proctree.alive(criu_pid)
+        assert end_criu(proc) == []
+        assert not proctree.alive(criu_pid) and proc.returncode is not None
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_criu_run_past_its_timeout_is_killed_with_its_children(tmp_path: Path) -> None:
+    from hpcckpt.criu.ops import _run_criu
+    from hpcckpt.proc import tree as proctree
+
+    pidfile = tmp_path / "criu.pid"
+    with pytest.raises(CriuError, match=r"criu dump did not finish within 0 s \(killed\)"):
+        _run_criu([sys.executable, "-c", NSJOIN_STANDIN, str(pidfile)], "dump", log=tmp_path / "dump.log",
+                  timeout_s=0.2)
+    if pidfile.exists():  # forked before the timeout (or not: then there was nothing to end)
+        pid, deadline = int(pidfile.read_text()), time.monotonic() + 60
+        while proctree.alive(pid) and time.monotonic() < deadline:  # SIGKILLed: gone at once, or nearly
+            time.sleep(0.01)
+        assert not proctree.alive(pid)
