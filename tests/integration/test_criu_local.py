@@ -340,15 +340,19 @@ sys.exit(3)
 """
 
 
-def test_job_ending_by_itself_during_the_dump_is_its_natural_end(criu_ok: None, tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["exits", "killed-by-TERM"])
+def test_job_ending_during_the_dump(criu_ok: None, tmp_path: Path, how: str) -> None:
     # The race made deterministic at one seam: the criu that dumps first lets the job end
-    # (a flag it polls) and waits until PID 2 is gone inside the job's namespace, then the
-    # real criu fails for want of a process. No requeue, no stale image: the job's status.
+    # (a flag it polls; or SIGTERM, as Slurm sends every process of the step at the time
+    # limit) and waits until PID 2 is gone inside the job's namespace, then the real criu
+    # fails for want of a process. Its own exit is its natural end: no requeue, no stale
+    # image, the job's status. Killed by TERM it did not end naturally: requeued.
     real = find_criu().path
     flag, run_dir = tmp_path / "finish-now", tmp_path / "run"
     wrapper = tmp_path / "criu-job-ends-first"
+    end = f'touch "{flag}"' if how == "exits" else "kill -TERM 2"
     wrapper.write_text("#!/bin/sh\n"
-                       f'if [ "$1" = dump ]; then touch "{flag}"; n=0\n'
+                       f'if [ "$1" = dump ]; then {end}; n=0\n'
                        '  while [ -e /proc/2/stat ] && [ $n -lt 1200 ]; do sleep 0.05; n=$((n+1)); done\n'
                        "fi\n"
                        f'exec "{real}" "$@"\n')
@@ -362,12 +366,18 @@ def test_job_ending_by_itself_during_the_dump_is_its_natural_end(criu_ok: None, 
         code, summary, stderr = finish(proc)
     finally:
         kill_supervised(proc)
+    events = ledger(run_dir)
+    failed = [e for e in events if e["event"] == "criu_dump_failed"]
+    assert summary["images"] == [] and len(failed) == 1 and failed[0]["job_ended"] is True, summary
+    if how == "killed-by-TERM":
+        assert code == EXIT_REQUEUE and summary["action"] == "requeue", stderr
+        assert "status 143: killed by SIGTERM from outside" in stderr and "ended by itself" not in stderr
+        assert "requeue" in [e["event"] for e in events] and not failed[0].get("exited_itself")
+        return
     assert code == 3, stderr
-    assert summary["action"] == "exited" and summary["images"] == [], summary
+    assert summary["action"] == "exited", summary
     assert "ended by itself (status 3)" in stderr and "requeue" not in stderr.replace("no requeue", "")
     assert "done by itself" in job_output(run_dir)
-    events = ledger(run_dir)
     assert "requeue" not in [e["event"] for e in events]
-    failed = [e for e in events if e["event"] == "criu_dump_failed"]
-    assert len(failed) == 1 and failed[0]["exited_itself"] is True and failed[0]["exit_code"] == 3
+    assert failed[0]["exited_itself"] is True and failed[0]["exit_code"] == 3
     assert not (run_dir / "criu" / "STALE").exists()
