@@ -3,8 +3,11 @@
 Moves a CUDA process through the driver's checkpoint states (driver >= 570):
 RUNNING -lock-> LOCKED -checkpoint-> CHECKPOINTED -restore-> LOCKED -unlock-> RUNNING.
 ``toggle`` goes RUNNING -> CHECKPOINTED or back. PIDs are as seen from here.
-A stopped or traced process is refused (the driver works through its own restore
-thread); a call that does not return within --call-timeout-s is reported stuck.
+A stopped process is refused, a traced one after ~10 s for its tracer to let go (the
+driver works through the process's own restore thread); a call that does not return
+within --call-timeout-s is reported stuck (a state query: after 30 s, "could not query"),
+and the command then exits at once, past the CUDA library's teardown, which would wait
+for that call.
 """
 from __future__ import annotations
 
@@ -30,6 +33,22 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..cuda import driver
+    from ..errors import HpcckptError
+    from .main import _code
+
+    try:
+        code = _run(args)
+    except HpcckptError as exc:
+        # A call still blocked in the driver could hang the exit in libcuda's teardown: the
+        # driver module then leaves at once with this status (main reports the error first).
+        driver.set_exit_status(_code(exc))
+        raise
+    driver.set_exit_status(code)
+    return code
+
+
+def _run(args: argparse.Namespace) -> int:
     from ..cuda import CudaCheckpoint
 
     from ..cuda.driver import CALL_TIMEOUT_S

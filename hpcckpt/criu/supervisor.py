@@ -207,6 +207,13 @@ class Supervisor:
 
     # -- entry ------------------------------------------------------------------
     def run(self) -> Outcome:
+        outcome = self._run()
+        driver = sys.modules.get("hpcckpt.cuda.driver")
+        if driver is not None:  # should a driver call still be blocked at exit: leave with this status
+            driver.set_exit_status(outcome.exit_code)
+        return outcome
+
+    def _run(self) -> Outcome:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._install_signals()
         if self.opts.mode == "app":

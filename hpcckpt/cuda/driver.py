@@ -26,6 +26,7 @@ and recorded for the supervisor (``take_late_returns``), which brings it back it
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import enum
 import os
@@ -133,17 +134,39 @@ def any_stuck() -> bool:
         return bool(CudaCheckpoint._stuck)
 
 
-def exit_now_if_stuck(code: int) -> None:
-    """With a driver call still blocked, a normal exit can hang in libcuda's own teardown
-    (its exit handlers wait for that call): flush and leave with ``code`` at once."""
-    if not any_stuck():
+# The status this process means to exit with (set by its entry point before it returns);
+# used only when a driver call is still blocked at exit (see _leave_if_stuck).
+_EXIT_STATUS: list[int] = []
+
+
+def set_exit_status(code: int) -> None:
+    """Say which status this process is about to exit with (used only if a call is stuck)."""
+    _EXIT_STATUS[:] = [int(code)]
+
+
+def _leave_if_stuck() -> None:
+    """At exit, with a driver call still blocked, a normal exit can hang in libcuda's own
+    teardown (its exit handlers wait for that call): flush and leave with the intended
+    status at once. Registered (atexit) when a call first gets stuck; Python's atexit
+    handlers run before the C library's, so this comes first."""
+    if not any_stuck() or not _EXIT_STATUS:
         return
+    with _STUCK_LOCK:
+        names = ", ".join(name for name, _ in CudaCheckpoint._stuck.values())
+    try:
+        print(f"hpcckpt: exiting with {names} still blocked in the driver (skipping the CUDA library's "
+              "teardown, which would wait for it)", file=sys.stderr)
+    except (OSError, ValueError):
+        pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
-    os._exit(code)
+    os._exit(_EXIT_STATUS[0])
+
+
+_AT_EXIT: list[bool] = []
 
 
 def task_states(pid: int) -> dict[int, str]:
@@ -395,6 +418,9 @@ class CudaCheckpoint:
             stuck = not done
             if stuck:
                 CudaCheckpoint._stuck[pid] = (name, what)
+                if not _AT_EXIT:
+                    _AT_EXIT.append(True)
+                    atexit.register(_leave_if_stuck)
         if stuck and what not in _NEEDS_TARGET_RUNNING:
             raise CudaQueryTimedOut(
                 f"could not query PID {pid}'s CUDA state: {name} did not return within {deadline_s:.0f} s "

@@ -67,6 +67,12 @@ int cuCheckpointProcessUnlock(int pid, void *args) {
     (void)args; if (block("Unlock", pid)) return 999;
     if (STATE_RC == 0) *slot(pid) = 0; return STATE_RC;
 }
+/* FAKE_BLOCK_AT_EXIT: the library's teardown at exit blocks on that fd, as libcuda's may
+   while one of its calls is still blocked. */
+__attribute__((destructor)) static void teardown(void) {
+    const char *fd = getenv("FAKE_BLOCK_AT_EXIT"); char c;
+    if (fd && read(atoi(fd), &c, 1) < 0) return;
+}
 #endif
 """
 
@@ -550,3 +556,24 @@ def test_gpu_files_without_a_context_say_starting_cuda_or_forked(tmp_path: Path,
         with pytest.raises(CudaCheckpointError, match=r"still starting CUDA.*send the signal again.*forked from a "
                                                       r"CUDA process without exec.*'spawn'.*NVML"):
             cuda_pids(pid, driver=lambda: CudaCheckpoint(str(driver_lib)))
+
+
+def test_cli_with_a_call_stuck_exits_at_once_with_its_status(tmp_path: Path) -> None:
+    # The stand-in's lock never returns, and its teardown at exit would wait for it (as
+    # libcuda's may): the command still reports STUCK and exits, with its error status.
+    lib = build_fake(tmp_path / "d", version=12080, checkpoint=True)
+    r, w = os.pipe()
+    try:
+        with _mapper(build_fake(tmp_path / "m", version=12080, checkpoint=True, name="libcuda.so.1")) as pid:
+            env = {**os.environ, "HPCCKPT_LIBCUDA": str(lib), "FAKE_BLOCK_FD": str(r), "FAKE_BLOCK_WHAT": "Lock",
+                   "FAKE_BLOCK_AT_EXIT": str(r)}
+            proc = subprocess.run([sys.executable, "-m", "hpcckpt.cli", "cuda", "lock", str(pid), "--json",
+                                   "--call-timeout-s", "0.2"], capture_output=True, text=True, timeout=120,
+                                  env=env, pass_fds=(r,))
+    finally:
+        os.close(r)
+        os.close(w)
+    assert proc.returncode == 4, proc.stderr
+    err = json.loads(proc.stdout)
+    assert err["type"] == "CudaCallStuck" and f"Lock(pid={pid}) did not return" in err["error"]
+    assert "still blocked in the driver (skipping the CUDA library's teardown" in proc.stderr
