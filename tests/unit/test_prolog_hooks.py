@@ -44,7 +44,7 @@ def _run(hook: Path | str, tmp: Path, root: Path, job_id: str = "123", state: st
            "SLURM_JOB_WORK_DIR": str(work), "SLURM_JOB_EXIT_CODE2": "0:15",
            "HPCCKPT_STAGING_ROOT": str(root)}
     if isinstance(hook, str):
-        env["PYTHONPATH"] = str(REPO)
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
         cmd = [sys.executable, "-m", "hpcckpt.cli", hook, "--json"]
     else:
         cmd = [str(hook)]
@@ -76,7 +76,7 @@ def test_cli_verbs_find_and_run_the_hooks(tmp_path: Path) -> None:
     for name, script in (("prolog", PROLOG), ("epilog", EPILOG)):
         out = subprocess.run([sys.executable, "-m", "hpcckpt.cli", name, "--path", "--json"], cwd=tmp_path,
                              capture_output=True, text=True, timeout=60, check=True, env={**os.environ,
-                                                                                          "PYTHONPATH": str(REPO)})
+                             "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])})
         assert Path(json.loads(out.stdout)["script"]).resolve() == script.resolve()
     root = tmp_path / "stage"
     ran = _run("prolog", tmp_path, root)
