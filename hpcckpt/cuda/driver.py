@@ -35,11 +35,10 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, ClassVar
 
 from ..errors import CudaCheckpointError
-from ..proc.tree import maps_library
+from ..proc.tree import maps_library, status_field, task_states
 
 LIBCUDA = "libcuda.so.1"
 # How a process that talks to the driver shows in /proc/PID/maps (not libcudart).
@@ -169,21 +168,6 @@ def _leave_if_stuck() -> None:
 _AT_EXIT: list[bool] = []
 
 
-def task_states(pid: int) -> dict[int, str]:
-    """Each task's one-letter state (/proc/PID/task/TID/stat); empty when the process is gone."""
-    out: dict[int, str] = {}
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except (FileNotFoundError, ProcessLookupError):
-        return out
-    for task in tasks:
-        try:
-            out[int(task.name)] = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
-            continue
-    return out
-
-
 def describe_tasks(pid: int) -> str:
     """``PID 12: 9 tasks: 8 sleeping, 1 stopped by a signal (TID 15)`` (for messages)."""
     states = task_states(pid)
@@ -200,13 +184,8 @@ def describe_tasks(pid: int) -> str:
 
 def tracer_of(pid: int, tid: int) -> int:
     """TracerPid of a task (0: not traced, or gone)."""
-    try:
-        for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
-            if line.startswith("TracerPid:"):
-                return int(line.split()[1])
-    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
-        pass
-    return 0
+    value = status_field(pid, "TracerPid", task=tid)
+    return int(value) if value and value.isdigit() else 0
 
 
 def _traced_tasks(pid: int) -> list[int]:

@@ -16,13 +16,13 @@ to the first free H100 here). Too few GPUs of a model is a clear error, never a 
 """
 from __future__ import annotations
 
-import os
 import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from ..errors import CudaCheckpointError
+from ..proc.tree import nvidia_files
 from .driver import MIN_REMAP_TEXT, Gpu
 
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
@@ -49,24 +49,9 @@ def driver_gpus(root: Path = NVIDIA_GPUS) -> dict[int, dict[str, str]]:
 
 def minors(pid: int) -> tuple[set[int], set[int]]:
     """(mapped, open) /dev/nvidiaN minors of ``pid`` (nvidiactl, nvidia-uvm are not GPUs)."""
-    mapped: set[int] = set()
-    opened: set[int] = set()
-    try:
-        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                m = _MINOR.match(line.split()[-1]) if " /dev/nvidia" in line else None
-                if m:
-                    mapped.add(int(m.group(1)))
-        for fd in Path(f"/proc/{pid}/fd").iterdir():
-            try:
-                m = _MINOR.match(os.readlink(fd))
-            except OSError:
-                continue
-            if m:
-                opened.add(int(m.group(1)))
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        pass
-    return mapped, opened
+    mapped, opened = nvidia_files(pid)
+    return ({int(m.group(1)) for m in map(_MINOR.match, mapped) if m},
+            {int(m.group(1)) for m in map(_MINOR.match, opened) if m})
 
 
 def job_gpus(pids: Iterable[int], visible: list[Gpu], *, log: Callable[[str], None] = lambda _m: None,

@@ -76,9 +76,10 @@ def catches(pid: int, sig: int) -> bool:
     return bool(value) and bool(int(value, 16) >> (sig - 1) & 1)
 
 
-def nvidia_handles(pid: int) -> list[str]:
-    """/dev/nvidia* files ``pid`` holds open or mapped (a CUDA context or its leftovers)."""
-    found: set[str] = set()
+def nvidia_files(pid: int) -> tuple[set[str], set[str]]:
+    """(mapped, open) /dev/nvidia* files of ``pid`` (both empty when it is gone)."""
+    mapped: set[str] = set()
+    opened: set[str] = set()
     try:
         for fd in (PROC / str(pid) / "fd").iterdir():
             try:
@@ -86,12 +87,18 @@ def nvidia_handles(pid: int) -> list[str]:
             except OSError:
                 continue
             if target.startswith("/dev/nvidia"):
-                found.add(target)
+                opened.add(target)
         with open(PROC / str(pid) / "maps", encoding="utf-8", errors="replace") as f:
-            found.update(line.split()[-1] for line in f if " /dev/nvidia" in line)
+            mapped.update(line.split()[-1] for line in f if " /dev/nvidia" in line)
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         pass
-    return sorted(found)
+    return mapped, opened
+
+
+def nvidia_handles(pid: int) -> list[str]:
+    """/dev/nvidia* files ``pid`` holds open or mapped (a CUDA context or its leftovers)."""
+    mapped, opened = nvidia_files(pid)
+    return sorted(mapped | opened)
 
 
 def command(pid: int, *, limit: int = 120) -> str:
@@ -119,9 +126,25 @@ def maps_library(pid: int, needle: str) -> bool:
         return False
 
 
+def _state(stat: Path) -> str:
+    """The one-letter state of a /proc stat file (after the command, which may hold ')')."""
+    return stat.read_text().rsplit(")", 1)[1].split()[0]
+
+
+def task_states(pid: int) -> dict[int, str]:
+    """Each task's one-letter state (R, S, D, T stopped, t traced, Z...); empty when gone."""
+    out: dict[int, str] = {}
+    for tid in tasks(pid):
+        try:
+            out[tid] = _state(PROC / str(pid) / "task" / str(tid) / "stat")
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+    return out
+
+
 def alive(pid: int) -> bool:
     try:
-        state = (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        state = _state(PROC / str(pid) / "stat")
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
     return state not in ("Z", "X")
