@@ -16,7 +16,7 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from ..errors import CriuError, CudaCheckpointError, NoCheckpoint
 from ..proc import tree as proctree
@@ -78,13 +78,18 @@ def _fix(exc: BaseException, sig: signal.Signals, root: Path) -> str:
             "(install a handler; hpcckpt then forwards the signal to it)")
 
 
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc`` and the exceptions it came from (``raise ... from``, or raised while handling),
+    20 at most (a cycle ends there)."""
+    for _ in range(20):
+        if exc is None:
+            return
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
 def _caused_by(exc: BaseException | None, kind: type) -> bool:
-    seen = 0
-    while exc is not None and seen < 20:
-        if isinstance(exc, kind):
-            return True
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return False
+    return any(isinstance(e, kind) for e in _chain(exc))
 
 
 def _older_image(root: Path, consumed: str | None) -> str | None:
@@ -103,14 +108,8 @@ def is_stuck(exc: BaseException | None) -> bool:
     state query that timed out changed nothing: the job keeps running."""
     from ..cuda.driver import _NEEDS_TARGET_RUNNING, CudaCallStuck, CudaQueryTimedOut
 
-    seen = 0
-    while exc is not None and seen < 20:
-        if isinstance(exc, CudaCallStuck) and exc.what in _NEEDS_TARGET_RUNNING:
-            return True
-        if not isinstance(exc, CudaQueryTimedOut) and "STUCK" in str(exc):
-            return True
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return False
+    return any((isinstance(e, CudaCallStuck) and e.what in _NEEDS_TARGET_RUNNING)
+               or (not isinstance(e, CudaQueryTimedOut) and "STUCK" in str(e)) for e in _chain(exc))
 
 
 def report(job: ops.Job, sig: signal.Signals, exc: BaseException, *, root: Path,
