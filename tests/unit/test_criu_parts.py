@@ -412,21 +412,30 @@ def test_resume_all_tries_every_pid_and_says_the_job_is_stuck() -> None:
     assert cu.states[102] is ProcessState.RUNNING and cu.states[101] is ProcessState.CHECKPOINTED
 
 
-@pytest.fixture
-def cuda_job(tmp_path: Path) -> "Iterator[object]":
-    """A live process that maps a (stand-in) libcuda.so.1, as the supervisor's Job."""
+def _job_mapping_libcuda(tmp_path: Path, script: str) -> "Iterator[object]":
+    """``script`` run with a (stand-in) libcuda.so.1 it maps, as the supervisor's Job, once it
+    says "ready"; killed afterwards."""
     from hpcckpt.criu.ops import Job
 
-    from .test_cuda_driver import MAPPER, build_fake
+    from .test_cuda_driver import build_fake
 
     lib = build_fake(tmp_path / "m", version=12080, checkpoint=True, name="libcuda.so.1")
-    with subprocess.Popen([sys.executable, "-c", MAPPER, str(lib)], stdout=subprocess.PIPE, text=True) as proc:
+    with subprocess.Popen([sys.executable, "-c", script, str(lib)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True) as proc:
         try:
             assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
             yield Job(init_pid=proc.pid, app_pid=proc.pid, wait_pid=proc.pid, stdout=Path("o"), stderr=Path("e"),
                       proc=proc)
         finally:
             proc.kill()
+
+
+@pytest.fixture
+def cuda_job(tmp_path: Path) -> "Iterator[object]":
+    """A live process that maps a (stand-in) libcuda.so.1, as the supervisor's Job."""
+    from .test_cuda_driver import MAPPER
+
+    yield from _job_mapping_libcuda(tmp_path, MAPPER)
 
 
 @pytest.mark.parametrize("restore_fails", [False, True], ids=["resumed", "stuck"])
@@ -555,19 +564,7 @@ EXITER = ("import ctypes, sys, time\nctypes.CDLL(sys.argv[1])\nprint('ready', fl
 
 @pytest.fixture
 def exiting_job(tmp_path: Path) -> "Iterator[object]":
-    from hpcckpt.criu.ops import Job
-
-    from .test_cuda_driver import build_fake
-
-    lib = build_fake(tmp_path / "m", version=12080, checkpoint=True, name="libcuda.so.1")
-    with subprocess.Popen([sys.executable, "-c", EXITER, str(lib)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                          text=True) as proc:
-        try:
-            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-            yield Job(init_pid=proc.pid, app_pid=proc.pid, wait_pid=proc.pid, stdout=Path("o"), stderr=Path("e"),
-                      proc=proc)
-        finally:
-            proc.kill()
+    yield from _job_mapping_libcuda(tmp_path, EXITER)
 
 
 @pytest.mark.parametrize("how", ["exits-3", "exits-0-while-TERM-pending", "killed-by-TERM"])
