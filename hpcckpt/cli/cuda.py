@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import add_json, emit
+from .common import add_json, emit, positive_seconds
 
 ACTIONS = ("state", "lock", "checkpoint", "restore", "unlock", "toggle", "restore-tid")
 
@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("pid", type=int)
     p.add_argument("--timeout-ms", type=int, default=0,
                    help="the driver's lock timeout (0 = the driver waits indefinitely)")
-    p.add_argument("--call-timeout-s", type=float, default=None,
+    p.add_argument("--call-timeout-s", type=positive_seconds, default=None,
                    help="give up on a driver call that has not returned after this long and report it stuck "
                         "(default 600; a lock gets --timeout-ms on top)")
     add_json(p)
@@ -52,10 +52,7 @@ def _run(args: argparse.Namespace) -> int:
     from ..cuda import CudaCheckpoint
 
     from ..cuda.driver import CALL_TIMEOUT_S
-    from ..errors import ConfigError
 
-    if args.call_timeout_s is not None and args.call_timeout_s <= 0:
-        raise ConfigError(f"--call-timeout-s must be > 0 (got {args.call_timeout_s})")
     cu = CudaCheckpoint(call_timeout_s=args.call_timeout_s or CALL_TIMEOUT_S)
     pid = args.pid
     result: dict[str, object] = {"pid": pid, "action": args.action, "driver_api": cu.info.text}

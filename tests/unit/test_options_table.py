@@ -142,6 +142,7 @@ CLI_ROWS = [
     (["run", "--dir", "RUNDIR", "--signal", "SEGV", "--", "true"], "--signal"),
     (["run", "--dir", "RUNDIR", "--keep", "0", "--", "true"], "--keep"),
     (["run", "--dir", "RUNDIR", "--cuda-lock-timeout-s", "nan", "--", "true"], "--cuda-lock-timeout-s"),
+    (["cuda", "state", "1", "--call-timeout-s", "-5"], "--call-timeout-s"),
     (["template", "single", "--set", "NOEQUALS"], "--set"),
     (["template", "single", "--out", "NODIR_OUT"], "NODIR_OUT"),
     (["doctor", "--script", "MISSING", "--no-plugins"], "--script"),
