@@ -1,9 +1,11 @@
 """Real-Slurm fixtures: a 2-node cluster on loopback (slurm/localcluster) for the session.
 
-The cluster is started once per session and stopped at its end (slurmctld, both
-slurmd, and munged when the suite started it) unless it was already up before the
-session: then it is the user's and is left running. Jobs run the project's own venv
-Python, so nothing is mocked.
+The cluster is started once per session and stopped at its end (slurmctld and both
+slurmd) unless it was already up before the session: then it is the user's and is
+left running. Under pytest-xdist every worker has a cluster of its own (its own state
+directory and ports), so tests that wait on Slurm's clocks run side by side and never
+see each other's jobs or preemptions; munged is shared, started once as a daemon that no
+cluster's `down` stops. Jobs run the project's own venv Python, so nothing is mocked.
 """
 
 from __future__ import annotations
@@ -152,24 +154,57 @@ def _require_tools() -> None:
         pytest.skip("slurm/localcluster runs slurmctld/slurmd as root; run the slurm tier as root")
 
 
+def _worker_index() -> int | None:
+    """This pytest-xdist worker's number (gw3 -> 3), None outside xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else None
+
+
+def _cluster_env() -> dict[str, str]:
+    """The environment for slurm/localcluster: outside xdist its defaults (or what the
+    user set); worker k gets /tmp/hpcckpt-localcluster-gwK, ports 100*(k+1) above the
+    default ones and job ids from 1000*(k+1) (templates derive MASTER_PORT from the job
+    id), so no two workers' daemons or jobs ever meet."""
+    env = dict(os.environ)
+    index = _worker_index()
+    if index is not None:
+        env["HPCCKPT_CLUSTER_DIR"] = f"/tmp/hpcckpt-localcluster-gw{index}"
+        env["HPCCKPT_CLUSTER_PORT"] = str(16817 + 100 * (index + 1))
+        env["HPCCKPT_CLUSTER_FIRST_JOB_ID"] = str(1000 * (index + 1))
+    return env
+
+
+def _localcluster(*args: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(LOCALCLUSTER), *args], capture_output=True, text=True,
+                          timeout=timeout_s, check=False, env=_cluster_env())
+
+
 def _already_up() -> bool:
     """True when a local cluster is running before the suite touches it (status exits 0)."""
-    proc = subprocess.run([str(LOCALCLUSTER), "status"], capture_output=True, text=True, timeout=60,
-                          check=False)
-    return proc.returncode == 0
+    return _localcluster("status", timeout_s=60).returncode == 0
 
 
 def _down() -> None:
     """Stop what the suite started; a failure here is reported, not hidden."""
-    proc = subprocess.run([str(LOCALCLUSTER), "down"], capture_output=True, text=True, timeout=180,
-                          check=False)
+    proc = _localcluster("down")
     if proc.returncode != 0:
         pytest.fail(f"slurm/localcluster down failed:\n{proc.stdout}\n{proc.stderr}")
+
+
+def _start_munge() -> None:
+    """munged for every cluster of the run, started once (workers race for it: a file lock)."""
+    from filelock import FileLock
+
+    with FileLock("/tmp/hpcckpt-localcluster-munge.lock"):
+        proc = _localcluster("munge", timeout_s=60)
+    if proc.returncode != 0:
+        pytest.fail(f"slurm/localcluster munge failed:\n{proc.stdout}\n{proc.stderr}")
 
 
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[SlurmCluster]:
     _require_tools()
+    _start_munge()
     was_up = _already_up()
     try:
         yield from _cluster_up()
@@ -179,12 +214,10 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
 
 
 def _cluster_up() -> Iterator[SlurmCluster]:
-    proc = subprocess.run([str(LOCALCLUSTER), "up", "--nodes", "2"], capture_output=True,
-                          text=True, timeout=180, check=False)
+    proc = _localcluster("up", "--nodes", "2")
     if proc.returncode != 0:
         pytest.fail(f"slurm/localcluster up failed:\n{proc.stdout}\n{proc.stderr}")
-    env_lines = subprocess.run([str(LOCALCLUSTER), "env"], capture_output=True, text=True,
-                               check=True).stdout
+    env_lines = _localcluster("env", timeout_s=60).stdout
     for line in env_lines.splitlines():
         key, _, value = line.removeprefix("export ").partition("=")
         os.environ[key] = shlex.split(value)[0] if value else ""
