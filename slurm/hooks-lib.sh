@@ -63,6 +63,38 @@ hooks_root_problem() {
     return 0
 }
 
+# hooks_make_root ROOT: create the missing directories of ROOT (an absolute path), one at
+# a time from the top, each only after its parent passed hooks_dir_problem: a symlink a
+# user planted in a missing parent is refused before root creates anything under it
+# (mkdir -p would follow it). Prints the problem, nothing when ROOT exists or was made.
+hooks_make_root() {
+    local root="$1" dir="" part problem
+    local -a parts
+    if [[ $root != /* ]]; then
+        echo "it is not an absolute path"
+        return 0
+    fi
+    IFS=/ read -r -a parts <<<"${root#/}"
+    for part in "${parts[@]}"; do
+        [[ -z $part || $part == . ]] && continue
+        if [[ $part == .. ]]; then
+            echo "it contains '..'"
+            return 0
+        fi
+        problem="$(hooks_dir_problem "${dir:-/}" "$EUID 0")"
+        if [[ -n $problem ]]; then
+            printf '%s\n' "${dir:-/} is unsafe: $problem"
+            return 0
+        fi
+        dir+="/$part"
+        if [[ ! -e $dir && ! -L $dir ]]; then
+            # Fails if anybody created the name meanwhile; the next round checks what is there.
+            mkdir -m 0755 -- "$dir" 2>/dev/null
+        fi
+    done
+    return 0
+}
+
 # hooks_log HOOK MESSAGE: one line on stderr (slurmd's log) and in syslog when it is there.
 hooks_log() {
     echo "hpcckpt $1: $2" >&2
@@ -101,10 +133,13 @@ hooks_json_string() {
 }
 
 # hooks_append HOOK FILE LINE: append LINE to FILE without ever following a symlink
-# (O_NOFOLLOW), and only to a file of ours with one link; new files are 0600. A file
-# a user planted is logged and skipped: a hook never fails over a user's file.
+# (O_NOFOLLOW) or blocking on a FIFO (O_NONBLOCK: a FIFO without a reader is refused at
+# once, one with a reader takes the line and never stalls the hook), and only to a file
+# of ours with one link. A missing file is created exclusively (O_EXCL, 0600): a name a
+# user creates in a shared sticky root between the check and the open is refused, never
+# written through. A file a user planted is logged and skipped: a hook never fails over it.
 hooks_append() {
-    local hook="$1" file="$2" line="$3" owner links
+    local hook="$1" file="$2" line="$3" owner links conv=notrunc
     if [[ -L $file || (-e $file && ! -f $file) ]]; then
         hooks_log "$hook" "not writing to '$file': it is a symbolic link or not a regular file; remove it"
         return 0
@@ -115,11 +150,14 @@ hooks_append() {
             hooks_log "$hook" "not writing to '$file': owned by uid $owner with $links link(s), expected uid $EUID with 1; remove it"
             return 0
         fi
+    else
+        conv=notrunc,excl
     fi
     # One write(2) of the whole line (fullblock) to an O_APPEND file does not
-    # interleave with another node's or job's record.
-    if ! printf '%s\n' "$line" | (umask 077 && exec dd of="$file" oflag=append,nofollow conv=notrunc \
-        bs=65536 iflag=fullblock status=none 2>/dev/null); then
+    # interleave with another node's or job's record. Our own file, once there, cannot
+    # be swapped: the root is ours and others may not write in it, or it is sticky.
+    if ! printf '%s\n' "$line" | (umask 077 && exec timeout 10 dd of="$file" oflag=append,nofollow,nonblock \
+        conv="$conv" bs=65536 iflag=fullblock status=none 2>/dev/null); then
         hooks_log "$hook" "could not append a record to '$file'"
     fi
     return 0

@@ -162,11 +162,27 @@ class JobEnv:
         return self.global_rank == 0
 
     def staging_dir(self) -> Path | None:
-        """Node-local staging prepared by slurm/prolog for this job, None outside Slurm."""
+        """Node-local staging prepared by slurm/prolog for this job; None outside Slurm or when
+        the prolog did not make it.
+
+        The prolog's rule, checked here too: a real directory (not a symlink) of this
+        process's user, private (no group/other bits), in a root owned by root or by us
+        that others may not write in unless it is sticky. A directory another user
+        planted (or a 0777 one) is never handed to the job.
+        """
+        import stat
         job_id = self.raw_job_id
-        if job_id is None:
+        if job_id is None or not job_id.isdigit():
             return None
-        return staging_root(self.environ) / f"job-{job_id}"
+        path = staging_root(self.environ) / f"job-{job_id}"
+        try:
+            st, root = os.lstat(path), os.lstat(path.parent)
+        except OSError:
+            return None
+        mine = stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+        safe_root = (stat.S_ISDIR(root.st_mode) and root.st_uid in (0, os.getuid())
+                     and (not root.st_mode & 0o022 or bool(root.st_mode & stat.S_ISVTX)))
+        return path if mine and safe_root else None
 
 
 def staging_root(environ: Mapping[str, str]) -> Path:

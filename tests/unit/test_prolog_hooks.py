@@ -205,3 +205,57 @@ def test_slurm_scripts_are_shellcheck_clean() -> None:
     proc = subprocess.run(["shellcheck", "-x", *map(str, scripts)], capture_output=True, text=True,
                           cwd=REPO, check=False)
     assert proc.returncode == 0, proc.stdout
+
+
+def test_prolog_checks_every_parent_before_creating_the_root(tmp_path: Path) -> None:
+    """A symlink in a missing parent of the root is refused before root creates anything
+    (``mkdir -p`` would have created directories at the link's target)."""
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (tmp_path / "shared").symlink_to(target)
+    ran = _run(PROLOG, tmp_path, tmp_path / "shared" / "sub" / "stage")
+    assert ran.returncode == 0 and "refusing staging root" in ran.stderr and "symbolic link" in ran.stderr
+    assert list(target.iterdir()) == []
+    made = tmp_path / "new" / "deeper" / "stage"  # missing parents of a safe path are made, 0755
+    assert _run(PROLOG, tmp_path, made).returncode == 0
+    assert (made / "job-123").is_dir() and stat.S_IMODE((tmp_path / "new").stat().st_mode) == 0o755
+
+
+def test_a_fifo_record_file_never_blocks_a_hook(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    os.mkfifo(root / "hooks.jsonl")
+    for hook in (PROLOG, EPILOG):  # no reader: a blocking open would wait for ever
+        ran = _run(hook, tmp_path, root)
+        assert ran.returncode == 0 and "not a regular file" in ran.stderr, ran.stderr
+    assert stat.S_ISFIFO(os.lstat(root / "hooks.jsonl").st_mode)
+
+
+def test_staging_dir_is_told_only_when_the_prolog_made_it(tmp_path: Path) -> None:
+    from hpcckpt.cluster.env import JobEnv
+    root = tmp_path / "root"
+    env = JobEnv(environ={"SLURM_JOB_ID": "123", "HPCCKPT_STAGING_ROOT": str(root)})
+    assert env.staging_dir() is None  # no prolog ran
+    assert _run(PROLOG, tmp_path, root).returncode == 0
+    assert env.staging_dir() == root / "job-123"
+    (root / "job-123").chmod(0o777)  # open to everybody: the prolog would refuse to reuse it
+    assert env.staging_dir() is None
+    ran = _run(PROLOG, tmp_path, root)
+    assert "runs without staging" in ran.stderr and _records(root)[-1]["staging"] == ""
+    (root / "job-123").rmdir()
+    (root / "job-123").symlink_to(tmp_path)
+    assert env.staging_dir() is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root (the hooks run as root)")
+def test_staging_planted_by_another_user_is_not_told(tmp_path: Path) -> None:
+    from hpcckpt.cluster.env import JobEnv
+    root = tmp_path / "root"
+    root.mkdir()
+    root.chmod(0o1777)
+    planted = root / "job-123"
+    planted.mkdir(mode=0o700)
+    os.chown(planted, 65534, 65534)
+    ran = _run(PROLOG, tmp_path, root)
+    assert "runs without staging" in ran.stderr
+    assert JobEnv(environ={"SLURM_JOB_ID": "123", "HPCCKPT_STAGING_ROOT": str(root)}).staging_dir() is None
