@@ -269,9 +269,26 @@ def check_grace_time(ctx: DoctorContext) -> list[Check]:
     return out
 
 
+def protected_symlinks(ctx: DoctorContext, proc: Path = Path("/proc/sys/fs")) -> list[Check]:
+    """fs.protected_symlinks (and _regular, _fifos): the kernel's guard for root's hooks in a
+    shared sticky staging root; the hooks do not rely on it, but it is a second line."""
+    values: dict[str, str] = {}
+    for name in ("protected_symlinks", "protected_regular", "protected_fifos"):
+        try:
+            values[name] = (proc / name).read_text().strip()
+        except OSError:
+            values[name] = "unknown"
+    ok = values["protected_symlinks"] == "1"
+    return [Check(name="fs.protected_symlinks", ok=ok, level="ok" if ok else "warn",
+                  detail=", ".join(f"fs.{k}={v}" for k, v in values.items()),
+                  fix="" if ok else "ask the admins for sysctl fs.protected_symlinks=1 (and protected_regular=2, "
+                                    "protected_fifos=2) on nodes whose staging root is a shared sticky directory",
+                  data={"sysctl": values})]
+
+
 CHECKS: list[Callable[[DoctorContext], list[Check]]] = [
     check_slurm, check_job_requeue, check_requeue_permission, check_signal_lead,
-    check_signal_delivery, check_signal_choice, check_grace_time,
+    check_signal_delivery, check_signal_choice, check_grace_time, protected_symlinks,
 ]
 
 

@@ -259,3 +259,14 @@ def test_staging_planted_by_another_user_is_not_told(tmp_path: Path) -> None:
     ran = _run(PROLOG, tmp_path, root)
     assert "runs without staging" in ran.stderr
     assert JobEnv(environ={"SLURM_JOB_ID": "123", "HPCCKPT_STAGING_ROOT": str(root)}).staging_dir() is None
+
+
+def test_doctor_reports_protected_symlinks(tmp_path: Path) -> None:
+    from hpcckpt.doctor import protected_symlinks
+    for name, value in (("protected_symlinks", "0"), ("protected_regular", "2"), ("protected_fifos", "1")):
+        (tmp_path / name).write_text(value + "\n")
+    (check,) = protected_symlinks(None, tmp_path)  # type: ignore[arg-type]
+    assert check.severity == "warn" and "fs.protected_symlinks=0" in check.detail and "sysctl" in check.fix
+    (tmp_path / "protected_symlinks").write_text("1\n")
+    (check,) = protected_symlinks(None, tmp_path)  # type: ignore[arg-type]
+    assert check.ok and check.data["sysctl"]["protected_regular"] == "2"
