@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 import torch
 
 from .config import CheckpointOptions, resolve_options
-from .data import ResumableSampler
+from .data import Progress, ResumableSampler, find_resumable
 from .engines import SaveContext, SaveHandle, make_engine
 from .engines.base import live_tensors
 from .errors import CheckpointCorrupt, CheckpointFailed, ConfigError, HpcckptError
@@ -36,7 +36,7 @@ from .policy import AutoInterval, Policy, StopReason
 from .ranks import Ranks
 from .resume import Outcome, load_newest
 from .signals import SignalRecorder
-from .state import Flat, TrainState, init_dtensor_optimizer_state
+from .state import Flat, TrainState, init_dtensor_optimizer_state, rng_state, set_rng_state
 from .store.lock import WriterBusy, WriterLease
 
 log = logging.getLogger("hpcckpt")
@@ -86,12 +86,19 @@ class Checkpointer:
         self._loaded: Flat | None = None
         self._load_attempted = False
         self._restore_s = 0.0
-        self._sampler: ResumableSampler | None = None
+        self.progress = Progress()  # epoch, loader passes, finished: saved as "__progress__"
+        self.state.objects[Progress.NAME] = self.progress
+        self._resume_rng: dict[str, Any] | None = None  # the saved RNG, set again where training resumes
+        self._already_finished = False
+        self._progress_restored = False
+        self._last_step_t: float | None = None
+        self._loader_names: dict[int, str] = {}
         self._fresh_ok = False
         self._jit: Any = None  # hpcckpt.jit.JitGuard with jit=True, from the first step on
         self._initialized: list[torch.optim.Optimizer] = []  # optimizers whose state a restore created
         self._handles: list[SaveHandle] = []
         self._started = False
+        self._closed = False
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._lease = WriterLease(self.root)
         self._take_lease()
@@ -131,22 +138,24 @@ class Checkpointer:
         """
         for name, obj in objects.items():
             self.state.register(name, obj)
-            if isinstance(obj, ResumableSampler):
-                self._sampler = obj
         self.engine.bind(self.state)
         flat = self._load()
         if flat is not None:
-            subset = Flat(flat.tensors, {**flat.meta, "objects": {
-                n: v for n, v in flat.meta["objects"].items() if n in objects}})
-            missing = set(objects) - set(flat.meta["objects"])
+            saved = flat.meta["objects"]
+            missing = set(objects) - set(saved)
             if missing:
                 raise ConfigError(f"checkpoint step {self.resumed_from} under {self.root} has no state for "
-                                  f"{sorted(missing)}; it holds {sorted(flat.meta['objects'])}")
+                                  f"{sorted(missing)}; it holds {sorted(n for n in saved if n != Progress.NAME)}")
             sub = TrainState()
-            for name, obj in objects.items():
-                sub.objects[name] = obj
+            sub.objects.update(objects)
+            if Progress.NAME in saved and not self._progress_restored:  # the first register() of a resume
+                sub.objects[Progress.NAME] = self.progress
+                self._progress_restored = True
+            subset = Flat(flat.tensors, {**flat.meta, "objects": {n: v for n, v in saved.items() if n in sub.objects}})
             sub.restore(subset)
             self.state.user_meta.update(flat.meta.get("user", {}))
+            self._resume_rng = rng_state()  # as saved; set again where training resumes (_resume_point)
+            self._already_finished = self.progress.finished
         return self.resumed_from
 
     @property
@@ -232,8 +241,13 @@ class Checkpointer:
 
         After each yielded step (its optimizer step done) the boundary runs:
         periodic saves, and on a stop request the final save + requeue + exit.
+        A run that resumes at or past ``total_steps`` says so and yields nothing.
         """
         self._begin()
+        self._resume_point()
+        self.progress.total = total_steps
+        if self.step >= total_steps and self.resumed_from is not None:
+            self._nothing_left(f"step {self.step} of total_steps={total_steps}")
         for s in range(self.step, total_steps):
             t0 = time.monotonic()
             yield s
@@ -242,43 +256,100 @@ class Checkpointer:
             self._boundary()
         self._finish()
 
-    def loop(self, loader: Iterable[Any], total_steps: int) -> Iterator[tuple[int, Any]]:
-        """Yield ``(step, batch)`` across epochs, resuming mid-epoch exactly.
+    def loop(self, loader: Iterable[Any], total_steps: int, *, skip: str = "auto") -> Iterator[tuple[int, Any]]:
+        """Yield ``(step, batch)`` across epochs of ``loader``, resuming mid-epoch exactly.
 
-        The loader's sampler must be a registered ``ResumableSampler``.
+        Any DataLoader: ``shuffle=True`` with or without a generator, ``DistributedSampler``
+        (its ``set_epoch`` is called at each new pass), a ``ResumableSampler``, an
+        ``IterableDataset``. A resumed pass yields what the uninterrupted pass would
+        have yielded from there on (``data.LoaderPosition``; ``skip`` says how).
         """
-        sampler = self._sampler
-        if sampler is None:
-            raise ConfigError("Checkpointer.loop needs a ResumableSampler registered with register(sampler=...) "
-                              "and used as the DataLoader's sampler")
-        batch_size = getattr(loader, "batch_size", None) or 1
+        pos = self._position(loader, None, skip=skip, set_epochs=True)
         it: Iterator[Any] | None = None
         for step in self.steps(total_steps):
             # The boundary (and so the state capture) ran inside next(): before this fetch.
-            if it is None:
-                it = self._first_iter(loader)
-            try:
-                batch = next(it)
-            except StopIteration:
-                sampler.set_epoch(sampler.epoch + 1)
-                it = iter(loader)
-                batch = next(it)
-            sampler.advance(min(batch_size, sampler.per_rank - sampler.consumed))
+            batch = _END if it is None else next(it, _END)
+            if batch is _END:
+                it, batch = _next_pass(pos)
+            pos.took()
             yield step, batch
 
-    def _first_iter(self, loader: Iterable[Any]) -> Iterator[Any]:
-        """Start iterating; after a restore, without touching the global RNG.
+    def batches(self, loader: Iterable[Any], *, name: str | None = None, skip: str = "auto") -> Batches:
+        """``loader`` for one epoch's training loop: ``for batch in ckpt.batches(loader):``.
 
-        ``iter(DataLoader)`` draws a seed from the global torch RNG. The run that
-        saved had already drawn it when the epoch began, before the captured
-        state, so the resumed run must not draw it again.
+        Each batch is one step; when the code asks for the next batch, the step's boundary
+        runs (periodic save, or the stop: final save, requeue, exit 75). In a resumed run
+        the interrupted epoch yields only the batches it had left, exactly those of the
+        uninterrupted run (``data.LoaderPosition``). ``len()`` and other attributes are the
+        loader's own, so it can be passed where the loader was. ``name`` tells loaders apart
+        (default: the order in which they are first seen).
         """
-        if self.resumed_from is None:
-            return iter(loader)
-        saved = torch.get_rng_state()
-        it = iter(loader)
-        torch.set_rng_state(saved)
-        return it
+        return Batches(self, loader, name=name, skip=skip)
+
+    def epochs(self, *bounds: Any) -> Iterator[int]:
+        """``for epoch in ckpt.epochs(E):`` (or ``epochs(1, E + 1)``, ``epochs(range(...))``).
+
+        Resumes at the epoch in progress when the checkpoint was taken; the epoch's code runs
+        as written (evaluation, ``scheduler.step()``, ``sampler.set_epoch``). When the last
+        epoch ends, the final state is checkpointed and the run is marked finished; a re-run
+        says so and yields nothing.
+        """
+        epochs = _epoch_range(bounds)
+        self._begin()
+        first = (self.progress.epoch or 0) if self.resumed_from is not None else 0
+        if self.resumed_from is not None and (self._already_finished or first >= len(epochs)):
+            self._nothing_left(f"epoch {len(epochs) if self._already_finished else first} of {len(epochs)} "
+                               f"(step {self.step})")
+        for i in range(first, len(epochs)):
+            self.progress.epoch = i
+            yield epochs[i]
+        self.progress.epoch = len(epochs)
+        self._finish()
+        self.close()
+
+    def step_done(self) -> None:
+        """One training step finished (a loop hpcckpt does not drive: ``while``, callbacks).
+
+        Counts the step and runs its boundary: a periodic save, or on a stop request the
+        final save, requeue and ``RequeueExit`` (exit 75). ``ckpt.step`` is the number of
+        steps done (the restored one after ``register()``).
+        """
+        self._begin()
+        self._resume_rng = None  # this loop's resume point was register() itself
+        now = time.monotonic()
+        if self._last_step_t is not None:
+            self.policy.observe_step(now - self._last_step_t)
+        self._last_step_t = now
+        self.step += 1
+        self._boundary()
+
+    def _position(self, loader: Any, name: str | None, **options: Any) -> Any:
+        """The saved pass of ``loader`` (``data.LoaderPosition``), by name or by first use."""
+        key = self._loader_names.get(id(loader))
+        if key is None:
+            key = name or f"loader{len(self._loader_names)}"
+            self._loader_names[id(loader)] = key
+        fresh = key not in self.progress.positions
+        pos = self.progress.position(key, loader, **options)
+        sampler = find_resumable(loader)
+        pos.saves_sampler = sampler is not None and not any(o is sampler for o in self.state.objects.values())
+        if fresh and sampler is not None and self.resumed_from is not None and not self._progress_restored:
+            pos.load_state_dict({"passes": 1, "taken": 0})  # a checkpoint from before positions were saved
+        return pos
+
+    def _resume_point(self) -> None:
+        """Training resumes here: the RNG becomes the saved one again, whatever ran since
+        ``register()`` (a new DataLoader iterator, a peek, per-epoch setup) drew from it."""
+        if self._resume_rng is not None:
+            set_rng_state(self._resume_rng)
+            self._resume_rng = None
+
+    def _nothing_left(self, where: str) -> None:
+        log.warning("hpcckpt: this run resumed at %s under %s: nothing left to train%s. To start fresh, move "
+                    "%s aside or give another directory (dir=... or HPCCKPT_DIR)", where, self.root,
+                    " (it finished before)" if self._already_finished else "", self.root)
+        if self.ranks.is_coordinator:
+            self.ledger.append("nothing_left", step=self.step, where=where, finished=self._already_finished)
 
     def _begin(self) -> None:
         if self._started:
@@ -408,13 +479,24 @@ class Checkpointer:
         return outcome
 
     def _finish(self) -> None:
+        """The run ended: its final state is checkpointed (a re-run then says it finished)."""
         self._settle_quietly(list(self._handles))
+        if not self._already_finished:
+            self.progress.finished = True
+            try:
+                self.save(final=True)
+            except (HpcckptError, OSError) as exc:
+                log.error("hpcckpt: the checkpoint of the finished run (step %d) failed: %s", self.step, exc)
         if self.ranks.is_coordinator:
             self.ledger.append("stop", reason="done", step=self.step, committed_step=self.committed_step, requeue=False)
 
     # -- lifecycle ---------------------------------------------------------------
 
     def close(self) -> None:
+        """Release everything (idempotent): background saves finish first, the writer lease last."""
+        if self._closed:
+            return
+        self._closed = True
         if self._jit is not None:  # first: a failure it saw ends the process here, with exit 75
             jit, self._jit = self._jit, None
             jit.close()
@@ -428,6 +510,64 @@ class Checkpointer:
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
+
+
+_END: Any = object()
+
+
+def _epoch_range(bounds: tuple[Any, ...]) -> range:
+    """``epochs(E)``, ``epochs(start, stop)`` or ``epochs(range(...))`` -> a range."""
+    if len(bounds) == 1 and isinstance(bounds[0], range):
+        return bounds[0]
+    try:
+        return range(*(int(b) for b in bounds))
+    except (TypeError, ValueError):
+        raise ConfigError(f"Checkpointer.epochs{bounds!r}: give a number of epochs, start and stop, or a "
+                          "range, e.g. ckpt.epochs(10) or ckpt.epochs(1, args.epochs + 1)") from None
+
+
+def _next_pass(pos: Any) -> tuple[Iterator[Any], Any]:
+    """The next pass's iterator and first batch; a resumed pass that had ended gives way to a new one."""
+    for _ in range(2):
+        resumed = pos.pending
+        it = pos.open()
+        batch = next(it, _END)
+        if batch is not _END:
+            return it, batch
+        if not resumed:
+            break
+    raise ConfigError(f"the DataLoader given to Checkpointer.loop yields no batch (pass {pos.passes}); "
+                      "check its dataset, batch_size and drop_last")
+
+
+class Batches:
+    """One epoch of a loader as the training loop sees it (``Checkpointer.batches``).
+
+    Iterating it opens the loader's training pass (resumed or new), yields its batches and
+    runs a step boundary each time the loop asks for the next one. Everything else
+    (``len()``, ``.dataset``, ``.batch_size``) is the loader's own.
+    """
+
+    def __init__(self, ckpt: Checkpointer, loader: Iterable[Any], *, name: str | None, skip: str) -> None:
+        self._ckpt, self._loader, self._name, self._skip = ckpt, loader, name, skip
+
+    def __len__(self) -> int:
+        return len(self._loader)  # type: ignore[arg-type]
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._loader, attr)
+
+    def __iter__(self) -> Iterator[Any]:
+        ck = self._ckpt
+        pos = ck._position(self._loader, self._name, skip=self._skip)
+        ck._begin()
+        ck._resume_point()
+        it = pos.open()
+        ck._last_step_t = time.monotonic()
+        for batch in it:
+            pos.took()
+            yield batch
+            ck.step_done()
 
 
 def preemptible(fn: F | None = None, /, **checkpoint_options: Any) -> Any:

@@ -74,7 +74,24 @@ class ResumableSampler(Sampler[int]):
         return -(-(self.dataset_len - self._base) // self.num_replicas)
 
     def __len__(self) -> int:
-        return self.per_rank - self._skip
+        """The length of a whole epoch on this rank, wherever the position is (``len(loader)``
+        written after ``register()`` gives the same total as in the uninterrupted run)."""
+        return -(-self.dataset_len // self.num_replicas)
+
+    @property
+    def exhausted(self) -> bool:
+        """Every sample of this rank's share of the current epoch was consumed."""
+        return self.consumed >= self.per_rank
+
+    def resume_next_iter(self) -> None:
+        """Make the next ``__iter__`` (only that one) start at the consumed position.
+
+        The training iterator of a resumed epoch is the only one that skips: other
+        iterators (a ``next(iter(loader))`` peek, an evaluation pass) see the whole
+        epoch, as they did in the uninterrupted run. ``Checkpointer.loop``/``batches``
+        call this; use it yourself only when you iterate the loader without them.
+        """
+        self._skip = self.consumed
 
     def permutation(self, epoch: int) -> torch.Tensor:
         """The order of the whole dataset in ``epoch`` (unpadded, independent of ranks)."""
@@ -105,6 +122,8 @@ class ResumableSampler(Sampler[int]):
         return iter(mine[skip:].tolist())
 
     def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` (a no-op for the current epoch, so a resumed position survives
+        the ``sampler.set_epoch(epoch)`` at the top of an epoch loop)."""
         if epoch != self.epoch:
             self.epoch = epoch
             self.consumed = 0
@@ -142,7 +161,6 @@ class ResumableSampler(Sampler[int]):
             # Same world size: the exact position, so every rank yields what it would have.
             self._base = start
             self.consumed = consumed
-            self._skip = consumed
         else:
             # Another world size: the consumed samples of a strided partition are its first
             # consumed * replicas positions (past the remainder's length they are padding
@@ -150,3 +168,244 @@ class ResumableSampler(Sampler[int]):
             self._base = min(self.dataset_len, start + consumed * replicas)
             self.consumed = 0
             self._skip = 0
+
+
+# --- any DataLoader: the position of its training pass, replayed exactly ----------------------
+
+SKIP_MODES = ("auto", "indices", "fetch")
+_END = object()
+
+
+class _Skip:
+    """Stands in for a loader's index sampler for one iterator: drops its first ``k`` items.
+
+    Lazy like the sampler it wraps (torch's iterator draws its worker seed before the
+    sampler draws its permutation, and the order of those draws must not change);
+    ``prime()`` then forces the skip and the first draw, so that both happen while the
+    RNGs hold the epoch's starting state. Later iterators (persistent workers reuse
+    the wrapped sampler) are the inner sampler's own.
+    """
+
+    def __init__(self, inner: Any, k: int) -> None:
+        self.inner, self.k = inner, k
+        self._pending: Iterator[Any] | None = None
+        self._buffer: list[Any] = []
+        self._primed = False
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._pending is not None or self._primed:
+            return iter(self.inner)
+        self._pending = iter(self.inner)
+        return self._gen()
+
+    def _gen(self) -> Iterator[Any]:
+        self.prime()
+        while self._buffer:
+            item = self._buffer.pop()
+            if item is _END:
+                return
+            yield item
+        assert self._pending is not None
+        yield from self._pending
+
+    def prime(self) -> None:
+        if self._primed or self._pending is None:
+            return
+        self._primed = True
+        for _ in range(self.k):
+            if next(self._pending, _END) is _END:
+                self._buffer = [_END]
+                return
+        self._buffer = [next(self._pending, _END)]
+
+
+def _generators(loader: Any) -> dict[str, torch.Generator]:
+    """The torch generators a loader's iteration draws from, by role (the same object once)."""
+    found: dict[str, torch.Generator] = {}
+    seen: set[int] = set()
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for role, owner in (("loader", loader), ("sampler", getattr(loader, "sampler", None)),
+                        ("batch_sampler.sampler", getattr(batch_sampler, "sampler", None))):
+        g = getattr(owner, "generator", None)
+        if isinstance(g, torch.Generator) and id(g) not in seen:
+            seen.add(id(g))
+            found[role] = g
+    return found
+
+
+def find_resumable(loader: Any) -> ResumableSampler | None:
+    """The ResumableSampler that drives ``loader`` (its sampler, or its batch sampler's)."""
+    for candidate in (getattr(loader, "sampler", None),
+                      getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        if isinstance(candidate, ResumableSampler):
+            return candidate
+    return None
+
+
+class LoaderPosition:
+    """Where the training pass over one DataLoader is: which pass (epoch) and how many
+    of its batches reached the training code, plus the RNG states its iterator started
+    from. Saved with the checkpoint (``Checkpointer.batches``/``loop`` keep it).
+
+    A resumed pass is the same pass: the RNGs the iterator draws from (the global torch
+    RNG for its worker seed and a ``RandomSampler`` without a generator, the loader's
+    or sampler's own generator) are set to their state at the pass's start, the
+    iterator is created as then, and the batches already trained on are skipped:
+    ``indices`` drops their indices without loading them; ``fetch`` loads and drops
+    them, so that random augmentation in worker processes (seeded per pass) resumes
+    exactly, at the cost of loading them. ``auto``: ``fetch`` for loaders with worker
+    processes or an iterable dataset, ``indices`` otherwise. Samplers whose order
+    depends on their own attributes (``DistributedSampler``'s seed and epoch) need
+    nothing more. A ``ResumableSampler`` keeps its own position (O(1), any world size).
+    """
+
+    def __init__(self, loader: Any, *, skip: str = "auto", set_epochs: bool = False) -> None:
+        if skip not in SKIP_MODES:
+            raise ConfigError(f"skip={skip!r}; use one of {', '.join(SKIP_MODES)}")
+        self.loader = loader
+        self.skip = skip
+        self.set_epochs = set_epochs  # Checkpointer.loop: no epoch loop of the user's calls set_epoch
+        self.saves_sampler = True  # its ResumableSampler's state travels here unless registered itself
+        self.passes = 0  # passes begun (epochs over this loader)
+        self.taken = 0   # batches of the current pass that reached the training code
+        self._rng: dict[str, torch.Tensor] = {}
+        self._restored: Mapping[str, Any] | None = None
+
+    @property
+    def resumable(self) -> ResumableSampler | None:
+        return find_resumable(self.loader)
+
+    @property
+    def pending(self) -> bool:
+        """A restored pass waits to be resumed by the next ``open()``."""
+        return self._restored is not None
+
+    def _mode(self) -> str:
+        if self.resumable is not None:
+            return "indices"  # it skips by itself, in O(1), on any world size
+        if self.skip != "auto":
+            return self.skip
+        iterable = isinstance(getattr(self.loader, "dataset", None), torch.utils.data.IterableDataset)
+        return "fetch" if iterable or getattr(self.loader, "num_workers", 0) > 0 else "indices"
+
+    def open(self) -> Iterator[Any]:
+        """The iterator of the training pass: the restored one resumed, else a new pass."""
+        if self._restored is not None:
+            state, self._restored = self._restored, None
+            return self._resume(state)
+        return self._begin()
+
+    def _begin(self) -> Iterator[Any]:
+        sampler = self.resumable
+        inner = getattr(self.loader, "sampler", None)
+        if sampler is not None and sampler.exhausted:
+            sampler.set_epoch(sampler.epoch + 1)  # a loop that never calls set_epoch itself
+        elif sampler is None and self.set_epochs and hasattr(inner, "set_epoch"):
+            inner.set_epoch(self.passes)  # DistributedSampler under Checkpointer.loop
+        self._rng = {"torch": torch.get_rng_state(), **{k: g.get_state() for k, g in _generators(self.loader).items()}}
+        self.passes += 1
+        self.taken = 0
+        return iter(self.loader)
+
+    def _resume(self, state: Mapping[str, Any]) -> Iterator[Any]:
+        """Replay the saved pass's start, skip what was trained on; the global RNG is left as found."""
+        self.passes, self.taken = int(state["passes"]), int(state["taken"])
+        self._rng = dict(state.get("rng") or {})
+        sampler = self.resumable
+        if sampler is not None:
+            if self.saves_sampler and "sampler" in state:
+                sampler.load_state_dict(state["sampler"])
+            sampler.resume_next_iter()
+        if self.set_epochs and sampler is None and hasattr(getattr(self.loader, "sampler", None), "set_epoch"):
+            self.loader.sampler.set_epoch(self.passes - 1)
+        boundary = torch.get_rng_state()  # the resume point's RNG: put back once the pass is replayed
+        try:
+            if "torch" in self._rng:
+                torch.set_rng_state(self._rng["torch"])
+            for role, g in _generators(self.loader).items():
+                if role in self._rng:
+                    g.set_state(self._rng[role])
+            mode = self._mode()
+            skipped = 0 if sampler is not None else self.taken
+            it, wrapper = self._patched_iter(skipped if mode == "indices" else 0)
+            for _ in range(skipped if mode == "fetch" else 0):
+                if next(it, _END) is _END:
+                    break
+            wrapper.prime()
+        finally:
+            torch.set_rng_state(boundary)
+        return it
+
+    def _patched_iter(self, k: int) -> tuple[Iterator[Any], _Skip]:
+        """``iter(loader)`` with its index sampler wrapped in ``_Skip(k)`` for this iterator."""
+        loader = self.loader
+        attr = "batch_sampler" if getattr(loader, "batch_sampler", None) is not None else "sampler"
+        inner = getattr(loader, attr)
+        wrapper = _Skip(inner, k)
+        object.__setattr__(loader, attr, wrapper)  # DataLoader refuses a plain set after __init__
+        try:
+            it = iter(loader)
+        finally:
+            object.__setattr__(loader, attr, inner)
+        return it, wrapper
+
+    def took(self) -> None:
+        """One more batch of the current pass reached the training code."""
+        self.taken += 1
+        sampler = self.resumable
+        if sampler is not None:
+            size = getattr(self.loader, "batch_size", None) or 1
+            sampler.advance(min(size, sampler.per_rank - sampler.consumed))
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"passes": self.passes, "taken": self.taken, "rng": dict(self._rng)}
+        sampler = self.resumable
+        if sampler is not None and self.saves_sampler:
+            state["sampler"] = sampler.state_dict()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        missing = [k for k in ("passes", "taken") if k not in state]
+        if missing:
+            raise ConfigError(f"loader position lacks {missing}; the checkpoint's data position is damaged")
+        self._restored = state
+        self.passes, self.taken = int(state["passes"]), int(state["taken"])
+        self._rng = dict(state.get("rng") or {})
+
+
+class Progress:
+    """Where the training program is, beyond its objects: the epoch of ``Checkpointer.epochs``,
+    each loader's pass (``LoaderPosition``), and whether the run finished. Saved with
+    every checkpoint under the reserved name ``__progress__``."""
+
+    NAME = "__progress__"
+
+    def __init__(self) -> None:
+        self.epoch: int | None = None  # index into the range given to Checkpointer.epochs
+        self.finished = False
+        self.total: int | None = None  # the step count the run was given (steps/loop), when known
+        self.positions: dict[str, LoaderPosition] = {}
+        self._restored_loaders: dict[str, Any] = {}
+
+    def position(self, name: str, loader: Any, **options: Any) -> LoaderPosition:
+        """The position of ``loader`` (created on first use, with its saved state if any)."""
+        pos = self.positions.get(name)
+        if pos is None or pos.loader is not loader:
+            pos = self.positions[name] = LoaderPosition(loader, **options)
+            saved = self._restored_loaders.pop(name, None)
+            if saved is not None:
+                pos.load_state_dict(saved)
+        return pos
+
+    def state_dict(self) -> dict[str, Any]:
+        loaders = {**self._restored_loaders, **{n: p.state_dict() for n, p in self.positions.items()}}
+        return {"epoch": self.epoch, "finished": self.finished, "total": self.total, "loaders": loaders}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.epoch = state.get("epoch")
+        self.finished = bool(state.get("finished", False))
+        self.total = state.get("total")
+        self._restored_loaders = dict(state.get("loaders") or {})

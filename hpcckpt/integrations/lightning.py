@@ -193,6 +193,8 @@ class HpcckptCallback(pl.Callback):  # type: ignore[misc, name-defined]
             # Saved after the last batch of an epoch: the next batch is the next epoch's first
             # (the sampler is iterated lazily, so this applies to whichever iterator Lightning uses).
             self.sampler.set_epoch(self.sampler.epoch + 1)
+        else:
+            self.sampler.resume_next_iter()  # Lightning's next iterator is the training one
 
     def _resume_rng(self, trainer: Any) -> None:
         """The RNG the uninterrupted run has at this batch: as captured, plus, when an epoch

@@ -22,6 +22,9 @@ def test_resume_mid_epoch_yields_exactly_the_rest() -> None:
     state = a.state_dict()
     b = ResumableSampler(100, seed=3)
     b.load_state_dict(state)
+    assert len(b) == 100  # len() is the whole epoch's, wherever the position is
+    assert list(iter(b)) == list(iter(ResumableSampler(100, seed=3)))  # a peek sees the whole epoch
+    b.resume_next_iter()  # the training iterator of the resumed epoch (Checkpointer.loop/batches)
     rest = list(iter(b))
     assert len(rest) == 63
     assert sorted(first + rest) == list(range(100))  # each item once per epoch
@@ -59,6 +62,7 @@ def world(n: int, replicas: int, state: dict | None, *, seed: int = 5) -> list[R
     if state is not None:
         for s in ranks:
             s.load_state_dict(json.loads(json.dumps(state)))  # the state travels as JSON metadata
+            s.resume_next_iter()
     return ranks
 
 
@@ -66,7 +70,7 @@ def step_all(ranks: list[ResumableSampler], per_rank: int | None) -> list[int]:
     """Every rank consumes ``per_rank`` samples (None: the rest of its share)."""
     seen: list[int] = []
     for s in ranks:
-        k = len(s) if per_rank is None else per_rank
+        k = s.per_rank - s.consumed if per_rank is None else per_rank
         seen += consume(s, k)
     return seen
 
@@ -96,7 +100,7 @@ def test_resume_on_another_world_size_sees_each_item_of_the_epoch_once(n: int, p
         ranks = world(n, replicas, state)
         assert {json.dumps(s.state_dict()) for s in ranks} == {json.dumps(ranks[0].state_dict())}
         assert all(s.consumed == 0 and s.start == start and s.epoch == 0 for s in ranks)
-        assert all(len(s) == s.per_rank == -(-(n - start) // replicas) for s in ranks)
+        assert all(s.per_rank == -(-(n - start) // replicas) and len(s) == -(-n // replicas) for s in ranks)
         pad_total += padding(n, start, replicas)
         seen += step_all(ranks, per_rank)
         state = ranks[0].state_dict()
@@ -126,7 +130,7 @@ def test_end_of_epoch_resume_on_another_world_then_next_epoch_is_whole() -> None
     old = world(10, 4, None)
     step_all(old, None)  # 3 per rank, 2 of them padding
     new = world(10, 2, old[0].state_dict())
-    assert [len(s) for s in new] == [0, 0] and [list(iter(s)) for s in new] == [[], []]
+    assert [s.per_rank - s.consumed for s in new] == [0, 0] and [list(iter(s)) for s in new] == [[], []]
     for s in new:
         s.set_epoch(1)
     shares = [list(iter(s)) for s in new]
@@ -161,10 +165,11 @@ def test_old_format_state_without_start_loads() -> None:
     old = {"epoch": 0, "consumed": 20, "seed": 3, "dataset_len": 100, "num_replicas": 2}
     b = ResumableSampler(100, seed=3, num_replicas=2, rank=1)
     b.load_state_dict(old)
+    b.resume_next_iter()
     assert first + list(iter(b)) == list(iter(ResumableSampler(100, seed=3, num_replicas=2, rank=1)))
     c = ResumableSampler(100, seed=3, num_replicas=4, rank=0)
     c.load_state_dict(old)
-    assert c.start == 40 and c.consumed == 0 and len(c) == 15
+    assert c.start == 40 and c.consumed == 0 and c.per_rank == 15 and len(c) == 25
 
 
 @pytest.mark.parametrize("key, value", [("seed", 4), ("dataset_len", 11)])
