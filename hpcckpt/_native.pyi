@@ -57,7 +57,8 @@ def aligned_buffer(nbytes: int, alignment: int = 4096, prefault: bool = True,
     ValueError if ``alignment`` is not a power of two >= 8."""
 
 def read_items(path: str, items: list[tuple[Buffer, int] | tuple[Buffer, int, bool]], threads: int = 0,
-               chunk_bytes: int = 0, direct: bool = False, populate: int = 0) -> tuple[list[int], dict[str, int]]:
+               chunk_bytes: int = 0, direct: bool = False, populate: int = 0,
+               fd: int = -1) -> tuple[list[int], dict[str, int]]:
     """Read ``(writable buffer, file offset[, fresh])`` items of one file on ``threads``
     threads (0 = from the usable CPUs) in ``chunk_bytes`` chunks (0 = 16 MiB), each chunk
     crc32c'd as it lands. ``direct``: O_DIRECT where the file offset is 4 KiB-aligned
@@ -72,8 +73,9 @@ def usable_cpus() -> int:
     """CPUs this process may run on (its affinity mask: a Slurm job's cpuset)."""
 
 
-def file_resident(path: str) -> tuple[int, int]:
-    """``(bytes of path in the page cache, file size)`` (mincore over a mapping)."""
+def file_resident(path: str, fd: int = -1) -> tuple[int, int]:
+    """``(bytes of path in the page cache, file size)`` (mincore over a mapping); ``fd`` >= 0:
+    of that open descriptor (``path`` then only names it in errors)."""
 
 def barrier_kind() -> str:
     """Persistence barrier chosen at run time: ``"clwb"``, ``"clflushopt"``,

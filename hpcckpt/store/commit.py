@@ -66,11 +66,24 @@ def file_crc32c(path: Path) -> tuple[int, int]:
     size = 0
     buf = bytearray(_READ_CHUNK)
     view = memoryview(buf)
-    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb", buffering=0) as f:
+    with open(open_regular(path), "rb", buffering=0) as f:
         while n := f.readinto(buf):
             crc = crc32c(view[:n], crc)
             size += n
     return size, crc
+
+
+def fd_crc32c(fd: int, size: int) -> int:
+    """crc32c of the first ``size`` bytes of an open file (pread: its offset is left alone)."""
+    crc = 0
+    pos = 0
+    while pos < size:
+        data = os.pread(fd, min(_READ_CHUNK, size - pos), pos)
+        if not data:
+            raise CheckpointCorrupt(f"file ends at byte {pos}, before the {size} bytes its manifest lists")
+        crc = crc32c(data, crc)
+        pos += len(data)
+    return crc
 
 
 def iter_files(root: Path) -> Iterator[Path]:
@@ -157,6 +170,50 @@ def open_regular(path: Path) -> int:
     return fd
 
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def open_checked(path: Path, *, size: int | None = None, min_size: int = 0) -> int:
+    """A read-only descriptor of the checkpoint file ``path``, opened once and checked open.
+
+    The step directory is opened ``O_DIRECTORY|O_NOFOLLOW`` and the file ``openat``-ed
+    relative to it with ``O_NOFOLLOW|O_NONBLOCK`` (a symlink is ELOOP, a FIFO never
+    blocks); ``fstat`` of that descriptor must show a regular file owned by us or by the
+    directory's owner, of exactly ``size`` bytes when given (the manifest's) and at least
+    ``min_size``. Every reader then reads through this descriptor, never by name again, so
+    nothing swapped in under the name after the check is read. CheckpointCorrupt when the
+    open file fails a check; OSError (ENOENT, ELOOP, EACCES...) when it cannot be opened.
+    """
+    dfd = os.open(path.parent, _DIR_FLAGS)
+    try:
+        fd = os.open(path.name, _FILE_FLAGS, dir_fd=dfd)
+        try:
+            _check_open(fd, os.fstat(dfd), path, size, min_size)
+        except BaseException:
+            os.close(fd)
+            raise
+    finally:
+        os.close(dfd)
+    return fd
+
+
+def _check_open(fd: int, dir_st: os.stat_result, path: Path, size: int | None, min_size: int) -> None:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointCorrupt(f"{path}: not a regular file (hpcckpt never writes special files into a "
+                                "checkpoint)")
+    if st.st_uid not in (os.geteuid(), dir_st.st_uid):
+        raise CheckpointCorrupt(f"{path}: owned by uid {st.st_uid}, not by the checkpoint's owner "
+                                f"(uid {dir_st.st_uid}); another user put it there")
+    if size is not None and st.st_size != size:
+        raise CheckpointCorrupt(f"{path}: size {st.st_size} bytes, manifest says {size} (truncated, extended "
+                                "or replaced after the checkpoint was committed)")
+    if st.st_size < min_size:
+        raise CheckpointCorrupt(f"{path}: file is shorter than its manifest says ({st.st_size} bytes, its "
+                                f"tensors need {min_size}); it was truncated after the checkpoint was committed")
+
+
 def read_regular(path: Path, limit: int) -> bytes:
     """Up to ``limit`` bytes of a regular file (see ``open_regular``)."""
     with os.fdopen(open_regular(path), "rb") as f:
@@ -217,7 +274,13 @@ def _verify_one(ckpt_dir: Path, rel: str, info: Any, *, full: bool) -> list[str]
         return [f"{path}: size {st.st_size} bytes, manifest says {want} (truncated or extended)"]
     if full and "crc32c" in info:
         try:
-            _, crc = file_crc32c(path)
+            fd = open_checked(path, size=want)  # what is read is what was checked: no re-open by name
+            try:
+                crc = fd_crc32c(fd, want)
+            finally:
+                os.close(fd)
+        except CheckpointCorrupt as exc:
+            return [str(exc)]
         except OSError as exc:
             return [f"{path}: cannot be read ({exc.strerror})"]
         if crc != info["crc32c"]:

@@ -12,7 +12,7 @@ import errno
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import h5py
 import numpy as np
@@ -150,12 +150,12 @@ def _destination(e: TensorEntry) -> torch.Tensor:
     return torch.empty(e.nbytes, dtype=torch.uint8)
 
 
-def _want_direct(path: Path, direct: bool | None) -> bool:
+def _want_direct(path: Path, fd: int, direct: bool | None) -> bool:
     """O_DIRECT unless asked otherwise or most of the file is already cached."""
     if direct is not None:
         return direct
     try:
-        resident, size = native().file_resident(str(path))
+        resident, size = native().file_resident(str(path), fd=fd)
     except OSError:
         return True
     return not size or resident < size // 2
@@ -210,7 +210,24 @@ def _live_targets(entries: Mapping[str, TensorEntry], into: Mapping[str, Any] | 
 
 def read_tensors(path: Path, entries: Mapping[str, TensorEntry], *, into: Mapping[str, Any] | None = None,
                  threads: int = 0, verify: bool = True, direct: bool | None = None,
-                 stats: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+                 stats: dict[str, Any] | None = None, fd: int | None = None) -> dict[str, torch.Tensor]:
+    """``_read_tensors`` through ``fd``, or through a descriptor of ``path`` opened once and
+    checked (``commit.open_checked``: regular, ours, long enough for every entry)."""
+    if fd is not None:
+        return _read_tensors(path, entries, fd, into=into, threads=threads, verify=verify, direct=direct,
+                             stats=stats)
+    from .commit import open_checked
+    own = open_checked(path, min_size=max((e.offset + e.nbytes for e in entries.values() if e.nbytes), default=0))
+    try:
+        return _read_tensors(path, entries, own, into=into, threads=threads, verify=verify, direct=direct,
+                             stats=stats)
+    finally:
+        os.close(own)
+
+
+def _read_tensors(path: Path, entries: Mapping[str, TensorEntry], fd: int, *, into: Mapping[str, Any] | None,
+                  threads: int, verify: bool, direct: bool | None,
+                  stats: dict[str, Any] | None) -> dict[str, torch.Tensor]:
     """Read tensors by raw offset, checking each crc32c.
 
     ``into``: live tensors by name (a capture of the training state). A tensor of the
@@ -253,7 +270,7 @@ def read_tensors(path: Path, entries: Mapping[str, TensorEntry], *, into: Mappin
             names.append(name)
         dtype = torch_dtype(e.dtype)
         out[name] = raw.view(dtype).reshape(e.shape) if e.nbytes else torch.empty(e.shape, dtype=dtype)
-    use_direct = _want_direct(path, direct) if items or device else False
+    use_direct = _want_direct(path, fd, direct) if items or device else False
     if stats is not None:
         stats.update(in_place_bytes=in_place, direct=use_direct, device_bytes=in_place - sum(
             entries[n].nbytes for n in live))
@@ -266,12 +283,14 @@ def read_tensors(path: Path, entries: Mapping[str, TensorEntry], *, into: Mappin
     cpus = native().usable_cpus()
     populate = max(1, min(cpus, 4, round(cpus * fresh / total))) if fresh else 0
     try:
-        crcs, info = (native().read_items(str(path), items, threads=threads, direct=use_direct, populate=populate)
+        crcs, info = (native().read_items(str(path), items, threads=threads, direct=use_direct, populate=populate,
+                                          fd=fd)
                       if items or not device else ([], {}))
         if device:
             crcs, names = list(crcs), list(names)
             staged: dict[str, int] = {}
-            got = _read_to_device(path, [(entries[n], t) for n, t in device.items()], use_direct, threads, staged)
+            got = _read_to_device(path, fd, [(entries[n], t) for n, t in device.items()], use_direct, threads,
+                                  staged)
             names += list(got)
             crcs += list(got.values())
             info = {**info, **{k: int(info.get(k, 0)) + v if k.endswith("_bytes") else v
@@ -293,21 +312,59 @@ def read_tensors(path: Path, entries: Mapping[str, TensorEntry], *, into: Mappin
     return out
 
 
-def _read_to_device(path: Path, targets: list[tuple[TensorEntry, torch.Tensor]], direct: bool, threads: int,
-                    info: dict[str, int]) -> dict[str, int]:
+def _read_to_device(path: Path, fd: int, targets: list[tuple[TensorEntry, torch.Tensor]], direct: bool,
+                    threads: int, info: dict[str, int]) -> dict[str, int]:
     """CUDA targets: through pinned chunks, H2D overlapped with the reads (``staged_read``)."""
     from .staged_read import read_staged  # it builds on this module
-    return read_staged(path, targets, direct=direct, threads=threads, info=info)
+    return read_staged(path, targets, direct=direct, threads=threads, info=info, fd=fd)
+
+
+VERIFY_BATCH_BYTES = 64 << 20  # verify reads this much at a time: memory bounded, one open, one residency probe
 
 
 def verify_tensors(path: Path, entries: Mapping[str, TensorEntry]) -> list[str]:
-    """Every damaged tensor of a rank file (reads one tensor at a time)."""
+    """Every damaged tensor of a rank file: one descriptor, tensors read in batches of
+    ``VERIFY_BATCH_BYTES`` (a damaged batch is re-read one tensor at a time to name each)."""
+    from .commit import open_checked
+    try:
+        fd = open_checked(path, min_size=max((e.offset + e.nbytes for e in entries.values() if e.nbytes),
+                                             default=0))
+    except CheckpointCorrupt as exc:
+        return [str(exc)]
+    except OSError as exc:
+        return [f"{path}: cannot be read ({exc.strerror or exc})"]
     problems: list[str] = []
-    for name, e in entries.items():
-        try:
-            read_tensors(path, {name: e}, threads=2)
-        except CheckpointCorrupt as exc:
-            problems.append(str(exc))
-        except OSError as exc:
-            problems.append(f"{path}: cannot read tensor {name!r}: {exc}")
+    try:
+        for batch in _batches(entries, VERIFY_BATCH_BYTES):
+            found = _verify_batch(path, fd, batch)
+            if found and len(batch) > 1:
+                for name, e in batch.items():
+                    problems += _verify_batch(path, fd, {name: e})
+            else:
+                problems += found
+    finally:
+        os.close(fd)
     return problems
+
+
+def _batches(entries: Mapping[str, TensorEntry], limit: int) -> Iterator[dict[str, TensorEntry]]:
+    batch: dict[str, TensorEntry] = {}
+    size = 0
+    for name, e in entries.items():
+        if batch and size + e.nbytes > limit:
+            yield batch
+            batch, size = {}, 0
+        batch[name] = e
+        size += e.nbytes
+    if batch:
+        yield batch
+
+
+def _verify_batch(path: Path, fd: int, batch: Mapping[str, TensorEntry]) -> list[str]:
+    try:
+        _read_tensors(path, batch, fd, into=None, threads=2, verify=True, direct=False, stats=None)
+    except CheckpointCorrupt as exc:
+        return [str(exc)]
+    except OSError as exc:
+        return [f"{path}: cannot read tensors {', '.join(repr(n) for n in list(batch)[:3])}: {exc}"]
+    return []

@@ -52,8 +52,9 @@ class StagedReader:
 
     def __init__(self, path: str | os.PathLike[str], targets: Sequence[tuple[TensorEntry, torch.Tensor]], *,
                  direct: bool, threads: int = 0, chunk_bytes: int | None = None,
-                 chunks: int | None = None, pin: bool | None = None) -> None:
+                 chunks: int | None = None, pin: bool | None = None, fd: int = -1) -> None:
         self.path = str(path)
+        self.fd = fd  # the checked descriptor every read goes through (-1: the reader opens path)
         self.targets = {e.name: (e, _flat(t)) for e, t in targets if e.nbytes}
         self.direct, self.threads = direct, threads
         size = chunk_bytes or from_env("RESTORE_CHUNK_BYTES", ROUND_BYTES, int)
@@ -152,7 +153,7 @@ class StagedReader:
         chunk = self.chunks[r % len(self.chunks)]
         items = [(chunk.bytes[p.chunk_off:p.chunk_off + p.nbytes], p.file_off, False) for p in self.rounds[r]]
         crcs, info = native().read_items(self.path, items, threads=self.threads, chunk_bytes=self.read_chunk,
-                                         direct=self.direct)
+                                         direct=self.direct, fd=self.fd)
         with self._info_lock:  # two reader threads
             for key in ("direct_bytes", "buffered_bytes", "bounced_bytes"):
                 self.info[key] = self.info.get(key, 0) + int(info.get(key, 0))
@@ -189,13 +190,17 @@ def _combine(pieces: dict[str, list[tuple[int, int, int]]]) -> dict[str, int]:
 
 def read_staged(path: str | os.PathLike[str], targets: Sequence[tuple[TensorEntry, torch.Tensor]], *,
                 direct: bool, threads: int = 0, chunk_bytes: int | None = None, chunks: int | None = None,
-                info: dict[str, int] | None = None) -> dict[str, int]:
+                info: dict[str, int] | None = None, fd: int = -1) -> dict[str, int]:
     """Read ``targets`` in place through pinned chunks; returns crc32c by name (not yet verified).
+
+    ``fd``: the file's checked descriptor (``commit.open_checked``); every read goes through
+    it, never by name (-1: the native reader opens ``path`` itself, O_NOFOLLOW|O_NONBLOCK).
 
     For CUDA targets the chunks are pinned by a thread while the first rounds are read, and
     unpinned (then freed) by another once every copy from them is done.
     """
-    reader = StagedReader(path, targets, direct=direct, threads=threads, chunk_bytes=chunk_bytes, chunks=chunks)
+    reader = StagedReader(path, targets, direct=direct, threads=threads, chunk_bytes=chunk_bytes, chunks=chunks,
+                          fd=fd)
     try:
         crcs = reader.read()
     finally:

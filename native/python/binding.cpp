@@ -114,7 +114,7 @@ void py_fdatasync(int fd, const std::string& path) {
 // read_items(path, [(dst, offset[, fresh]), ...]) -> ([crc, ...], {stats}); dst: writable buffers.
 std::tuple<std::vector<uint32_t>, nb::dict> py_read_items(const std::string& path, nb::list items,
                                                            unsigned threads, size_t chunk_bytes, bool direct,
-                                                           unsigned populate) {
+                                                           unsigned populate, int fd) {
     std::vector<std::unique_ptr<Buffer>> held;
     std::vector<hpcckpt_read_item> raw;
     held.reserve(items.size());
@@ -133,8 +133,10 @@ std::tuple<std::vector<uint32_t>, nb::dict> py_read_items(const std::string& pat
     int rc = 0;
     {
         nb::gil_scoped_release nogil;
-        rc = hpcckpt_read_items(path.c_str(), raw.data(), raw.size(), threads, chunk_bytes, direct ? 1 : 0,
-                                populate, &stats, &st);
+        rc = fd >= 0 ? hpcckpt_read_items_fd(fd, path.c_str(), raw.data(), raw.size(), threads, chunk_bytes,
+                                             direct ? 1 : 0, populate, &stats, &st)
+                     : hpcckpt_read_items(path.c_str(), raw.data(), raw.size(), threads, chunk_bytes,
+                                          direct ? 1 : 0, populate, &stats, &st);
     }
     if (rc != 0) raise_os_error(st.err, describe(st), st.path);
     std::vector<uint32_t> crcs;
@@ -354,25 +356,28 @@ NB_MODULE(_native, m) {
     m.def("persist_range", &py_persist_range, nb::arg("buf"));
     m.def("store_fence", [] { hpcckpt_store_fence(); });
     m.def("read_items", &py_read_items, nb::arg("path"), nb::arg("items"), nb::arg("threads") = 0,
-          nb::arg("chunk_bytes") = 0, nb::arg("direct") = false, nb::arg("populate") = 0,
+          nb::arg("chunk_bytes") = 0, nb::arg("direct") = false, nb::arg("populate") = 0, nb::arg("fd") = -1,
           "Read (writable buffer, file offset) items of one file in parallel; returns each item's\n"
           "crc32c and {direct_bytes, buffered_bytes, bounced_bytes, threads}. OSError carries errno\n"
           "and path (ENODATA: the file ends before an item does). fresh: the buffer is memory never\n"
           "touched; populate: that many more threads fault fresh pages in ahead of the reads.\n"
-          "Items in use are read first; unaligned ones go through O_DIRECT via bounce buffers.");
+          "Items in use are read first; unaligned ones go through O_DIRECT via bounce buffers.\n"
+          "fd >= 0: read through that open descriptor, never by name (path only names it in errors).");
     m.def("usable_cpus", &hpcckpt_usable_cpus,
           "CPUs this process may run on (its affinity mask, e.g. a Slurm cpuset).");
-    m.def("file_resident", [](const std::string& path) {
+    m.def("file_resident", [](const std::string& path, int fd) {
               uint64_t resident = 0, size = 0;
               hpcckpt_status st;
               int rc;
               {
                   nb::gil_scoped_release nogil;
-                  rc = hpcckpt_file_resident(path.c_str(), &resident, &size, &st);
+                  rc = fd >= 0 ? hpcckpt_file_resident_fd(fd, path.c_str(), &resident, &size, &st)
+                               : hpcckpt_file_resident(path.c_str(), &resident, &size, &st);
               }
               if (rc != 0) raise_os_error(st.err, describe(st), st.path);
               return std::make_tuple(resident, size);
-          }, nb::arg("path"), "(bytes of path in the page cache, file size)");
+          }, nb::arg("path"), nb::arg("fd") = -1,
+          "(bytes of path in the page cache, file size); fd >= 0: of that open descriptor");
     m.def("fdatasync", &py_fdatasync, nb::arg("fd"), nb::arg("path") = "");
 
     nb::class_<StagingBuffer>(m, "StagingBuffer", nb::type_slots(staging_slots))

@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <system_error>
@@ -234,6 +235,21 @@ int open_retry(const char* path, int flags) {
     return fd;
 }
 
+// A second descriptor of the open file `fd` with O_DIRECT: reopened through its
+// /proc/self/fd entry, which names that very inode (no lookup of the file's name, so
+// nothing swapped in under the name since it was opened is ever read). -1 when
+// refused (tmpfs: EINVAL; no /proc): the reads then go through the page cache.
+int reopen_direct(int fd) {
+#ifdef O_DIRECT
+    char proc[64];
+    std::snprintf(proc, sizeof proc, "/proc/self/fd/%d", fd);
+    return open_retry(proc, O_RDONLY | O_DIRECT);
+#else
+    (void)fd;
+    return -1;
+#endif
+}
+
 }  // namespace
 
 extern "C" int hpcckpt_read_items(const char* path, hpcckpt_read_item* items, size_t n, unsigned threads,
@@ -241,20 +257,33 @@ extern "C" int hpcckpt_read_items(const char* path, hpcckpt_read_item* items, si
                                   hpcckpt_read_stats* stats, hpcckpt_status* st) {
     hpcckpt_status_clear(st);
     if (stats != nullptr) *stats = hpcckpt_read_stats{0, 0, 0, 0, 0};
-    std::uint64_t chunk = chunk_bytes == 0 ? kDefaultChunk : chunk_bytes;
-    chunk = (chunk + kDirectAlign - 1) & ~(kDirectAlign - 1);
-
-    int fd = open_retry(path, O_RDONLY);
+    int fd = open_retry(path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK);
     if (fd < 0) {
         hpcckpt_status_set(st, errno, "open", path, -1);
         return -1;
     }
-    int direct_fd = -1;
-#ifdef O_DIRECT
-    if (direct != 0) direct_fd = open_retry(path, O_RDONLY | O_DIRECT);  // refused (EINVAL) on tmpfs: fine
-#else
-    (void)direct;
-#endif
+    int rc = hpcckpt_read_items_fd(fd, path, items, n, threads, chunk_bytes, direct, populate, stats, st);
+    ::close(fd);
+    return rc;
+}
+
+extern "C" int hpcckpt_read_items_fd(int fd, const char* path, hpcckpt_read_item* items, size_t n,
+                                     unsigned threads, size_t chunk_bytes, int direct, unsigned populate,
+                                     hpcckpt_read_stats* stats, hpcckpt_status* st) {
+    hpcckpt_status_clear(st);
+    if (stats != nullptr) *stats = hpcckpt_read_stats{0, 0, 0, 0, 0};
+    std::uint64_t chunk = chunk_bytes == 0 ? kDefaultChunk : chunk_bytes;
+    chunk = (chunk + kDirectAlign - 1) & ~(kDirectAlign - 1);
+    struct stat sb;
+    if (::fstat(fd, &sb) != 0) {
+        hpcckpt_status_set(st, errno, "fstat", path, -1);
+        return -1;
+    }
+    if (!S_ISREG(sb.st_mode)) {  // a FIFO or device would block or never end
+        hpcckpt_status_set(st, EINVAL, "open (not a regular file)", path, -1);
+        return -1;
+    }
+    const int direct_fd = direct != 0 ? reopen_direct(fd) : -1;
     Reader r(path, items, fd, direct_fd);
     r.chunk_bytes = chunk;
 #if defined(STATX_DIOALIGN) && defined(AT_EMPTY_PATH)
@@ -306,7 +335,6 @@ extern "C" int hpcckpt_read_items(const char* path, hpcckpt_read_item* items, si
     for (auto& th : pool) th.join();
     for (auto& th : populaters) th.join();
     if (direct_fd >= 0) ::close(direct_fd);
-    ::close(fd);
     if (stats != nullptr)
         *stats = hpcckpt_read_stats{r.direct_bytes.load(), r.buffered_bytes.load(),
                                     static_cast<unsigned>(pool.size() + 1), r.bounced_bytes.load(),
@@ -325,27 +353,36 @@ extern "C" int hpcckpt_file_resident(const char* path, uint64_t* resident, uint6
     hpcckpt_status_clear(st);
     *resident = 0;
     *size = 0;
-    int fd = open_retry(path, O_RDONLY);
+    int fd = open_retry(path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK);
     if (fd < 0) {
         hpcckpt_status_set(st, errno, "open", path, -1);
         return -1;
     }
+    int rc = hpcckpt_file_resident_fd(fd, path, resident, size, st);
+    ::close(fd);
+    return rc;
+}
+
+extern "C" int hpcckpt_file_resident_fd(int fd, const char* path, uint64_t* resident, uint64_t* size,
+                                        hpcckpt_status* st) {
+    hpcckpt_status_clear(st);
+    *resident = 0;
+    *size = 0;
     struct stat sb;
     if (::fstat(fd, &sb) != 0) {
         hpcckpt_status_set(st, errno, "fstat", path, -1);
-        ::close(fd);
+        return -1;
+    }
+    if (!S_ISREG(sb.st_mode)) {
+        hpcckpt_status_set(st, EINVAL, "open (not a regular file)", path, -1);
         return -1;
     }
     *size = static_cast<uint64_t>(sb.st_size);
-    if (sb.st_size == 0) {
-        ::close(fd);
-        return 0;
-    }
+    if (sb.st_size == 0) return 0;
     const long pg = ::sysconf(_SC_PAGESIZE);
     const std::size_t page = pg > 0 ? static_cast<std::size_t>(pg) : 4096u;
     const std::size_t len = static_cast<std::size_t>(sb.st_size);
     void* m = ::mmap(nullptr, len, PROT_READ, MAP_SHARED, fd, 0);
-    ::close(fd);
     if (m == MAP_FAILED) {
         hpcckpt_status_set(st, errno, "mmap", path, -1);
         return -1;

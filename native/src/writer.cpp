@@ -247,8 +247,19 @@ void run_sync(hpcckpt_batch* b, std::size_t file) {
     }
 }
 
+// open(2) retried on EINTR: a signal (the very warning that triggers a final save) may
+// interrupt an open on NFS/FUSE or one that waits for a lease; failing the save for it
+// would lose the checkpoint that signal asked for.
+int open_eintr(const char* path, int flags, mode_t mode = 0) {
+    int fd;
+    do {
+        fd = ::open(path, flags, mode);
+    } while (fd < 0 && errno == EINTR);
+    return fd;
+}
+
 void open_file(hpcckpt_batch* b, File& f) {
-    f.fd = ::open(f.path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    f.fd = open_eintr(f.path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
     if (f.fd < 0) {
         hpcckpt_status st;
         hpcckpt_status_set(&st, errno, "open", f.path.c_str(), -1);
@@ -257,7 +268,7 @@ void open_file(hpcckpt_batch* b, File& f) {
     }
     if (b->direct) {
         // tmpfs and some FUSE mounts refuse O_DIRECT: fall back to the page cache.
-        f.direct_fd = ::open(f.path.c_str(), O_RDWR | O_CLOEXEC | O_DIRECT);
+        f.direct_fd = open_eintr(f.path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW | O_DIRECT);
     }
 }
 

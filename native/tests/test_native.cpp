@@ -395,6 +395,27 @@ void test_reader(bool direct) {
     std::string missing = scratch("reader-missing.bin");
     CHECK(hpcckpt_read_items(missing.c_str(), items.data(), n, 2, 0, 0, 0u, nullptr, &st) == -1);
     CHECK(st.err == ENOENT && std::string(st.path) == missing);
+    // Through an open descriptor: same bytes, the descriptor left open; never by name, so a
+    // FIFO or a symlink put under the name is refused (never blocks, never followed).
+    {
+        int rfd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK);
+        CHECK(rfd >= 0);
+        hpcckpt_read_item one{bufs[0], 0, 4096, 0, 0};
+        CHECK(hpcckpt_read_items_fd(rfd, "named-in-errors", &one, 1, 1, 0, direct ? 1 : 0, 0u, nullptr, &st) == 0);
+        CHECK(one.crc == hpcckpt_crc32c(0, bufs[0], 4096) && ::fcntl(rfd, F_GETFD) >= 0);
+        std::uint64_t res = 0, sz = 0;
+        CHECK(hpcckpt_file_resident_fd(rfd, "x", &res, &sz, &st) == 0 && sz == size);
+        ::close(rfd);
+        std::string fifo = scratch("reader-fifo");
+        CHECK(::mkfifo(fifo.c_str(), 0600) == 0);
+        CHECK(hpcckpt_read_items(fifo.c_str(), &one, 1, 1, 0, 0, 0u, nullptr, &st) == -1 && st.err == EINVAL);
+        CHECK(hpcckpt_file_resident(fifo.c_str(), &res, &sz, &st) == -1 && st.err == EINVAL);
+        std::string link = scratch("reader-link");
+        CHECK(::symlink(path.c_str(), link.c_str()) == 0);
+        CHECK(hpcckpt_read_items(link.c_str(), &one, 1, 1, 0, 0, 0u, nullptr, &st) == -1 && st.err == ELOOP);
+        ::unlink(fifo.c_str());
+        ::unlink(link.c_str());
+    }
     for (void* b : bufs) hpcckpt_aligned_free(b);
     // Residency: after fsync + DONTNEED nothing (or little) is cached; after a read, all of it.
     std::uint64_t resident = 0, fsize = 0;

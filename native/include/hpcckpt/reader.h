@@ -61,11 +61,22 @@ int hpcckpt_read_items(const char* path, hpcckpt_read_item* items, size_t n, uns
                        size_t chunk_bytes, int direct, unsigned populate, hpcckpt_read_stats* stats,
                        hpcckpt_status* st);
 
+/* The same through a descriptor the caller opened and checked (it stays open): the file
+ * is never looked up by name, so a symlink or FIFO swapped in under its name is never
+ * read. `path` only names it in errors. Refuses (EINVAL) anything but a regular file;
+ * O_DIRECT reads use a second descriptor reopened through /proc/self/fd/<fd>. The
+ * path form opens with O_NOFOLLOW|O_NONBLOCK and calls this. */
+int hpcckpt_read_items_fd(int fd, const char* path, hpcckpt_read_item* items, size_t n, unsigned threads,
+                          size_t chunk_bytes, int direct, unsigned populate, hpcckpt_read_stats* stats,
+                          hpcckpt_status* st);
+
 /* How many bytes of `path` are in the page cache now (mincore over a
  * read-only mapping); *size gets the file size. Lets a loader skip O_DIRECT
  * when the file is already cached (a restart on the node that wrote it).
  * Returns 0, or -1 with st filled. */
 int hpcckpt_file_resident(const char* path, uint64_t* resident, uint64_t* size, hpcckpt_status* st);
+/* The same through the caller's descriptor (left open); a non-regular file is EINVAL. */
+int hpcckpt_file_resident_fd(int fd, const char* path, uint64_t* resident, uint64_t* size, hpcckpt_status* st);
 
 #ifdef __cplusplus
 }
