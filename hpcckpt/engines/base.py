@@ -152,8 +152,10 @@ class Engine(ABC):
             if failed:
                 outcome = {"ok": False, "errors": failed}
             else:
+                warnings: list[str] = []
                 try:
-                    outcome = {"ok": True, "path": str(self._commit(step, tmp, [m["record"] for m in everyone]))}
+                    path = self._commit(step, tmp, [m["record"] for m in everyone], warnings)
+                    outcome = {"ok": True, "path": str(path), "warnings": warnings}
                 except Exception as exc:  # reported to every rank below
                     outcome = {"ok": False, "errors": {0: f"commit failed: {type(exc).__name__}: {exc}"}}
             if not outcome["ok"]:
@@ -168,6 +170,8 @@ class Engine(ABC):
             raise CheckpointFailed(
                 f"checkpoint of step {step} under {self.ctx.root} failed; the previous checkpoint is untouched",
                 errors)
+        for warning in outcome.get("warnings") or []:
+            log.warning("hpcckpt: %s", warning)
         log.info("hpcckpt: committed step %d in %.3fs (%s)", step, time.monotonic() - started, outcome["path"])
         return Path(outcome["path"])
 
@@ -177,13 +181,20 @@ class Engine(ABC):
                                                       fingerprints=flat.fingerprints),
                                        coordinator=self.ranks.is_coordinator)
 
-    def _commit(self, step: int, tmp: Path, records: list[dict[str, Any]]) -> Path:
+    def _commit(self, step: int, tmp: Path, records: list[dict[str, Any]], warnings: list[str]) -> Path:
+        """Commit and prune; coordinator only. Faults after the rename (root fsync, LATEST,
+        pruning) go to ``warnings``: the step is committed, a failed save would be a lie."""
         manifest = build_manifest(step=step, engine=self.name, job=self.ctx.job, user=self.ctx.user, records=records)
         with writer_lock(self.ctx.root):
             txn = Transaction(self.ctx.root, catalog.step_name(step), temp=tmp)
             # Rank files are already fsynced by their writers; sizes are re-read, crcs come from the writers.
             path = txn.commit(manifest, checksum=False, fsync_files=False)
-            removed = catalog.prune(self.ctx.root, self.ctx.keep, protect={path})
+            warnings += txn.warnings
+            try:
+                removed = catalog.prune(self.ctx.root, self.ctx.keep, protect={path})
+            except OSError as exc:
+                warnings.append(f"step {step} is committed, but retention could not prune older checkpoints: {exc}")
+                removed = []
             for p in removed:
                 log.info("hpcckpt: retention removed %s", p)
         return path

@@ -5,28 +5,37 @@ fsync, commit) and is the reference every faster engine is measured against.
 """
 from __future__ import annotations
 
+import logging
 import time
+from pathlib import Path
+from typing import Any
 
 from ..state import Flat
 from ..store import torchfile
 from .base import Engine, SaveHandle
+
+log = logging.getLogger("hpcckpt.engines")
 
 
 class SyncEngine(Engine):
     name = "sync"
 
     def save(self, flat: Flat, step: int, *, final: bool = False) -> SaveHandle:
+        """Write, fsync and commit ``step``; main thread, every rank (collective).
+
+        Any error of this rank's write (making the temporary directory included: ENOSPC,
+        EIO, EDQUOT...) fails this save only: every rank still takes part in the commit
+        exchange, which fails the save everywhere and leaves the previous checkpoint.
+        A final save (at a stop) tries its write once more before it gives up.
+        """
         started = time.monotonic()
         handle = SaveHandle(step)
-        tmp = self.temp_dir(step)
-        fname = f"rank-{self.ranks.rank}.pt"
-        record = None
-        error: BaseException | None = None
-        try:
-            record = {"file": fname, "meta": flat.meta, **torchfile.write(tmp / fname, flat.tensors),
-                      **self.placement_fields(flat)}
-        except Exception as exc:  # every rank must still take part in the commit exchange
-            error = exc
+        tmp = self.temp_path(step)  # collective (a shared token): once per save, whatever fails after
+        record, error = self._write(flat, step, tmp)
+        if error is not None and final:
+            log.warning("hpcckpt: final save of step %d failed on rank %d (%s); trying once more",
+                        step, self.ranks.rank, error)
+            record, error = self._write(flat, step, tmp)
         try:
             path = self.commit_step(step, tmp, record, error, started)
         except Exception as exc:
@@ -34,3 +43,13 @@ class SyncEngine(Engine):
         else:
             handle.finish(path=path, save_s=time.monotonic() - started)
         return handle
+
+    def _write(self, flat: Flat, step: int, tmp: Path) -> tuple[dict[str, Any] | None, Exception | None]:
+        """(commit record, None) or (None, the error): this rank's file in the save's temp dir."""
+        fname = f"rank-{self.ranks.rank}.pt"
+        try:
+            tmp.mkdir(mode=0o700, parents=True, exist_ok=True)  # as Transaction.temp_dir, without a collective
+            return {"file": fname, "meta": flat.meta, **torchfile.write(tmp / fname, flat.tensors),
+                    **self.placement_fields(flat)}, None
+        except Exception as exc:  # every rank must still take part in the commit exchange
+            return None, exc

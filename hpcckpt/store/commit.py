@@ -383,6 +383,7 @@ class Transaction:
             self.path.mkdir(mode=0o700, exist_ok=unique is not None)
         self.final = self.root / name
         self.committed = False
+        self.warnings: list[str] = []  # faults after the rename (``_after_rename``)
 
     @staticmethod
     def temp_path(root: Path, name: str, unique: str) -> Path:
@@ -439,12 +440,21 @@ class Transaction:
             # The same step committed before (a restart re-reached it): swap atomically so
             # that a crash at any instant leaves one complete step directory in place.
             exchange_dirs(self.path, self.final)
-            fsync_path(self.root)
-            discard(self.root, [self.path])
+            self.committed = True
+            self._after_rename("make the swap durable (fsync of the checkpoint root)", fsync_path, self.root)
+            self._after_rename("remove the replaced copy", discard, self.root, [self.path])
         else:
             os.replace(self.path, self.final)
-            fsync_path(self.root)
-        self.committed = True
+            self.committed = True
+            self._after_rename("make the rename durable (fsync of the checkpoint root)", fsync_path, self.root)
         if update_latest:
-            atomic_write(self.root / LATEST, (self.name + "\n").encode())
+            self._after_rename("update LATEST", atomic_write, self.root / LATEST, (self.name + "\n").encode())
         return self.final
+
+    def _after_rename(self, what: str, fn: Any, *args: Any) -> None:
+        """A step after the rename: the checkpoint is committed (visible, and what the next
+        resume loads) whatever happens here, so a failure is a warning, never a failed save."""
+        try:
+            fn(*args)
+        except OSError as exc:
+            self.warnings.append(f"step {self.name} is committed, but could not {what}: {exc}")
