@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 
 from hpcckpt.cli.common import add_json, directory, emit
-from hpcckpt.cluster.history import interruptions, load_events, summary
 from hpcckpt.errors import NoCheckpoint
+from hpcckpt.lifecycle.history import Interruption, interruptions, load, summary
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -27,35 +28,48 @@ def _fmt(value: object, unit: str = "") -> str:
     return f"{value}{unit}"
 
 
-def _when(epoch: float | None) -> str:
-    return time.strftime("%H:%M:%S", time.localtime(epoch)) if epoch else "-"
+def _when(epoch: object) -> str:
+    if isinstance(epoch, bool) or not isinstance(epoch, (int, float)) or not math.isfinite(epoch) or epoch <= 0:
+        return "-"
+    return time.strftime("%H:%M:%S", time.localtime(epoch))
 
 
 def run(args: argparse.Namespace) -> int:
-    events = load_events(directory(args.dir, option="DIR"))
-    if not events:
+    folded = load(directory(args.dir, option="DIR"))
+    if not folded.runs:
         raise NoCheckpoint(f"{args.dir}/ledger.jsonl is missing or empty: no run has started "
                            "with this checkpoint directory (check the path)")
-    rows = interruptions(events)
-    head = (f"{'#':>2} {'job':>8} {'cause':<13} {'signal':<8} {'at':<8} {'sig step':>8} "
-            f"{'committed':>9} {'lost':>4} {'save':>7} {'queue':>7} {'restore':>7}")
+    rows = interruptions(folded)
+    head = (f"{'#':>2} {'job':>10} {'cause':<16} {'signal':<8} {'at':<8} {'sig step':>8} "
+            f"{'committed':>9} {'lost':>7} {'save':>7} {'queue':>7} {'restore':>7}  requeue")
     lines = [head] + [
-        f"{r.index:>2} {_fmt(r.job_id):>8} {r.cause:<13} {_fmt(r.signal):<8} {_when(r.signal_time):<8} "
-        f"{_fmt(r.step_at_signal):>8} {_fmt(r.committed_step):>9} {_fmt(r.lost_steps):>4} "
-        f"{_fmt(r.save_s, 's'):>7} {_fmt(r.queue_wait_s, 's'):>7} {_fmt(r.restore_s, 's'):>7}"
+        f"{r.index:>2} {_fmt(r.job_id):>10} {r.cause:<16} {_fmt(r.signal):<8} {_when(r.signal_time):<8} "
+        f"{_fmt(r.step_at_signal):>8} {_fmt(r.committed_step):>9} "
+        f"{_fmt(r.lost_steps) if r.lost_steps is not None else 'unknown':>7} "
+        f"{_fmt(r.save_s, 's'):>7} {_fmt(r.queue_wait_s, 's'):>7} {_fmt(r.restore_s, 's'):>7}  {_requeue(r)}"
         for r in rows]
-    info = summary(events, rows)
+    info = summary(folded, rows)
     lines += [f"! #{r.index}: rank(s) {', '.join(map(str, r.failed_ranks))} failed; the survivors saved step "
               f"{_fmt(r.committed_step)} just in time" for r in rows if r.failed_ranks]
-    lines.append(f"{info['interruptions']} interruption(s), {info['lost_steps_total']} lost step(s), "
+    unknown = f" (+ unknown in {info['lost_steps_unknown']})" if info["lost_steps_unknown"] else ""
+    lines.append(f"{info['interruptions']} interruption(s), {info['lost_steps_total']} lost step(s){unknown}, "
                  f"{'finished' if info['finished'] else 'not finished'}")
     # A failed CRIU dump is no interruption (the job ran on) but must not go unseen.
-    failed = [e for e in events if e.get("event") == "criu_dump_failed"]
+    failed = folded.failed_dumps
     lines += [f"! {_when(e.get('time'))} CRIU dump failed, {_dump_outcome(e)}: "
               f"{e.get('error')}" + (f"; fix: {e['fix']}" if e.get("fix") else "") for e in failed]
     emit(args, {"dir": str(args.dir), **info, "rows": [r.as_dict() for r in rows], "failed_dumps": failed},
          "\n".join(lines))
     return 0
+
+
+def _requeue(r: Interruption) -> str:
+    """The requeue column: how the job came back, with the successor's id."""
+    if r.requeue_method is None:
+        return "-"
+    if r.successor_job_id:
+        return f"successor {r.successor_job_id}"
+    return r.requeue_method if r.requeued is not False else f"NOT requeued ({r.requeue_method})"
 
 
 def _dump_outcome(e: dict) -> str:

@@ -2,10 +2,13 @@
 
 Call sequence during a stop (see DESIGN.md, "Data flow"):
   1. every rank: the final checkpoint is committed and durable;
-  2. coordinator only: ``requeue(cause, state_dir)``; with the Slurm CLI backend
-     ``scontrol requeue`` kills the whole job at once, so nothing that matters may
-     follow it; the returned outcome is for logging and for the local backend,
-     whose "requeue" is the exit status ``EXIT_REQUEUE`` the caller must exit with.
+  2. coordinator only, through ``hpcckpt.lifecycle.requeue`` (which charges the budget
+     and records the outcome): ``stop_cause(cause)`` then ``requeue_job(cause)``. With
+     Slurm the job is requeued and the requeue confirmed from Slurm's record (pending
+     again), or a successor is submitted; ``scontrol requeue`` ends the job within
+     KillWait, so nothing that matters may follow the record. The local backend's
+     "requeue" is the exit status ``EXIT_REQUEUE`` the caller must exit with.
+The adapter reads the environment and runs scheduler verbs; it records nothing.
 ``end_time()``, ``reservations()`` and ``node_state()`` ask Slurm every call: a
 preemption, ``scontrol update`` or a new MAINT reservation can change the answer
 while the job runs.
@@ -15,13 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from hpcckpt.cluster.env import JobEnv
-
-if TYPE_CHECKING:
-    from hpcckpt.cluster.budget import BudgetOptions  # budget imports this module
 
 
 class Cause(str, Enum):
@@ -33,6 +32,8 @@ class Cause(str, Enum):
     NODE_FAILURE = "node_failure"
     RANK_FAILURE = "rank_failure"  # a rank died or hung; the survivors saved (JIT) and requeued
     USER_CANCEL = "user_cancel"
+    OPERATOR_REQUEUE = "operator_requeue"  # `scontrol requeue` by someone else (an admin, a script)
+    SUPERSEDED = "superseded"  # another job (a successor, a duplicate) had taken over the directory
     SIGNAL = "signal"
     FAILURE = "failure"
     DONE = "done"
@@ -51,7 +52,7 @@ class Cause(str, Enum):
         norm = text.strip().lower().replace("-", "_")
         aliases = {"timeout": cls.TIME_LIMIT, "deadline": cls.TIME_LIMIT,
                    "preempted": cls.PREEMPTION, "maint": cls.MAINTENANCE,
-                   "node_fail": cls.NODE_FAILURE, "rank_fail": cls.RANK_FAILURE, "cancelled": cls.USER_CANCEL,
+                   "node_fail": cls.NODE_FAILURE, "requeue": cls.OPERATOR_REQUEUE, "rank_fail": cls.RANK_FAILURE, "cancelled": cls.USER_CANCEL,
                    "error": cls.FAILURE, "failed": cls.FAILURE}
         if norm in aliases:
             return aliases[norm]
@@ -65,9 +66,12 @@ class Cause(str, Enum):
 class RequeueOutcome:
     """What ``Cluster.requeue`` did.
 
-    ``method``: "scontrol" | "pyslurm" | "successor" | "exit" (local: the caller exits
-    with ``exit_code``) | "none" (refused by a budget or crash-loop guard; ``detail``
-    says why and what to change).
+    ``method``: "scontrol" (requeued by hpcckpt) | "slurm" (Slurm had requeued it
+    already) | "successor" (a new job continues this one) | "exit" (local: the caller
+    exits with ``exit_code``) | "none" (refused by a budget or crash-loop guard, or
+    Slurm refused and no successor could be submitted; ``detail`` says why and what to
+    change) | "error". ``requeued`` is True only when confirmed: ``evidence`` is what
+    Slurm said (``JobState=PENDING``, ``Restarts=2``, the successor's record).
     """
 
     requeued: bool
@@ -77,11 +81,12 @@ class RequeueOutcome:
     job_id: str | None = None
     successor_job_id: str | None = None
     exit_code: int | None = None
+    evidence: str | None = None
 
     def as_dict(self) -> dict[str, object]:
         return {"requeued": self.requeued, "method": self.method, "detail": self.detail,
-                "cause": self.cause, "job_id": self.job_id,
-                "successor_job_id": self.successor_job_id, "exit_code": self.exit_code}
+                "cause": self.cause, "job_id": self.job_id, "successor_job_id": self.successor_job_id,
+                "exit_code": self.exit_code, "evidence": self.evidence}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,13 +110,12 @@ class Reservation:
 
 
 class ClusterBase:
-    """What every backend shares: the job's environment and the requeue budget options."""
+    """What every backend shares: the job's environment."""
 
     name = "base"
 
-    def __init__(self, env: JobEnv | None = None, *, budget: BudgetOptions | None = None) -> None:
+    def __init__(self, env: JobEnv | None = None) -> None:
         self.env = env or JobEnv()
-        self._budget = budget
 
     @property
     def is_coordinator(self) -> bool:
@@ -128,8 +132,15 @@ class Cluster(Protocol):
     @property
     def is_coordinator(self) -> bool: ...
 
-    def requeue(self, cause: str, state_dir: Path, *, committed_step: int | None = None) -> RequeueOutcome:
-        """Coordinator only, after the final checkpoint is durable."""
+    def stop_cause(self, cause: str) -> str:
+        """The cause as the scheduler knows it (a stop on a moved end time was a preemption)."""
+        ...
+
+    def requeue_job(self, cause: str) -> RequeueOutcome:
+        """Coordinator only, after the final checkpoint is durable: put the job back, confirmed.
+
+        Use ``hpcckpt.lifecycle.requeue``, which charges the budget and records the outcome.
+        """
         ...
 
     def end_time(self) -> float | None:
@@ -145,7 +156,7 @@ class Cluster(Protocol):
         ...
 
     def submit_successor(self, *, dependency_job_id: str | None = None) -> str:
-        """Coordinator only: resubmit this job's batch script to run after this one; returns its id."""
+        """Coordinator only: the same job (script, allocation, array index) after this one; its id."""
         ...
 
 

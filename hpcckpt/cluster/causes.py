@@ -164,16 +164,22 @@ def match_run(runs: Iterable[RunRecord], job_id: str | None, when_s: float | Non
 
 
 def classify(stop: Mapping[str, object] | None, signame: str | None, signal_time_s: float | None,
-             run: RunRecord | None, requeue_cause: str | None = None) -> Cause:
+             run: RunRecord | None, requeue_cause: str | None = None, *, requeued: bool = False) -> Cause:
     """The cause of one interruption from the ledger's stop and Slurm's run record.
 
     ``requeue_cause`` is what the requeue recorded after asking Slurm (a preemption
-    shows there even when the job stopped early on the moved end time).
+    shows there even when the job stopped early on the moved end time; an operator's
+    ``scontrol requeue`` as the job pending again without a preemption; Slurm's own
+    TIMEOUT). ``requeued``: the job was confirmed to run again (requeue or successor),
+    so a run Slurm recorded as FAILED (the exit status 75) did not fail.
     """
     reason = str(stop.get("reason", "")) if stop else ""
-    site = {Cause.PREEMPTION, Cause.NODE_FAILURE, Cause.MAINTENANCE, Cause.RANK_FAILURE}
-    if requeue_cause and Cause.parse(requeue_cause) in site:
+    told = {Cause.PREEMPTION, Cause.NODE_FAILURE, Cause.MAINTENANCE, Cause.RANK_FAILURE,
+            Cause.OPERATOR_REQUEUE, Cause.TIME_LIMIT, Cause.SUPERSEDED}
+    if requeue_cause and Cause.parse(requeue_cause) in told:
         return Cause.parse(requeue_cause)
+    if reason == "superseded":
+        return Cause.SUPERSEDED
     if reason in {"deadline", "time_limit"}:
         return Cause.TIME_LIMIT
     if reason in {"maintenance", "drain"}:
@@ -190,7 +196,7 @@ def classify(stop: Mapping[str, object] | None, signame: str | None, signal_time
         remaining = run.start_s + run.time_limit_s - signal_time_s
         if remaining <= max(120.0, 0.1 * run.time_limit_s):
             return Cause.TIME_LIMIT
-    if reason == "error" or (run is not None and run.cause is Cause.FAILURE):
+    if reason == "error" or (run is not None and run.cause is Cause.FAILURE and not requeued):
         return Cause.FAILURE
     if signame:
         return Cause.SIGNAL

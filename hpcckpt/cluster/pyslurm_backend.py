@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import importlib
 import time
-from pathlib import Path
 from types import ModuleType
 
-from hpcckpt.cluster.base import Reservation, RequeueOutcome
-from hpcckpt.cluster.budget import BudgetOptions
+from hpcckpt.cluster.base import Reservation
 from hpcckpt.cluster.env import JobEnv
 from hpcckpt.cluster.scontrol import SlurmCli, slurm_version
 
@@ -48,13 +46,12 @@ class PySlurmCluster(SlurmCli):
 
     name = "pyslurm"
 
-    def __init__(self, module: ModuleType, env: JobEnv | None = None, *,
-                 budget: BudgetOptions | None = None) -> None:
-        super().__init__(env, budget=budget)
+    def __init__(self, module: ModuleType, env: JobEnv | None = None) -> None:
+        super().__init__(env)
         self._pyslurm = module
 
     def end_time(self) -> float | None:
-        job = self._pyslurm.Job.load(int(self._job_id().split("_")[0]))
+        job = self._pyslurm.Job.load(int(self.env.raw_job_id or self._job_id().split("_")[0]))
         end = getattr(job, "end_time", None)
         return float(end) if end else None
 
@@ -69,6 +66,3 @@ class PySlurmCluster(SlurmCli):
             if r.is_maintenance and r.overlaps(nodes=self.env.hostnames, start_s=now, end_s=end):
                 out.append(r)
         return out
-
-    def requeue(self, cause: str, state_dir: Path, *, committed_step: int | None = None) -> RequeueOutcome:
-        return super().requeue(cause, state_dir, committed_step=committed_step)

@@ -17,53 +17,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from hpcckpt.cluster.base import Cause, ClusterBase, Reservation, RequeueOutcome, node_is_draining
-from hpcckpt.cluster.budget import charge
 from hpcckpt.config import env_value
-from hpcckpt.exitcodes import EXIT_REQUEUE
 from hpcckpt.errors import ClusterError
 
 log = logging.getLogger("hpcckpt.cluster")
 
 COMMAND_TIMEOUT_S = 30.0
-# Set by the multi-node templates: ranks inside srun leave the requeue to the batch
-# script, so that no rank is still running when Slurm kills the job.
-REQUEUE_FROM_BATCH_VAR = "HPCCKPT_REQUEUE_FROM_BATCH"
-
-
-def _ledger_note(state_dir: Path, **fields: object) -> None:
-    from hpcckpt.ledger import Ledger
-
-    try:
-        Ledger(state_dir).append("requeue", **fields)
-    except OSError as err:  # the requeue matters more than its record
-        log.warning("could not record the requeue in %s: %s", state_dir, err)
 
 # Keys `scontrol show job/node/reservation/partition -o` prints (Slurm 22.05-24.x).
 # Splitting only at these keeps a job name like 'a b=c; "d"' in one value.
-KNOWN_KEYS = frozenset("""
-JobId ArrayJobId ArrayTaskId ArrayTaskThrottle JobName UserId GroupId MCS_label Priority
-Nice Account QOS JobState Reason Dependency Requeue Restarts BatchFlag Reboot ExitCode
-DerivedExitCode RunTime TimeLimit TimeMin SubmitTime EligibleTime AccrueTime StartTime
-EndTime Deadline PreemptEligibleTime PreemptTime SuspendTime SecsPreSuspend LastSchedEval
-Scheduler Partition AllocNode:Sid ReqNodeList ExcNodeList NodeList BatchHost NumNodes
-NumCPUs NumTasks CPUs/Task ReqB:S:C:T TRES Socks/Node NtasksPerN:B:S:C CoreSpec
-MinCPUsNode MinMemoryNode MinMemoryCPU MinTmpDiskNode Features DelayBoot OverSubscribe
-Contiguous Licenses Network Command WorkDir StdErr StdIn StdOut Power Comment
-AdminComment Reservation TresPerNode TresPerTask CpusPerTres MemPerTres TresPerJob
-KillOOMOnStep MailUser MailType NtasksPerTRES Container ContainerID SiblingsActive
-SiblingsViable HetJobId HetJobOffset HetJobIdSet
-NodeName Arch CoresPerSocket CPUAlloc CPUEfctv CPUTot CPULoad AvailableFeatures
-ActiveFeatures Gres NodeAddr NodeHostName Version OS RealMemory AllocMem FreeMem Sockets
-Boards State ThreadsPerCore TmpDisk Weight Owner Partitions BootTime SlurmdStartTime
-LastBusyTime CfgTRES AllocTRES CapWatts CurrentWatts AveWatts ExtSensorsJoules
-ExtSensorsWatts ExtSensorsTemp ResumeAfterTime
-ReservationName Duration Nodes NodeCnt CoreCnt PartitionName Flags Users Groups
-Accounts BurstBuffer Watts MaxStartDelay
-AllowGroups AllowAccounts AllowQos AllocNodes Default DefaultTime DisableRootJobs
-ExclusiveUser GraceTime Hidden MaxNodes MaxTime MinNodes LLN MaxCPUsPerNode PriorityJobFactor
-PriorityTier RootOnly ReqResv OverTimeLimit PreemptMode TotalCPUs TotalNodes
-SelectTypeParameters JobDefaults DefMemPerNode MaxMemPerNode DefMemPerCPU MaxMemPerCPU
-""".split())
+KNOWN_KEYS = frozenset(["JobId", "ArrayJobId", "ArrayTaskId", "ArrayTaskThrottle", "JobName", "UserId", "GroupId", "MCS_label", "Priority", "Nice", "Account", "QOS", "JobState", "Reason", "Dependency", "Requeue", "Restarts", "BatchFlag", "Reboot", "ExitCode", "DerivedExitCode", "RunTime", "TimeLimit", "TimeMin", "SubmitTime", "EligibleTime", "AccrueTime", "StartTime", "EndTime", "Deadline", "PreemptEligibleTime", "PreemptTime", "SuspendTime", "SecsPreSuspend", "LastSchedEval", "Scheduler", "Partition", "AllocNode:Sid", "ReqNodeList", "ExcNodeList", "NodeList", "BatchHost", "NumNodes", "NumCPUs", "NumTasks", "CPUs/Task", "ReqB:S:C:T", "TRES", "Socks/Node", "NtasksPerN:B:S:C", "CoreSpec", "MinCPUsNode", "MinMemoryNode", "MinMemoryCPU", "MinTmpDiskNode", "Features", "DelayBoot", "OverSubscribe", "Contiguous", "Licenses", "Network", "Command", "WorkDir", "StdErr", "StdIn", "StdOut", "Power", "Comment", "AdminComment", "Reservation", "TresPerNode", "TresPerTask", "CpusPerTres", "MemPerTres", "TresPerJob", "KillOOMOnStep", "MailUser", "MailType", "NtasksPerTRES", "Container", "ContainerID", "SiblingsActive", "SiblingsViable", "HetJobId", "HetJobOffset", "HetJobIdSet", "NodeName", "Arch", "CoresPerSocket", "CPUAlloc", "CPUEfctv", "CPUTot", "CPULoad", "AvailableFeatures", "ActiveFeatures", "Gres", "NodeAddr", "NodeHostName", "Version", "OS", "RealMemory", "AllocMem", "FreeMem", "Sockets", "Boards", "State", "ThreadsPerCore", "TmpDisk", "Weight", "Owner", "Partitions", "BootTime", "SlurmdStartTime", "LastBusyTime", "CfgTRES", "AllocTRES", "CapWatts", "CurrentWatts", "AveWatts", "ExtSensorsJoules", "ExtSensorsWatts", "ExtSensorsTemp", "ResumeAfterTime", "ReservationName", "Duration", "Nodes", "NodeCnt", "CoreCnt", "PartitionName", "Flags", "Users", "Groups", "Accounts", "BurstBuffer", "Watts", "MaxStartDelay", "AllowGroups", "AllowAccounts", "AllowQos", "AllocNodes", "Default", "DefaultTime", "DisableRootJobs", "ExclusiveUser", "GraceTime", "Hidden", "MaxNodes", "MaxTime", "MinNodes", "LLN", "MaxCPUsPerNode", "PriorityJobFactor", "PriorityTier", "RootOnly", "ReqResv", "OverTimeLimit", "PreemptMode", "TotalCPUs", "TotalNodes", "SelectTypeParameters", "JobDefaults", "DefMemPerNode", "MaxMemPerNode", "DefMemPerCPU", "MaxMemPerCPU"])
 
 _KEY_RE = re.compile(r"(?:^|(?<=\s))([A-Za-z][A-Za-z0-9_:/]*)=")
 
@@ -80,7 +43,7 @@ def parse_kv_line(line: str) -> dict[str, str]:
         end = cuts[i + 1].start() if i + 1 < len(cuts) else len(line)
         value = line[match.end():end]
         # A single space separates pairs; any other whitespace belongs to the value.
-        out.setdefault(match.group(1), value[:-1] if value.endswith(" ") else value)
+        out.setdefault(match.group(1), value.removesuffix(" "))
     return out
 
 
@@ -201,56 +164,116 @@ def successor_environment(environ: Mapping[str, str], predecessor: str) -> dict[
     return env
 
 
+def _given(value: str | None) -> bool:
+    return bool(value) and value not in {"(null)", "N/A", "None", "NONE", "*", "0", "Unknown"}
+
+
+# `scontrol show job` key -> sbatch option: what the original allocation asked for.
+_SAME_AS = {"JobName": "--job-name", "Partition": "--partition", "Account": "--account", "QOS": "--qos",
+            "NumNodes": "--nodes", "NumTasks": "--ntasks", "CPUs/Task": "--cpus-per-task",
+            "Features": "--constraint", "Comment": "--comment", "WorkDir": "--chdir",
+            "StdOut": "--output", "StdErr": "--error", "Reservation": "--reservation",
+            "Licenses": "--licenses", "ReqNodeList": "--nodelist", "ExcNodeList": "--exclude",
+            "MailUser": "--mail-user", "MailType": "--mail-type", "TimeMin": "--time-min"}
+
+
 def successor_sbatch_args(job: Mapping[str, str], script: Path, dependency_job_id: str) -> list[str]:
-    """sbatch arguments that resubmit ``job`` (a ``show_job`` dict) after ``dependency_job_id``."""
+    """sbatch arguments that resubmit ``job`` (a ``show_job`` dict) as the same job after
+    ``dependency_job_id``: every option of its allocation Slurm shows, and for an array
+    task its index (``--array=T``: ``SLURM_ARRAY_TASK_ID`` and ``%a`` stay the same)."""
     args = ["sbatch", "--parsable", f"--dependency=afterany:{dependency_job_id}",
             "--export=ALL", "--open-mode=append"]
-    simple = {"JobName": "--job-name", "Partition": "--partition", "NumNodes": "--nodes",
-              "NumTasks": "--ntasks", "WorkDir": "--chdir", "StdOut": "--output",
-              "StdErr": "--error"}
-    for key, flag in simple.items():
-        value = job.get(key, "")
-        if value and value not in {"(null)", "N/A"}:
-            args.append(f"{flag}={value}")
-    limit = parse_duration_s(job.get("TimeLimit", ""))
-    if limit is not None:
-        args.append(f"--time={max(1, int(limit // 60))}")
-    if job.get("Requeue") == "1":
-        args.append("--requeue")
+    for key, flag in _SAME_AS.items():
+        value = job.get(key, "").strip()
+        if _given(value):
+            args.append(f"{flag}={_numeric(key, value)}")
+    args += _memory_args(job) + _tres_args(job)
+    limit = job.get("TimeLimit", "")
+    if parse_duration_s(limit) is not None:
+        args.append(f"--time={limit}")
+    args.append("--requeue" if job.get("Requeue") == "1" else "--no-requeue")
+    per_node = job.get("NtasksPerN:B:S:C", "0").split(":")[0]
+    if _given(per_node):
+        args.append(f"--ntasks-per-node={per_node}")
+    if job.get("OverSubscribe") == "NO":
+        args.append("--exclusive")
+    if _given(job.get("StdIn")) and job.get("StdIn") != "/dev/null":
+        args.append(f"--input={job['StdIn']}")
+    if _given(job.get("ArrayTaskId")):
+        args.append(f"--array={job['ArrayTaskId']}")
     args.append(str(script))
     return args
+
+
+def _numeric(key: str, value: str) -> str:
+    # NumNodes may read "1-1" or "2"; a comment keeps its own text.
+    return value.split("-")[0] if key == "NumNodes" else value
+
+
+def _memory_args(job: Mapping[str, str]) -> list[str]:
+    if _given(job.get("MinMemoryNode")):
+        return [f"--mem={job['MinMemoryNode']}"]
+    if _given(job.get("MinMemoryCPU")):
+        return [f"--mem-per-cpu={job['MinMemoryCPU']}"]
+    return []
+
+
+def _tres_args(job: Mapping[str, str]) -> list[str]:
+    """GRES/TRES requests (``TresPerNode=gres:gpu:1`` -> ``--gres=gpu:1``)."""
+    out = []
+    for key, flag in (("TresPerNode", "--gres"), ("TresPerTask", "--tres-per-task")):
+        value = job.get(key, "")
+        if _given(value):
+            out.append(f"{flag}={','.join(p.removeprefix('gres:').removeprefix('gres/') for p in value.split(','))}")
+    return out
 
 
 def refine_cause(cause: str, job: Mapping[str, str] | None) -> str:
     """Slurm's own view of why the job must stop, when it knows better than the caller.
 
     A preemption sets ``PreemptTime`` and pulls ``EndTime`` in to now + GraceTime, so
-    a job that noticed the moved end time ("deadline") was in truth preempted.
+    a job that noticed the moved end time ("deadline") was in truth preempted; a job
+    Slurm timed out hit its limit; a job pending again that was not preempted was
+    requeued by someone (``scontrol requeue``), whatever signal the job saw.
     """
     if job is None:
         return cause
     if job.get("PreemptTime", "None") not in {"None", "", "N/A", "Unknown"}:
         return Cause.PREEMPTION.value
-    if slurm_is_requeueing(job) and Cause.parse(cause) in {Cause.SIGNAL, Cause.UNKNOWN}:
-        # Requeued by Slurm while still running, with TERM: PreemptMode=REQUEUE.
+    if job_state(job) == "PREEMPTED":
         return Cause.PREEMPTION.value
+    if job_state(job) in {"TIMEOUT", "DEADLINE"}:
+        return Cause.TIME_LIMIT.value
+    if job_state(job) == "NODE_FAIL":
+        return Cause.NODE_FAILURE.value
+    if job_state(job) in REQUEUED_STATES and Cause.parse(cause) in {Cause.SIGNAL, Cause.UNKNOWN, Cause.TIME_LIMIT}:
+        return Cause.OPERATOR_REQUEUE.value  # requeued while running, and not by a preemption
     return cause
 
 
-# States in which Slurm has already taken the job off its nodes for a requeue.
-_REQUEUEING_STATES = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "PREEMPTED",
-                      "COMPLETING", "RESV_DEL_HOLD"}
+# States in which Slurm will run the job again: it has been requeued (a PENDING record of
+# the job we run in is a requeue, e.g. PreemptMode=REQUEUE or an operator's requeue).
+REQUEUED_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"})
+CONFIRM_WAIT_S = 3.0  # how long a requeue Slurm accepted may take to show in its record
 
 
-def slurm_is_requeueing(job: Mapping[str, str]) -> bool:
-    """True when the job we run in is already being requeued by Slurm itself (preemption
-    with PreemptMode=REQUEUE marks it PENDING while its processes get TERM and GraceTime)."""
-    return job.get("JobState", "RUNNING").split("+")[0] in _REQUEUEING_STATES
+def job_state(job: Mapping[str, str]) -> str:
+    return job.get("JobState", "").split("+")[0].split()[0] if job.get("JobState") else ""
 
 
-def _already_requeued(message: str) -> bool:
-    text = message.lower()
-    return "pending execution" in text or "already" in text
+def requeue_evidence(job: Mapping[str, str] | None, restarts_before: int) -> str | None:
+    """What in Slurm's record shows the job will run again, or None: pending again, or a
+    restart count above the one this run started with. COMPLETING, PREEMPTED, TIMEOUT
+    are no such evidence: they are how a job that will NOT run again looks too."""
+    if job is None:
+        return None
+    if job_state(job) in REQUEUED_STATES:
+        return f"JobState={job.get('JobState')}"
+    try:
+        restarts = int(job.get("Restarts", "0") or 0)
+    except ValueError:
+        return None
+    return f"Restarts={restarts} (this run started as {restarts_before})" if restarts > restarts_before else None
 
 
 class SlurmCli(ClusterBase):
@@ -265,74 +288,88 @@ class SlurmCli(ClusterBase):
                                "use the local backend (hpcckpt.cluster.detect()) outside Slurm")
         return job_id
 
-    def requeue(self, cause: str, state_dir: Path, *, committed_step: int | None = None) -> RequeueOutcome:
-        """Coordinator only, after the final checkpoint is durable: ``scontrol requeue``
-        kills this job at once. If Slurm refuses, a successor job is submitted instead."""
-        job_id = self._job_id()
-        if self.env.in_step and os.environ.get(REQUEUE_FROM_BATCH_VAR) == "1":
-            return RequeueOutcome(
-                requeued=True, method="batch-script", cause=Cause.parse(cause).value, job_id=job_id,
-                detail=(f"{REQUEUE_FROM_BATCH_VAR}=1: every rank exits {EXIT_REQUEUE}; the batch "
-                        "script runs `hpcckpt requeue` once srun has returned"))
-        job = self._job_record(job_id)
-        cause = refine_cause(cause, job)
-        attempt = f"{job_id}:{self.env.restart_count}"
-        decision = charge(state_dir, cause, attempt=attempt, committed_step=committed_step,
-                          options=self._budget)
-        cause_value = Cause.parse(cause).value
-        if not decision.allowed:
-            log.warning("not requeueing job %s: %s", job_id, decision.reason)
-            return RequeueOutcome(requeued=False, method="none", detail=decision.reason,
-                                  cause=cause_value, job_id=job_id)
-        if job is not None and slurm_is_requeueing(job):
-            return self._slurm_outcome(job_id, cause_value, f"JobState={job.get('JobState')}", state_dir)
-        log.warning("requeueing job %s (cause %s; %s)", job_id, cause_value, decision.reason)
-        # scontrol requeue ends this process at once: the ledger learns of it first.
-        _ledger_note(state_dir, method="scontrol", cause=cause_value, job_id=job_id,
-                     detail=f"scontrol requeue {job_id} issued ({decision.reason})")
+    def stop_cause(self, cause: str) -> str:
+        return refine_cause(cause, self._job_record(self._job_id()))
+
+    def requeue_job(self, cause: str) -> RequeueOutcome:
+        """Coordinator only, after the final checkpoint is durable. Decided from Slurm's record,
+        never from a transient state: already pending again -> nothing to do; else ``scontrol
+        requeue`` (this job ends within KillWait), confirmed by the record; when Slurm refuses
+        or the requeue cannot be confirmed, a successor job (the same job, after this one)."""
+        job_id, before = self._job_id(), self._restarts()
+        cause = Cause.parse(cause).value
+        evidence = requeue_evidence(self._job_record(job_id), before)
+        if evidence is not None:
+            return RequeueOutcome(requeued=True, method="slurm", cause=cause, job_id=job_id, evidence=evidence,
+                                  detail=f"Slurm has requeued job {job_id} itself ({evidence})")
         try:
             run_slurm(["scontrol", "requeue", job_id])
+            refusal = None
         except ClusterError as err:
-            if _already_requeued(str(err)):
-                return self._slurm_outcome(job_id, cause_value, str(err), state_dir)
-            return self._successor_outcome(job_id, cause_value, err)
-        return RequeueOutcome(requeued=True, method="scontrol", cause=cause_value,
-                              detail=f"scontrol requeue {job_id} ({decision.reason})", job_id=job_id)
+            refusal = str(err)
+        evidence = self._confirm(job_id, before)
+        if evidence is not None:
+            how = "scontrol" if refusal is None else "slurm"
+            return RequeueOutcome(requeued=True, method=how, cause=cause, job_id=job_id, evidence=evidence,
+                                  detail=f"scontrol requeue {job_id}: confirmed, {evidence}")
+        why = refusal or (f"scontrol requeue {job_id} was accepted but Slurm's record does not show the "
+                          f"job pending again within {CONFIRM_WAIT_S:.0f}s")
+        return self._successor_outcome(job_id, cause, why)
 
-    @staticmethod
-    def _slurm_outcome(job_id: str, cause: str, evidence: str, state_dir: Path) -> RequeueOutcome:
-        detail = (f"Slurm is already requeueing job {job_id} ({evidence}; PreemptMode=REQUEUE "
-                  "preemption or an operator's requeue); no successor needed")
-        log.warning("%s", detail)
-        _ledger_note(state_dir, method="slurm", cause=cause, job_id=job_id, detail=detail)
-        return RequeueOutcome(requeued=True, method="slurm", cause=cause, detail=detail, job_id=job_id)
+    def _restarts(self) -> int:
+        try:
+            return self.env.restart_count
+        except Exception:  # noqa: BLE001 - a malformed SLURM_RESTART_COUNT: any higher count is news
+            return 0
+
+    def _confirm(self, job_id: str, before: int) -> str | None:
+        deadline = time.monotonic() + CONFIRM_WAIT_S
+        while True:
+            evidence = requeue_evidence(self._job_record(job_id), before)
+            if evidence is not None or time.monotonic() >= deadline:
+                return evidence
+            time.sleep(0.2)
 
     @staticmethod
     def _job_record(job_id: str) -> dict[str, str] | None:
         try:
             return show_job(job_id)
         except ClusterError as err:
-            log.info("could not read job %s before requeueing (%s)", job_id, err)
+            log.info("could not read job %s (%s)", job_id, err)
             return None
 
-    def _successor_outcome(self, job_id: str, cause: str, err: ClusterError) -> RequeueOutcome:
-        log.warning("scontrol requeue refused for job %s (%s); submitting a successor", job_id, err)
-        successor = self.submit_successor(dependency_job_id=job_id)
+    def _successor_outcome(self, job_id: str, cause: str, why: str) -> RequeueOutcome:
+        log.warning("job %s is not requeued (%s); submitting a successor", job_id, why)
+        try:
+            successor = self.submit_successor(dependency_job_id=job_id)
+        except ClusterError as err:
+            return RequeueOutcome(requeued=False, method="none", cause=cause, job_id=job_id,
+                                  detail=f"{why}; submitting a successor failed too ({err}): resubmit the "
+                                         "job by hand, it resumes from its last checkpoint")
+        record = self._job_record(successor)
+        if record is None:
+            return RequeueOutcome(requeued=False, method="none", cause=cause, job_id=job_id,
+                                  successor_job_id=successor,
+                                  detail=f"{why}; sbatch answered {successor!r} but Slurm knows no such job")
         return RequeueOutcome(
-            requeued=True, method="successor", cause=Cause.parse(cause).value, job_id=job_id,
-            successor_job_id=successor,
-            detail=(f"requeue refused ({err}); submitted successor job {successor} "
-                    f"with --dependency=afterany:{job_id}"))
+            requeued=True, method="successor", cause=cause, job_id=job_id, successor_job_id=successor,
+            evidence=f"job {successor} {record.get('JobState', '?')}",
+            detail=f"requeue not possible ({why}); submitted successor job {successor} "
+                   f"with --dependency=afterany:{job_id}")
 
     def submit_successor(self, *, dependency_job_id: str | None = None) -> str:
-        """Coordinator only: resubmit this job's batch script, same options and environment."""
-        job_id = self.env.raw_job_id or self._job_id()
+        """Coordinator only: the same job again, after this one: its stored batch script, every
+        option of its allocation, its array index, and this environment (minus SLURM_*).
+        Returns the successor's id as Slurm names it (``A_T`` for an array task)."""
+        job_id = self._job_id()
         after = dependency_job_id or job_id
         job = show_job(job_id)
         script = self._saved_batch_script(job_id, Path(job.get("WorkDir") or "."))
         args = successor_sbatch_args(job, script, after)
         out = run_slurm(args, environ=successor_environment(os.environ, job_id))
         successor = out.strip().split(";")[0]
+        if _given(job.get("ArrayTaskId")):
+            successor = f"{successor}_{job['ArrayTaskId']}"
         log.warning("submitted successor job %s (afterany:%s): %s", successor, after, " ".join(args))
         return successor
 

@@ -12,8 +12,8 @@ Exit 0: the newest run (since its last ``start``) ended with a stop that asked f
 requeue and its final checkpoint committed; 1: it did not (finished, failed, or never
 started). The ranks themselves take their rank and world size from torchrun's
 environment (``RANK``, ``WORLD_SIZE``) through ``torch.distributed``; only global rank
-0 records the requeue decision, and with ``HPCCKPT_REQUEUE_FROM_BATCH=1`` it leaves the
-``scontrol requeue`` to the batch script.
+0 requeues the job and records it; ``hpcckpt requeue`` in the batch script then finds
+it done and does nothing more.
 """
 from __future__ import annotations
 

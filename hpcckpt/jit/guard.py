@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from ..exitcodes import EXIT_REQUEUE
+from ..lifecycle import current, requeue
 from ..store import catalog, torchfile
 from . import rendezvous, writer
 from .capture import (Boundary, CudaWaitTimeout, StepGate, capture_boundary, capture_replicated, finish,
@@ -458,20 +459,13 @@ class JitGuard:
         bounded_append(self.ckpt.ledger, "stop", reason="rank_failure", step=decision.get("step"), committed_step=committed,
                                 requeue=True, final_saved=bool(outcome and outcome.get("ok")),
                                 failed_ranks=decision.get("failed"))
-        cause = requeue_cause()
         # A rank died, so the job step's status is not 75 and a batch script that requeues only on
         # 75 would not: the writer requeues itself (this process ends right after anyway).
-        os.environ.pop("HPCCKPT_REQUEUE_FROM_BATCH", None)
-        try:
-            out = self.ckpt.cluster.requeue(cause, self.root, committed_step=committed)
-            result = out.as_dict() if hasattr(out, "as_dict") else dict(out)
-        except Exception as exc:  # noqa: BLE001 - exit 75 still lets the job script or supervisor retry
-            result = {"requeued": False, "method": "error", "detail": f"{type(exc).__name__}: {exc}"}
+        result = requeue(cluster=self.ckpt.cluster, state_dir=self.root, cause=requeue_cause(),
+                         committed_step=committed, ledger=self.ckpt.ledger, source="jit").as_dict()
         log.error("hpcckpt: jit: requeue decision: %s", result)
-        bounded_append(self.ckpt.ledger, "requeue", **{k: v for k, v in result.items() if k != "time"})
 
     def _job(self) -> dict[str, Any]:
-        cluster = self.ckpt.cluster
-        env = getattr(cluster, "env", None)
-        return {"job_id": getattr(env, "job_id", None), "restart_count": getattr(env, "restart_count", 0),
-                "backend": getattr(cluster, "name", "unknown")}
+        who = current()
+        return {"job_id": who.job_id, "restart_count": who.restart_count,
+                "backend": getattr(self.ckpt.cluster, "name", "unknown")}

@@ -9,7 +9,7 @@ import pytest
 from hpcckpt.cluster.base import Cause, Reservation, node_is_draining
 from hpcckpt.cluster.causes import STATE_CAUSE, classify, parse_jobcomp_line, parse_sacct, runs_from_jobcomp
 from hpcckpt.cluster.scontrol import (parse_config, parse_duration_s, parse_kv_line, parse_reservations,
-                                      parse_slurm_time, refine_cause, slurm_is_requeueing,
+                                      parse_slurm_time, refine_cause, requeue_evidence,
                                       successor_environment, successor_sbatch_args)
 
 JOB_HOSTILE = (
@@ -124,12 +124,20 @@ def test_classify_prefers_what_the_job_and_slurm_know() -> None:
 
 def test_refine_cause_from_job_record() -> None:
     job = parse_kv_line(JOB_HOSTILE)
-    assert refine_cause("signal", job) == "signal" and not slurm_is_requeueing(job)
+    assert refine_cause("signal", job) == "signal" and requeue_evidence(job, 0) is None
     assert refine_cause("time_limit", {**job, "PreemptTime": "2026-11-21T00:06:00"}) == "preemption"
     pending = {**job, "JobState": "PENDING"}
-    assert slurm_is_requeueing(pending) and refine_cause("signal", pending) == "preemption"
+    # Pending again without a preemption: someone ran `scontrol requeue` (an operator).
+    assert requeue_evidence(pending, 0) == "JobState=PENDING" and refine_cause("signal", pending) == "operator_requeue"
     assert refine_cause("maintenance", pending) == "maintenance"
     assert refine_cause("signal", None) == "signal"
+    assert refine_cause("signal", {**job, "JobState": "TIMEOUT"}) == "time_limit"
+    assert refine_cause("signal", {**job, "JobState": "PREEMPTED"}) == "preemption"
+    # COMPLETING, PREEMPTED, TIMEOUT are how a job that will NOT run again looks too: no evidence.
+    for state in ("COMPLETING", "PREEMPTED", "TIMEOUT", "RUNNING"):
+        assert requeue_evidence({**job, "JobState": state}, 0) is None
+    assert requeue_evidence({**job, "JobState": "COMPLETING", "Restarts": "3"}, 2) == \
+        "Restarts=3 (this run started as 2)"
 
 
 def test_successor_keeps_environment_but_not_this_jobs_slurm_variables() -> None:
@@ -142,5 +150,6 @@ def test_successor_keeps_environment_but_not_this_jobs_slurm_variables() -> None
     args = successor_sbatch_args(parse_kv_line(JOB_HOSTILE), Path("/s.sbatch"), "6")
     assert args[:3] == ["sbatch", "--parsable", "--dependency=afterany:6"]
     assert '--job-name=evil "name"; rm -rf / UserId=x' in args
-    assert "--time=10" in args and "--requeue" in args and "--nodes=2" in args
+    assert "--time=00:10:00" in args and "--requeue" in args and "--nodes=2" in args
+    assert "--exclusive" in args and "--ntasks=2" in args and not any(a.startswith("--array") for a in args)
     assert "--chdir=/tmp/t1/we ird;\"dir'" in args and args[-1] == "/s.sbatch"

@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 
 from hpcckpt.cluster import EXIT_REQUEUE, Cluster, LocalCluster, SlurmCli, detect
-from hpcckpt.cluster.budget import BUDGET_FILE, BudgetOptions, charge
+from hpcckpt.lifecycle import requeue
+from hpcckpt.lifecycle.ledger import Ledger
+from hpcckpt.lifecycle.budget import BUDGET_FILE, BudgetOptions, charge
 from hpcckpt.cluster.env import JobEnv, staging_root
-from hpcckpt.cluster.history import interruptions, summary
+from hpcckpt.lifecycle.history import interruptions, summary
 from hpcckpt.cluster.base import Cause
 from hpcckpt.errors import ConfigError
 from hpcckpt.policy import StopReason
@@ -47,8 +49,12 @@ def test_staging_root_rule(tmp_path: Path) -> None:
     assert staging_root({"SLURM_CONF": str(conf), "SLURMD_NODENAME": "n7"}) == Path("/stage/n7")
     assert staging_root({"HPCCKPT_STAGING_ROOT": "/x", "SLURM_CONF": str(conf)}) == Path("/x")
     assert staging_root({}) == Path("/tmp/hpcckpt-staging")
-    env = JobEnv(environ={"SLURM_JOB_ID": "5", "HPCCKPT_STAGING_ROOT": "/x"})
-    assert env.staging_dir() == Path("/x/job-5")
+    root = tmp_path / "stage"
+    root.mkdir(mode=0o700)
+    env = JobEnv(environ={"SLURM_JOB_ID": "5", "HPCCKPT_STAGING_ROOT": str(root)})
+    assert env.staging_dir() is None  # the prolog did not make it
+    (root / "job-5").mkdir(mode=0o700)
+    assert env.staging_dir() == root / "job-5"
 
 
 def test_budget_counts_per_cause_and_persists(tmp_path: Path) -> None:
@@ -119,8 +125,10 @@ def test_one_exit_requeue_and_stop_reasons_map_to_causes() -> None:
 def test_local_backend_requeues_by_exit_status(tmp_path: Path) -> None:
     cluster = LocalCluster(JobEnv(environ={}))
     assert isinstance(cluster, Cluster)
-    out = cluster.requeue("signal", tmp_path, committed_step=3)
+    out = requeue(cluster=cluster, state_dir=tmp_path, cause="signal", committed_step=3, source="test")
     assert out.requeued and out.method == "exit" and out.exit_code == EXIT_REQUEUE == 75
+    recorded = [e for e in Ledger(tmp_path).events() if e["event"] == "requeue"]
+    assert [(e["requeued"], e["method"], e["source"]) for e in recorded] == [(True, "exit", "test")]
     assert cluster.reservations() == [] and cluster.node_state() == ""
 
 
@@ -161,9 +169,10 @@ def test_history_rows_from_a_ledger() -> None:
     assert (first.cause, first.signal, first.step_at_signal, first.committed_step) == ("signal", "SIGUSR2", 14, 14)
     assert (first.lost_steps, first.save_s, first.restore_s) == (0, 0.7, 0.2)
     assert first.queue_wait_s == pytest.approx(18.4)
-    assert (second.cause, second.lost_steps, second.committed_step) == ("preemption", 3, 20)
-    assert summary(ledger, rows) == {"interruptions": 2, "finished": True, "lost_steps_total": 3,
-                                     "causes": ["preemption", "signal"]}
+    # It was killed without a stop: it got past step 23, but how far is unknown (not 3, not 0).
+    assert (second.cause, second.lost_steps, second.committed_step) == ("preemption", None, 20)
+    assert summary(ledger, rows) == {"interruptions": 2, "finished": True, "lost_steps_total": 0,
+                                     "lost_steps_unknown": 1, "causes": ["preemption", "signal"]}
 
 
 def test_history_ignores_a_run_still_going() -> None:

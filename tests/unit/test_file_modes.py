@@ -16,6 +16,7 @@ import torch
 from hpcckpt import Checkpointer
 from hpcckpt.cluster import LocalCluster
 from hpcckpt.cluster.env import JobEnv
+from hpcckpt.lifecycle import requeue
 
 
 @pytest.fixture()
@@ -37,7 +38,8 @@ def _train(root: Path, engine: str) -> None:
             opt.zero_grad()
             model(torch.ones(1, 4)).sum().backward()
             opt.step()
-    LocalCluster(JobEnv(environ={})).requeue("signal", root, committed_step=3)  # writes the budget files
+    requeue(cluster=LocalCluster(JobEnv(environ={})), state_dir=root, cause="signal", committed_step=3,
+            source="test")  # writes the budget files
 
 
 @pytest.mark.native

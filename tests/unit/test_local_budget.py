@@ -17,7 +17,9 @@ CHILD = r'''
 import sys
 from pathlib import Path
 from hpcckpt.cluster import LocalCluster
-out = LocalCluster().requeue("signal", Path(sys.argv[1]))
+from hpcckpt.lifecycle import requeue
+out = requeue(cluster=LocalCluster(), state_dir=Path(sys.argv[1]), cause="signal", committed_step=None,
+              source="test")
 sys.exit(75 if out.requeued else 3)
 '''
 

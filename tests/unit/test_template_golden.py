@@ -65,9 +65,9 @@ def test_jobscripts_are_the_rendered_defaults(name: str) -> None:
 
 def test_sbatch_templates_carry_requeue_signal_and_append() -> None:
     single = render.render("single")
-    assert "#SBATCH --signal=B:USR2@180" in single and "exec python" in single
+    assert "#SBATCH --signal=B:USR2@180" in single and "trap warn USR2" in single and "trap 'forward TERM' TERM" in single
     ddp = render.render("ddp")
-    assert "#SBATCH --signal=USR2@180" in ddp and "HPCCKPT_REQUEUE_FROM_BATCH=1" in ddp
+    assert "#SBATCH --signal=USR2@180" in ddp and "HPCCKPT_REQUEUE_FROM_BATCH" not in ddp
     for text in (single, ddp):
         assert "#SBATCH --requeue" in text and "#SBATCH --open-mode=append" in text
         assert "USR1" in text  # the comment says why not USR1

@@ -4,6 +4,10 @@ A job may be requeued a bounded number of times per cause (time limit, preemptio
 failure...). Failures that make no progress (the committed step did not advance since
 the previous failure) count separately: after ``max_failures_without_progress`` the
 job stops requeueing instead of crash-looping through the queue forever.
+
+Nothing here may hold up a stopping job: the lock is waited for at most
+``LOCK_WAIT_S`` and the file is read only when it is a regular file of bounded size;
+otherwise the requeue is decided without the budget, and said so.
 """
 
 from __future__ import annotations
@@ -15,13 +19,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from filelock import FileLock
-
 from hpcckpt.cluster.base import Cause
 from hpcckpt.config import env_value
 from hpcckpt.errors import ConfigError
+from hpcckpt.lifecycle.ledger import LedgerBusy, _flock_bounded, _open_regular
 
 BUDGET_FILE = "requeue-budget.json"
+LOCK_WAIT_S = 2.0
+MAX_BUDGET_BYTES = 1 << 20  # the file keeps 50 attempts and 200 decisions: far below this
 
 # Causes that share a budget: maintenance and node failure are the site's doing,
 # like preemption; a bare signal (scancel --signal) is the user asking for a stop.
@@ -30,6 +35,8 @@ _BUDGET_KEY = {
     Cause.PREEMPTION: "preemption",
     Cause.MAINTENANCE: "preemption",
     Cause.NODE_FAILURE: "preemption",
+    Cause.OPERATOR_REQUEUE: "preemption",
+    Cause.SUPERSEDED: "signal",
     Cause.RANK_FAILURE: "rank_failure",
     Cause.SIGNAL: "signal",
     Cause.USER_CANCEL: "signal",
@@ -81,12 +88,14 @@ class _BudgetState:
     @classmethod
     def load(cls, path: Path) -> _BudgetState:
         try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
+            raw = json.loads(_read_bounded(path))
         except FileNotFoundError:
             return cls()
         except (OSError, ValueError) as err:
             raise ConfigError(
                 f"{path} is unreadable ({err}); delete it to reset the requeue budgets") from err
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path} holds no budget record; delete it to reset the requeue budgets")
         return cls(counts={str(k): int(v) for k, v in raw.get("counts", {}).items()},
                    failures_without_progress=int(raw.get("failures_without_progress", 0)),
                    last_failure_step=raw.get("last_failure_step"),
@@ -125,22 +134,57 @@ def charge(state_dir: Path, cause: Cause | str, *, attempt: str,
     key = _BUDGET_KEY[cause]
     state_dir.mkdir(parents=True, exist_ok=True)
     path = state_dir / BUDGET_FILE
-    with FileLock(str(path) + ".lock", mode=0o600):
-        state = _BudgetState.load(path)
-        decision = _decide(state, key, cause, attempt, committed_step, opts)
-        if decision.allowed and attempt not in state.charged:
-            state.counts[key] = state.counts.get(key, 0) + 1
-            state.charged.append(attempt)
-        state.history.append({"time": time.time(), "attempt": attempt, "cause": cause.value,
-                              "allowed": decision.allowed, "reason": decision.reason,
-                              "committed_step": committed_step})
+    try:
+        lock = _open_regular(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT)
+    except OSError as exc:
+        return _unrecorded(key, opts, f"its lock file is unusable ({exc})")
+    try:
         try:
-            state.save(path)
-        except OSError as exc:  # a full disk must not cost the requeue: the decision stands, unrecorded
-            path.with_name(f"{path.name}.tmp-{os.getpid()}").unlink(missing_ok=True)
-            logging.getLogger("hpcckpt.cluster").error(
-                "hpcckpt: could not record the requeue budget in %s (%s); deciding without it", path, exc)
+            _flock_bounded(lock, LOCK_WAIT_S, path.with_name(path.name + ".lock"))
+        except LedgerBusy as exc:
+            return _unrecorded(key, opts, str(exc))
+        return _charge_locked(path, key, cause, attempt, committed_step, opts)
+    finally:
+        os.close(lock)
+
+
+def _unrecorded(key: str, opts: BudgetOptions, why: str) -> BudgetDecision:
+    """The requeue goes ahead uncounted: a stuck budget file must not strand a stopped job."""
+    reason = f"requeue budget not consulted: {why}; requeueing without counting it"
+    logging.getLogger("hpcckpt.lifecycle").error("hpcckpt: %s", reason)
+    return BudgetDecision(allowed=True, key=key, used=-1, limit=opts.limit(key), reason=reason)
+
+
+def _charge_locked(path: Path, key: str, cause: Cause, attempt: str, committed_step: int | None,
+                   opts: BudgetOptions) -> BudgetDecision:
+    try:
+        state = _BudgetState.load(path)
+    except ConfigError as exc:
+        return _unrecorded(key, opts, str(exc))
+    decision = _decide(state, key, cause, attempt, committed_step, opts)
+    if decision.allowed and attempt not in state.charged:
+        state.counts[key] = state.counts.get(key, 0) + 1
+        state.charged.append(attempt)
+    state.history.append({"time": time.time(), "attempt": attempt, "cause": cause.value,
+                          "allowed": decision.allowed, "reason": decision.reason,
+                          "committed_step": committed_step})
+    try:
+        state.save(path)
+    except OSError as exc:  # a full disk must not cost the requeue: the decision stands, unrecorded
+        path.with_name(f"{path.name}.tmp-{os.getpid()}").unlink(missing_ok=True)
+        logging.getLogger("hpcckpt.lifecycle").error(
+            "hpcckpt: could not record the requeue budget in %s (%s); deciding without it", path, exc)
     return decision
+
+
+def _read_bounded(path: Path) -> bytes:
+    """The budget file's bytes: a regular file only (FIFO, device, link refused), size bounded."""
+    fd = _open_regular(path, os.O_RDONLY)
+    with os.fdopen(fd, "rb") as fh:
+        data = fh.read(MAX_BUDGET_BYTES + 1)
+    if len(data) > MAX_BUDGET_BYTES:
+        raise ValueError(f"larger than {MAX_BUDGET_BYTES} bytes")
+    return data
 
 
 def _decide(state: _BudgetState, key: str, cause: Cause, attempt: str,
