@@ -468,14 +468,12 @@ class Checkpointer:
         raise RequeueExit(reason.name.lower(), self.step)
 
     def _requeue(self, reason: StopReason) -> dict[str, Any]:
-        """Ask the cluster to requeue (coordinator only); a failure is logged, and exit 75 still follows."""
-        try:
-            out = self.cluster.requeue(reason.cause, self.root, committed_step=self.committed_step)
-            outcome = out.as_dict() if hasattr(out, "as_dict") else dict(out)
-        except Exception as exc:  # noqa: BLE001 - exit 75 lets the job script or supervisor retry
-            outcome = {"requeued": False, "method": "error", "detail": f"{type(exc).__name__}: {exc}"}
+        """The lifecycle's requeue (coordinator only; it records the outcome); exit 75 follows either way."""
+        from .lifecycle import requeue
+
+        outcome = requeue(cluster=self.cluster, state_dir=self.root, cause=reason.cause,
+                          committed_step=self.committed_step, ledger=self.ledger, source="checkpointer").as_dict()
         log.warning("hpcckpt: requeue decision: %s", outcome)
-        self.ledger.append("requeue", **{k: v for k, v in outcome.items() if k not in ("time",)})
         return outcome
 
     def _finish(self) -> None:

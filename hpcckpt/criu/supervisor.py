@@ -625,13 +625,11 @@ class Supervisor:
         from ..cluster import detect
 
         self.outcome.action = "requeue"
-        in_slurm = bool(os.environ.get("SLURM_JOB_ID"))
-        where = f"Slurm job {os.environ['SLURM_JOB_ID']}" if in_slurm else "the local supervisor (exit 75)"
         what = f"after CRIU image {image}" if image else "after a failed CRIU dump that ended the job"
-        self.log(f"requeueing via {where} ({what})")
-        self.ledger.append("requeue", method="slurm" if in_slurm else "exit", detail=what)
+        self.log(f"requeueing ({what})")
         try:
-            outcome = detect().requeue("signal", self.dir)
+            outcome = requeue(cluster=detect(), state_dir=self.dir, cause="signal", committed_step=None,
+                              ledger=self.ledger, source="criu", note=what)
         except HpcckptError as exc:
             self.log(f"requeue failed: {exc}; the image stays committed: resubmit the job to resume it")
             self.outcome.detail = str(exc)
@@ -641,3 +639,4 @@ class Supervisor:
             self.log(f"not requeued: {outcome.detail}; the image stays committed: resubmit to resume it")
             return 1
         return int(outcome.exit_code) if outcome.exit_code is not None else 0
+        from ..lifecycle import requeue
