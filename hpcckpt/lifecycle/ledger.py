@@ -90,8 +90,10 @@ class Ledger:
                 if not line:
                     return
                 if len(line) > MAX_LINE_BYTES:
-                    while line and not line.endswith(b"\n"):  # skip the rest of the over-long line
-                        line = fh.readline(MAX_LINE_BYTES)
+                    del line
+                    rest = fh.readline(1 << 16)
+                    while rest and not rest.endswith(b"\n"):  # skip the rest of the over-long line
+                        rest = fh.readline(1 << 16)
                     continue
                 rec = _parse(line)
                 if rec is not None:

@@ -1,0 +1,184 @@
+"""The one lifecycle: identity from the environment, the ledger and budget that never
+block or follow a hostile file, the requeue routine's one record, history from a ledger
+(array tasks as A_T, causes, unknown losses, successors, NaN), and the successor's
+sbatch options read from a real `scontrol show job` record of an array task."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from hpcckpt.cli.main import main
+from hpcckpt.cluster.base import RequeueOutcome
+from hpcckpt.cluster.local import LocalCluster
+from hpcckpt.cluster.scontrol import parse_kv_line, successor_sbatch_args
+from hpcckpt.lifecycle import current, requeue
+from hpcckpt.lifecycle.budget import BUDGET_FILE, charge
+from hpcckpt.lifecycle.history import interruptions, load, summary
+from hpcckpt.lifecycle.ledger import LEDGER, LOCK, Ledger
+
+ARRAY_TASK = (  # `scontrol show job -o 4_1` of `sbatch --array=1-2 --no-requeue --mem=100 --comment=hello`
+    "JobId=5 ArrayJobId=4 ArrayTaskId=1 JobName=arr.sbatch UserId=root(0) GroupId=root(0) MCS_label=N/A "
+    "Priority=4294901758 Nice=0 Account=(null) QOS=(null) JobState=RUNNING Reason=None Dependency=(null) "
+    "Requeue=0 Restarts=0 BatchFlag=1 Reboot=0 ExitCode=0:0 RunTime=00:00:05 TimeLimit=365-00:00:00 "
+    "TimeMin=N/A SubmitTime=2026-11-25T12:35:15 EligibleTime=2026-11-25T12:35:15 AccrueTime=Unknown "
+    "StartTime=2026-11-25T12:35:15 EndTime=2027-11-25T12:35:15 Deadline=N/A "
+    "PreemptEligibleTime=2026-11-25T12:35:15 PreemptTime=None SuspendTime=None SecsPreSuspend=0 "
+    "LastSchedEval=2026-11-25T12:35:15 Scheduler=Backfill Partition=low AllocNode:Sid=localhost:4448 "
+    "ReqNodeList=(null) ExcNodeList=(null) NodeList=n1 BatchHost=n1 NumNodes=1 NumCPUs=1 NumTasks=1 "
+    "CPUs/Task=1 ReqB:S:C:T=0:0:*:* TRES=cpu=1,node=1,billing=1 Socks/Node=* NtasksPerN:B:S:C=0:0:*:* "
+    "CoreSpec=* MinCPUsNode=1 MinMemoryNode=100M MinTmpDiskNode=0 Features=(null) DelayBoot=00:00:00 "
+    "OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null) Command=/tmp/exp27/arr.sbatch "
+    "WorkDir=/work/main Comment=hello  StdErr=/tmp/exp27/arr-4_1.out StdIn=/dev/null "
+    "StdOut=/tmp/exp27/arr-4_1.out Power= ")
+
+
+def test_identity_names_an_array_task_as_slurm_does() -> None:
+    who = current({"SLURM_JOB_ID": "5", "SLURM_ARRAY_JOB_ID": "4", "SLURM_ARRAY_TASK_ID": "1",
+                   "SLURM_RESTART_COUNT": "2", "SLURM_PROCID": "0"})
+    assert (who.job_id, who.raw_job_id, who.restart_count, who.attempt) == ("4_1", "5", 2, "4_1:2")
+    assert who.record()["job_id"] == "4_1" and who.record()["slurm_job_id"] == "5"
+    plain = current({"SLURM_JOB_ID": "9", "SLURM_RESTART_COUNT": "x"})  # a malformed count never stops a record
+    assert (plain.job_id, plain.restart_count) == ("9", 0)
+    local = current({"HPCCKPT_LOCAL_RESTART": "3"})
+    assert not local.in_slurm and local.restart == 3 and local.attempt.endswith(":3")
+
+
+def test_successor_of_an_array_task_is_the_same_task() -> None:
+    args = successor_sbatch_args(parse_kv_line(ARRAY_TASK), Path("/s.sbatch"), "4_1")
+    assert args[:3] == ["sbatch", "--parsable", "--dependency=afterany:4_1"]
+    for wanted in ("--array=1", "--mem=100M", "--comment=hello", "--no-requeue", "--cpus-per-task=1",
+                   "--time=365-00:00:00", "--partition=low", "--output=/tmp/exp27/arr-4_1.out"):
+        assert wanted in args, (wanted, args)
+    assert not [a for a in args if a.startswith(("--account", "--qos", "--constraint", "--input", "--exclusive"))]
+    assert args[-1] == "/s.sbatch"
+
+
+def _in_thread(fn: object, *args: object) -> threading.Thread:
+    t = threading.Thread(target=fn, args=args, daemon=True)  # type: ignore[arg-type]  # any callable
+    t.start()
+    t.join(60)  # a generous bound: the call itself must give up within seconds
+    return t
+
+
+def test_ledger_never_blocks_on_a_held_lock_or_a_fifo(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ledger = Ledger(tmp_path)
+    ledger.append("start", resumed_from=None)
+    holder = os.open(tmp_path / LOCK, os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # a writer stopped inside an append holds it for good
+    try:
+        assert not _in_thread(ledger.append, "signal").is_alive(), "the append blocked on a held lock"
+    finally:
+        os.close(holder)
+    assert [e["event"] for e in ledger.events()] == ["start"]
+    assert "stayed locked" in caplog.text and "skipped" in caplog.text
+    (tmp_path / LEDGER).unlink()
+    os.mkfifo(tmp_path / LEDGER)
+    assert not _in_thread(ledger.append, "stop").is_alive(), "the append blocked on a FIFO"
+    assert list(ledger.events()) == []
+    assert "not a regular file" in caplog.text
+
+
+def test_ledger_and_budget_refuse_a_link_to_dev_zero(tmp_path: Path) -> None:
+    (tmp_path / LEDGER).symlink_to("/dev/zero")
+    (tmp_path / BUDGET_FILE).symlink_to("/dev/zero")
+    assert list(Ledger(tmp_path).events()) == []
+    decision = charge(tmp_path, "signal", attempt="1:0")
+    assert decision.allowed and "not consulted" in decision.reason
+
+
+def test_budget_never_blocks_and_a_fifo_does_not_strand_the_job(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / BUDGET_FILE)
+    out: list[object] = []
+    assert not _in_thread(lambda: out.append(charge(tmp_path, "preemption", attempt="1:0"))).is_alive()
+    assert out and out[0].allowed and "not consulted" in out[0].reason  # type: ignore[attr-defined]
+    (tmp_path / BUDGET_FILE).unlink()
+    holder = os.open(tmp_path / (BUDGET_FILE + ".lock"), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        decision = charge(tmp_path, "preemption", attempt="1:1")
+    finally:
+        os.close(holder)
+    assert decision.allowed and "stayed locked" in decision.reason
+
+
+class _Refusing(LocalCluster):
+    """One fault at the scheduler seam: Slurm would not take the job back and no successor could go."""
+
+    def requeue_job(self, cause: str) -> RequeueOutcome:
+        return RequeueOutcome(requeued=False, method="none", cause=cause, detail="Requested operation is disabled")
+
+
+def test_requeue_records_once_and_says_why_not(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = requeue(cluster=_Refusing(), state_dir=tmp_path, cause="signal", committed_step=4, source="test")
+    assert not out.requeued
+    assert "NOT requeued: Requested operation is disabled" in capsys.readouterr().err
+    [rec] = [e for e in Ledger(tmp_path).events() if e["event"] == "requeue"]
+    assert (rec["requeued"], rec["method"], rec["source"], rec["cause"]) == (False, "none", "test", "signal")
+
+
+def _ev(event: str, t: float, job: str = "4_1", **fields: object) -> dict[str, object]:
+    return {"event": event, "time": t, "job_id": job, "slurm_job_id": "5", **fields}
+
+
+def test_history_of_array_tasks_with_causes_successors_and_unknown_losses() -> None:
+    ledger = [
+        _ev("start", 100.0, restart_count=0, resumed_from=None),
+        _ev("signal", 110.0, signame="SIGTERM", step=9),
+        _ev("stop", 111.0, reason="signal", step=9, committed_step=9),
+        _ev("requeue", 111.5, method="slurm", cause="operator_requeue", requeued=True, evidence="JobState=PENDING"),
+        _ev("start", 130.0, restart_count=1, resumed_from=9),
+        _ev("stop", 140.0, reason="signal", step=15, committed_step=15, signame="SIGUSR2"),
+        _ev("requeue", 140.5, method="successor", cause="signal", requeued=True, successor_job_id="8_1"),
+        _ev("start", 150.0, job="8_1", restart_count=0, resumed_from=15),
+        _ev("commit", 155.0, job="8_1", step=float("nan"), save_s=float("nan")),
+        _ev("commit", 156.0, job="8_1", step=18, save_s=0.1),
+        # killed without a stop: how far it got past step 18 is unknown
+        _ev("start", 190.0, job="8_1", restart_count=1, resumed_from=18),
+        _ev("stop", 200.0, job="8_1", reason="done", step=30, committed_step=30),
+    ]
+    rows = interruptions(ledger, slurm=[])
+    assert [(r.job_id, r.cause, r.lost_steps, r.successor_job_id, r.resumed_by) for r in rows] == [
+        ("4_1", "operator_requeue", 0, None, "4_1"),
+        ("4_1", "signal", 0, "8_1", "8_1"),
+        ("8_1", "unknown", None, None, "8_1")]
+    assert summary(ledger, rows)["lost_steps_unknown"] == 1
+
+
+def test_history_cli_streams_a_hostile_ledger(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with open(tmp_path / LEDGER, "w") as fh:
+        for i in range(3):
+            fh.write(json.dumps(_ev("start", 100.0 + i, resumed_from=math.nan)) + "\n")
+            fh.write(json.dumps(_ev("stop", math.nan, reason="signal", step=math.nan, committed_step=i)) + "\n")
+        fh.write("x" * (3 << 20) + "\n")  # no event hpcckpt writes is this long: skipped, never held whole
+        fh.write(json.dumps(_ev("stop", 200.0, reason="done", step=5)) + "\n")
+    assert main(["history", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    assert "4_1" in table and "unknown" not in table.splitlines()[0] and "finished" in table
+    tracemalloc.start()
+    folded = load(tmp_path)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert folded.finished and len(folded.runs) == 3
+    assert peak < 5 << 19, f"history held {peak} bytes for a ledger with one 3 MiB line"  # 2.5 MiB
+
+
+def test_cli_requeue_does_nothing_when_the_run_already_did(tmp_path: Path) -> None:
+    Ledger(tmp_path).append("stop", reason="signal", step=3, committed_step=3, requeue=True)
+    Ledger(tmp_path).append("requeue", method="successor", requeued=True, successor_job_id="77",
+                            detail="submitted successor job 77")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "HPCCKPT_"))}
+    proc = subprocess.run([sys.executable, "-m", "hpcckpt.cli", "requeue", "--dir", str(tmp_path), "--json"],
+                          capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["already"] is True
+    assert [e["event"] for e in Ledger(tmp_path).events()] == ["stop", "requeue"]  # no second record
