@@ -18,15 +18,19 @@ Call sequence (every rank, collective)::
 from __future__ import annotations
 
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import numpy as np
+import torch
+
 from .engines import load_rank
-from .errors import ConfigError, HpcckptError
+from .errors import CheckpointCorrupt, ConfigError, HpcckptError
 from .ranks import Ranks
-from .state import Flat
+from .state import Flat, unflatten
 from .store import catalog
 
 log = logging.getLogger("hpcckpt")
@@ -70,7 +74,7 @@ def _key(info: catalog.CheckpointInfo) -> str:
 
 
 def _read(root: Path, step: int, ranks: Ranks, into: Mapping[str, Any] | None,
-          stats: dict[str, Any]) -> tuple[int, Flat | None, str]:
+          stats: dict[str, Any], accept: Callable[[Flat], None] | None = None) -> tuple[int, Flat | None, str]:
     """(code, state, problem) of this rank's part of candidate ``step``, as this rank sees it."""
     info = catalog.inspect_step(root, step)
     if info is None:
@@ -78,7 +82,11 @@ def _read(root: Path, step: int, ranks: Ranks, into: Mapping[str, Any] | None,
     if info.status != "committed":  # fails a cheap check here although the coordinator's passed
         return CORRUPT, None, "; ".join(info.problems) or info.status
     try:
-        return OK, load_rank(info, ranks.rank, ranks.world, into=into, stats=stats), ""
+        flat = load_rank(info, ranks.rank, ranks.world, into=into, stats=stats)
+        check_restorable(flat, into)
+        if accept is not None:
+            accept(flat)
+        return OK, flat, ""
     except ConfigError:
         raise  # another world size: the same answer on every rank, and the user's to fix
     except Exception as exc:  # noqa: BLE001 - anything a damaged file makes a reader raise
@@ -88,13 +96,40 @@ def _read(root: Path, step: int, ranks: Ranks, into: Mapping[str, Any] | None,
     return CORRUPT, None, problem
 
 
+def check_restorable(flat: Flat, live: Mapping[str, Any] | None) -> None:
+    """Raise CheckpointCorrupt naming what of a verified checkpoint cannot be restored into
+    this job, before anything is restored: its RNG states (tried on private generators,
+    no global state touched) and the shape and dtype of every tensor the live state holds."""
+    try:
+        rng = unflatten(flat.meta["rng"], flat.tensors)
+        py = rng["python"]
+        random.Random().setstate((py[0], tuple(py[1]), py[2]))
+        n = rng["numpy"]
+        np.random.RandomState().set_state((n[0], n[1], int(n[2]), int(n[3]), float(n[4])))
+        torch.Generator().set_state(rng["torch"])
+    except Exception as exc:  # noqa: BLE001 - whatever a generator refuses
+        raise CheckpointCorrupt(f"its RNG state cannot be restored ({type(exc).__name__}: {exc})") from None
+    for name, saved in flat.tensors.items():
+        now = (live or {}).get(name)
+        if isinstance(now, torch.Tensor) and isinstance(saved, torch.Tensor) and (
+                tuple(now.shape) != tuple(saved.shape) or now.dtype != saved.dtype):
+            raise CheckpointCorrupt(
+                f"state tensor {name!r} was saved as {tuple(saved.shape)} {saved.dtype} but is "
+                f"{tuple(now.shape)} {now.dtype} in this job; it cannot be restored into the model as it is now")
+
+
 def load_newest(root: Path, ranks: Ranks, *, into: Callable[[], Mapping[str, Any] | None] | None = None,
-                on_skip: Callable[[int, str], None] | None = None) -> Outcome:
-    """The newest committed checkpoint every rank can read, or an outcome without state.
+                on_skip: Callable[[int, str], None] | None = None,
+                accept: Callable[[Flat], None] | None = None) -> Outcome:
+    """The newest committed checkpoint every rank can read and restore, or an outcome without state.
 
     ``into``: called once, before the first read, for the live tensors to read into
     (``TrainState.capture``); ``on_skip(step, problem)`` runs on every rank for each
-    damaged checkpoint passed over. Collective over ``ranks``.
+    damaged checkpoint passed over. A checkpoint that reads back intact but cannot be
+    restored here (``check_restorable``: RNG state the generators refuse, a tensor whose
+    shape or dtype differs from the live one; or whatever ``accept(flat)``, e.g. the
+    restore itself, raises) is passed over the same way, with that reason.
+    Collective over ``ranks``.
     """
     out = Outcome()
     tried: set[str] = set()
@@ -110,7 +145,7 @@ def load_newest(root: Path, ranks: Ranks, *, into: Callable[[], Mapping[str, Any
             if not asked:
                 live, asked = (into() if into is not None else None), True
             stats: dict[str, Any] = {}
-            code, flat, problem = _read(root, int(cand["step"]), ranks, live, stats)
+            code, flat, problem = _read(root, int(cand["step"]), ranks, live, stats, accept)
             agreed = ranks.max(code)
             if agreed != OK and stats.get("in_place_bytes", 0) > 0:
                 out.overwritten = True

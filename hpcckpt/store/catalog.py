@@ -16,8 +16,11 @@ from .hdf5 import TensorEntry
 from .lock import reader_lock
 from .manifest import validate
 
-STEP_RE = re.compile(r"^step-(\d+)$")
-STEP_TMP_RE = re.compile(r"^step-(\d+)\.tmp-")
+# Exactly the names ``step_name`` writes: ASCII digits, no leading zero, nothing after
+# (``\Z``, not ``$``, which also matches before a trailing newline). Any other name
+# (``step-0099``, ``step-99\n``, other scripts' digits) is not a checkpoint and is ignored.
+STEP_RE = re.compile(r"\Astep-(0|[1-9][0-9]*)\Z")
+STEP_TMP_RE = re.compile(r"\Astep-(0|[1-9][0-9]*)\.tmp-")
 STALE_TMP_AGE_S = 600.0
 SCAN_ATTEMPTS = 50
 
