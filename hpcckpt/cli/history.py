@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         f"{_fmt(r.save_s, 's'):>7} {_fmt(r.queue_wait_s, 's'):>7} {_fmt(r.restore_s, 's'):>7}  {_requeue(r)}"
         for r in rows]
     info = summary(folded, rows)
+    lines += [f"! #{r.index}: job {r.job_id} superseded: {r.requeue_detail}" for r in rows if r.cause == "superseded"]
     lines += [f"! #{r.index}: rank(s) {', '.join(map(str, r.failed_ranks))} failed; the survivors saved step "
               f"{_fmt(r.committed_step)} just in time" for r in rows if r.failed_ranks]
     unknown = f" (+ unknown in {info['lost_steps_unknown']})" if info["lost_steps_unknown"] else ""

@@ -21,7 +21,8 @@ from ..cluster.causes import RunRecord, classify, match_run, slurm_runs
 from .ledger import Ledger
 
 Event = Mapping[str, Any]
-MAX_FAILED_DUMPS = 100  # failed CRIU dumps listed (the newest)
+MAX_FAILED_DUMPS = 100  # failed CRIU dumps (and superseded restarts) listed: the newest
+SUPERSEDED = "superseded"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,8 +139,12 @@ class Fold:
     runs: list[RunSummary] = field(default_factory=list)
     finished: bool = False
     failed_dumps: list[dict[str, Any]] = field(default_factory=list)
+    superseded: list[dict[str, Any]] = field(default_factory=list)  # restarts refused: another job had the directory
 
     def add(self, ev: Event) -> None:
+        if ev.get("event") == SUPERSEDED:  # written by a loser while the winner runs: no run of its own
+            self.superseded = [*self.superseded[-(MAX_FAILED_DUMPS - 1):], dict(ev)]
+            return
         if ev.get("event") in {"start", "criu_restore"} or not self.runs:
             self.runs.append(RunSummary(head=dict(ev)))
         self.runs[-1].add(ev)
@@ -224,7 +229,18 @@ def interruptions(events: Iterable[Event] | Fold, *, slurm: Sequence[RunRecord] 
         if run.stop is None and nxt is None:
             continue  # still running (or the last run vanished without a trace)
         out.append(_interruption(len(out) + 1, run, nxt, slurm))
-    return out
+    return out + [_superseded(len(out) + i + 1, ev) for i, ev in enumerate(folded.superseded)]
+
+
+def _superseded(index: int, ev: Event) -> Interruption:
+    """A run that did not start because another job held the directory (a duplicate after a
+    requeue in doubt, or a successor): nothing was lost; who had it is in the detail."""
+    return Interruption(
+        index=index, job_id=_str(ev.get("job_id")), restart_count=_int(ev.get("restart_count")),
+        cause="superseded", slurm_state=None, signal=None, signal_time=_float(ev.get("time")),
+        step_at_signal=None, stop_step=None, committed_step=None, resumed_step=None, lost_steps=0,
+        save_s=None, queue_wait_s=None, restore_s=None, requeue_method=None,
+        requeue_detail=_str(ev.get("detail")), requeued=False, resumed_by=_str(ev.get("by_job_id")))
 
 
 def summary(events: Iterable[Event] | Fold, rows: Sequence[Interruption]) -> dict[str, Any]:
@@ -233,6 +249,13 @@ def summary(events: Iterable[Event] | Fold, rows: Sequence[Interruption]) -> dic
     return {"interruptions": len(rows), "finished": folded.finished, "lost_steps_total": sum(lost),
             "lost_steps_unknown": sum(1 for r in rows if r.lost_steps is None),
             "causes": sorted({r.cause for r in rows})}
+
+
+def record_superseded(ledger: Ledger, *, holder: str, holder_job_id: str | None) -> None:
+    """For the run that finds another live job writing its directory (the writer lease is
+    held): one ``superseded`` event naming that job; the run then exits quietly (status 0)."""
+    ledger.append(SUPERSEDED, detail=f"another job holds the checkpoint directory: {holder}",
+                  by_job_id=holder_job_id)
 
 
 def load(ckpt_dir: Path) -> Fold:

@@ -143,6 +143,8 @@ def test_history_of_array_tasks_with_causes_successors_and_unknown_losses() -> N
         _ev("commit", 155.0, job="8_1", step=float("nan"), save_s=float("nan")),
         _ev("commit", 156.0, job="8_1", step=18, save_s=0.1),
         # killed without a stop: how far it got past step 18 is unknown
+        _ev("superseded", 189.0, job="4_1", restart_count=2, by_job_id="8_1",
+            detail="another job holds the checkpoint directory: host h, PID 7, Slurm job 8_1"),
         _ev("start", 190.0, job="8_1", restart_count=1, resumed_from=18),
         _ev("stop", 200.0, job="8_1", reason="done", step=30, committed_step=30),
     ]
@@ -150,7 +152,8 @@ def test_history_of_array_tasks_with_causes_successors_and_unknown_losses() -> N
     assert [(r.job_id, r.cause, r.lost_steps, r.successor_job_id, r.resumed_by) for r in rows] == [
         ("4_1", "operator_requeue", 0, None, "4_1"),
         ("4_1", "signal", 0, "8_1", "8_1"),
-        ("8_1", "unknown", None, None, "8_1")]
+        ("8_1", "unknown", None, None, "8_1"),
+        ("4_1", "superseded", 0, None, "8_1")]
     assert summary(ledger, rows)["lost_steps_unknown"] == 1
 
 
