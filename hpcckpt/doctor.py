@@ -265,8 +265,14 @@ def check_grace_time(ctx: DoctorContext) -> list[Check]:
             detail=f"partition {part.get('PartitionName')}: PreemptMode={mode}, GraceTime={grace:.0f}s; "
                    f"final save needs ~{save:.1f}s",
             fix="" if ok else f"ask the admins for GraceTime>={int(save * 1.5 + 3)} on this partition, or "
-                              "checkpoint more often (every_steps) so little is lost"))
+                              + ("take periodic images (`hpcckpt run --mode criu --dump-every SECONDS`) so little "
+                                 "is lost" if _is_criu(ctx) else
+                                 "checkpoint more often (every_steps) so little is lost")))
     return out
+
+
+def _is_criu(ctx: DoctorContext) -> bool:
+    return bool(re.search(r"--mode[= ]criu", ctx.script_text or ""))
 
 
 def protected_symlinks(ctx: DoctorContext, proc: Path = Path("/proc/sys/fs")) -> list[Check]:
@@ -286,9 +292,71 @@ def protected_symlinks(ctx: DoctorContext, proc: Path = Path("/proc/sys/fs")) ->
                   data={"sysctl": values})]
 
 
+def slurm_version(ctx: DoctorContext) -> tuple[int, int] | None:
+    match = re.match(r"(\d+)\.(\d+)", (ctx.slurm_config or {}).get("SLURM_VERSION", ""))
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def sends_user_signal(config: dict[str, str]) -> bool:
+    """``PreemptParameters=send_user_signal`` (Slurm >= 23.02), or its older spelling
+    ``SchedulerParameters=preempt_send_user_signal`` (22.05 and before)."""
+    return ("send_user_signal" in config.get("PreemptParameters", "").split(",")
+            or "preempt_send_user_signal" in config.get("SchedulerParameters", "").split(","))
+
+
+def check_preempt_signal(ctx: DoctorContext) -> list[Check]:
+    """What a GraceTime preemption sends, and what that means for each mode."""
+    if ctx.slurm_config is None:
+        return []
+    kill_wait = ctx.slurm_config.get("KillWait", "?")
+    on = sends_user_signal(ctx.slurm_config)
+    said = ("PreemptParameters=send_user_signal is set: a GraceTime preemption sends the job's --signal at its "
+            "start" if on else
+            "PreemptParameters=send_user_signal is not set: a GraceTime preemption sends nothing at its start, "
+            "it only pulls the job's end time in")
+    detail = (f"{said}; at the grace's end (and at the time limit) every process gets TERM, then KILL "
+              f"KillWait={kill_wait} later. In-process (Checkpointer, --mode app): the job stops at the next "
+              "step on the --signal, on the moved end time (read every 15 s) or on TERM, and its final save must "
+              "fit GraceTime. CRIU (--mode criu): the supervisor dumps on the --signal, on the moved end time "
+              "(read every --end-poll-s) or on TERM (the job itself ignores TERM); a dump that starts at TERM "
+              f"must fit KillWait={kill_wait} s.")
+    return [Check(name="preemption signal", ok=True, level="ok" if on else "info", detail=detail,
+                  fix="" if on else "ask the admins for PreemptParameters=send_user_signal (Slurm 22.05: "
+                                    "SchedulerParameters=preempt_send_user_signal); hpcckpt works without it",
+                  data={"send_user_signal": on})]
+
+
+def check_requeue_expedite(ctx: DoctorContext) -> list[Check]:
+    version = slurm_version(ctx)
+    if version is None:
+        return []
+    ok = version >= (25, 11)
+    return [Check(name="--requeue=expedite", ok=True, level="ok" if ok else "info",
+                  detail=(f"Slurm {version[0]}.{version[1]} " + ("supports --requeue=expedite (a requeued job "
+                          "starts again first)" if ok else "has no --requeue=expedite (25.11+); templates use "
+                          "plain --requeue")),
+                  data={"expedite": ok})]
+
+
+def check_criu_script(ctx: DoctorContext) -> list[Check]:
+    """A CRIU-mode batch script must dump on TERM: that is what a preemption sends."""
+    text = ctx.script_text or ""
+    match = re.search(r"hpcckpt(?:\.cli)?\s+run\b[^\n]*(?:\\\n[^\n]*)*", text)
+    if match is None or "--mode app" in match.group(0):
+        return []
+    sig = re.search(r"--signal[= ]\s*\"?(?:\$\{[A-Z_]+:-)?([A-Z0-9,]+)", match.group(0))
+    names = {n.removeprefix("SIG") for n in (sig.group(1).split(",") if sig else ["USR2", "TERM"])}
+    ok = "TERM" in names
+    return [Check(name="criu dump signals", ok=ok, level="ok" if ok else "warn",
+                  detail=f"hpcckpt run --mode criu dumps on {','.join(sorted(names))}",
+                  fix="" if ok else "add TERM: `--signal USR2,TERM` (a preemption and the time limit send TERM; "
+                                    "without it the job is lost at a preemption)")]
+
+
 CHECKS: list[Callable[[DoctorContext], list[Check]]] = [
     check_slurm, check_job_requeue, check_requeue_permission, check_signal_lead,
-    check_signal_delivery, check_signal_choice, check_grace_time, protected_symlinks,
+    check_signal_delivery, check_signal_choice, check_grace_time, check_preempt_signal,
+    check_requeue_expedite, check_criu_script, protected_symlinks,
 ]
 
 

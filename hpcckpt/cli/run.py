@@ -25,9 +25,17 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=("criu", "app"), default="criu")
     p.add_argument("--dir", type=Path, required=True, help="run directory (images go to DIR/criu/)")
-    p.add_argument("--signal", default="USR2",
-                   help="signal(s) that trigger a dump, comma-separated (default USR2; match "
-                        "`#SBATCH --signal=B:USR2@90`; USR1 may be taken by NCCL)")
+    p.add_argument("--signal", default="USR2,TERM",
+                   help="signal(s) that trigger a dump, comma-separated (default USR2,TERM: match "
+                        "`#SBATCH --signal=B:USR2@90`; TERM is what Slurm sends at a preemption's end and at the "
+                        "time limit; the job itself ignores these; USR1 may be taken by NCCL)")
+    p.add_argument("--dump-every", type=non_negative_seconds, default=0.0, metavar="SECONDS",
+                   help="--mode criu: also take an image every SECONDS while the job runs (criu dump "
+                        "--leave-running; later dumps write only dirtied pages), so a kill without warning loses "
+                        "at most that much (default 0: images only at a stop)")
+    p.add_argument("--end-poll-s", type=non_negative_seconds, default=10.0, metavar="SECONDS",
+                   help="--mode criu under Slurm: read the job's end time this often; a preemption with GraceTime "
+                        "pulls it in, and the job is dumped then (default 10; 0: off)")
     p.add_argument("--keep", type=positive_int, default=2, help="images to keep (default 2)")
     p.add_argument("--on-restore-failure", choices=("app", "fresh", "fail"), default="app",
                    help="app: start CMD again, it resumes from its own checkpoint (default); "
@@ -56,7 +64,21 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
     return RunOptions(dir=run_dir, cmd=tuple(cmd), mode=args.mode, dump_signals=parse_signals(args.signal, option="--signal"),
                       keep=args.keep, on_restore_failure=args.on_restore_failure,
                       dump=DumpOptions(tcp_established=args.tcp_established, ext_unix_sk=args.ext_unix_sk),
-                      cuda_lock_timeout_ms=int(args.cuda_lock_timeout_s * 1000), criu_path=args.criu)
+                      cuda_lock_timeout_ms=int(args.cuda_lock_timeout_s * 1000), criu_path=args.criu,
+                      dump_every_s=args.dump_every, end_poll_s=args.end_poll_s, json_stdout=bool(args.json))
+
+
+def non_negative_seconds(text: str) -> float:
+    """Seconds >= 0 (0 turns the feature off), e.g. 300."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0 (0: off), e.g. 300; got {text!r}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:

@@ -54,7 +54,7 @@ TEMPLATES: dict[str, Template] = {t.name: t for t in (
                        "COMMAND": 'train.py --ckpt "$HPCCKPT_DIR"'}),
     Template(name="criu", source="criu.sbatch.in", output_name="criu.sbatch",
              description="transparent mode: hpcckpt run --mode criu around an unmodified command",
-             defaults={**_COMMON, "JOB_NAME": "hpcckpt-criu", "CPUS_PER_TASK": "2"}),
+             defaults={**_COMMON, "JOB_NAME": "hpcckpt-criu", "CPUS_PER_TASK": "2", "DUMP_EVERY_S": "0"}),
     Template(name="submitit", source="submitit.py.in", output_name="submitit_launcher.py",
              description="submitit AutoExecutor launcher (Checkpointable + @preemptible)",
              defaults={"JOB_NAME": "hpcckpt-train", "TIME_MIN": "240", "LEAD_S": "180",
@@ -84,6 +84,7 @@ def render(name: str, overrides: dict[str, str] | None = None) -> str:
     for key, value in values.items():
         if "\n" in value and key != "COMMAND":
             raise ConfigError(f"template parameter {key} must be one line, got {value!r}")
+        _check_value(key, value)
     quoted = {key: _quote(key, value) for key, value in values.items()}
     return _PLACEHOLDER.sub(lambda m: quoted[m.group(1)], tpl.text())
 
@@ -94,6 +95,30 @@ _SBATCH_VALUES = {"JOB_NAME", "OUTPUT"}
 # Values that land inside a double-quoted shell string: `$` stays live on purpose
 # (the default RUN_DIR is "$PWD/..."), everything else is taken literally.
 _SHELL_DQ_VALUES = {"RUN_DIR"}
+
+
+_SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^(?i:unlimited|infinite)$")
+_COUNTS = {"CPUS_PER_TASK", "NODES", "TASKS_PER_NODE", "PROCS_PER_NODE", "TIME_MIN", "STEPS"}
+
+
+def _check_value(key: str, value: str) -> None:
+    """A value sbatch could not read is refused here, naming the parameter and an example."""
+    if key == "SIGNAL":
+        from hpcckpt.config import parse_signal
+
+        try:
+            parse_signal(value)
+        except ConfigError:
+            raise ConfigError(f"template parameter SIGNAL={value!r}: `#SBATCH --signal` takes ONE signal, e.g. "
+                              "SIGNAL=USR2 (the criu template dumps on TERM as well already)") from None
+    elif key == "LEAD_S" and not (value.isdigit() and int(value) <= 65535):
+        raise ConfigError(f"template parameter LEAD_S={value!r}: whole seconds 0-65535, e.g. LEAD_S=180")
+    elif key == "TIME" and not _SLURM_TIME.match(value):
+        raise ConfigError(f"template parameter TIME={value!r}: a Slurm time such as 04:00:00, 90, 1-12:00:00")
+    elif key in _COUNTS and not (value.isdigit() and int(value) > 0):
+        raise ConfigError(f"template parameter {key}={value!r}: a whole number > 0, e.g. {key}=2")
+    elif key == "DUMP_EVERY_S" and not re.fullmatch(r"\d+(\.\d+)?", value):
+        raise ConfigError(f"template parameter DUMP_EVERY_S={value!r}: seconds >= 0 (0: off), e.g. 600")
 
 
 def _quote(key: str, value: str) -> str:

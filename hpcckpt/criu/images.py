@@ -8,6 +8,7 @@ already published. Older images are kept (``keep``) for inspection and manual us
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import struct
@@ -183,16 +184,50 @@ def verify(image: Image) -> dict[str, Any]:
     return manifest
 
 
+PARENT = "parent"  # criu's link from an image to the one holding its unchanged pages
+
+
+def parent(image: Image) -> Image | None:
+    """The image ``image`` takes unchanged pages from (criu's ``parent`` link), if any.
+
+    CheckpointCorrupt when the link names anything but a sibling image directory."""
+    link = image.path / PARENT
+    if not link.is_symlink():
+        return None
+    name = Path(os.readlink(link)).name
+    seq = seq_of(name)
+    target = image.path.parent / name
+    if seq is None or seq >= image.seq or not target.is_dir():
+        raise CheckpointCorrupt(f"{image.path} takes pages from {os.readlink(link)!r}, which is not an older "
+                                f"image beside it (missing or moved); it cannot be restored")
+    return Image(path=target, seq=seq)
+
+
+def chain(image: Image) -> list[Image]:
+    """``image`` and every image it takes pages from, newest first."""
+    out = [image]
+    while (up := parent(out[-1])) is not None:
+        out.append(up)
+    return out
+
+
 def prune(root: Path, *, keep: int) -> list[Path]:
-    """Keep the newest ``keep`` images (never the one LATEST names); drop stale temp dirs.
+    """Keep the newest ``keep`` images and every image they take pages from (never the one
+    LATEST names); drop stale temp dirs.
 
     Call under ``writer_lock(root)``: then no temp directory can belong to a live writer.
     """
     removed: list[Path] = []
     images = committed(root)
     latest = read_latest(root)
+    needed = set()
+    for im in images[-max(keep, 1):]:
+        try:
+            needed |= {up.name for up in chain(im)}
+        except CheckpointCorrupt:
+            needed.add(im.name)
     for im in images[: max(0, len(images) - max(keep, 1))]:
-        if im.name != latest:
+        if im.name != latest and im.name not in needed:
             shutil.rmtree(im.path, ignore_errors=True)
             removed.append(im.path)
     for entry in root.iterdir() if root.is_dir() else []:

@@ -5,11 +5,15 @@ a /proc of their own (libcuda builds /proc paths from its own getpid()/gettid(),
 the /proc must match the PID namespace). It imports nothing from hpcckpt and is never
 part of a CRIU image: images hold only the job's tree, rooted at PID 2.
 
-``start STDOUT STDERR -- CMD...``: closes every inherited fd above 2 (an fd opened in
+``start [--ignore=SIGNUM,...] STDOUT STDERR -- CMD...``: closes every inherited fd above 2 (an fd opened in
 the parent's mount namespace names a mount criu cannot find in this one: "Can't lookup
 mount=N for fd=..."), and forks CMD as PID 2 in a session of its own (criu dumps a tree
 whose session leader is inside it), opening the job's stdio in that child only: our
-own stdout/stderr stay unshare's log, never the job's files.
+own stdout/stderr stay unshare's log, never the job's files. ``--ignore`` sets those
+signals to SIG_IGN in the job before exec (kept across exec, inherited by its children,
+recorded in its images): the dump signals, above all TERM, which Slurm sends to every
+process of a job at a preemption's end or the time limit; the job must still be there
+when the supervisor dumps it. A job that installs its own handler still gets them.
 
 ``restore STATUS_FD LAST_PID PIDFILE OLD_OUT NEW_OUT OLD_ERR NEW_ERR -- CRIU restore ARGS...``:
 opens the new stdio files here (same reason), moves the PID counter past every PID
@@ -58,7 +62,7 @@ def _redirect(stdout_path, stderr_path):
         os.close(fd)
 
 
-def _spawn_job(cmd, stdout_path, stderr_path):
+def _spawn_job(cmd, stdout_path, stderr_path, ignore=()):
     # The job's stdio is set up in the child only: our own fds 1/2 stay unshare's log, so
     # nothing we write (after a dump, say) can change a file the job's image records.
     child = os.fork()
@@ -69,6 +73,8 @@ def _spawn_job(cmd, stdout_path, stderr_path):
             os.write(2, ("hpcckpt nsinit: cannot open the job's stdio: %s\n" % exc).encode())
             os._exit(127)
         try:
+            for signum in ignore:
+                signal.signal(signum, signal.SIG_IGN)
             os.setsid()
             os.execvp(cmd[0], cmd)
         except OSError as exc:
@@ -135,7 +141,15 @@ class Init:
         return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
+def _ignored(argv):
+    """``--ignore=15,12`` at the head of argv: those signal numbers, and the rest of argv."""
+    if argv and argv[0].startswith("--ignore="):
+        return [int(n) for n in argv[0][len("--ignore="):].split(",") if n], argv[1:]
+    return [], argv
+
+
 def start(argv):
+    ignore, argv = _ignored(argv)
     if len(argv) < 4 or argv[2] != "--":
         sys.stderr.write(__doc__)
         return 2
@@ -144,7 +158,7 @@ def start(argv):
     os.dup2(fd, 0)
     os.close(fd)
     init = Init()
-    init.adopt(_spawn_job(argv[3:], argv[0], argv[1]))
+    init.adopt(_spawn_job(argv[3:], argv[0], argv[1], ignore))
     # To unshare's log (our fd 1): proof for the supervisor that a job which is gone
     # before it was seen did run, rather than the namespaces failing.
     try:

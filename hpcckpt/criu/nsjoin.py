@@ -13,6 +13,9 @@ holder process named ``hpcckpt-hold`` is parked under the namespace's init: criu
 kills the dumped job at the end of a dump, and the init (nsinit) must not exit, and
 take criu down with its namespace, until criu has finished. The holder lives until
 this helper exits (it waits for EOF on a pipe whose write end only we hold).
+This helper, the holder and CMD run with TERM, INT and HUP ignored: Slurm sends TERM to every process of the job
+(criu included) at a preemption's end or the time limit, and a criu killed mid-dump
+would lose the dump that signal asks for; the supervisor ends criu with SIGKILL.
 Exit status: CMD's (128 + signal when killed), 125 when the namespaces cannot be joined.
 """
 import ctypes
@@ -61,6 +64,8 @@ def main(argv):
         sys.stderr.write(__doc__)
         return 2
     host_pid, cmd = argv[0], argv[2:]
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)  # inherited by the holder and criu (see above)
     try:
         _setns("/proc/%s/ns/pid" % host_pid, CLONE_NEWPID)
         _setns("/proc/%s/ns/mnt" % host_pid, CLONE_NEWNS)

@@ -141,17 +141,20 @@ def _job_of(unshare: subprocess.Popen, log: Path, *, timeout_s: float, stdout: P
 
 
 def launch(cmd: list[str], *, stdout: Path, stderr: Path, log: Path, env: dict[str, str] | None = None,
-           cwd: Path | None = None) -> Job:
+           cwd: Path | None = None, ignore: tuple[signal.Signals, ...] = ()) -> Job:
     """Start ``cmd`` as PID 2 of fresh PID + mount namespaces with stdio to the given files.
 
     unshare's and nsinit's own messages go to ``log``, never to the job's files:
     anything written to those after a dump would make the image unrestorable.
+    ``ignore``: signals the job starts with ignored (the dump signals: the scheduler's
+    TERM reaches every process of the job, and only the supervisor may act on it).
     """
     stdout, stderr = Path(os.path.realpath(stdout)), Path(os.path.realpath(stderr))
     for p in (stdout, stderr, log):
         p.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as log_f:
-        proc = subprocess.Popen(_nsinit("start", str(stdout), str(stderr), "--", *cmd), stdin=subprocess.DEVNULL,
+        ignored = "--ignore=" + ",".join(str(int(sig)) for sig in ignore)
+        proc = subprocess.Popen(_nsinit("start", ignored, str(stdout), str(stderr), "--", *cmd), stdin=subprocess.DEVNULL,
                                 stdout=log_f, stderr=log_f, env=env, cwd=cwd)
     try:
         return _job_of(proc, log, timeout_s=30.0, stdout=stdout, stderr=stderr)
@@ -226,13 +229,20 @@ def _run_criu(argv: list[str], what: str, *, log: Path, timeout_s: float) -> Non
         raise CriuError(f"criu {what} failed (exit {proc.returncode}): {said}; full log: {log}")
 
 
-def dump(criu: Criu, job: Job, image_dir: Path, *, log: Path, opts: DumpOptions) -> None:
+def dump(criu: Criu, job: Job, image_dir: Path, *, log: Path, opts: DumpOptions, leave_running: bool = False,
+         parent: str | None = None) -> None:
     """Dump the job's tree (PID 2 and below) into ``image_dir`` from inside its namespaces.
 
-    The job is gone afterwards. On failure criu resumes the tree, so the job keeps running.
+    The job is gone afterwards, unless ``leave_running`` (a periodic image); then memory
+    is tracked too (``--track-mem``: soft-dirty bits cleared), so that a later dump given
+    ``parent`` (an image of this same run, a sibling directory of ``image_dir``) writes
+    only the pages dirtied since; criu links the new image to it (``parent``), and a
+    restore reads the rest from there. On failure criu resumes the tree, so the job keeps running.
     """
     argv = [sys.executable, "-I", "-S", str(NSJOIN), str(job.init_pid), "--", str(criu.path),
             "dump", "-t", str(JOB_INNER_PID), "-D", str(image_dir), "--ghost-limit", str(opts.ghost_limit_bytes),
+            *(["--leave-running", "--track-mem"] if leave_running else []),
+            *(["--prev-images-dir", f"../{parent}"] if parent else []),
             *_shared_flags(opts), "-o", str(log), "-v4"]
     _run_criu(argv, "dump", log=log, timeout_s=opts.timeout_s)
 

@@ -99,6 +99,7 @@ from ..store.commit import Transaction, atomic_write
 from ..store.lock import writer_lock
 from . import images, ops
 from .locate import Criu, find_criu
+from .watch import EndTimeWatch, Progress, Tee
 
 MODES = ("criu", "app")
 FALLBACKS = ("app", "fresh", "fail")
@@ -108,6 +109,10 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signa
 # hang-up): a job that ends while one is pending has not reached its natural end.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGXCPU)
 CONSUMED = "CONSUMED"
+# When the dumpability check runs (seconds after the job starts or is restored): early,
+# and again once a launcher such as torchrun has started its workers.
+CHECK_AT_S = (5.0, 45.0)
+MAX_CHAIN = 8  # images in a --track-mem chain (each holding only what the one before lacks)
 STALE = images.STALE
 NS_LAYOUT = 2  # images of the job tree at PID 2, dumped from inside its namespaces
 
@@ -121,12 +126,15 @@ class RunOptions:
     dir: Path
     cmd: tuple[str, ...]
     mode: str = "criu"
-    dump_signals: tuple[signal.Signals, ...] = (signal.SIGUSR2,)
+    dump_signals: tuple[signal.Signals, ...] = (signal.SIGUSR2, signal.SIGTERM)
     keep: int = 2
+    dump_every_s: float = 0.0  # periodic images (criu dump --leave-running); 0: only at a stop
+    end_poll_s: float = 10.0  # under Slurm: how often the end time is read (a preemption pulls it in)
     on_restore_failure: str = "app"
     dump: ops.DumpOptions = field(default_factory=ops.DumpOptions)
     cuda_lock_timeout_ms: int = 60_000
     criu_path: str | None = None
+    json_stdout: bool = False  # our stdout carries --json: the job's stdout is copied to stderr
 
     def __post_init__(self) -> None:
         from ..errors import ConfigError
@@ -159,6 +167,10 @@ class Outcome:
                 "images": self.images, "detail": self.detail}
 
 
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 def exit_code_of(status: int) -> int:
     return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
@@ -183,6 +195,13 @@ class Supervisor:
         self._criu: Criu | None = None
         self.outcome = Outcome(exit_code=1, action="exited")
         self.tag = _incarnation()
+        self.acct = Progress()
+        self._tee: Tee | None = None
+        self._checks_at = list(CHECK_AT_S)
+        self._watch: EndTimeWatch | None = None
+        self._parent: str | None = None  # this run's last image, dumped with --track-mem
+        self._last_dump = time.monotonic()
+        self._dumped_at_s = 0.0
 
     # -- signals: record only -------------------------------------------------
     def _record(self, signum: int, _frame: FrameType | None) -> None:
@@ -207,7 +226,10 @@ class Supervisor:
 
     # -- entry ------------------------------------------------------------------
     def run(self) -> Outcome:
-        outcome = self._run()
+        try:
+            outcome = self._run()
+        finally:
+            self._close_tee()
         driver = sys.modules.get("hpcckpt.cuda.driver")
         if driver is not None:  # should a driver call still be blocked at exit: leave with this status
             driver.set_exit_status(outcome.exit_code)
@@ -246,6 +268,10 @@ class Supervisor:
             code = self._reap(job)
             if code is not None:
                 return self._job_exited(code, dumped=False)
+            if dumps:
+                result = self._duties(job)
+                if result is not None:
+                    return result
             while self.pending:
                 sig = self.pending.pop(0)
                 if dumps and sig in self.opts.dump_signals:
@@ -260,9 +286,24 @@ class Supervisor:
     def _job_exited(self, code: int, *, dumped: bool) -> int:
         self.log(f"job exited with status {code}")
         self.outcome.action = "exited"
-        if self.opts.mode == "criu" and not dumped:
-            self._mark_consumed()
+        if self.opts.mode != "criu" or dumped:
+            return code
+        if self._killed_from_outside(code):
+            self.log(f"the job was killed from outside (status {code}) without a dump: not its natural end; the "
+                     "newest image stays the one the next run restores (what it did since is lost)")
+            self._stop_record("killed", exit_code=code)
+            return code
+        self._stop_record("done" if code == 0 else "error", exit_code=code)
+        self._mark_consumed()
         return code
+
+    def _killed_from_outside(self, code: int) -> bool:
+        return code > 128 and (code - 128 in (signal.SIGKILL, *STOP_SIGNALS) or self._told_to_stop())
+
+    def _stop_record(self, reason: str, *, progress_s: float | None = None, **fields: Any) -> None:
+        """One ``stop`` per run: why it ended and how far the job had got (seconds of running)."""
+        self.ledger.append("stop", reason=reason, mode="criu", step=None,
+                           progress_s=self.acct.now() if progress_s is None else progress_s, **fields)
 
     def _mark_consumed(self) -> None:
         try:
@@ -315,10 +356,33 @@ class Supervisor:
         if fallback:
             env["HPCCKPT_CRIU_FALLBACK"] = fallback
         job = ops.launch(list(self.opts.cmd), stdout=out, stderr=err, env=env,
-                         log=self.root / "logs" / f"unshare-{self.tag}.log")
+                         log=self.root / "logs" / f"unshare-{self.tag}.log", ignore=self._ignored())
         self.log(f"started {' '.join(self.opts.cmd)!r} in new PID + mount namespaces (host PID {job.app_pid}); "
                  f"stdout {out}, stderr {err}")
+        self._started(job, image=None, progress_s=0.0)
+        self.ledger.append("start", mode="criu", resumed_from=None, image=None, progress_s=0.0,
+                           fallback=fallback, **Progress.lost_since(self.ledger.read(), 0.0))
         return job
+
+    def _ignored(self) -> tuple[signal.Signals, ...]:
+        """The dump signals, ignored by the job: Slurm's TERM reaches every process of the job,
+        and only the supervisor may act on it (dump first, then the job ends)."""
+        return tuple(s for s in self.opts.dump_signals if s not in (signal.SIGKILL, signal.SIGSTOP))
+
+    def _started(self, job: ops.Job, *, image: str | None, progress_s: float) -> None:
+        self.acct.begin(progress_s)
+        self._last_dump = time.monotonic()
+        self._parent = None
+        self._tee = Tee([(job.stdout, 2 if self.opts.json_stdout else 1), (job.stderr, 2)])
+        self._tee.start()
+        if os.environ.get("SLURM_JOB_ID") and self.opts.end_poll_s > 0:
+            from ..cluster import detect
+
+            self._watch = EndTimeWatch(detect().end_time, poll_s=self.opts.end_poll_s)
+
+    def _close_tee(self) -> None:
+        if self._tee is not None:
+            self._tee.close()
 
     def _restore_or_start(self) -> ops.Job | None:
         try:
@@ -326,7 +390,8 @@ class Supervisor:
         except NoCheckpoint:
             return self._start_fresh(None)
         if self._consumed() == image.name:
-            self.log(f"{image.path} belongs to a run that already finished; starting fresh")
+            self.log(f"{image.path} belongs to a run that already finished; starting the command from the "
+                     "beginning")
             return self._start_fresh(None)
         if self._stale(image):
             return self._restore_failed(image, CriuError(
@@ -350,13 +415,17 @@ class Supervisor:
             self.log("--on-restore-failure=fail: not starting the job")
             self.outcome.exit_code, self.outcome.action, self.outcome.detail = 1, "restore-failed", str(exc)
             return None
-        self.log(f"falling back to a fresh start of the command ({fallback})")
+        self.log(f"NOT RESTORED: {image.name} cannot be used ({_first_line(exc)}); the command starts from the "
+                 f"beginning (--on-restore-failure={fallback}; with `app` it resumes from its own checkpoint if it "
+                 "writes one)")
         return self._start_fresh(fallback)
 
     def _restore(self, image: images.Image) -> ops.Job:
         t0 = time.monotonic()
         with writer_lock(self.root):
             manifest = images.verify(image)
+            for older in images.chain(image)[1:]:  # the images it takes unchanged pages from
+                images.verify(older)
             if manifest.get("ns_layout") != NS_LAYOUT:
                 raise CriuError(f"{image.path} was dumped by an older hpcckpt (the job's namespace init inside "
                                 "the image); this version restores only images it made itself")
@@ -374,9 +443,12 @@ class Supervisor:
         restore_s = time.monotonic() - t0
         self.log(f"restored {image.name} in {restore_s:.2f} s (verify {verify_s:.2f} s, criu {criu_s:.2f} s) into "
                  f"fresh namespaces; job host PID {job.app_pid}; stdout now {out}")
+        progress_s = float(manifest.get("progress_s") or 0.0)
         self.ledger.append("criu_restore", image=image.name, restore_s=restore_s, verify_s=verify_s,
-                           criu_s=criu_s, bytes=image.bytes_total())
+                           criu_s=criu_s, bytes=image.bytes_total(), progress_s=progress_s,
+                           **Progress.lost_since(self.ledger.read(), progress_s))
         self.outcome.restored_from = image.name
+        self._started(job, image=image.name, progress_s=progress_s)
         return job
 
     def _gpu_plan(self, manifest: dict[str, Any]) -> list[tuple[str, str]] | None:
@@ -410,14 +482,70 @@ class Supervisor:
         self.log(f"CUDA state restored and unlocked for host PIDs {pids}")
 
     # -- dump -------------------------------------------------------------------------
-    def _on_dump_signal(self, job: ops.Job, sig: signal.Signals) -> int | None:
-        self.log(f"received {sig.name}: dumping the job with criu")
-        self.ledger.append("signal", signum=int(sig), signame=sig.name, step=None, source="criu-supervisor")
+    # -- between signals ------------------------------------------------------------
+    def _duties(self, job: ops.Job) -> int | None:
+        """The dumpability check, a preemption seen on the end time, periodic images."""
+        self._check_dumpable(job)
+        if self._watch is not None and self._watch.moved():
+            left = self._watch.remaining_s()
+            self.log(f"the job's end time was pulled in ({left:.0f} s left): a preemption (GraceTime); dumping now")
+            return self._on_dump_signal(job, signal.SIGTERM, cause="preemption", received=False)
+        if self.opts.dump_every_s > 0 and time.monotonic() - self._last_dump >= self.opts.dump_every_s:
+            self._periodic_dump(job)
+        return None
+
+    def _check_dumpable(self, job: ops.Job) -> None:
+        if not self._checks_at or self.acct.run_s() < self._checks_at[0]:
+            return
+        self._checks_at.pop(0)
+        from . import dumpable
+
+        found = dumpable.problems(job.app_pid, tcp_allowed=self.opts.dump.tcp_established)
+        if found:
+            self._checks_at.clear()  # said once
+            for line in dumpable.lines(found):
+                self.log(line)
+        elif self._checks_at:
+            return
+        self.ledger.append("criu_check", ok=not found, problems=[p.as_dict() for p in found],
+                           fix=dumpable.fix(found) if found else "")
+
+    def _periodic_dump(self, job: ops.Job) -> None:
+        """An image while the job runs on (criu dump --leave-running): a kill without warning
+        then loses at most one interval."""
+        self._last_dump = time.monotonic()
+        try:
+            with writer_lock(self.root):
+                self._dump(job, None)
+        except (HpcckptError, OSError) as exc:
+            ended = not self._job_alive(job)
+            self.log(f"periodic CRIU dump failed: {exc}" + ("" if ended else "; the job runs on"))
+            self.ledger.append("criu_dump_failed", error=str(exc), periodic=True, job_ended=ended,
+                               progress_s=self.acct.now())
+
+    def _stop_cause(self, sig: signal.Signals) -> str:
+        """Why a dump signal came: a pulled-in end time is a preemption; one near the end, the limit."""
+        if self._watch is None:
+            return "signal"
+        self._watch.refresh()
+        if self._watch.pulled_in:
+            return "preemption"
+        left = self._watch.remaining_s()
+        return "time_limit" if left is not None and left <= 600 else "signal"
+
+    # -- dump -------------------------------------------------------------------------
+    def _on_dump_signal(self, job: ops.Job, sig: signal.Signals, *, cause: str | None = None,
+                        received: bool = True) -> int | None:
+        cause = cause or self._stop_cause(sig)
+        said = f"received {sig.name}" if received else "preemption notice"
+        self.log(f"{said} ({cause}): dumping the job with criu")
+        self.ledger.append("signal", signum=int(sig) if received else None, signame=sig.name if received else None,
+                           step=None, source="criu-supervisor", cause=cause, progress_s=self.acct.now())
         try:
             with writer_lock(self.root):
                 name = self._dump(job, sig)
         except _CommitFailed as exc:
-            return self._job_lost(job, sig, str(exc))
+            return self._job_lost(job, sig, str(exc), cause)
         except (HpcckptError, OSError) as exc:
             if not self._job_alive(job):
                 # Gone: either it finished by itself while the dump was under way (the lock
@@ -427,11 +555,13 @@ class Supervisor:
                 code = self._gone_status(job)
                 if code is not None and code < 128 and not self._told_to_stop():
                     return self._ended_during_dump(sig, exc, code)
-                return self._job_lost(job, sig, f"{exc}; and the job is gone ({self._how_gone(code)})")
+                return self._job_lost(job, sig, f"{exc}; and the job is gone ({self._how_gone(code)})", cause)
             self._dump_failed(job, sig, exc)
             return None
         self._wait_gone(job)
         self.outcome.images.append(name)
+        self._stop_record(cause, image=name, signame=sig.name, progress_s=self._dumped_at_s)
+        self._close_tee()
         return self._requeue(name)
 
     def _how_gone(self, code: int | None) -> str:
@@ -475,7 +605,7 @@ class Supervisor:
                            exited_itself=True, exit_code=code)
         return self._job_exited(code, dumped=False)
 
-    def _job_lost(self, job: ops.Job, sig: signal.Signals, why: str) -> int:
+    def _job_lost(self, job: ops.Job, sig: signal.Signals, why: str, cause: str) -> int:
         """criu ended the job without a committed image: its state since the last image is
         lost. Requeue so that the next run falls back (the application's own checkpoint or
         a fresh start), never restoring an older image the job had already run past."""
@@ -483,8 +613,11 @@ class Supervisor:
         said = (f"; images up to {stale} are now stale and will not be restored" if stale else "")
         self.log(f"CRIU DUMP FAILED AND THE JOB HAS ENDED: {why}{said}; requeueing so that the next run "
                  f"falls back (--on-restore-failure={self.opts.on_restore_failure})")
-        self.ledger.append("criu_dump_failed", error=why, signame=sig.name, job_ended=True, stale=stale)
+        self.ledger.append("criu_dump_failed", error=why, signame=sig.name, job_ended=True, stale=stale,
+                           progress_s=self.acct.now())
         self._wait_gone(job)
+        self._stop_record(cause, image=None, signame=sig.name, dump_failed=True)
+        self._close_tee()
         return self._requeue(None)
 
     def _wait_gone(self, job: ops.Job) -> None:
@@ -499,7 +632,7 @@ class Supervisor:
         rep = report(job, sig, exc, root=self.root, consumed=self._consumed())
         for line in rep.lines():
             self.log(line)
-        self.ledger.append("criu_dump_failed", job_ended=False, **rep.as_dict())
+        self.ledger.append("criu_dump_failed", job_ended=False, progress_s=self.acct.now(), **rep.as_dict())
         ops.signal_pids(rep.forwarded_to, sig)
 
     def _cuda_checkpoint(self, job: ops.Job) -> tuple[Any, list[int], list[dict[str, Any]]]:
@@ -524,18 +657,20 @@ class Supervisor:
         self.log(f"CUDA state of host PIDs {pids} locked and checkpointed in {time.monotonic() - t0:.2f} s")
         return cu, pids, gpus
 
-    def _resume_cuda(self, cu: Any, pids: list[int], exc: BaseException) -> None:
-        """The dump did not happen: give every live CUDA process its GPU back (all of them,
-        best effort each); if one cannot be, the job is stuck and the error says so."""
+    def _resume_cuda(self, cu: Any, pids: list[int], exc: BaseException | None) -> None:
+        """The dump did not happen, or it left the job running (``exc`` None): give every live
+        CUDA process its GPU back (all of them, best effort each); if one cannot be, the job
+        is stuck and the error says so."""
         from ..cuda.group import resume_all
 
         live = [p for p in pids if proctree.alive(p)]
         try:
             resume_all(cu, live)
         except CudaCheckpointError as cuda_exc:
-            raise CudaCheckpointError(f"{exc}; {cuda_exc}") from exc
+            raise CudaCheckpointError(f"{exc}; {cuda_exc}" if exc else str(cuda_exc)) from exc
         if live:
-            self.log(f"CUDA state of host PIDs {live} restored and unlocked after the failed dump")
+            after = "the failed dump" if exc else "the periodic dump"
+            self.log(f"CUDA state of host PIDs {live} restored and unlocked after {after}")
 
     def _resume_late(self) -> None:
         """A CUDA call reported STUCK after a failed dump may return later, leaving its process
@@ -561,33 +696,52 @@ class Supervisor:
             self.log(f"CUDA state of host PID {late.pid} restored and unlocked after its late {late.what}: "
                      "the job runs on")
 
-    def _dump(self, job: ops.Job, sig: signal.Signals) -> str:
+    def _parent_image(self) -> str | None:
+        """This run's last image, if the job has not been restored since and the chain is short:
+        with ``--track-mem`` the next dump then writes only the pages dirtied after it."""
+        if self._parent is None or not (self.root / self._parent).is_dir():
+            return None
+        depth = len(images.chain(images.Image(path=self.root / self._parent, seq=images.seq_of(self._parent) or 0)))
+        return self._parent if depth < MAX_CHAIN else None
+
+    def _dump(self, job: ops.Job, sig: signal.Signals | None) -> str:
+        """One image: at a stop (``sig``: the job ends with the dump) or periodic (None: it runs on)."""
         self._resume_late()
         criu = self.criu()
         seq = images.next_seq(self.root)
         name = images.image_name(seq)
+        parent = self._parent_image()
+        self._dumped_at_s = self.acct.now()  # how far the job had got when it was stopped for the dump
         cu, cuda, gpus = self._cuda_checkpoint(job)
         dumped = False
         try:  # from the CUDA checkpoint to criu's result: any failure gives the GPUs back
             cuda_inner = [proctree.inner_pid(p) or p for p in cuda]
             with Transaction(self.root, name) as tx:
                 t0 = time.monotonic()
-                ops.dump(criu, job, tx.path, log=self.root / "logs" / f"dump-{seq:06d}.log", opts=self.opts.dump)
+                ops.dump(criu, job, tx.path, log=self.root / "logs" / f"dump-{seq:06d}.log", opts=self.opts.dump,
+                         leave_running=sig is None, parent=parent)
                 dumped = True
                 dump_s = time.monotonic() - t0
                 commit_s = self._commit(tx, self._manifest(job, seq, sig, criu, dump_s, cuda_inner, gpus,
-                                                           max_inner_id=images.max_task_id(tx.path)))
+                                                           max_inner_id=images.max_task_id(tx.path), parent=parent))
         except BaseException as exc:
-            if cuda and not dumped:
+            if cuda and (not dumped or sig is None):
                 self._resume_cuda(cu, cuda, exc)
             raise
+        if cuda and sig is None:
+            self._resume_cuda(cu, cuda, None)
+        self._parent = name
         image = images.Image(path=self.root / name, seq=seq)
         nbytes = image.bytes_total()
         removed = images.prune(self.root, keep=self.opts.keep)
-        self.log(f"committed {image.path}: {nbytes / 1e6:.1f} MB, dump {dump_s:.2f} s, commit {commit_s:.2f} s"
+        what = "periodic image (the job runs on)" if sig is None else "image"
+        self.log(f"committed {what} {image.path}: {nbytes / 1e6:.1f} MB"
+                 + (f" (pages not written since {parent} are taken from it)" if parent else "")
+                 + f", dump {dump_s:.2f} s, commit {commit_s:.2f} s"
                  + (f"; removed {len(removed)} old image(s)" if removed else ""))
         self.ledger.append("criu_dump", image=name, bytes=nbytes, dump_s=dump_s, commit_s=commit_s,
-                           cuda_pids=len(cuda), signame=sig.name)
+                           cuda_pids=len(cuda), signame=sig.name if sig else None, periodic=sig is None,
+                           parent=parent, progress_s=self._dumped_at_s)
         return name
 
     def _commit(self, tx: Transaction, manifest: dict[str, Any]) -> float:
@@ -604,13 +758,15 @@ class Supervisor:
             raise _CommitFailed(f"criu dumped the job but committing {tx.path} failed: {exc}") from exc
         return time.monotonic() - t1
 
-    def _manifest(self, job: ops.Job, seq: int, sig: signal.Signals, criu: Criu, dump_s: float,
-                  cuda_inner: list[int], gpus: list[dict[str, Any]], *, max_inner_id: int) -> dict[str, Any]:
+    def _manifest(self, job: ops.Job, seq: int, sig: signal.Signals | None, criu: Criu, dump_s: float,
+                  cuda_inner: list[int], gpus: list[dict[str, Any]], *, max_inner_id: int,
+                  parent: str | None) -> dict[str, Any]:
         return {
             "kind": images.KIND, "seq": seq, "created": time.time(), "host": socket.gethostname(),
             "job_id": os.environ.get("SLURM_JOB_ID"),
             "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
-            "cmd": list(self.opts.cmd), "signal": sig.name, "criu_version": criu.version, "dump_s": dump_s,
+            "cmd": list(self.opts.cmd), "signal": sig.name if sig else None, "criu_version": criu.version,
+            "dump_s": dump_s, "progress_s": self._dumped_at_s, "parent": parent, "periodic": sig is None,
             "stdio": {"stdout": str(job.stdout), "stderr": str(job.stderr)},
             "ns_layout": NS_LAYOUT, "max_inner_id": max_inner_id,
             "cuda_pids": cuda_inner, "gpus": gpus,

@@ -1,0 +1,244 @@
+"""The parts of CRIU mode that face the scheduler, each at its own seam.
+
+What the job is started with (TERM ignored), what is seen to be undumpable (a real
+io_uring instance), the end-time watch on a fast-forward clock, the accounting of lost
+progress, the image chains of periodic dumps, the template's refusals and the doctor's
+preemption checks.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcckpt.criu import dumpable, images, ops
+from hpcckpt.criu.watch import EndTimeWatch, Progress, Tee
+from hpcckpt.errors import CheckpointCorrupt, ConfigError
+
+
+def _sig_ignored(pid: int, sig: int) -> bool:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) & (1 << (sig - 1)))
+    raise AssertionError("no SigIgn line")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="PID + mount namespaces need root")
+def test_job_starts_with_the_dump_signals_ignored_and_survives_term(tmp_path: Path) -> None:
+    out, err, log = tmp_path / "o", tmp_path / "e", tmp_path / "log"
+    job = ops.launch(["sh", "-c", "echo up; exec sleep 60"], stdout=out, stderr=err, log=log,
+                     ignore=(signal.SIGUSR2, signal.SIGTERM))
+    try:
+        deadline = time.monotonic() + 30
+        while not (out.exists() and out.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.02)  # until the command runs (exec'd)
+        assert _sig_ignored(job.app_pid, signal.SIGTERM) and _sig_ignored(job.app_pid, signal.SIGUSR2)
+        assert not _sig_ignored(job.app_pid, signal.SIGINT)
+        os.kill(job.app_pid, signal.SIGTERM)  # what Slurm sends every process of the job
+        time.sleep(0.3)
+        assert job.poll() is None, "the job died of a TERM it should ignore"
+    finally:
+        ops.kill_tree(job)
+        job.proc.wait(timeout=30)  # type: ignore[union-attr]
+
+
+IO_URING_SETUP = 425  # x86-64 and arm64 syscall number
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Linux only")
+def test_an_io_uring_is_named_with_what_to_do(tmp_path: Path) -> None:
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import ctypes, sys, time\n"
+        "params = ctypes.create_string_buffer(120)\n"
+        f"fd = ctypes.CDLL(None, use_errno=True).syscall({IO_URING_SETUP}, 4, params)\n"
+        "print(fd, flush=True)\n"
+        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        fd = int(holder.stdout.readline())  # type: ignore[union-attr]
+        if fd < 0:
+            pytest.skip("io_uring is disabled on this kernel")
+        found = dumpable.problems(holder.pid)
+        assert [(p.pid, p.fd) for p in found] == [(holder.pid, fd)]
+        text = "\n".join(dumpable.lines(found))
+        assert "io_uring" in text and "hpcckpt template torchrun" in text and "keeps running" in text
+        assert holder.poll() is None  # looked at, never touched
+    finally:
+        holder.kill()
+        holder.communicate()
+
+
+def test_an_established_tcp_connection_is_named_unless_allowed() -> None:
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    client = socket.create_connection(server.getsockname())
+    peer, _ = server.accept()
+    try:
+        found = dumpable.problems(os.getpid())
+        assert {p.fd for p in found} >= {client.fileno(), peer.fileno()}
+        assert all("--tcp-established" in p.what for p in found)
+        assert dumpable.problems(os.getpid(), tcp_allowed=True) == []
+    finally:
+        for s in (client, peer, server):
+            s.close()
+
+
+def test_end_time_watch_sees_a_preemption_once_on_a_fast_forward_clock() -> None:
+    now = [0.0]
+    ends = [1000.0]
+    watch = EndTimeWatch(lambda: ends[0], poll_s=10, clock=lambda: now[0])
+    assert not watch.moved()  # first read: the end as the job started
+    ends[0] = 990.0  # pulled in, but not read before the next poll
+    now[0] = 5.0
+    assert not watch.moved()
+    now[0] = 10.0
+    assert watch.moved() and watch.pulled_in
+    now[0] = 20.0
+    assert not watch.moved()  # said once
+    later = EndTimeWatch(lambda: 2000.0, poll_s=10, clock=lambda: now[0])
+    later.moved()
+    later.refresh()
+    assert not later.pulled_in  # an unchanged end is no notice
+
+
+def test_end_time_watch_survives_a_scheduler_that_does_not_answer() -> None:
+    def broken() -> float:
+        raise OSError("scontrol: Unable to contact slurm controller")
+
+    watch = EndTimeWatch(broken, poll_s=1, clock=lambda: 0.0)
+    assert not watch.moved() and watch.remaining_s() is None
+
+
+def test_lost_progress_is_exact_after_a_stop_and_a_lower_bound_after_a_vanished_run() -> None:
+    run = [{"event": "start", "progress_s": 0.0}, {"event": "criu_dump", "progress_s": 30.0},
+           {"event": "stop", "reason": "preemption", "progress_s": 30.0}]
+    assert Progress.lost_since(run, 30.0) == {"lost_s": 0.0, "lost_exact": True}
+    assert Progress.lost_since([], 0.0) == {}
+    vanished = [{"event": "criu_restore", "progress_s": 30.0}, {"event": "criu_dump", "progress_s": 90.0,
+                                                                "periodic": True}]
+    assert Progress.lost_since(vanished, 60.0) == {"lost_s": 30.0, "lost_exact": False}
+    assert Progress.lost_since([{"event": "start"}], 0.0) == {"lost_s": None, "lost_exact": False}
+
+
+def test_tee_copies_what_the_job_appends(tmp_path: Path) -> None:
+    src = tmp_path / "job.out"
+    src.write_bytes(b"step 1\n")
+    r, w = os.pipe()
+    tee = Tee([(src, w)], interval_s=0.01)
+    tee.start()
+    with open(src, "ab") as f:
+        f.write(b"step 2\n")
+    tee.close()
+    os.close(w)
+    assert os.read(r, 100) == b"step 1\nstep 2\n"
+    os.close(r)
+
+
+def _image(root: Path, seq: int, parent: int | None = None) -> images.Image:
+    path = root / images.image_name(seq)
+    path.mkdir(parents=True)
+    (path / "manifest.json").write_text("{}")
+    if parent is not None:
+        os.symlink(f"../{images.image_name(parent)}", path / images.PARENT)
+    return images.Image(path=path, seq=seq)
+
+
+def test_retention_keeps_the_images_a_kept_image_takes_pages_from(tmp_path: Path) -> None:
+    _image(tmp_path, 1)
+    _image(tmp_path, 2)
+    _image(tmp_path, 3, parent=2)
+    newest = _image(tmp_path, 4, parent=3)
+    assert [im.seq for im in images.chain(newest)] == [4, 3, 2]
+    removed = images.prune(tmp_path, keep=1)
+    assert [p.name for p in removed] == [images.image_name(1)]
+    assert [im.seq for im in images.committed(tmp_path)] == [2, 3, 4]
+
+
+def test_a_chain_with_a_missing_parent_is_refused(tmp_path: Path) -> None:
+    broken = _image(tmp_path, 5, parent=4)
+    with pytest.raises(CheckpointCorrupt, match="cannot be restored"):
+        images.chain(broken)
+
+
+@pytest.mark.parametrize(("key", "value"), [("SIGNAL", "USR2,TERM"), ("LEAD_S", "3m"), ("TIME", "1h"),
+                                            ("CPUS_PER_TASK", "0"), ("DUMP_EVERY_S", "-5")])
+def test_template_refuses_what_sbatch_cannot_read_naming_the_parameter(key: str, value: str) -> None:
+    from hpcckpt.cluster import render
+
+    with pytest.raises(ConfigError, match=key):
+        render.render("criu", {key: value})
+
+
+def test_template_cli_refusal_is_one_line_not_a_traceback() -> None:
+    proc = subprocess.run([sys.executable, "-m", "hpcckpt.cli", "template", "criu", "--set", "SIGNAL=USR2,TERM"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "SIGNAL" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_criu_template_dumps_on_term_and_ignores_it_until_the_supervisor_runs() -> None:
+    from hpcckpt.cluster import render
+
+    text = render.render("criu", {"DUMP_EVERY_S": "600"})
+    assert "--signal=B:USR2@180" in text and '--signal "${HPCCKPT_CRIU_SIGNAL:-USR2,TERM}"' in text
+    assert "trap '' USR2 TERM" in text and "--dump-every 600" in text
+
+
+def _ctx(config: dict[str, str], script: str = ""):  # type: ignore[no-untyped-def]
+    from hpcckpt.doctor import DoctorContext
+
+    return DoctorContext(script_text=script, slurm_config=config)
+
+
+@pytest.mark.parametrize(("config", "on"), [
+    ({"SchedulerParameters": "sched_interval=2,preempt_send_user_signal"}, True),
+    ({"PreemptParameters": "send_user_signal,strict_order"}, True),
+    ({"SchedulerParameters": "sched_interval=2"}, False)])
+def test_doctor_says_whether_preemption_sends_the_user_signal(config: dict[str, str], on: bool) -> None:
+    from hpcckpt.doctor import check_preempt_signal
+
+    [check] = check_preempt_signal(_ctx({**config, "KillWait": "30 sec"}))
+    assert check.data["send_user_signal"] is on
+    assert "CRIU" in check.detail and "In-process" in check.detail and "KillWait=30 sec" in check.detail
+    assert bool(check.fix) is not on
+
+
+def test_doctor_says_whether_requeue_expedite_exists() -> None:
+    from hpcckpt.doctor import check_requeue_expedite
+
+    assert check_requeue_expedite(_ctx({"SLURM_VERSION": "22.05.8"}))[0].data["expedite"] is False
+    assert check_requeue_expedite(_ctx({"SLURM_VERSION": "25.11.0"}))[0].data["expedite"] is True
+
+
+def test_doctor_warns_of_a_criu_script_that_does_not_dump_on_term() -> None:
+    from hpcckpt.doctor import check_criu_script
+
+    bad = "#!/bin/bash\nexec hpcckpt run --mode criu --dir d --signal USR2 -- python train.py\n"
+    [check] = check_criu_script(_ctx({}, bad))
+    assert check.severity == "warn" and "USR2,TERM" in check.fix
+    shipped = (Path(__file__).resolve().parents[2] / "jobscripts" / "criu.sbatch").read_text()
+    assert check_criu_script(_ctx({}, shipped))[0].ok
+
+
+def test_run_cli_defaults_dump_on_term_and_takes_dump_every() -> None:
+    from hpcckpt.cli.main import build_parser
+    from hpcckpt.cli.run import options_from_args
+
+    opts = options_from_args(build_parser().parse_args(["run", "--dir", "/tmp/x", "--dump-every", "300", "--",
+                                                        "true"]))
+    assert opts.dump_signals == (signal.SIGUSR2, signal.SIGTERM) and opts.dump_every_s == 300.0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--dir", "/tmp/x", "--dump-every", "-1", "--", "true"])
+
+
+def test_ledger_json_roundtrip_of_a_problem() -> None:
+    p = dumpable.Problem(pid=7, inner_pid=2, command="torchrun", fd=9, what="an io_uring instance")
+    assert json.loads(json.dumps(p.as_dict()))["what"] == "an io_uring instance"
+    assert "PID 2 in the job" in p.text()
