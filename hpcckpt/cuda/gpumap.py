@@ -68,9 +68,12 @@ def job_gpus(pids: Iterable[int], visible: list[Gpu], *, log: Callable[[str], No
     chosen, seen_as = (mapped, "mapped") if mapped else (opened, "open")
     table = by_minor()
     uuids = {table[n]["uuid"].lower() for n in chosen if n in table and table[n]["uuid"]}
+    bus = {row["uuid"].lower(): row["bus"] for row in table.values() if row.get("uuid")}
     used = [g for g in visible if g.uuid.lower() in uuids]
     if chosen and used and len(used) == len(uuids):
-        return [{**g.as_dict(), "seen_as": seen_as} for g in used]
+        # By UUID (and PCI bus id, for people): the index is only the job's view, which
+        # CUDA_VISIBLE_DEVICES or the allocation's cgroup renumbers on the next node.
+        return [{**g.as_dict(), "bus": bus.get(g.uuid.lower(), ""), "seen_as": seen_as} for g in used]
     why = ("they hold no /dev/nvidiaN files" if not chosen else
            f"/dev/nvidia{sorted(chosen)} could not be matched to the GPUs visible here "
            f"({'no /proc/driver/nvidia/gpus' if not table else 'UUIDs differ, e.g. MIG'})")

@@ -486,13 +486,32 @@ def test_job_gpus_are_the_device_files_its_processes_use() -> None:
     minors = {7: ({2}, {0, 1, 2, 3}), 8: (set(), {0, 1, 2, 3})}
     said: list[str] = []
     got = job_gpus([7], visible, log=said.append, minors_of=minors.__getitem__, by_minor=lambda: table)
-    assert got == [{"index": 2, "uuid": _uuid(102), "name": H100, "seen_as": "mapped"}] and not said
+    assert got == [{"index": 2, "uuid": _uuid(102), "name": H100, "bus": "0000:02:00.0", "seen_as": "mapped"}]
+    assert not said
     # Nothing mapped: the open device files; nothing readable in /proc/driver: every visible GPU, said.
     got = job_gpus([8], visible, log=said.append, minors_of=minors.__getitem__, by_minor=lambda: table)
     assert [g["index"] for g in got] == [0, 1, 2, 3] and {g["seen_as"] for g in got} == {"open"}
     got = job_gpus([7], visible, log=said.append, minors_of=minors.__getitem__, by_minor=dict)
     assert {g["seen_as"] for g in got} == {"visible"} and len(got) == 4
     assert "no /proc/driver/nvidia/gpus" in said[0] and "recording all 4 visible GPU(s)" in said[0]
+
+
+def test_gpus_hidden_by_cuda_visible_devices_are_mapped_by_uuid_not_index() -> None:
+    """Slurm's allocation shows the job one GPU as CUDA index 0, whichever physical GPU it is:
+    before the requeue minor 2 (UUID 102), after it minor 3 of another node (UUID 203). The
+    record names the GPU by UUID and bus; the restore pairs UUIDs, never index 0 with index 0."""
+    from hpcckpt.cuda.driver import Gpu
+    from hpcckpt.cuda.gpumap import job_gpus, plan
+
+    table = {m: {"uuid": _uuid(100 + m), "name": H100, "bus": f"0000:0{m}:00.0"} for m in range(4)}
+    seen_before = [Gpu(index=0, uuid=_uuid(102), name=H100)]  # CUDA_VISIBLE_DEVICES hides 0, 1, 3
+    rec = job_gpus([7], seen_before, minors_of=lambda _p: ({2}, {2}), by_minor=lambda: table)
+    assert rec == [{"index": 0, "uuid": _uuid(102), "name": H100, "bus": "0000:02:00.0", "seen_as": "mapped"}]
+    seen_after = [Gpu(index=0, uuid=_uuid(203), name=H100)]
+    assert plan(rec, seen_after, can_remap=True) == [(_uuid(102), _uuid(203))]
+    # Back on a node where the same physical GPU is visible (at another index): nothing to remap.
+    assert plan(rec, [Gpu(index=0, uuid=_uuid(100), name=H100), Gpu(index=1, uuid=_uuid(102), name=H100)],
+                can_remap=True) is None
 
 
 def test_driver_gpus_parses_the_proc_information_files(tmp_path: Path) -> None:
