@@ -25,14 +25,14 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
 
-from .config import CheckpointOptions, resolve_options
+from .config import CheckpointOptions, env_value, resolve_options
 from .data import Progress, ResumableSampler, find_resumable
 from .engines import SaveContext, SaveHandle, make_engine
 from .engines.base import live_tensors
 from .errors import CheckpointCorrupt, CheckpointFailed, ConfigError, HpcckptError
-from .exitcodes import EXIT_REQUEUE
+from .exitcodes import EXIT_PROBLEM, EXIT_REQUEUE
 from .ledger import Ledger
-from .policy import AutoInterval, Policy, StopReason
+from .policy import WARNING_SIGNALS, AutoInterval, Figures, Policy, StopReason
 from .ranks import Ranks
 from .resume import Outcome, load_newest
 from .signals import SignalRecorder
@@ -49,6 +49,15 @@ class RequeueExit(SystemExit):
 
     def __init__(self, reason: str, step: int) -> None:
         super().__init__(EXIT_REQUEUE)
+        self.reason = reason
+        self.step = step
+
+
+class RefusedExit(SystemExit):
+    """The job cannot progress within its time limit: exit 1, no requeue (the reason was logged)."""
+
+    def __init__(self, reason: str, step: int) -> None:
+        super().__init__(EXIT_PROBLEM)
         self.reason = reason
         self.step = step
 
@@ -79,6 +88,13 @@ class Checkpointer:
         self.policy = Policy(self.options.every_steps, margin_s=self.options.deadline_margin_s,
                              auto=AutoInterval(overhead_bound=self.options.overhead_bound)
                              if self.options.auto_interval else None)
+        self.figures = Figures.read(self.root)  # costs measured by earlier allocations
+        self.policy.seed(self.figures)
+        self.policy.warning_window_s = env_value("warning_window_s", 300.0)
+        self._stop_at: tuple[int, ...] = env_value("stop_at_steps", ())  # hpcckpt check's stops
+        self._deferred: str | None = None  # why a warning signal waits for the deadline
+        self._warned = False  # some rank received a warning signal
+        self._start_step = 0
         self.signals = SignalRecorder(self.options.signals)
         self.step = 0
         self.resumed_from: int | None = None
@@ -363,6 +379,8 @@ class Checkpointer:
         if self.ranks.is_coordinator:
             self.ledger.append("start", resumed_from=self.resumed_from, restore_s=round(self._restore_s, 6),
                                engine=self.options.engine, world_size=self.ranks.world)
+        self._start_step = self.step
+        self._check_time_left()
 
     def _boundary(self) -> None:
         if self._jit is not None:
@@ -371,17 +389,22 @@ class Checkpointer:
         for r in self.signals.log_new():  # every rank logs what it received
             self.ledger.append("signal", signum=r.signum, signame=r.name, step=self.step,
                                    rank=self.ranks.rank, signal_time=r.wall_s)
-        local = StopReason.SIGNAL if self.signals.first() else StopReason.NONE
+        local, warned = self._signal_reason()
+        if self.step in self._stop_at and self.step != self.resumed_from:
+            log.warning("hpcckpt: stopping at step %d as HPCCKPT_STOP_AT_STEPS asks", self.step)
+            local = StopReason.SIGNAL
         if local is StopReason.NONE and self.ranks.is_coordinator:
             self.policy.poll(self.cluster)
             local = self.policy.stop_reason()
         # One collective decides both: ranks judge a periodic save from their own timings
         # (every_steps="auto"), and a rank that saved alone would wait in the commit exchange.
-        agreed = self.ranks.max(int(local) * 2 + int(self.policy.periodic_due(self.step)))
-        reason = StopReason(agreed // 2)
+        agreed = self.ranks.max(int(local) * 4 + int(warned) * 2 + int(self.policy.periodic_due(self.step)))
+        reason = StopReason(agreed // 4)
+        if agreed & 2:
+            self._warned = True  # a rank holds a warning: the coordinator judges it at the next boundary
         if reason is not StopReason.NONE:
             self._stop(reason)
-        elif agreed % 2:
+        elif agreed & 1:
             self.save()
 
     def save(self, *, final: bool = False, block: bool | None = None) -> SaveHandle:
@@ -423,6 +446,8 @@ class Checkpointer:
             self.ledger.append("commit", step=handle.step, save_s=handle.save_s, engine=self.options.engine,
                                stall_s=getattr(handle, "stall_s", None), final=handle.final,
                                path=str(handle.path), **self.policy.report())
+            self.figures.save_s, self.figures.step_s = self.policy.save_cost_s, self.policy.step_s
+            self.figures.write(self.root)
 
     def _settle_quietly(self, handles: list[SaveHandle]) -> None:
         """Settle each; a failed one is already logged and recorded, and training goes on."""
@@ -455,17 +480,80 @@ class Checkpointer:
         first = self.signals.first()
         log.warning("hpcckpt: stopping at step %d (%s); taking the final checkpoint", self.step, reason.name.lower())
         final_ok = self._final_save()
-        requeue = reason is not StopReason.NONE
+        refusal = self._no_progress(reason)
+        requeue = refusal is None
         if self.ranks.is_coordinator:
             self.ledger.append("stop", reason=reason.name.lower(), step=self.step, committed_step=self.committed_step,
                                requeue=requeue, final_saved=final_ok, signame=first.name if first else None,
                                signal_time=first.wall_s if first else None)
+        if refusal is not None:
+            self._refuse(refusal)
         outcome: dict[str, Any] = {}
         if self.ranks.is_coordinator:
             outcome = self._requeue(reason)
         self.ranks.broadcast_json(outcome)
         self.close()
         raise RequeueExit(reason.name.lower(), self.step)
+
+    def _signal_reason(self) -> tuple[StopReason, bool]:
+        """(SIGNAL, _) for a TERM-like signal or a warning that cannot wait. A warning long before
+        the deadline leaves the stop to the deadline; the coordinator judges it from the end
+        time (another rank's warning reaches it through the boundary's collective: ``True``)."""
+        received = self.signals.received
+        if any(r.signum not in WARNING_SIGNALS for r in received):
+            return StopReason.SIGNAL, False
+        if not (received or self._warned):
+            return StopReason.NONE, False
+        if not self.ranks.is_coordinator:
+            return StopReason.NONE, self._deferred is None
+        if self._deferred is None:
+            why = self.policy.defer_warning(self.cluster)
+            if why is None:
+                return StopReason.SIGNAL, False
+            self._deferred = why
+            name = received[0].name if received else "a warning signal (another rank)"
+            log.warning("hpcckpt: %s received %s", name, why)
+            self.ledger.append("signal_deferred", step=self.step, signame=name, detail=why)
+        return StopReason.NONE, False
+
+    def _no_progress(self, reason: StopReason) -> str | None:
+        """After a deadline stop: why requeueing would livelock (None: requeue).
+
+        Counts the allocations in a row that ended at their deadline without a newer
+        committed step (kept in the figures file); at the second one the job stops."""
+        if reason is not StopReason.DEADLINE or not self.ranks.is_coordinator:
+            return None
+        progressed = self.committed_step is not None and self.committed_step > self._start_step
+        self.figures.no_progress = 0 if progressed else self.figures.no_progress + 1
+        self.figures.write(self.root)
+        if self.figures.no_progress < 2:
+            return None
+        return (f"two allocations in a row reached their deadline without progress (step {self.step}); "
+                f"each stops {self.policy.lead_figures()} before its end time. Give the job a longer time "
+                "limit (--time), or lower deadline_margin_s (HPCCKPT_DEADLINE_MARGIN_S)")
+
+    def _refuse(self, why: str) -> None:
+        """Stop without a requeue (it would come back to the same end): exit 1 with the figures."""
+        why = self.ranks.broadcast_json(why)
+        log.error("hpcckpt: not requeueing: %s", why)
+        if self.ranks.is_coordinator:
+            self.ledger.append("refused", step=self.step, reason=why)
+        self.close()
+        raise RefusedExit(why, self.step)
+
+    def _check_time_left(self) -> None:
+        """At the start: refuse an allocation too short for one step and the final save."""
+        why = None
+        if self.ranks.is_coordinator:
+            self.policy.poll(self.cluster, force=True)
+            left = self.policy.time_left()
+            if left is not None and left < self.policy.lead_s():
+                why = (f"this allocation has {left:.0f}s left, less than the stop needs before the end time "
+                       f"({self.policy.lead_figures()}, measured by earlier runs); nothing could be trained. "
+                       "Give the job a longer time limit (--time), or lower deadline_margin_s "
+                       "(HPCCKPT_DEADLINE_MARGIN_S)")
+        if self.ranks.broadcast_json(why) is not None:
+            self._refuse(why or "")
 
     def _requeue(self, reason: StopReason) -> dict[str, Any]:
         """The lifecycle's requeue (coordinator only; it records the outcome); exit 75 follows either way."""

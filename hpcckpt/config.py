@@ -99,6 +99,14 @@ def parse_float(raw: str) -> float:
     return value
 
 
+def parse_steps(raw: str) -> tuple[int, ...]:
+    """'12,40' -> (12, 40): step numbers, sorted, duplicates dropped."""
+    try:
+        return tuple(sorted({int(x) for x in raw.split(",") if x.strip()}))
+    except ValueError:
+        raise ValueError("expected step numbers separated by commas, e.g. 12,40") from None
+
+
 def parse_bytes(raw: str) -> int:
     """'8388608', '8M', '8MiB', '1.5G' -> bytes (binary units)."""
     text = raw.strip().lower().removesuffix("ib").removesuffix("b")
@@ -186,6 +194,11 @@ TUNABLES: dict[str, Tunable] = {t.env.removeprefix("HPCCKPT_").lower(): t for t 
             "a whole number >= 0 (set by the local supervisor)", "1"),
     Tunable("HPCCKPT_LOCAL_RESTART", parse_int, lambda v: _is_int(v) and v >= 0,
             "a whole number >= 0 (set by the local supervisor)", "1"),
+    Tunable("HPCCKPT_STOP_AT_STEPS", parse_steps, lambda v: isinstance(v, tuple) and all(_is_int(s) and s > 0 for s in v),
+            "step numbers > 0, comma-separated: stop there as on a signal (set by hpcckpt check)", "12,40"),
+    Tunable("HPCCKPT_WARNING_WINDOW_S", parse_float, lambda v: _is_num(v) and v >= 0,
+            "seconds >= 0: a warning signal with at most this much time left waits for the deadline "
+            "(0: every warning stops at once)", "300"),
     Tunable("HPCCKPT_END_TIME", parse_float, lambda v: _is_num(v) and v > 0,
             "epoch seconds when the job will be stopped", "1767225600"),
     *(Tunable(f"HPCCKPT_REQUEUE_MAX_{key}", parse_int, lambda v: _is_int(v) and v >= 0,

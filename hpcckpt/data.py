@@ -236,6 +236,22 @@ def _generators(loader: Any) -> dict[str, torch.Generator]:
     return found
 
 
+def _draws_global(loader: Any, gens: Mapping[str, torch.Generator]) -> bool:
+    """Whether a pass's order or its workers' seeds come from the global torch RNG.
+
+    A worker process is seeded from a draw of the global RNG (or the loader's generator)
+    at ``iter()``; a sampler without a generator of its own (``RandomSampler``, or one
+    hpcckpt does not know) draws its order from it. Samplers known to draw nothing from
+    it need no snapshot of it (5 KB per rank and loader).
+    """
+    if getattr(loader, "num_workers", 0) > 0 and "loader" not in gens:
+        return True
+    from torch.utils.data import DistributedSampler, SequentialSampler
+    inner = getattr(getattr(loader, "batch_sampler", None), "sampler", None) or getattr(loader, "sampler", None)
+    quiet = (SequentialSampler, DistributedSampler, ResumableSampler)
+    return not isinstance(inner, quiet) and not isinstance(getattr(inner, "generator", None), torch.Generator)
+
+
 def find_resumable(loader: Any) -> ResumableSampler | None:
     """The ResumableSampler that drives ``loader`` (its sampler, or its batch sampler's)."""
     for candidate in (getattr(loader, "sampler", None),
@@ -305,7 +321,10 @@ class LoaderPosition:
             sampler.set_epoch(sampler.epoch + 1)  # a loop that never calls set_epoch itself
         elif sampler is None and self.set_epochs and hasattr(inner, "set_epoch"):
             inner.set_epoch(self.passes)  # DistributedSampler under Checkpointer.loop
-        self._rng = {"torch": torch.get_rng_state(), **{k: g.get_state() for k, g in _generators(self.loader).items()}}
+        gens = _generators(self.loader)
+        self._rng = {k: g.get_state() for k, g in gens.items()}
+        if _draws_global(self.loader, gens):
+            self._rng["torch"] = torch.get_rng_state()
         self.passes += 1
         self.taken = 0
         return iter(self.loader)

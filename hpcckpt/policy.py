@@ -7,11 +7,15 @@ the coordinator only; ranks then agree on the outcome.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
+import signal
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
+from pathlib import Path
 from typing import Any, Callable
 
 from .cluster.base import Cause
@@ -100,6 +104,48 @@ class AutoInterval:
                 "step_s": r(self.step_s), "stall_s": r(self.stall_s), "persist_s": r(self.persist_s)}
 
 
+# Signals a scheduler sends as an early warning (``--signal=USR2@N``): they may come long
+# before the deadline. TERM, INT, HUP, QUIT and XCPU mean the end is now.
+WARNING_SIGNALS = frozenset({signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM})
+FIGURES = ".hpcckpt.figures.json"  # the measured costs, kept across requeues
+
+
+@dataclass
+class Figures:
+    """What earlier allocations measured, read by the next one (``<dir>/.hpcckpt.figures.json``).
+
+    ``save_s``: the worst recent save; ``step_s``: a step; ``no_progress``: allocations in a
+    row that ended at their deadline without committing a newer step.
+    """
+
+    save_s: float | None = None
+    step_s: float | None = None
+    no_progress: int = 0
+
+    @classmethod
+    def read(cls, root: Path) -> Figures:
+        try:
+            raw = json.loads((root / FIGURES).read_text())
+            return cls(save_s=_pos(raw.get("save_s")), step_s=_pos(raw.get("step_s")),
+                       no_progress=max(0, int(raw.get("no_progress", 0))))
+        except (OSError, ValueError, TypeError, AttributeError):
+            return cls()  # none yet, or unreadable: measured again
+
+    def write(self, root: Path) -> None:
+        """Atomically (a reader never sees half a file); a failure only loses the figures."""
+        tmp = root / f"{FIGURES}.tmp-{os.getpid()}"
+        try:
+            tmp.write_text(json.dumps({"save_s": self.save_s, "step_s": self.step_s,
+                                       "no_progress": self.no_progress}))
+            os.replace(tmp, root / FIGURES)
+        except OSError as exc:
+            log.warning("hpcckpt: could not keep the measured costs in %s (%s)", root / FIGURES, exc)
+
+
+def _pos(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and math.isfinite(x) and x > 0 else None
+
+
 @dataclass
 class Policy:
     every_steps: int | None
@@ -107,9 +153,12 @@ class Policy:
     margin_s: float = 30.0
     poll_s: float = 15.0
     clock: Callable[[], float] = time.time
-    save_cost_s: float = 10.0  # replaced by measured save times
+    save_cost_s: float = 10.0  # replaced by measured save times (kept across requeues: Figures)
+    step_s: float | None = None  # measured
+    warning_window_s: float = 300.0  # a warning with at most this much time left is the time-limit one
     _last_poll: float = field(default=float("-inf"), init=False)
     _end_time: float | None = field(default=None, init=False)
+    _moved_earlier: bool = field(default=False, init=False)
     _maint_start: float | None = field(default=None, init=False)
     _draining: bool = field(default=False, init=False)
 
@@ -127,6 +176,7 @@ class Policy:
         self._last_save_step = step
 
     def observe_step(self, dt: float) -> None:
+        self.step_s = dt if self.step_s is None else max(dt, 0.9 * self.step_s + 0.1 * dt)
         if self.auto is not None:
             self.auto.observe_step(dt)
 
@@ -136,31 +186,71 @@ class Policy:
         if self.auto is not None:
             self.auto.observe_save(save_s if stall_s is None else stall_s, save_s)
 
+    def seed(self, figures: Figures) -> None:
+        """Start from what earlier allocations measured instead of the defaults."""
+        if figures.save_s is not None:
+            self.save_cost_s = figures.save_s
+        if figures.step_s is not None and self.step_s is None:
+            self.step_s = figures.step_s
+
+    def lead_s(self) -> float:
+        """How long before the end time the stop must come: the final save (x1.5), the step
+        that may run before the stop is noticed, and the margin."""
+        return self.save_cost_s * 1.5 + (self.step_s or 0.0) + self.margin_s
+
+    def lead_figures(self) -> str:
+        return (f"{self.lead_s():.1f}s = 1.5 x save {self.save_cost_s:.2f}s + step {self.step_s or 0.0:.2f}s + "
+                f"margin {self.margin_s:.0f}s")
+
     def report(self) -> dict[str, Any]:
         """``{"auto": AutoInterval.report()}`` with ``every_steps="auto"``, else ``{}`` (for the ledger)."""
         return {"auto": self.auto.report()} if self.auto is not None else {}
 
-    def poll(self, cluster: Any) -> None:
-        """Refresh end time, maintenance and drain state (rate limited)."""
+    def poll(self, cluster: Any, *, force: bool = False) -> None:
+        """Refresh end time, maintenance and drain state (rate limited unless ``force``)."""
         now = self.clock()
-        if now - self._last_poll < self.poll_s:
+        if not force and now - self._last_poll < self.poll_s:
             return
         self._last_poll = now
         try:
-            self._end_time = cluster.end_time()
+            end = cluster.end_time()
+            if end is not None and self._end_time is not None and end < self._end_time - 1.0:
+                log.warning("hpcckpt: the job's end time moved %.0fs earlier (preemption or a shortened "
+                            "limit): stopping at the next step", self._end_time - end)
+                self._moved_earlier = True
+            self._end_time = end
             starts = [r.start_s for r in cluster.reservations() if r.is_maintenance]
             self._maint_start = min(starts) if starts else None
             self._draining = "DRAIN" in (cluster.node_state() or "").upper()
         except Exception as exc:  # a scheduler hiccup must not kill training
             log.warning("hpcckpt: could not query the scheduler (%s); keeping the previous answers", exc)
 
+    def time_left(self) -> float | None:
+        return None if self._end_time is None else self._end_time - self.clock()
+
     def stop_reason(self) -> StopReason:
         now = self.clock()
-        lead = self.save_cost_s * 1.5 + self.margin_s + self.poll_s
-        if self._end_time is not None and self._end_time - now <= lead:
+        lead = self.lead_s()
+        if self._end_time is not None and (self._moved_earlier or self._end_time - now <= lead):
             return StopReason.DEADLINE
-        if self._maint_start is not None and self._maint_start - now <= lead:
+        if self._maint_start is not None and self._maint_start - now <= lead + self.poll_s:
             return StopReason.MAINTENANCE
         if self._draining:
             return StopReason.DRAIN
         return StopReason.NONE
+
+    def defer_warning(self, cluster: Any) -> str | None:
+        """A warning signal arrived: why it may wait for the deadline, or None to stop now.
+
+        It waits when the end time is known, still further away than the stop's lead, and
+        no further than ``warning_window_s`` (a scheduler's time-limit warning; a warning
+        with more time left is taken for an operator's request). The deadline then stops
+        the job in time; a preemption (the end time moves earlier) or a TERM stops it at
+        the next step.
+        """
+        self.poll(cluster, force=True)
+        left = self.time_left()
+        if left is None or self._moved_earlier or left <= self.lead_s() or left > self.warning_window_s:
+            return None
+        return (f"{left:.0f}s before the end time: the stop is scheduled {self.lead_figures()} before it; "
+                "a preemption or TERM still stops at the next step")

@@ -28,6 +28,8 @@ class Supervisor:
     max_restarts: int = 10
     env: dict[str, str] | None = None
     on_start: Callable[[subprocess.Popen[bytes], int], None] | None = None
+    # After an exit 75: why not to restart (the job's own requeue was refused), or None.
+    should_restart: Callable[[], str | None] | None = None
     restarts: int = 0
     exit_codes: list[int] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -47,11 +49,17 @@ class Supervisor:
             if code != EXIT_REQUEUE:
                 return code
             if self.restarts >= self.max_restarts:
-                log.error("hpcckpt: %s asked to be restarted %d times; giving up (raise max_restarts)",
-                          self.cmd[0], self.restarts)
+                log.error("hpcckpt: %s asked to be restarted %d times; giving up (raise max_restarts, "
+                          "hpcckpt run --max-restarts)", self.cmd[0], self.restarts)
+                return code
+            refused = self.should_restart() if self.should_restart is not None else None
+            if refused is not None:
+                log.error("hpcckpt: %s exited 75 but its requeue was refused (%s); not restarting",
+                          self.cmd[0], refused)
                 return code
             self.restarts += 1
-            log.warning("hpcckpt: exit status 75 (requeue): restarting, restart %d", self.restarts)
+            log.warning("hpcckpt: exit status 75 (requeue): restarting %s, restart %d of at most %d",
+                        self.cmd[0], self.restarts, self.max_restarts)
 
     def signal(self, signum: int) -> bool:
         """Send ``signum`` to the running command; False if none runs."""

@@ -5,15 +5,19 @@ dump signal the whole process tree is dumped with CRIU (CUDA state first, throug
 the driver's checkpoint API), the image is committed under DIR/criu/, and the job
 is requeued; the next run in DIR restores the newest image. ``--mode app``: CMD runs
 as is and every signal is forwarded (the application checkpoints itself).
-Exit status: the job's own, 75 after a dump outside Slurm (the local supervisor
-restarts the command), 1 when a restore failed with --on-restore-failure=fail.
+Outside Slurm, ``--mode app`` is the local supervisor: CMD is restarted each time it exits
+with 75 (its final checkpoint is durable, "requeue me"), up to --max-restarts times.
+Exit status: the job's own, 75 after a dump outside Slurm (or restarts exhausted),
+1 when a restore failed with --on-restore-failure=fail.
 """
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..errors import ConfigError
 from .common import add_json, directory, emit, positive_int, positive_seconds
 
 if TYPE_CHECKING:
@@ -47,6 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="how long CUDA lock may wait for submitted GPU work (default 60)")
     p.add_argument("--criu", default=None, help="criu binary (default: HPCCKPT_CRIU, site criu >= 4, "
                                                 "or the private install of scripts/install-criu)")
+    p.add_argument("--max-restarts", type=positive_int, default=10,
+                   help="--mode app outside Slurm: restarts on exit 75 before giving up (default 10)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS")
     add_json(p)
     p.set_defaults(func=run)
@@ -84,7 +90,41 @@ def non_negative_seconds(text: str) -> float:
 def run(args: argparse.Namespace) -> int:
     from ..criu.supervisor import Supervisor
 
+    if args.mode == "app" and not os.environ.get("SLURM_JOB_ID"):
+        return run_app_locally(args)
     outcome = Supervisor(options_from_args(args)).run()
     if args.json:
         emit(args, outcome.as_dict(), "")
     return outcome.exit_code
+
+
+def run_app_locally(args: argparse.Namespace) -> int:
+    """``--mode app`` outside Slurm: the local supervisor restarts CMD on exit 75 (requeue).
+
+    Each restart is counted (``HPCCKPT_LOCAL_RESTART``, which the job's requeue budget reads)
+    and said on stderr; it stops at ``--max-restarts``, or when the job's own requeue was
+    refused (its budget: the ledger's last ``requeue`` says ``requeued: false``).
+    """
+    from ..ledger import Ledger
+    from ..supervisor import Supervisor as Restarter
+
+    cmd = [c for c in args.cmd[1 if args.cmd[:1] == ["--"] else 0:]]
+    if not cmd:
+        raise ConfigError("hpcckpt run: no command given; e.g. hpcckpt run --mode app --dir DIR -- python train.py")
+    run_dir = directory(args.dir, option="--dir", must_exist=False)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.setdefault("HPCCKPT_DIR", str(run_dir))  # the job's checkpoints (and ledger), unless it has its own
+    ledger = Ledger(Path(env["HPCCKPT_DIR"]))
+
+    def refused() -> str | None:
+        last = next((e for e in reversed(ledger.read()) if e.get("event") == "requeue"), None)
+        return None if last is None or last.get("requeued", True) else str(last.get("detail") or "refused")
+
+    sup = Restarter(cmd, max_restarts=args.max_restarts, env=env, should_restart=refused)
+    sup.forward_signals()
+    code = sup.run()
+    summary = {"exit_code": code, "restarts": sup.restarts, "exit_codes": sup.exit_codes, "dir": str(run_dir)}
+    if args.json:
+        emit(args, summary, "")
+    return code
