@@ -129,3 +129,51 @@ def test_policy_reports_the_auto_interval_only_when_auto() -> None:
     assert Policy(every_steps=10).report() == {}
     p = Policy(every_steps=None, auto=AutoInterval())
     assert p.report()["auto"]["interval"] == 10 and p.report()["auto"]["reason"] == "profiling"
+
+
+# --- deadlines from measurements (issue 22 item 6, issue 27 item 3) ------------------------------
+
+def test_a_warning_long_before_the_end_waits_for_the_deadline() -> None:
+    clock = Clock()
+    sched = Sched(end=clock.t + 200)
+    p = Policy(every_steps=None, margin_s=5, clock=clock, save_cost_s=0.02)
+    p.observe_step(0.5)
+    why = p.defer_warning(sched)
+    assert why is not None and "200s before the end time" in why and "margin 5s" in why
+    assert p.stop_reason() is StopReason.NONE
+    clock.t += 200 - p.lead_s() - 0.1
+    assert p.stop_reason() is StopReason.NONE
+    clock.t += 0.2  # within the lead: 1.5 x save + a step + the margin before the end
+    assert p.stop_reason() is StopReason.DEADLINE
+    assert p.lead_s() == pytest.approx(1.5 * 0.02 + 0.5 + 5)
+
+
+@pytest.mark.parametrize("end, window, why", [(None, 300, "no end time known"), (5000, 300, "operator's request"),
+                                              (7, 300, "within the lead already")])
+def test_a_warning_that_cannot_wait_stops_at_once(end: float | None, window: float, why: str) -> None:
+    clock = Clock()
+    sched = Sched(end=None if end is None else clock.t + end)
+    p = Policy(every_steps=None, margin_s=5, clock=clock, save_cost_s=2, warning_window_s=window)
+    assert p.defer_warning(sched) is None, why
+
+
+def test_an_end_time_moved_earlier_stops_at_the_next_step() -> None:
+    clock = Clock()
+    sched = Sched(end=clock.t + 250)
+    p = Policy(every_steps=None, margin_s=5, clock=clock, save_cost_s=0.02)
+    assert p.defer_warning(sched) is not None
+    sched.end = clock.t + 200  # a preemption with GraceTime: still more than the lead away
+    clock.t += 16
+    p.poll(sched)
+    assert p.stop_reason() is StopReason.DEADLINE
+
+
+def test_measured_costs_are_kept_across_requeues(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from hpcckpt.policy import FIGURES, Figures
+    assert Figures.read(tmp_path) == Figures()
+    Figures(save_s=0.02, step_s=0.4, no_progress=1).write(tmp_path)
+    p = Policy(every_steps=None, margin_s=5)
+    p.seed(Figures.read(tmp_path))
+    assert (p.save_cost_s, p.step_s) == (0.02, 0.4)
+    (tmp_path / FIGURES).write_text("{not json")
+    assert Figures.read(tmp_path) == Figures()  # damaged: measured again, never an error

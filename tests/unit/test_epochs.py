@@ -1,0 +1,163 @@
+"""A resumed job trains exactly what the uninterrupted job would, whatever its loop looks like.
+
+Loops as users write them: ``total_steps = epochs * len(loader)`` computed after
+``register()``; a new ``iter()`` per epoch with a ``next(iter(loader))`` peek; an epoch
+loop with per-epoch code; a ``while`` loop with ``step_done()``. Each is stopped by a
+real SIGUSR2 (mid-epoch and at step 32, an epoch's end), restarted with fresh objects as
+a new process would be, and compared bit for bit with the uninterrupted run. A job that
+resumes at or past its end says so in one line and trains nothing.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from hpcckpt.api import Checkpointer, RequeueExit
+from hpcckpt.data import ResumableSampler
+from hpcckpt.ledger import Ledger
+
+pytestmark = pytest.mark.native
+
+EPOCHS = 3
+PER_EPOCH = 16  # batches: 3 epochs are steps 1..48, step 32 is the end of epoch 2
+
+
+def setup(sampler_kind: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    x, y = torch.randn(PER_EPOCH * 4, 6), torch.randint(0, 3, (PER_EPOCH * 4,))
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ds = TensorDataset(x, y)
+    sampler = ResumableSampler(len(ds), seed=4) if sampler_kind == "resumable" else None
+    loader = DataLoader(ds, batch_size=4, shuffle=sampler is None, sampler=sampler)
+    return {"model": model, "opt": opt, "sched": sched, "loader": loader, "sampler": sampler}
+
+
+def step(o: dict[str, Any], batch: Any, losses: list[str]) -> None:
+    x, y = batch
+    loss = torch.nn.functional.cross_entropy(o["model"](x), y)
+    o["opt"].zero_grad()
+    loss.backward()
+    o["opt"].step()
+    losses.append(float.hex(loss.item()))
+
+
+def signal_if(ck: Checkpointer, stop_at: int | None) -> None:
+    if stop_at is not None and ck.step + 1 == stop_at:
+        os.kill(os.getpid(), signal.SIGUSR2)  # stops at the boundary after this step
+
+
+def flat_loop(ckdir: Path, kind: str, losses: list[str], stop_at: int | None = None) -> dict[str, Any]:
+    """``total_steps`` from ``len(loader)`` after ``register()``; ``ckpt.loop``."""
+    o = setup(kind)
+    with Checkpointer(ckdir, every_steps=None) as ck:
+        ck.register(model=o["model"], opt=o["opt"], **({"sampler": o["sampler"]} if o["sampler"] else {}))
+        total_steps = EPOCHS * len(o["loader"])  # written after register(): must not shrink
+        for _, batch in ck.loop(o["loader"], total_steps):
+            step(o, batch, losses)
+            signal_if(ck, stop_at)
+    return o
+
+
+def epoch_loop(ckdir: Path, kind: str, losses: list[str], stop_at: int | None = None) -> dict[str, Any]:
+    """A new iterator per epoch with a peek first, per-epoch code after (scheduler, evaluation)."""
+    o = setup(kind)
+    ck = Checkpointer(ckdir, every_steps=None)
+    ck.register(model=o["model"], opt=o["opt"], sched=o["sched"])
+    for epoch in ck.epochs(EPOCHS):
+        peek = next(iter(o["loader"]))  # e.g. the batch size, as the DDP tutorial reads it
+        assert len(peek[0]) == 4
+        if o["sampler"] is not None:
+            o["sampler"].set_epoch(epoch)
+        for batch in ck.batches(o["loader"]):
+            step(o, batch, losses)
+            signal_if(ck, stop_at)
+        o["sched"].step()
+        losses.append(f"eval {epoch} {float.hex(o['model'](torch.ones(1, 6)).sum().item())}")
+    return o
+
+
+def while_loop(ckdir: Path, kind: str, losses: list[str], stop_at: int | None = None) -> dict[str, Any]:
+    """A loop hpcckpt does not drive: the script counts steps itself and calls step_done()."""
+    o = setup(kind)
+    with Checkpointer(ckdir, every_steps=None) as ck:
+        ck.register(model=o["model"], opt=o["opt"])
+        total = EPOCHS * len(o["loader"])
+        while ck.step < total:
+            step(o, (torch.randn(4, 6), torch.randint(0, 3, (4,))), losses)
+            signal_if(ck, stop_at)
+            ck.step_done()
+    return o
+
+
+LOOPS: dict[str, Callable[..., dict[str, Any]]] = {"flat": flat_loop, "epochs": epoch_loop}
+
+
+def resumed(loop: Callable[..., dict[str, Any]], ckdir: Path, kind: str, stops: list[int]) -> tuple[list[str], Any]:
+    losses: list[str] = []
+    for stop in stops:
+        with pytest.raises(RequeueExit) as exc:
+            loop(ckdir, kind, losses, stop)
+        assert exc.value.step == stop
+    return losses, loop(ckdir, kind, losses)
+
+
+def same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    sa, sb = a["model"].state_dict(), b["model"].state_dict()
+    return all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("kind", ["shuffle", "resumable"])
+@pytest.mark.parametrize("name", list(LOOPS))
+def test_resumed_at_step_32_trains_to_the_same_last_step_and_state(name: str, kind: str, tmp_path: Path) -> None:
+    loop = LOOPS[name]
+    ref: list[str] = []
+    ref_o = loop(tmp_path / "ref", kind, ref)
+    assert sum(not x.startswith("eval") for x in ref) == EPOCHS * PER_EPOCH
+    losses, o = resumed(loop, tmp_path / "run", kind, [21, 32])  # mid-epoch 2, then the end of epoch 2
+    assert losses == ref and same_state(o, ref_o)
+    starts = [e for e in Ledger(tmp_path / "run").read() if e["event"] == "start"]
+    assert [s["resumed_from"] for s in starts] == [None, 21, 32]
+    done = [e for e in Ledger(tmp_path / "run").read() if e["event"] == "stop" and e["reason"] == "done"]
+    assert [d["step"] for d in done] == [EPOCHS * PER_EPOCH]
+
+
+def test_step_done_loop_resumes_exactly(tmp_path: Path) -> None:
+    ref: list[str] = []
+    ref_o = while_loop(tmp_path / "ref", "shuffle", ref)
+    losses, o = resumed(while_loop, tmp_path / "run", "shuffle", [32])
+    assert losses == ref and same_state(o, ref_o)
+
+
+@pytest.mark.parametrize("name", list(LOOPS))
+def test_rerunning_a_finished_job_says_so_and_trains_nothing(name: str, tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    ref: list[str] = []
+    ref_o = LOOPS[name](tmp_path, "shuffle", ref)
+    again: list[str] = []
+    with caplog.at_level(logging.WARNING, logger="hpcckpt"):
+        o = LOOPS[name](tmp_path, "shuffle", again)
+    assert [x for x in again if not x.startswith("eval")] == []  # no training step
+    assert same_state(o, ref_o)  # the finished state was restored
+    said = [r.getMessage() for r in caplog.records if "nothing left to train" in r.getMessage()]
+    assert len(said) == 1 and str(tmp_path) in said[0] and "48" in said[0] and "start fresh" in said[0], said
+    assert "finished" in said[0]
+
+
+def test_resuming_past_a_smaller_total_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with pytest.raises(RequeueExit):
+        flat_loop(tmp_path, "shuffle", [], 32)
+    o = setup("shuffle")
+    with caplog.at_level(logging.WARNING, logger="hpcckpt"), Checkpointer(tmp_path, every_steps=None) as ck:
+        ck.register(model=o["model"], opt=o["opt"])
+        assert list(ck.loop(o["loader"], 24)) == []
+    said = [r.getMessage() for r in caplog.records if "nothing left to train" in r.getMessage()]
+    assert len(said) == 1 and "step 32 of total_steps=24" in said[0] and "HPCCKPT_DIR" in said[0], said

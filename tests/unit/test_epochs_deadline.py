@@ -1,0 +1,115 @@
+"""The Checkpointer's deadline from measurements, with a fast-forward clock and a real signal.
+
+A USR2 long before the end time does not stop the run; the deadline (end time minus the
+measured save, a step and the margin) does. An allocation too short for a step and a save
+is refused with the figures and the setting to change, and two deadline stops in a row
+without progress stop the job instead of requeueing it forever.
+"""
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from hpcckpt.api import Checkpointer, RefusedExit, RequeueExit
+from hpcckpt.exitcodes import EXIT_PROBLEM
+from hpcckpt.ledger import Ledger
+from hpcckpt.policy import Figures
+from tests.helpers import tiny_state, train_step
+
+pytestmark = pytest.mark.native
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def checkpointer(ckdir: Path, clock: Clock) -> Checkpointer:
+    ck = Checkpointer(ckdir, every_steps=None, deadline_margin_s=5)
+    ck.policy.clock = clock
+    return ck
+
+
+def test_a_warning_long_before_the_deadline_stops_there_not_at_once(ckdir: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = Clock()
+    monkeypatch.setenv("HPCCKPT_END_TIME", str(clock.t + 200))
+    objs = tiny_state(0)
+    with pytest.raises(RequeueExit) as exc:
+        with checkpointer(ckdir, clock) as ck:
+            ck.register(**objs)
+            for step in ck.steps(50):
+                train_step(objs)
+                if step == 2:
+                    os.kill(os.getpid(), signal.SIGUSR2)  # the scheduler's warning, 200 s early
+                if step == 20:
+                    clock.t += 190  # 10 s left: within 1.5 x save + a step + the 5 s margin
+    assert exc.value.step == 21 and exc.value.reason == "deadline"
+    led = Ledger(ckdir).read()
+    deferred = [e for e in led if e["event"] == "signal_deferred"]
+    assert len(deferred) == 1 and deferred[0]["step"] == 3 and "margin 5s" in deferred[0]["detail"]
+    assert [e["reason"] for e in led if e["event"] == "stop"] == ["deadline"]
+    figures = Figures.read(ckdir)  # the measured save is there for the next allocation
+    assert figures.save_s is not None and figures.save_s < 10 and figures.step_s is not None
+
+
+def test_a_term_still_stops_at_the_next_step(ckdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = Clock()
+    monkeypatch.setenv("HPCCKPT_END_TIME", str(clock.t + 200))
+    objs = tiny_state(0)
+    with pytest.raises(RequeueExit) as exc:
+        with checkpointer(ckdir, clock) as ck:
+            ck.register(**objs)
+            for step in ck.steps(50):
+                train_step(objs)
+                if step == 2:
+                    os.kill(os.getpid(), signal.SIGUSR2)
+                if step == 5:
+                    os.kill(os.getpid(), signal.SIGTERM)
+    assert exc.value.step == 6 and exc.value.reason == "signal"
+
+
+def test_an_allocation_too_short_for_a_step_and_a_save_is_refused_with_figures(
+        ckdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    clock = Clock()
+    ckdir.mkdir(parents=True)
+    Figures(save_s=40.0, step_s=2.0).write(ckdir)  # an earlier allocation measured a slow save
+    monkeypatch.setenv("HPCCKPT_END_TIME", str(clock.t + 50))
+    with pytest.raises(RefusedExit) as exc:
+        with checkpointer(ckdir, clock) as ck:
+            ck.register(**tiny_state(0))
+            for _ in ck.steps(10):
+                raise AssertionError("no step may run")
+    assert exc.value.code == EXIT_PROBLEM
+    assert "50s left" in exc.value.reason and "save 40.00s" in exc.value.reason
+    assert "--time" in exc.value.reason and "HPCCKPT_DEADLINE_MARGIN_S" in exc.value.reason
+    assert [e["event"] for e in Ledger(ckdir).read()][-1] == "refused"
+
+
+def test_two_deadline_stops_in_a_row_without_progress_stop_the_job(ckdir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = Clock()
+    ckdir.mkdir(parents=True)
+    Figures(save_s=0.05, step_s=0.01, no_progress=1).write(ckdir)  # the previous allocation made none
+    monkeypatch.setenv("HPCCKPT_END_TIME", str(clock.t + 60))
+    objs = tiny_state(0)
+    with pytest.raises(RefusedExit) as exc:
+        with checkpointer(ckdir, clock) as ck:
+            ck.register(**objs)
+
+            def failing_save(*a: object, **k: object) -> None:
+                raise OSError(28, "No space left on device")  # the final save cannot commit
+
+            monkeypatch.setattr(ck.engine, "save", failing_save)
+            for _ in ck.steps(10):
+                train_step(objs)
+                clock.t += 30
+    assert "two allocations in a row" in exc.value.reason and "--time" in exc.value.reason
+    assert Figures.read(ckdir).no_progress == 2
+    assert not [e for e in Ledger(ckdir).read() if e["event"] == "requeue"]
