@@ -50,3 +50,35 @@ def plot_bench(result: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_peers(result: dict[str, Any], path: Path) -> None:
+    """``bench --peers --plot``: stall, persist and cold restore per method; overhead by interval."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = result["methods"]
+    names = list(methods)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 4.8))
+    figures = [("stall_s", "stall"), ("persist_s", "persist"), ("restore_s", "cold restore")]
+    width = 0.8 / len(figures)
+    for k, (key, label) in enumerate(figures):
+        a.bar([i + k * width for i in range(len(names))], [methods[n][key] for n in names], width, label=label)
+    a.set_xticks([i + width for i in range(len(names))], names, rotation=30, ha="right", fontsize=8)
+    a.set_yscale("log")
+    a.set_ylabel("seconds")
+    a.set_title(f"{result['device']}, {result['state_bytes'] / GB:.2f} GB of state")
+    a.legend(fontsize=8)
+    for n in names:
+        per = methods[n]["overhead"]
+        xs = sorted(per, key=int)
+        b.plot([int(x) for x in xs], [100 * per[x] for x in xs], marker="o", label=n)
+    b.set_xscale("log")
+    b.set_xlabel("checkpoint every N steps")
+    b.set_ylabel("training time overhead (%)")
+    b.set_title("same model, vs no checkpointing")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -64,3 +64,75 @@ class SyntheticRig:
         """Wait for the GPU (no-op on the CPU): timings must include queued kernels."""
         if self.device == "cuda":
             torch.cuda.synchronize()
+
+
+class PeerRig:
+    """Parameters + AdamW moments totalling ``state_bytes``, the state every method of
+    ``bench --peers`` / ``--tensors`` saves.
+
+    ``tensors=None``: square bias-free linear layers (as ``SyntheticRig``), a step with
+    real compute. ``tensors=N``: about N state tensors (N/4 flat parameters, each with
+    AdamW's exp_avg, exp_avg_sq and step), the step's gradients set in one foreach op:
+    the tensor count, not the compute, is what those figures are about.
+    ``warm=False``: no optimizer step yet (no moments), as a resumed job before its restore.
+    """
+
+    def __init__(self, state_bytes: int, *, tensors: int | None = None, device: str = "cpu", warm: bool = True,
+                 seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.device = device
+        self.spread = tensors is not None
+        self.rows = 4096 if device == "cuda" else 4
+        if tensors is None:
+            params = max(state_bytes // (_FP32 * _ADAM_COPIES), 64 * 64)
+            self.width = min(4096, 2 ** int(math.log2(max(64, math.isqrt(params // 2)))))
+            layers = max(1, round(params / (self.width * self.width)))
+            self.model: torch.nn.Module = torch.nn.Sequential(
+                *[torch.nn.Linear(self.width, self.width, bias=False) for _ in range(layers)])
+        else:
+            count = max(1, tensors // 4)
+            numel = max(1, state_bytes // (_FP32 * _ADAM_COPIES * count))
+            self.width = numel
+            self.model = torch.nn.Module()
+            self.model.params = torch.nn.ParameterList(  # type: ignore[assignment]
+                [torch.nn.Parameter(torch.empty(numel)) for _ in range(count)])
+        self.model.to(device)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.uniform_(-0.05, 0.05)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.state = TrainState()
+        self.state.register("model", self.model)
+        self.state.register("optimizer", self.opt)
+        if warm:
+            self.forward_backward()
+            self.opt.step()
+
+    def forward_backward(self) -> None:
+        params = list(self.model.parameters())
+        if self.spread:
+            grads = torch._foreach_mul([p.detach() for p in params], 1e-3)
+            for p, g in zip(params, grads):
+                p.grad = g
+            return
+        x = torch.randn(self.rows, self.width, device=self.device)
+        loss = self.model(x).square().mean()
+        self.opt.zero_grad(set_to_none=False)
+        loss.backward()
+
+    def step(self) -> None:
+        self.forward_backward()
+        self.opt.step()
+
+    @property
+    def state_bytes(self) -> int:
+        flat = self.state.capture(step=0)
+        return sum(t.numel() * t.element_size() for t in flat.tensors.values())
+
+    @property
+    def tensor_count(self) -> int:
+        return len(self.state.capture(step=0).tensors)
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()

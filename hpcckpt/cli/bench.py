@@ -16,6 +16,14 @@ blocking save against 1 rank (default state 0.5 GB, --quick 0.016 GB); then the
 steady-state overhead of jit=True with no failure on N ranks: the same DDP training
 loop with jit=False and jit=True, in paired rounds (wall clock, CPU time, and the JIT
 guard's own cost at a step boundary).
+
+With --peers: the same state (a model + AdamW) saved and restored by torch.save + fsync,
+DCP save, DCP async_save (thread; process and async staging where the installed torch
+has them) and both hpcckpt engines, interleaved: stall, persist, cold restore (checked
+exact), peak RSS per byte of state, and training overhead at a few checkpoint intervals,
+on --device (default state 0.5 GB, --quick 0.016 GB). With --tensors N[,N...]: the same
+total state (default 0.256 GB, --quick 0.008) spread over N tensors, per count: stall,
+durable, restore, verify and peak RSS of torch.save/torch.load, DCP and both engines.
 """
 from __future__ import annotations
 
@@ -51,6 +59,16 @@ def ranks_arg(raw: str) -> int:
     return value
 
 
+def tensors_arg(raw: str) -> tuple[int, ...]:
+    """``--tensors``: comma-separated tensor counts (``hpcckpt.bench.tensors.parse_counts``)."""
+    from ..bench.tensors import parse_counts
+    from ..errors import ConfigError
+    try:
+        return parse_counts(raw)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("bench", help="measure stall, persist and load of each engine against this machine's limits",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -60,6 +78,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--ranks", type=ranks_arg, default=None, metavar="N",
                    help="bytes written per rank and per checkpoint, and persist time, of a DDP job on N local "
                         "ranks against 1 rank, and the overhead of jit=True on N ranks (gloo on CPU; N >= 2)")
+    p.add_argument("--peers", action="store_true",
+                   help="hpcckpt against torch.save + fsync and DCP (save, async_save) on the same state, "
+                        "interleaved: stall, persist, cold restore, overhead")
+    p.add_argument("--tensors", type=tensors_arg, default=None, metavar="N[,N...]",
+                   help="the same state spread over N tensors (e.g. 64,1024,8192): stall, durable, restore, "
+                        "verify and peak RSS per count, against torch.save/torch.load and DCP")
     p.add_argument("--device", default="auto", help="auto (cuda when a GPU is visible), cuda or cpu")
     p.add_argument("--dir", type=Path, default=None,
                    help="file system to measure (created if missing; default: the system temp dir)")
@@ -137,9 +161,63 @@ def run_ranks(args: argparse.Namespace) -> int:
     return 0
 
 
+def _one_mode(args: argparse.Namespace) -> None:
+    from ..errors import ConfigError
+    chosen = [f for f, on in (("--ranks", args.ranks is not None), ("--peers", args.peers),
+                              ("--tensors", args.tensors is not None)) if on]
+    if len(chosen) > 1:
+        raise ConfigError(f"{' and '.join(chosen)}: give one of them per run (each is a bench of its own)")
+
+
+def _room(size_bytes: int, directory: Path | None, *, option: str) -> None:
+    """Every method's newest checkpoint on disk at once, plus one being written; in memory the
+    state, a staged copy and what a restore builds."""
+    import tempfile
+
+    from ..bench import require_room
+    require_room(directory or Path(tempfile.gettempdir()), size_bytes, disk_factor=8, memory_bytes=3 * size_bytes,
+                 memory_what="the state, a staged copy and a restore", option=option)
+
+
+def run_peers(args: argparse.Namespace) -> int:
+    """``--peers`` (``hpcckpt.bench.peers``) or ``--tensors`` (``hpcckpt.bench.tensors``)."""
+    from ..bench import peers, tensors
+    from ..bench.plot import plot_peers
+    from ..demo.runtime import resolve_device, work_dir
+
+    device = resolve_device(args.device)
+    if args.plot is not None:
+        if args.tensors is not None:
+            from ..errors import ConfigError
+            raise ConfigError("--plot draws --peers and the default bench; drop --plot with --tensors (a table)")
+        check_plot_path(args.plot)
+    directory = work_dir(args.dir) if args.dir is not None else None
+    say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    if args.tensors is not None:
+        t = tensors.TensorsOptions.make(counts=args.tensors, size_gb=args.size_gb, device=device, dir=directory,
+                                        quick=args.quick, direct=args.direct)
+        _room(t.size_bytes, directory, option=f" --tensors {','.join(map(str, t.counts))}")
+        res = tensors.run_tensors(t, progress=say)
+        emit(args, res, tensors.text(res))
+        return 0 if res["all_exact"] else 1
+    o = peers.PeersOptions.make(size_gb=args.size_gb, device=device, dir=directory, quick=args.quick,
+                                direct=args.direct)
+    _room(o.size_bytes, directory, option=" --peers")
+    res = peers.run_peers(o, progress=say)
+    if args.plot:
+        plot_peers(res, args.plot)
+        res["plot"] = str(args.plot)
+        say(f"hpcckpt bench: plot written to {args.plot}")
+    emit(args, res, peers.text(res))
+    return 0 if res["all_exact"] else 1
+
+
 def run(args: argparse.Namespace) -> int:
+    _one_mode(args)
     if args.ranks is not None:
         return run_ranks(args)
+    if args.peers or args.tensors is not None:
+        return run_peers(args)
     from ..bench import BenchOptions, check_room, run_bench
     from ..bench.plot import plot_bench
     from ..demo.runtime import resolve_device, work_dir
