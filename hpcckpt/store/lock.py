@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -30,7 +31,7 @@ from typing import Any, Iterator
 
 from filelock import FileLock
 
-from ..errors import HpcckptError
+from ..errors import ConfigError, HpcckptError
 
 LOCK_NAME = ".hpcckpt.lock"
 LEASE_NAME = ".hpcckpt.writer"
@@ -41,10 +42,33 @@ log = logging.getLogger("hpcckpt")
 
 
 def writer_lock(root: Path, timeout_s: float = -1) -> FileLock:
-    """A ``filelock.FileLock`` on ``root/.hpcckpt.lock`` (use as a context manager)."""
+    """A ``filelock.FileLock`` on ``root/.hpcckpt.lock`` (use as a context manager).
+
+    The root is checked first (``usable_root``): filelock retries an open that fails
+    for ever, so a directory where the lock file cannot be made (read-only, another
+    user's, ``/proc/self``) would hang instead of saying so.
+    """
     root = Path(root)
-    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    usable_root(root)
     return FileLock(str(root / LOCK_NAME), timeout=timeout_s, mode=0o600)
+
+
+def usable_root(root: Path) -> None:
+    """Make ``root`` if needed and prove the lock file can be created in it; ConfigError naming
+    the directory, the reason and the fix otherwise (never a raw OSError, never a hang)."""
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise ConfigError(
+            f"checkpoint directory {root} cannot be used: {exc.strerror or exc} "
+            f"({exc.filename or root / LOCK_NAME}). Give the job a directory it can create files in "
+            "(dir=... or HPCCKPT_DIR), on a file system shared by its nodes") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"checkpoint directory {root}: {LOCK_NAME} is not a regular file; remove it")
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -223,7 +247,7 @@ class WriterLease:
             raise WriterBusy(self._busy_message(holder, me))
 
     def _open(self) -> int:
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        usable_root(self.root)
         return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
 
     def _break(self, holder: Holder) -> None:

@@ -296,3 +296,37 @@ def test_latest_that_is_not_a_plain_utf8_name_is_ignored(ckdir: Path, raw: bytes
     ckdir.mkdir(parents=True)
     (ckdir / LATEST).write_bytes(raw)
     assert read_latest(ckdir) is None
+
+
+@pytest.mark.parametrize("name", ["step-0099", "step-99\n", "step-\u0661\u0662", "step-01", "step-+5", "step-5 "])
+def test_step_names_are_parsed_strictly(tmp_path: Path, name: str) -> None:
+    """Only ``step-0`` and ``step-[1-9][0-9]*`` (ASCII) are checkpoints; any other name is
+    ignored, never looked up as another step (which read as "another job is pruning")."""
+    from hpcckpt.ranks import Ranks
+    from hpcckpt.resume import load_newest
+    from hpcckpt.api import Checkpointer
+    model = torch.nn.Linear(2, 2)
+    with Checkpointer(tmp_path, every_steps=1) as ck:
+        ck.register(model=model)
+        for _ in ck.steps(2):
+            pass
+    shutil.copytree(tmp_path / "step-2", tmp_path / name)
+    assert [i.path.name for i in catalog.scan(tmp_path)] == ["step-1", "step-2"]
+    out = load_newest(tmp_path, Ranks())
+    assert out.step == 2 and out.damaged == [] and out.rounds == 1
+
+
+@pytest.mark.parametrize("where", ["/proc/self", "/sys"])
+def test_an_unusable_checkpoint_directory_is_a_clear_error_not_a_hang(where: str) -> None:
+    from hpcckpt.errors import ConfigError
+    from hpcckpt.store.lock import usable_root, writer_lock
+    if os.access(where, os.W_OK) and where == "/sys" and os.geteuid() != 0:
+        pytest.skip("/sys is writable here")
+    with pytest.raises(ConfigError, match=f"checkpoint directory {where} cannot be used.*HPCCKPT_DIR"):
+        usable_root(Path(where))
+    with pytest.raises(ConfigError, match="cannot be used"):
+        with writer_lock(Path(where)):
+            pass
+    from hpcckpt.api import Checkpointer
+    with pytest.raises(ConfigError, match="cannot be used"):
+        Checkpointer(where)
