@@ -54,7 +54,10 @@ def flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> Any:
         if prefix in out:
             raise ConfigError(f"two tensors map to the state name {prefix!r}")
         out[prefix] = obj.detach()
-        return {"__tensor__": prefix}
+        ref: dict[str, Any] = {"__tensor__": prefix}
+        if _permuted(obj):
+            ref["__stride__"] = list(obj.stride())  # a transposed or channels_last layout comes back as saved
+        return ref
     if isinstance(obj, np.ndarray):
         out[prefix] = torch.from_numpy(np.ascontiguousarray(obj))
         return {"__ndarray__": prefix}
@@ -84,6 +87,36 @@ def flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> Any:
         "pickling; convert it to tensors, numbers, strings, lists or dicts in state_dict()")
 
 
+def _permuted(t: torch.Tensor) -> bool:
+    """A dense tensor whose memory order is not its index order (transposed, channels_last).
+
+    Fused optimizers walk a parameter and its state as flat memory, so state restored
+    contiguous next to a transposed parameter would pair the wrong elements.
+    """
+    if t.dim() < 2 or t.is_contiguous() or _not_plain(t):
+        return False
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
+        if size > 1 and stride != expected:
+            return False  # overlapping or a view with gaps: saved and restored contiguous
+        expected *= size
+    return True
+
+
+def _not_plain(t: torch.Tensor) -> bool:
+    """Sparse, or a tensor subclass (DTensor): its layout is not ours to keep."""
+    return t.layout != torch.strided or type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter)
+
+
+def _with_strides(t: torch.Tensor, stride: Any) -> torch.Tensor:
+    """``t`` with the saved strides (a copy when they differ)."""
+    if not isinstance(stride, list) or tuple(stride) == t.stride() or len(stride) != t.dim():
+        return t
+    out = torch.empty_strided(t.shape, tuple(int(s) for s in stride), dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
+
+
 def unflatten(meta: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     """Inverse of ``flatten``."""
     if isinstance(meta, list):
@@ -91,7 +124,7 @@ def unflatten(meta: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     if not isinstance(meta, dict):
         return meta
     if "__tensor__" in meta:
-        return tensors[meta["__tensor__"]]
+        return _with_strides(tensors[meta["__tensor__"]], meta.get("__stride__"))
     if "__ndarray__" in meta:
         return tensors[meta["__ndarray__"]].numpy()
     if "__float__" in meta:
@@ -243,7 +276,11 @@ class TrainState:
                 f"checkpoint has no state for {sorted(missing)} (it holds {sorted(tree['objects'])}); "
                 "register the same objects under the same names as the run that saved it")
         for name, obj in self.objects.items():
-            obj.load_state_dict(unflatten(tree["objects"][name], flat.tensors))
+            saved = unflatten(tree["objects"][name], flat.tensors)
+            try:
+                obj.load_state_dict(saved)
+            except (ValueError, KeyError, RuntimeError, TypeError) as exc:
+                raise ConfigError(_load_failed(name, obj, saved, exc, tree.get("step"))) from exc
         set_rng_state(unflatten(tree["rng"], flat.tensors))
         self.user_meta.update(tree.get("user", {}))
         return tree
@@ -258,6 +295,23 @@ class TrainState:
                 for pname, _ in obj.named_parameters():
                     safe.add(f"objects/{name}/{_escape(pname)}")
         return safe
+
+
+def _load_failed(name: str, obj: Any, saved: Any, exc: BaseException, step: Any) -> str:
+    """What a failed ``load_state_dict`` means for the user, and what to do."""
+    where = f"the checkpoint of step {step}" if step is not None else "the checkpoint"
+    if isinstance(obj, torch.optim.Optimizer) and isinstance(saved, Mapping):
+        now = [len(g["params"]) for g in obj.param_groups]
+        then = [len(g.get("params", ())) for g in saved.get("param_groups", ())]
+        if now != then:
+            return (f"cannot restore {name}: {where} has {len(then)} parameter group(s) of {then} parameters, "
+                    f"the optimizer now has {len(now)} of {now}. Build the optimizer as it was when the "
+                    "checkpoint was taken before register(): parameter groups added during training "
+                    "(progressive unfreezing) are added again first, with optimizer.add_param_group(...), "
+                    "in the same order; or start fresh in another directory")
+    return (f"cannot restore {name} ({type(obj).__name__}) from {where}: {type(exc).__name__}: {exc}. Register "
+            "an object built as in the run that saved it (same shapes, same structure), or start fresh in "
+            "another directory")
 
 
 def init_dtensor_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:

@@ -1,12 +1,17 @@
 from __future__ import annotations
 
 import math
+import os
 import random
+import signal
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from hpcckpt.api import Checkpointer, RequeueExit
 from hpcckpt.errors import ConfigError
 from hpcckpt.state import Flat, TrainState, flatten, unflatten
 from tests.helpers import tiny_state, train_step
@@ -76,3 +81,77 @@ def test_restore_names_missing_objects() -> None:
     st2.register("net", torch.nn.Linear(2, 2))
     with pytest.raises(ConfigError, match="net"):
         st2.restore(flat)
+
+
+# --- exact state whatever its layout (issue 22 item 7) ------------------------------------------
+# Fused AdamW walks a parameter and its state as flat memory: a transposed weight whose
+# restored exp_avg were contiguous would pair the wrong elements; same for channels_last.
+# Each is preempted (a real SIGUSR2), resumed with both engines, compared bit for bit.
+
+def model_and_opt(kind: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    if kind == "transposed":
+        m = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+        m[0].weight = torch.nn.Parameter(m[0].weight.detach().t().contiguous().t())  # strides (1, 5)
+    else:
+        m = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 3))
+        m = m.to(memory_format=torch.channels_last)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
+    return m, opt
+
+
+def batch(kind: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(8, 6, generator=g) if kind == "transposed" else torch.randn(8, 3, 6, 6, generator=g)
+    return x, torch.randint(0, 3, (8,), generator=g)
+
+
+def run_layout(ckdir: Path, kind: str, engine: str, losses: list[str], stop_at: int | None = None) -> Any:
+    m, opt = model_and_opt(kind)
+    with Checkpointer(ckdir, engine=engine, every_steps=None) as ck:
+        ck.register(model=m, optimizer=opt)
+        for step in ck.steps(12):
+            x, y = batch(kind, step)
+            loss = torch.nn.functional.cross_entropy(m(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(float.hex(loss.item()))
+            if step + 1 == stop_at:
+                os.kill(os.getpid(), signal.SIGUSR2)
+    return m, opt
+
+
+@pytest.mark.native
+@pytest.mark.parametrize("engine", ["sync", "concurrent"])
+@pytest.mark.parametrize("kind", ["transposed", "channels_last"])
+def test_fused_adamw_over_strided_parameters_resumes_bit_identical(kind: str, engine: str, tmp_path: Path) -> None:
+    ref: list[str] = []
+    ref_m, _ = run_layout(tmp_path / "ref", kind, engine, ref)
+    losses: list[str] = []
+    with pytest.raises(RequeueExit):
+        run_layout(tmp_path / "run", kind, engine, losses, stop_at=5)
+    m, opt = run_layout(tmp_path / "run", kind, engine, losses)
+    assert losses == ref
+    for p, q in zip(m.state_dict().values(), ref_m.state_dict().values()):
+        assert torch.equal(p, q)
+    for p in (p for g in opt.param_groups for p in g["params"]):
+        for v in opt.state[p].values():
+            if v.dim() == p.dim():
+                assert v.stride() == p.stride()  # the layout fused kernels rely on
+
+
+@pytest.mark.native
+def test_an_optimizer_that_gained_a_param_group_says_what_to_do(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    head, body = torch.nn.Linear(4, 2), torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(head.parameters(), lr=0.1)
+    opt.add_param_group({"params": body.parameters(), "lr": 0.01})  # unfrozen during training
+    with Checkpointer(tmp_path, every_steps=None) as ck:
+        ck.register(head=head, body=body, optimizer=opt)
+        ck.save(block=True)
+    fresh = torch.optim.SGD(head.parameters(), lr=0.1)  # as the script builds it at the start
+    with Checkpointer(tmp_path, every_steps=None) as ck:
+        with pytest.raises(ConfigError, match=r"2 parameter group\(s\).*now has 1.*add_param_group"):
+            ck.register(head=head, body=body, optimizer=fresh)
