@@ -228,7 +228,7 @@ def _tres_args(job: Mapping[str, str]) -> list[str]:
     return out
 
 
-def refine_cause(cause: str, job: Mapping[str, str] | None) -> str:
+def refine_cause(cause: str, job: Mapping[str, str] | None, restarts_before: int | None = None) -> str:
     """Slurm's own view of why the job must stop, when it knows better than the caller.
 
     A preemption sets ``PreemptTime`` and pulls ``EndTime`` in to now + GraceTime, so
@@ -246,7 +246,9 @@ def refine_cause(cause: str, job: Mapping[str, str] | None) -> str:
         return Cause.TIME_LIMIT.value
     if job_state(job) == "NODE_FAIL":
         return Cause.NODE_FAILURE.value
-    if job_state(job) in REQUEUED_STATES and Cause.parse(cause) in {Cause.SIGNAL, Cause.UNKNOWN, Cause.TIME_LIMIT}:
+    requeued = job_state(job) in REQUEUED_STATES or (
+        restarts_before is not None and requeue_evidence(job, restarts_before) is not None)
+    if requeued and Cause.parse(cause) in {Cause.SIGNAL, Cause.UNKNOWN, Cause.TIME_LIMIT}:
         return Cause.OPERATOR_REQUEUE.value  # requeued while running, and not by a preemption
     return cause
 
@@ -289,7 +291,7 @@ class SlurmCli(ClusterBase):
         return job_id
 
     def stop_cause(self, cause: str) -> str:
-        return refine_cause(cause, self._job_record(self._job_id()))
+        return refine_cause(cause, self._job_record(self._job_id()), self._restarts())
 
     def requeue_job(self, cause: str) -> RequeueOutcome:
         """Coordinator only, after the final checkpoint is durable. Decided from Slurm's record,
