@@ -107,7 +107,7 @@ def check(path: Path, *, full: bool) -> tuple[dict[str, Any] | None, list[str]]:
     except CheckpointCorrupt as exc:
         text = str(exc)
         return None, [text if str(path) in text else f"{path / MANIFEST}: {text}"]
-    problems = verify_files(path, full=full)
+    problems = verify_files(path, full=full, manifest=manifest)
     if full:
         for rank in range(int(manifest["world_size"])):
             problems += _verify_rank(path, manifest, rank)

@@ -27,7 +27,9 @@ MANIFEST = "manifest.json"
 LATEST = "LATEST"
 TMP_MARK = ".tmp-"
 TRASH_PREFIX = ".trash-"  # directories being deleted: never listed (see ``discard``)
-MAX_MANIFEST_BYTES = 256 << 20
+# ~250 bytes a tensor: 64 MiB is some 250,000 tensors, far beyond any model's state; a
+# larger "manifest" is refused before it is parsed (parsing is the cost of every listing).
+MAX_MANIFEST_BYTES = 64 << 20
 _READ_CHUNK = 16 << 20
 
 
@@ -239,16 +241,17 @@ def open_member(ckpt_dir: Path, rel: str) -> tuple[Path, os.stat_result]:
     return path, st
 
 
-def verify_files(ckpt_dir: Path, *, full: bool = True) -> list[str]:
+def verify_files(ckpt_dir: Path, *, full: bool = True, manifest: dict[str, Any] | None = None) -> list[str]:
     """Problems with the files a manifest lists (empty list = fine).
 
     ``full=False`` checks sizes only; ``full=True`` also re-reads every file and
-    compares its crc32c.
+    compares its crc32c. ``manifest``: already read (and checked) by the caller.
     """
-    try:
-        manifest = read_manifest(ckpt_dir)
-    except CheckpointCorrupt as exc:
-        return [str(exc)]
+    if manifest is None:
+        try:
+            manifest = read_manifest(ckpt_dir)
+        except CheckpointCorrupt as exc:
+            return [str(exc)]
     files = manifest.get("files", {})
     if not isinstance(files, dict):
         return [f"{ckpt_dir / MANIFEST}: 'files' is not an object; the manifest is damaged"]

@@ -158,7 +158,27 @@ def _rank(rank: int, rec: Any, step: int, files: Mapping[str, Any], shared: Mapp
     file_bytes = files[fname]["bytes"]
     for name, e in tensors.items():
         _tensor(name, e, fmt, file_bytes, where)
+    if fmt == "torch" or "crc32c" in files[fname]:  # a file read whole: no bigger than what it holds
+        _bounded(fname, file_bytes, tensors, fmt, where)
     _meta(rec.get("meta"), step, tensors, where, shared)
+
+
+ARCHIVE_SLACK_BYTES = 1 << 20  # a rank file's bytes beyond its tensors': headers, pickle, alignment
+TENSOR_SLACK_BYTES = 64 << 10  # ... and per tensor (zip/HDF5 records, 4 KiB alignment, its name)
+
+
+def _bounded(fname: str, file_bytes: int, tensors: Mapping[str, Any], fmt: str, where: str) -> None:
+    """A rank file that is read whole (whole-file crc32c) is at most its tensors' bytes plus
+    bounded overhead: verify and a resume stay proportional to the bytes the manifest lists,
+    whatever size a crafted manifest gives a (sparse) file."""
+    if fmt == "torch":
+        held = sum(int(e["nbytes"]) for e in tensors.values())
+    else:
+        held = max((int(e["offset"]) + int(e["nbytes"]) for e in tensors.values()), default=0)
+    limit = held + ARCHIVE_SLACK_BYTES + TENSOR_SLACK_BYTES * len(tensors)
+    if file_bytes > limit:
+        raise Invalid(f"{where} file {fname!r} is listed as {file_bytes} bytes, but its tensors account for "
+                      f"{held}; at most {limit} is plausible")
 
 
 def build(*, step: int, engine: str, job: Mapping[str, Any], user: Mapping[str, Any],

@@ -211,3 +211,39 @@ def test_cli_reports_crafted_checkpoints_without_traceback(pristine: dict[str, P
     for step in (9, 12, 15, 18):
         code, out = cli("inspect", str(root), "--step", str(step))
         assert code == 1 and "CORRUPT" in out and "Traceback" not in out, out
+
+
+def _sparse_tebibyte(m: Manifest, d: Path) -> None:
+    """The rank file made a sparse 1 TiB file, and the manifest re-sealed to list that size
+    (with a whole-file checksum, so a verify would read all of it)."""
+    import os
+    name = fname(m)
+    os.truncate(d / name, 1 << 40)
+    m["files"][name] = {"bytes": 1 << 40, "crc32c": 0}
+    if "file_info" in rank0(m):
+        rank0(m)["file_info"] = {"bytes": 1 << 40, "crc32c": 0}
+
+
+@pytest.mark.parametrize("engine", ["sync", "concurrent"])
+def test_a_sparse_tebibyte_rank_file_is_refused_without_reading_it(pristine: dict[str, Path], tmp_path: Path,
+                                                                    engine: str) -> None:
+    """verify stays proportional to the bytes the manifest's tensors account for."""
+    root = copy(pristine, engine, tmp_path / "ck")
+    craft(root / "step-6", _sparse_tebibyte)
+    info = catalog.inspect_step(root, 6, full=True)  # reading 1 TiB would take hours: refused up front
+    assert info is not None and info.status == "corrupt"
+    assert any("at most" in p and "plausible" in p for p in info.problems), info.problems
+    with Checkpointer(root, engine=engine, every_steps=None) as ck:
+        assert ck.register(**tiny_state(1)) == 3
+
+
+def test_an_oversized_manifest_is_refused_before_it_is_parsed(pristine: dict[str, Path], tmp_path: Path) -> None:
+    from hpcckpt.store.commit import MAX_MANIFEST_BYTES
+    root = copy(pristine, "sync", tmp_path / "ck")
+    path = root / "step-6" / MANIFEST
+    raw = path.read_bytes()
+    path.write_bytes(raw[:-2] + b" " * (MAX_MANIFEST_BYTES + 1 - len(raw)) + raw[-2:])  # still valid JSON
+    info = {i.step: i for i in catalog.scan(root)}[6]
+    assert info.status == "corrupt" and "more than any manifest" in info.problems[0]
+    with Checkpointer(root, every_steps=None) as ck:
+        assert ck.register(**tiny_state(1)) == 3
