@@ -24,6 +24,7 @@ from ..errors import ConfigError
 from .limits import GB, fresh_memory_gbps, memcpy_gbps, write_read_gbps
 from .measure import measure_engine, measure_loads, measure_staging
 from .overhead import DemoLoad, measure_overhead
+from .smallstate import measure_small_state
 from .synthetic import SyntheticRig
 
 ENGINES = ("sync", "concurrent")
@@ -63,8 +64,8 @@ class BenchOptions:
                             rounds=3 if cuda else 5, overhead_rounds=1 if cuda else 5)
 
     def sizes(self) -> list[int]:
-        """State sizes from small to the requested one (each a quarter of the next)."""
-        steps = 2 if self.quick else 3
+        """State sizes from small to the requested one (each a quarter of the next); --quick: one."""
+        steps = 1 if self.quick else 3
         return sorted({max(1 << 20, self.size_bytes >> (2 * k)) for k in range(steps)})
 
 
@@ -157,6 +158,27 @@ def _targets(top: dict[str, Any], limits: dict[str, Any], over: dict[str, Any], 
     }
 
 
+def _small_targets(small: dict[str, Any]) -> dict[str, Any]:
+    """The small-state figures the issues name: saving every step, concurrent engine."""
+    conc = small["engines"]["concurrent"]
+    return {"small_state_every_step_overhead": conc["overhead"], "small_state_every_step_target": 0.25,
+            "small_state_per_save_ms": conc["per_save_ms"]}
+
+
+class _Phases:
+    """Wall seconds per phase of the run (where ``bench --quick``'s time goes)."""
+
+    def __init__(self) -> None:
+        self.wall: dict[str, float] = {}
+
+    def __call__(self, name: str, fn: Callable[[], Any]) -> Any:
+        t0 = time.monotonic()
+        try:
+            return fn()
+        finally:
+            self.wall[name] = time.monotonic() - t0
+
+
 class _Steps:
     """Numbered progress lines with the elapsed time: ``[bench 12.3s 4/17] what``."""
 
@@ -231,15 +253,21 @@ def run_bench(o: BenchOptions, progress: Callable[[str], None] = lambda s: None)
     sizes = o.sizes()
     options = {"max_async": o.max_async, "writer_threads": o.writer_threads, "direct": o.direct}
     load = DemoLoad.for_device(o.device, steps=o.overhead_steps, quick=o.quick)
-    tick = _Steps(2 + len(sizes) * len(ENGINES) + 2 + 1, progress)
+    tick = _Steps(2 + len(sizes) * len(ENGINES) + 2 + 2, progress)
+    phases = _Phases()
     progress(f"[bench] {o.device}, state up to {o.size_bytes / GB:.3f} GB, files under {base}")
     try:
-        limits = _limits(o, base, tick)
-        per_size = [_one_size(o, size, base, options, top=size == sizes[-1], tick=tick) for size in sizes]
-        over = measure_overhead(list(ENGINES), list(INTERVALS), base / "overhead", load, options,
-                                rounds=o.overhead_rounds)
+        limits = phases("limits", lambda: _limits(o, base, tick))
+        per_size = phases("engines", lambda: [_one_size(o, size, base, options, top=size == sizes[-1], tick=tick)
+                                              for size in sizes])
+        over = phases("overhead", lambda: measure_overhead(list(ENGINES), list(INTERVALS), base / "overhead", load,
+                                                           options, rounds=o.overhead_rounds))
         tick("training overhead at intervals " + ", ".join(
             f"{n} {'/'.join(f'{100 * v:.0f}%' for v in per.values())}" for n, per in over["overhead"].items()))
+        small = phases("small_state", lambda: measure_small_state(base / "small", options, quick=o.quick))
+        tick(f"small state ({small['state_bytes'] / 1e6:.1f} MB, {1e3 * small['step_s']:.1f} ms steps) saved every "
+             "step: " + ", ".join(f"{n} +{100 * e['overhead']:.0f}% ({e['per_save_ms']:.1f} ms per save)"
+                                  for n, e in small["engines"].items()))
     finally:
         shutil.rmtree(base, ignore_errors=True)
     top = per_size[-1]
@@ -256,9 +284,11 @@ def run_bench(o: BenchOptions, progress: Callable[[str], None] = lambda s: None)
         "staging": top["staging"],
         "sizes": [{k: v for k, v in row.items() if k != "staging"} for row in per_size],
         **over,
+        "small_state": small,
+        "phases_s": phases.wall,
         "machine": machine,
         "options": {"repeats": o.repeats, "quick": o.quick, "rounds": o.rounds,
                     "overhead_rounds": o.overhead_rounds, **options},
     }
-    result["targets"] = _targets(top, limits, over, o.device)
+    result["targets"] = {**_targets(top, limits, over, o.device), **_small_targets(small)}
     return result

@@ -22,7 +22,8 @@ from typing import Any, Callable
 
 from ..errors import HpcckptError
 
-PRELOAD = ["torch", "torch.distributed.checkpoint", "hpcckpt.bench.methods", "hpcckpt.bench.peers", "hpcckpt.bench.tensors", "hpcckpt.bench.synthetic",
+PRELOAD = ["torch", "torch.distributed.checkpoint", "hpcckpt.bench.methods", "hpcckpt.bench.peers", "hpcckpt.bench.tensors", "hpcckpt.bench.smallstate",
+           "hpcckpt.bench.loadproc", "hpcckpt.bench.synthetic",
            "hpcckpt.engines", "hpcckpt.store.read", "hpcckpt.store.catalog"]
 _ctx: Any = None
 

@@ -17,7 +17,9 @@ and the first touch of new memory is part of what a load costs. Kinds::
 ``RIG_BYTES`` is the size the bench built its ``SyntheticRig`` from; the model is
 built from it again (parameters initialised, Adam without moments, as before any
 restore) outside the timed part; on CUDA the clock stops once the device is synchronised. Every load verifies what it reads (hpcckpt:
-crc32c of every tensor). Prints ``{"load_s": seconds}``.
+crc32c of every tensor). Prints ``{"load_s": seconds}``. ``hpcckpt bench`` itself runs
+``child_load`` in a child forked from its preloaded forkserver (``isolate``): the same
+fresh heap without a fresh interpreter's imports.
 """
 from __future__ import annotations
 
@@ -27,7 +29,23 @@ import time
 from pathlib import Path
 
 
+def child_load(argv: list[str]) -> dict[str, float]:
+    """``timed_load`` for ``isolate.run_isolated``."""
+    return {"load_s": timed_load(argv)}
+
+
 def main(argv: list[str]) -> int:
+    try:
+        elapsed = timed_load(argv)
+    except ValueError as exc:
+        print(f"loadproc: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({"load_s": elapsed}))
+    return 0
+
+
+def timed_load(argv: list[str]) -> float:
+    """Seconds of one load of the kind ``argv[0]`` names (see the module docstring)."""
     import torch
 
     from ..engines import load_rank
@@ -68,13 +86,10 @@ def main(argv: list[str]) -> int:
         path = Path(argv[1])
         t0 = time.perf_counter() - path.stat().st_size / parallel_read_bps(path, fresh=True)
     else:
-        print(f"loadproc: unknown kind {kind!r} (resume | fresh | torch | rawfresh)", file=sys.stderr)
-        return 2
+        raise ValueError(f"unknown kind {kind!r} (resume | fresh | torch | rawfresh)")
     if device == "cuda":
         torch.cuda.synchronize()
-    elapsed = time.perf_counter() - t0
-    print(json.dumps({"load_s": elapsed}))
-    return 0
+    return time.perf_counter() - t0
 
 
 if __name__ == "__main__":

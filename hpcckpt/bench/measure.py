@@ -19,17 +19,13 @@ Loads are measured afterwards, all engines interleaved (``measure_loads``).
 from __future__ import annotations
 
 import inspect
-import json
 import shutil
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
-from ..demo.runtime import module_cmd
 from ..engines import SaveContext, make_engine
-from ..errors import HpcckptError
 from ..ranks import Ranks
 from ..store import catalog
 from .limits import GB, drop_caches, parallel_read_bps, parallel_write_bps
@@ -191,13 +187,17 @@ def _rank_file(info: catalog.CheckpointInfo) -> tuple[Path, str]:
     return info.path / rec["file"], str(rec["format"])
 
 
-def _timed_in_fresh_process(kind: str, *args: object) -> float:
-    """Seconds of one load in a new interpreter (``hpcckpt.bench.loadproc``)."""
-    out = subprocess.run([*module_cmd("hpcckpt.bench.loadproc"), kind, *map(str, args)],
-                         capture_output=True, text=True, timeout=600, check=False)
-    if out.returncode != 0:
-        raise HpcckptError(f"bench: {kind} load of {' '.join(map(str, args))} failed ({out.returncode}): {out.stderr.strip()[-500:]}")
-    return float(json.loads(out.stdout.strip().splitlines()[-1])["load_s"])
+def _timed_in_fresh_process(kind: str, *args: object, held: list[float] | None = None,
+                            nbytes: int = 0) -> float:
+    """Seconds of one load in a fresh process (``loadproc.child_load`` in a child forked from
+    the bench's preloaded forkserver); ``held`` receives its peak RSS beyond its start per
+    byte of state."""
+    from .isolate import held_vs_state, run_isolated
+    from .loadproc import child_load
+    got = run_isolated(child_load, [kind, *map(str, args)], timeout_s=600)
+    if held is not None:
+        held.append(held_vs_state(got["rss"], nbytes))
+    return float(got["load_s"])
 
 
 def measure_loads(roots: dict[str, Path], nbytes: int, *, rounds: int, rig_bytes: int,
@@ -218,7 +218,7 @@ def measure_loads(roots: dict[str, Path], nbytes: int, *, rounds: int, rig_bytes
     in a fresh process), ``torch_load_s``, the ``*_all_s`` samples, ``cold_cache``.
     """
     infos = {name: catalog.find(root, None) for name, root in roots.items()}
-    kinds = ("load", "fresh", "raw", "raw_fresh", "torch_load")
+    kinds = ("load", "fresh", "raw", "raw_fresh", "torch_load", "load_held", "torch_load_held")
     samples: dict[str, dict[str, list[float]]] = {n: {k: [] for k in kinds} for n in infos}
     method = ""
     for _ in range(max(1, rounds)):
@@ -228,14 +228,16 @@ def measure_loads(roots: dict[str, Path], nbytes: int, *, rounds: int, rig_bytes
             method = drop_caches([path])
             got["raw"].append(path.stat().st_size / parallel_read_bps(path))
             drop_caches([path])
-            got["load"].append(_timed_in_fresh_process("resume", roots[name], info.step, rig_bytes, device))
+            got["load"].append(_timed_in_fresh_process("resume", roots[name], info.step, rig_bytes, device,
+                                                       held=got["load_held"], nbytes=nbytes))
             drop_caches([path])
             got["fresh"].append(_timed_in_fresh_process("fresh", roots[name], info.step))
             drop_caches([path])
             got["raw_fresh"].append(_timed_in_fresh_process("rawfresh", path))
             if fmt == "torch":
                 drop_caches([path])
-                got["torch_load"].append(_timed_in_fresh_process("torch", path, roots[name], info.step, rig_bytes, device))
+                got["torch_load"].append(_timed_in_fresh_process("torch", path, roots[name], info.step, rig_bytes,
+                                                                 device, held=got["torch_load_held"], nbytes=nbytes))
     out: dict[str, dict[str, Any]] = {}
     for name, got in samples.items():
         load_s = statistics.median(got["load"])
@@ -251,9 +253,12 @@ def measure_loads(roots: dict[str, Path], nbytes: int, *, rounds: int, rig_bytes
             "raw_read_fresh_all_s": got["raw_fresh"],
             "load_all_s": got["load"], "load_fresh_all_s": got["fresh"], "raw_read_all_s": got["raw"],
             "cold_cache": method,
+            # peak RSS of the resume's process beyond its start (imports), per byte of state
+            "load_held_vs_state": statistics.median(got["load_held"]),
         }
         if got["torch_load"]:
             e["torch_load_s"] = statistics.median(got["torch_load"])
+            e["torch_load_held_vs_state"] = statistics.median(got["torch_load_held"])
             e["torch_load_all_s"] = got["torch_load"]
         out[name] = e
     return out

@@ -160,6 +160,16 @@ class TorchSave(Method):
         return _Pending(t0, path, done_at=time.perf_counter())
 
 
+def _no_dist() -> dict[str, bool]:
+    """One process and no process group: say so. DCP still warns that it assumes so, also from
+    async_save's writer thread (outside any ``catch_warnings`` here): that one warning is
+    filtered for the process."""
+    import torch.distributed as dist
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                            category=UserWarning)
+    return {} if dist.is_available() and dist.is_initialized() else {"no_dist": True}
+
+
 def _dcp_state(rig: PeerRig) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
     model_sd, optim_sd = get_state_dict(rig.model, rig.opt)
@@ -175,7 +185,7 @@ class DcpSave(Method):
         path = self.root / f"step-{step}"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp.save(_dcp_state(self.rig), checkpoint_id=str(path))
+            dcp.save(_dcp_state(self.rig), checkpoint_id=str(path), **_no_dist())
         return _Pending(t0, path, done_at=time.perf_counter())
 
 
@@ -206,7 +216,7 @@ class DcpAsync(Method):
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
         t0 = time.perf_counter()
         path = self.root / f"step-{step}"
-        kwargs: dict[str, Any] = {"checkpoint_id": str(path)}
+        kwargs: dict[str, Any] = {"checkpoint_id": str(path), **_no_dist()}
         if self.kind == "process":
             kwargs["async_checkpointer_type"] = AsyncCheckpointerType.PROCESS
         if self.stager is not None:
@@ -318,7 +328,7 @@ def restore(name: str, path: Path, rig: PeerRig) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             sd = _dcp_state(rig)  # a fresh AdamW's state is laid out first (lr 0), as DCP documents
-            dcp.load(sd, checkpoint_id=str(path))
+            dcp.load(sd, checkpoint_id=str(path), **_no_dist())
             set_state_dict(rig.model, rig.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     else:
         from ..engines import load_rank

@@ -229,6 +229,9 @@ def method_figures(rounds: list[dict[str, Any]], nbytes: int) -> dict[str, Any]:
         "restore_exact": all(r["exact"] for r in rounds),
         "save_held_vs_state": statistics.median(held_vs_state(r["rss"], nbytes) for r in rounds),
         "restore_held_vs_state": statistics.median(held_vs_state(r["restore"]["rss"], nbytes) for r in rounds),
+        "save_held_bytes": statistics.median(r["rss"]["peak_bytes"] - r["rss"]["base_bytes"] for r in rounds),
+        "restore_held_bytes": statistics.median(r["restore"]["rss"]["peak_bytes"] - r["restore"]["rss"]["base_bytes"]
+                                                for r in rounds),
         "save_peak_rss_bytes": max(r["rss"]["peak_bytes"] for r in rounds),
         "restore_peak_rss_bytes": max(r["restore"]["rss"]["peak_bytes"] for r in rounds),
     }

@@ -125,6 +125,12 @@ def text(res: dict[str, Any]) -> str:
     if staging.get("supported"):
         lines.append("concurrent stall by staging budget: " + ", ".join(
             f"{100 * float(f):.0f}% {_fmt(v.get('stall_s'), '.4f')}s" for f, v in staging["fractions"].items()))
+    small = res.get("small_state")
+    if small:
+        lines.append(f"small state {small['state_bytes'] / 1e6:.1f} MB, {1e3 * small['step_s']:.1f} ms steps, saved "
+                     "every step: " + ", ".join(f"{n} +{100 * e['overhead']:.0f}% ({e['per_save_ms']:.1f} ms per save, "
+                                                f"blocked {e['blocked_per_save_ms']:.1f} ms)"
+                                                for n, e in small["engines"].items()))
     lines.append("blocked fraction @10: " + ", ".join(f"{n} {100 * v:.1f}%" for n, v in t["overhead_blocked_at_10"].items())
                  + "; disk absorbs a checkpoint per interval: "
                  + ", ".join(f"@{i} {'yes' if ok else 'no'}" for i, ok in t["disk_absorbs"].items()))

@@ -55,8 +55,19 @@ def test_bench_quick_json_has_every_key(tmp_path: Path) -> None:
         assert all(math.isfinite(v) for v in per.values())
     # every interval saved at least once: the quick run is long enough for interval 50
     assert res["overhead_detail"]["steps"] >= 50
-    assert len(res["sizes"]) >= 2 and res["sizes"][-1]["state_bytes"] == res["state_bytes"]
+    assert len(res["sizes"]) >= 1 and res["sizes"][-1]["state_bytes"] == res["state_bytes"]
     assert res["engines"]["sync"]["torch_load_s"] > 0  # the torch.load reference ran on the sync archive
+    # peak RSS of each resume's process beyond its start, per byte of state (torch.load's too)
+    assert all(finite_positive(e["load_held_vs_state"]) for e in res["engines"].values())
+    assert finite_positive(res["engines"]["sync"]["torch_load_held_vs_state"])
+    # a small state saved at every step: the per-save fixed cost of each engine
+    small = res["small_state"]
+    assert small["every"] == 1 and small["state_bytes"] > 0 and finite_positive(small["step_s"])
+    for name in ("sync", "concurrent"):
+        e = small["engines"][name]
+        assert math.isfinite(e["overhead"]) and math.isfinite(e["per_save_ms"]) and e["blocked_per_save_ms"] >= 0
+    # where the run's time went, phase by phase
+    assert set(res["phases_s"]) == {"limits", "engines", "overhead", "small_state"}
     assert set(res["overhead_min"]) == set(res["overhead_blocked"]) == {"sync", "concurrent"}
     staging = res["staging"]
     if staging["supported"]:
@@ -70,6 +81,7 @@ def test_bench_quick_json_has_every_key(tmp_path: Path) -> None:
     assert isinstance(t["load_vs_torch_load_reachable"], bool) and t["load_vs_torch_load_ceiling"] > 0
     assert set(t["disk_absorbs"]) == {"1", "10", "50"}
     assert "stall_vs_sync" in t
+    assert t["small_state_per_save_ms"] == small["engines"]["concurrent"]["per_save_ms"]
     assert plot.stat().st_size > 10_000
     # The scratch files are gone: only the plot and the (now empty) work dir are left.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.png", "not"]

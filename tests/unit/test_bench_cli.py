@@ -30,6 +30,13 @@ BENCH_BAD = [
     (["--device", "cuda"], ["--device cuda", "--device cpu"]),
     (["--device", "cpu", "--plot", "/nonexistent-dir/bench.png"], ["--plot", "e.g. --plot bench.png"]),
     (["--device", "cpu", "--plot", "/"], ["--plot /"]),
+    (["--peers", "--tensors", "64"], ["--peers and --tensors", "one of them"]),
+    (["--peers", "--ranks", "2"], ["--ranks and --peers", "one of them"]),
+    (["--tensors", "3"], ["--tensors 3", "from 4", "e.g. --tensors 64,1024,8192"]),
+    (["--tensors", "64,x"], ["--tensors 64,x", "'x'", "e.g. --tensors"]),
+    (["--tensors", "1000000", "--size-gb", "0.001", "--device", "cpu"], ["--tensors 1000000", "--size-gb"]),
+    (["--tensors", "64", "--device", "cpu", "--plot", "t.png"], ["--plot", "--tensors"]),
+    (["--peers", "--size-gb", "1e6", "--device", "cpu"], ["--size-gb", "--peers", "free"]),
 ]
 DEMO_BAD = [
     (["--every", "0"], ["--every 0", "e.g. --every 10"]),
@@ -151,7 +158,7 @@ def test_demo_options_table() -> None:
 
 def test_bench_options_quick_and_room(tmp_path: Path) -> None:
     o = BenchOptions.make(size_gb=None, dir=tmp_path, quick=True, device="cpu")
-    assert o.quick and o.size_bytes == 16_000_000 and len(o.sizes()) == 2 and o.overhead_steps >= 50
+    assert o.quick and o.size_bytes == 16_000_000 and len(o.sizes()) == 1 and o.overhead_steps >= 50
     check_room(o, tmp_path)  # 16 MB fits
     full = BenchOptions.make(size_gb=2.0, dir=tmp_path, quick=False, device="cuda")
     assert full.size_bytes == 2_000_000_000 and full.rounds == 3 and full.overhead_rounds == 1 and len(full.sizes()) == 3

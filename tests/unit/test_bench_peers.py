@@ -1,0 +1,113 @@
+"""``hpcckpt bench --peers`` and ``--tensors`` at tiny sizes: the JSON is complete and every restore exact.
+
+Real saves (torch.save + fsync, DCP, both engines), real cold restores in fresh
+processes; nothing here asserts a timing value, only that each figure was measured
+(finite) and that each restore reproduced the saved state bit for bit.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpcckpt.bench.isolate import run_isolated
+from hpcckpt.bench.methods import ALL, available, make_method, restore, state_digest
+from hpcckpt.bench.synthetic import PeerRig
+from hpcckpt.errors import HpcckptError
+
+REPO = Path(__file__).resolve().parents[2]
+METHOD_KEYS = {"stall_s", "first_stall_s", "save_call_s", "persist_s", "persist_gbps", "restore_s", "restore_gbps",
+               "save_held_vs_state", "restore_held_vs_state", "save_peak_rss_bytes", "restore_peak_rss_bytes"}
+
+
+def finite(v: object) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def bench(args: list[str], tmp_path: Path) -> dict:  # type: ignore[type-arg]
+    out = subprocess.run([sys.executable, "-m", "hpcckpt.cli", "bench", *args, "--json", "--device", "cpu",
+                          "--dir", str(tmp_path / "work")], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert list((tmp_path / "work").iterdir()) == []  # scratch files removed
+    return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+
+@pytest.mark.native
+@pytest.mark.slow
+def test_peers_quick_json_has_every_method_and_exact_restores(tmp_path: Path) -> None:
+    plot = tmp_path / "peers.png"
+    res = bench(["--peers", "--quick", "--size-gb", "0.002", "--plot", str(plot)], tmp_path)
+    have, skipped = available("cpu")
+    assert set(res["methods"]) == set(have) and set(res["skipped"]) == set(skipped)
+    assert set(have) | set(skipped) == set(ALL)  # every method either measured or said why not
+    assert {"torch_save", "dcp_save", "dcp_async", "hpcckpt_sync", "hpcckpt_concurrent"} <= set(have)
+    for name, m in res["methods"].items():
+        assert METHOD_KEYS <= set(m), name
+        assert all(finite(m[k]) for k in METHOD_KEYS), (name, {k: m[k] for k in METHOD_KEYS})
+        assert m["restore_exact"] is True, name
+        assert set(m["overhead"]) == set(m["overhead_blocked"]) == {"1", "5"}
+        assert all(finite(v) for v in m["overhead"].values())
+        assert m["what"]
+    assert res["all_exact"] is True and res["cold_cache"] in ("drop_caches", "fadvise")
+    assert res["state_bytes"] > 0 and res["tensors"] > 0
+    assert set(res["vs_torch_save"]) == set(have)
+    assert set(res["concurrent_ahead_of_dcp_async"]) == {"1", "5"}
+    assert plot.stat().st_size > 10_000
+
+
+@pytest.mark.native
+@pytest.mark.slow
+def test_tensors_sweep_reports_each_count_with_verify(tmp_path: Path) -> None:
+    res = bench(["--tensors", "64,8", "--quick", "--size-gb", "0.001"], tmp_path)
+    assert [c["tensors_requested"] for c in res["counts"]] == [8, 64]
+    assert res["all_exact"] is True
+    for c in res["counts"]:
+        assert c["tensors"] >= c["tensors_requested"]
+        assert {"torch_save", "dcp_save", "hpcckpt_sync", "hpcckpt_concurrent"} == set(c["methods"])
+        for name, m in c["methods"].items():
+            assert m["restore_exact"] is True and finite(m["durable_s"]) and finite(m["save_held_vs_state"]), name
+            assert set(c["vs_torch"][name]) == {"durable", "restore"}
+        for name in ("hpcckpt_sync", "hpcckpt_concurrent"):
+            m = c["methods"][name]
+            assert m["verify_ok"] is True and m["verify_problems"] == [] and finite(m["verify_vs_raw_read"])
+
+
+@pytest.mark.parametrize("name", ["torch_save", "dcp_save", "dcp_async", "hpcckpt_sync"])
+def test_a_restore_of_an_older_save_is_not_exact(name: str, tmp_path: Path) -> None:
+    """The exactness check can fail: a checkpoint of an earlier step restores to another digest."""
+    rig = PeerRig(1 << 16, tensors=8)
+    m = make_method(name, tmp_path / name, rig, {})
+    try:
+        m.persist_s(m.start(1))
+        saved = state_digest(rig)
+        rig.step()
+        assert state_digest(rig) != saved
+    finally:
+        m.close()
+    assert m.newest is not None
+    fresh = PeerRig(1 << 16, tensors=8, warm=False)
+    restore(name, m.newest, fresh)
+    assert state_digest(fresh) == saved
+    assert not torch.equal(next(fresh.model.parameters()), next(rig.model.parameters()))
+
+
+def _fails() -> dict:  # type: ignore[type-arg]
+    raise RuntimeError("the measurement broke")
+
+
+def _allocates(nbytes: int) -> dict:  # type: ignore[type-arg]
+    block = bytearray(nbytes)
+    return {"n": len(block)}
+
+
+def test_isolated_child_reports_peak_rss_and_errors() -> None:
+    got = run_isolated(_allocates, 64 << 20)
+    assert got["n"] == 64 << 20
+    assert got["rss"]["peak_bytes"] - got["rss"]["base_bytes"] >= 60 << 20
+    with pytest.raises(HpcckptError, match="the measurement broke"):
+        run_isolated(_fails)
