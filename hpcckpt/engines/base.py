@@ -181,10 +181,12 @@ class Engine(ABC):
                                                       fingerprints=flat.fingerprints),
                                        coordinator=self.ranks.is_coordinator)
 
-    def _commit(self, step: int, tmp: Path, records: list[dict[str, Any]], warnings: list[str]) -> Path:
+    def _commit(self, step: int, tmp: Path, records: list[dict[str, Any]],
+                warnings: list[str] | None = None) -> Path:
         """Commit and prune; coordinator only. Faults after the rename (root fsync, LATEST,
         pruning) go to ``warnings``: the step is committed, a failed save would be a lie."""
         manifest = build_manifest(step=step, engine=self.name, job=self.ctx.job, user=self.ctx.user, records=records)
+        warnings = [] if warnings is None else warnings
         with writer_lock(self.ctx.root):
             txn = Transaction(self.ctx.root, catalog.step_name(step), temp=tmp)
             # Rank files are already fsynced by their writers; sizes are re-read, crcs come from the writers.

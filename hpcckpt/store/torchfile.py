@@ -81,12 +81,18 @@ def write(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
 
 
 def read(path: Path, rec: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """The archive's tensors, trusted exactly as ``verify`` trusts them.
+    """The archive's tensors, trusted exactly as ``verify`` trusts them (``_load``)."""
+    return _load(path, rec, whole_file=True)
+
+
+def _load(path: Path, rec: Mapping[str, Any], *, whole_file: bool) -> dict[str, torch.Tensor]:
+    """The archive's tensors, every check passed.
 
     The file is opened once (``commit.open_checked``: no symlink, no FIFO, a regular file
     of the manifest's size) and everything is read through that descriptor. Before
     anything of it is used, its whole-file crc32c must match the manifest's (it covers
-    the pickle, which the per-tensor checksums do not), its zip directory must list only
+    the pickle, which the per-tensor checksums do not; ``whole_file=False`` for ``verify``,
+    whose ``commit.verify_files`` checks it and which goes on to name the tensor), its zip directory must list only
     stored (uncompressed) members that fit in the file, and every listed tensor must be a
     dense tensor of the manifest's dtype and shape over a storage of exactly its bytes
     (a stride-0 view cannot make a checksum allocate); then each tensor's crc32c.
@@ -99,7 +105,8 @@ def read(path: Path, rec: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         raise CheckpointCorrupt(f"{path}: cannot be opened ({exc.strerror or exc}); hpcckpt writes it as a "
                                 "plain file") from None
     try:
-        _check_whole_file(path, fd, info)
+        if whole_file:
+            _check_whole_file(path, fd, info)
         with os.fdopen(os.dup(fd), "rb") as f:
             _check_zip(path, f, os.fstat(fd).st_size)
             f.seek(0)
@@ -161,8 +168,9 @@ def _check_tensor(path: Path, name: str, t: Any, entry: Mapping[str, Any]) -> No
 
 
 def verify(path: Path, rec: Mapping[str, Any]) -> list[str]:
+    """The damaged tensor, named (the whole-file crc32c is ``commit.verify_files``'s to report)."""
     try:
-        read(path, rec)
+        _load(path, rec, whole_file=False)
     except CheckpointCorrupt as exc:
         return [str(exc)]
     return []
