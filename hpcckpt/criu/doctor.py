@@ -15,7 +15,7 @@ from pathlib import Path
 from ..doctor import Check
 from ..errors import CudaCheckpointError, CriuError
 from ..proc import tree as proctree
-from .locate import check, find_criu
+from .locate import check, find_criu, tracks_memory
 
 
 def _criu_checks() -> list[Check]:
@@ -33,7 +33,14 @@ def _criu_checks() -> list[Check]:
                             f"`{criu.path} check` failed: {last} (kernel too old, missing CONFIG_CHECKPOINT_RESTORE, "
                             "or not root)"),
                     data={**data, "check": result.ok, "check_output": result.output[-2000:]})
-    return [found, verdict]
+    tracked = tracks_memory(criu)
+    dirty = Check(name="criu memory tracking", ok=True, level="ok" if tracked else "info",
+                  detail=("soft-dirty tracking on: periodic images (--dump-every) after the first, and the dump at "
+                          "a stop, write only the pages dirtied since the last image" if tracked else
+                          "soft-dirty tracking is off in this kernel: every periodic image (--dump-every) and the "
+                          "dump at a stop write the whole job's memory"),
+                  data={"mem_dirty_track": tracked})
+    return [found, verdict, dirty]
 
 
 def _namespace_check() -> Check:
@@ -70,7 +77,7 @@ def _cuda_check() -> list[Check]:
     api = Check(name="cuda checkpoint api", ok=True, level="ok" if cu.can_remap else "warn",
                 detail=f"driver {_driver_version()} (CUDA {cu.info.text}) at {cu.info.path}; {remap}",
                 data={"available": True, "driver_api": cu.info.text, "remap": cu.can_remap})
-    return [api, _cuda_in_namespaces(), *_running_jobs()]
+    return [api, _cuda_in_namespaces()]
 
 
 def _driver_version() -> str:
@@ -156,16 +163,53 @@ def _environ(pid: int) -> dict[str, str]:
 
 
 def _running_jobs() -> list[Check]:
-    out = []
-    for root in _criu_jobs():
-        problems = unsupported(root)
-        out.append(Check(name=f"criu job {root}", ok=not problems, level="ok" if not problems else "warn",
-                         detail="; ".join(problems) or "no NCCL or MPS use seen in its processes",
-                         fix="" if not problems else "NCCL, CUDA IPC, UVM managed memory, MIG and MPS cannot be "
-                                                     "checkpointed: run such a job with --mode app"))
-    return out
+    return [_job_check(f"criu job {root}", root) for root in _criu_jobs()]
+
+
+def _job_check(name: str, root: int) -> Check:
+    """What in the tree under ``root`` a dump would fail on: the CUDA limits and the
+    resources criu refuses (the same look the supervisor takes soon after a job starts)."""
+    from . import dumpable
+
+    problems = unsupported(root)
+    refused = dumpable.problems(root)
+    detail = "; ".join(problems + [p.text() for p in refused])
+    fix = dumpable.fix(refused) if refused else ("NCCL, CUDA IPC, UVM managed memory, MIG and MPS cannot be "
+                                                  "checkpointed: run such a job with --mode app")
+    bad = bool(problems or refused)
+    return Check(name=name, ok=not bad, level="warn" if bad else "ok",
+                 detail=detail or "nothing criu refuses seen in its processes (io_uring, perf events, established "
+                                  "TCP, NCCL, MPS)",
+                 fix=fix if bad else "", data={"problems": [p.as_dict() for p in refused]})
+
+
+def trial(cmd: list[str], *, wait_s: float, run_dir: Path) -> list[Check]:
+    """``hpcckpt doctor --mode criu -- CMD``: start CMD as CRIU mode would (its own PID + mount
+    namespaces), give it ``wait_s`` to set itself up, look at what it holds, and end this
+    trial instance (never a real job: that one is only looked at)."""
+    import signal
+    import time
+
+    from . import ops
+
+    stdio = run_dir / "doctor-trial"
+    job = ops.launch(cmd, stdout=stdio.with_suffix(".out"), stderr=stdio.with_suffix(".err"),
+                     log=stdio.with_suffix(".log"), ignore=(signal.SIGUSR2, signal.SIGTERM))
+    try:
+        deadline = time.monotonic() + wait_s
+        while job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if job.poll() is not None:
+            return [Check(name="criu trial", ok=True, level="info",
+                          detail=f"{' '.join(cmd)!r} ended (status {job.poll()}) within {wait_s:.0f} s, before it "
+                                 f"could be looked at; its output: {stdio.with_suffix('.err')}")]
+        return [_job_check("criu trial", job.app_pid)]
+    finally:
+        ops.kill_tree(job)
+        if job.proc is not None:
+            job.proc.wait(timeout=30)
 
 
 def checks() -> list[Check]:
     """Every CRIU-mode check, in the order a reader wants them."""
-    return [*_criu_checks(), _namespace_check(), *_cuda_check()]
+    return [*_criu_checks(), _namespace_check(), *_cuda_check(), *_running_jobs()]

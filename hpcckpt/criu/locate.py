@@ -108,3 +108,14 @@ def check(criu: Criu, *, timeout_s: float = 60.0) -> CheckResult:
         return CheckResult(ok=False, output=str(exc))
     text = (proc.stdout + proc.stderr).strip()
     return CheckResult(ok=proc.returncode == 0 and "Looks good" in text, output=text)
+
+
+def tracks_memory(criu: Criu, *, timeout_s: float = 60.0) -> bool:
+    """Whether this kernel gives criu soft-dirty memory tracking (``--track-mem``), which
+    dumps that write only the pages dirtied since a parent image need."""
+    try:
+        proc = subprocess.run([str(criu.path), "check", "--feature", "mem_dirty_track"], capture_output=True,
+                              text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.returncode == 0

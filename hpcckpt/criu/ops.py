@@ -230,18 +230,18 @@ def _run_criu(argv: list[str], what: str, *, log: Path, timeout_s: float) -> Non
 
 
 def dump(criu: Criu, job: Job, image_dir: Path, *, log: Path, opts: DumpOptions, leave_running: bool = False,
-         parent: str | None = None) -> None:
+         parent: str | None = None, track_mem: bool = False) -> None:
     """Dump the job's tree (PID 2 and below) into ``image_dir`` from inside its namespaces.
 
-    The job is gone afterwards, unless ``leave_running`` (a periodic image); then memory
-    is tracked too (``--track-mem``: soft-dirty bits cleared), so that a later dump given
+    The job is gone afterwards, unless ``leave_running`` (a periodic image). With
+    ``track_mem`` (``--track-mem``: soft-dirty bits cleared; the kernel must have them), a later dump given
     ``parent`` (an image of this same run, a sibling directory of ``image_dir``) writes
     only the pages dirtied since; criu links the new image to it (``parent``), and a
     restore reads the rest from there. On failure criu resumes the tree, so the job keeps running.
     """
     argv = [sys.executable, "-I", "-S", str(NSJOIN), str(job.init_pid), "--", str(criu.path),
             "dump", "-t", str(JOB_INNER_PID), "-D", str(image_dir), "--ghost-limit", str(opts.ghost_limit_bytes),
-            *(["--leave-running", "--track-mem"] if leave_running else []),
+            *(["--leave-running"] if leave_running else []), *(["--track-mem"] if track_mem else []),
             *(["--prev-images-dir", f"../{parent}"] if parent else []),
             *_shared_flags(opts), "-o", str(log), "-v4"]
     _run_criu(argv, "dump", log=log, timeout_s=opts.timeout_s)

@@ -112,6 +112,7 @@ CONSUMED = "CONSUMED"
 # When the dumpability check runs (seconds after the job starts or is restored): early,
 # and again once a launcher such as torchrun has started its workers.
 CHECK_AT_S = (5.0, 45.0)
+DUMP_MARGIN_S = 15.0  # a deferred time-limit dump starts at least this long before the end
 MAX_CHAIN = 8  # images in a --track-mem chain (each holding only what the one before lacks)
 STALE = images.STALE
 NS_LAYOUT = 2  # images of the job tree at PID 2, dumped from inside its namespaces
@@ -202,6 +203,8 @@ class Supervisor:
         self._parent: str | None = None  # this run's last image, dumped with --track-mem
         self._last_dump = time.monotonic()
         self._dumped_at_s = 0.0
+        self._track_mem: bool | None = None
+        self._dump_at: float | None = None  # a deferred time-limit dump (monotonic)
 
     # -- signals: record only -------------------------------------------------
     def _record(self, signum: int, _frame: FrameType | None) -> None:
@@ -361,7 +364,8 @@ class Supervisor:
                  f"stdout {out}, stderr {err}")
         self._started(job, image=None, progress_s=0.0)
         self.ledger.append("start", mode="criu", resumed_from=None, image=None, progress_s=0.0,
-                           fallback=fallback, **Progress.lost_since(self.ledger.read(), 0.0))
+                           fallback=fallback, dump_every_s=self.opts.dump_every_s,
+                           **Progress.lost_since(self.ledger.read(), 0.0))
         return job
 
     def _ignored(self) -> tuple[signal.Signals, ...]:
@@ -446,7 +450,7 @@ class Supervisor:
         progress_s = float(manifest.get("progress_s") or 0.0)
         self.ledger.append("criu_restore", image=image.name, restore_s=restore_s, verify_s=verify_s,
                            criu_s=criu_s, bytes=image.bytes_total(), progress_s=progress_s,
-                           **Progress.lost_since(self.ledger.read(), progress_s))
+                           dump_every_s=self.opts.dump_every_s, **Progress.lost_since(self.ledger.read(), progress_s))
         self.outcome.restored_from = image.name
         self._started(job, image=image.name, progress_s=progress_s)
         return job
@@ -490,9 +494,35 @@ class Supervisor:
             left = self._watch.remaining_s()
             self.log(f"the job's end time was pulled in ({left:.0f} s left): a preemption (GraceTime); dumping now")
             return self._on_dump_signal(job, signal.SIGTERM, cause="preemption", received=False)
+        if self._dump_at is not None and time.monotonic() >= self._dump_at:
+            self._dump_at = None
+            return self._on_dump_signal(job, signal.SIGUSR2, cause="time_limit", received=False)
         if self.opts.dump_every_s > 0 and time.monotonic() - self._last_dump >= self.opts.dump_every_s:
             self._periodic_dump(job)
         return None
+
+    def _defer(self, sig: signal.Signals, cause: str, received: bool) -> bool:
+        """A time-limit warning long before the end (slurmctld's coarse tick delivers
+        ``B:USR2@LEAD`` up to a minute early): dump at the end minus the measured dump
+        cost and a margin, not now. TERM, preemptions and a late warning go at once."""
+        left = self._watch.remaining_s() if self._watch is not None else None
+        if not received or cause != "time_limit" or sig == signal.SIGTERM or left is None:
+            return False
+        margin = self._dump_margin_s()
+        if left <= margin:
+            return False
+        self._dump_at = time.monotonic() + left - margin
+        self.log(f"received {sig.name}, {left:.0f} s before the time limit: the dump starts {margin:.0f} s before "
+                 f"the end (in {left - margin:.0f} s); TERM or a preemption still dumps at once")
+        self.ledger.append("signal", signum=int(sig), signame=sig.name, step=None, source="criu-supervisor",
+                           cause=cause, deferred_s=left - margin, progress_s=self.acct.now())
+        return True
+
+    def _dump_margin_s(self) -> float:
+        """Three times the slowest dump + commit this run directory has seen, and 15 s at least."""
+        costs = [float(e.get("dump_s") or 0) + float(e.get("commit_s") or 0) for e in self.ledger.read()
+                 if e.get("event") == "criu_dump"]
+        return max(DUMP_MARGIN_S, 3 * max(costs, default=0.0))
 
     def _check_dumpable(self, job: ops.Job) -> None:
         if not self._checks_at or self.acct.run_s() < self._checks_at[0]:
@@ -537,7 +567,9 @@ class Supervisor:
     def _on_dump_signal(self, job: ops.Job, sig: signal.Signals, *, cause: str | None = None,
                         received: bool = True) -> int | None:
         cause = cause or self._stop_cause(sig)
-        said = f"received {sig.name}" if received else "preemption notice"
+        if self._defer(sig, cause, received):
+            return None
+        said = f"received {sig.name}" if received else f"{cause.replace('_', ' ')} notice"
         self.log(f"{said} ({cause}): dumping the job with criu")
         self.ledger.append("signal", signum=int(sig) if received else None, signame=sig.name if received else None,
                            step=None, source="criu-supervisor", cause=cause, progress_s=self.acct.now())
@@ -560,7 +592,7 @@ class Supervisor:
             return None
         self._wait_gone(job)
         self.outcome.images.append(name)
-        self._stop_record(cause, image=name, signame=sig.name, progress_s=self._dumped_at_s)
+        self._stop_record(cause, image=name, signame=sig.name if received else None, progress_s=self._dumped_at_s)
         self._close_tee()
         return self._requeue(name)
 
@@ -696,10 +728,21 @@ class Supervisor:
             self.log(f"CUDA state of host PID {late.pid} restored and unlocked after its late {late.what}: "
                      "the job runs on")
 
+    def _tracks_memory(self) -> bool:
+        """Periodic images are worth chaining only where the kernel tracks dirty pages."""
+        if self._track_mem is None:
+            from .locate import tracks_memory
+
+            self._track_mem = tracks_memory(self.criu())
+            if not self._track_mem:
+                self.log("this kernel has no soft-dirty memory tracking (criu check --feature mem_dirty_track): "
+                         "every periodic image is a full dump")
+        return self._track_mem
+
     def _parent_image(self) -> str | None:
         """This run's last image, if the job has not been restored since and the chain is short:
         with ``--track-mem`` the next dump then writes only the pages dirtied after it."""
-        if self._parent is None or not (self.root / self._parent).is_dir():
+        if self._parent is None or not (self.root / self._parent).is_dir() or not self._tracks_memory():
             return None
         depth = len(images.chain(images.Image(path=self.root / self._parent, seq=images.seq_of(self._parent) or 0)))
         return self._parent if depth < MAX_CHAIN else None
@@ -719,7 +762,8 @@ class Supervisor:
             with Transaction(self.root, name) as tx:
                 t0 = time.monotonic()
                 ops.dump(criu, job, tx.path, log=self.root / "logs" / f"dump-{seq:06d}.log", opts=self.opts.dump,
-                         leave_running=sig is None, parent=parent)
+                         leave_running=sig is None, parent=parent,
+                         track_mem=sig is None and self._tracks_memory())
                 dumped = True
                 dump_s = time.monotonic() - t0
                 commit_s = self._commit(tx, self._manifest(job, seq, sig, criu, dump_s, cuda_inner, gpus,

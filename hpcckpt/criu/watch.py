@@ -134,11 +134,13 @@ class Progress:
         if not starts:
             return {}
         prev = events[starts[-1]:]
+        stopped = any(e.get("event") == "stop" for e in prev)
+        every = prev[0].get("dump_every_s")
+        bound = {} if stopped or not every else {"lost_at_most_s": every}  # a kill: at most one interval
         seen = [float(e["progress_s"]) for e in prev[1:] if isinstance(e.get("progress_s"), (int, float))]
         if not seen:
-            return {"lost_s": None, "lost_exact": False}
-        stopped = any(e.get("event") == "stop" for e in prev)
-        return {"lost_s": round(max(0.0, max(seen) - resumed_s), 3), "lost_exact": stopped}
+            return {"lost_s": None, "lost_exact": False, **bound}
+        return {"lost_s": round(max(0.0, max(seen) - resumed_s), 3), "lost_exact": stopped, **bound}
 
 
 RUN_OPENERS = ("start", "criu_restore")

@@ -242,3 +242,27 @@ def test_ledger_json_roundtrip_of_a_problem() -> None:
     p = dumpable.Problem(pid=7, inner_pid=2, command="torchrun", fd=9, what="an io_uring instance")
     assert json.loads(json.dumps(p.as_dict()))["what"] == "an io_uring instance"
     assert "PID 2 in the job" in p.text()
+
+
+URING_JOB = ("import ctypes, time\n"
+             f"ctypes.CDLL(None).syscall({IO_URING_SETUP}, 4, ctypes.create_string_buffer(120))\n"
+             "print('ready', flush=True)\n"
+             "time.sleep(120)\n")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="PID + mount namespaces need root")
+def test_doctor_mode_criu_tries_a_command_and_names_what_criu_refuses(tmp_path: Path) -> None:
+    from hpcckpt.criu.doctor import trial
+
+    [check] = trial([sys.executable, "-c", URING_JOB], wait_s=5, run_dir=tmp_path)
+    if check.ok and "io_uring" not in check.detail:
+        pytest.skip("io_uring is disabled on this kernel")
+    assert check.severity == "warn" and "io_uring" in check.detail and "torchrun" in check.fix
+    [quiet] = trial(["sleep", "30"], wait_s=1, run_dir=tmp_path)
+    assert quiet.ok and "nothing criu refuses" in quiet.detail
+
+
+def test_doctor_takes_a_command_only_with_mode_criu() -> None:
+    proc = subprocess.run([sys.executable, "-m", "hpcckpt.cli", "doctor", "--no-plugins", "--", "true"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--mode criu" in proc.stderr and "Traceback" not in proc.stderr
