@@ -131,7 +131,7 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
     """
     path = ckpt_dir / MANIFEST
     try:
-        fd = open_regular(path)
+        fd = open_checked(path)
     except FileNotFoundError:
         raise CheckpointCorrupt(f"{path} is missing: the checkpoint was never committed") from None
     except OSError as exc:  # ELOOP: a symlink; EACCES...
