@@ -20,6 +20,7 @@ import functools
 import logging
 import os
 import time
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
@@ -92,6 +93,9 @@ class Checkpointer:
         self.policy.seed(self.figures)
         self.policy.warning_window_s = env_value("warning_window_s", 300.0)
         self._stop_at: tuple[int, ...] = env_value("stop_at_steps", ())  # hpcckpt check's stops
+        trace = os.environ.get("HPCCKPT_CHECK_TRACE", "").strip()
+        self._trace = Path(trace) if trace else None  # hpcckpt check: digests of the state at each step
+        self._loss: str | None = None
         self._deferred: str | None = None  # why a warning signal waits for the deadline
         self._warned = False  # some rank received a warning signal
         self._start_step = 0
@@ -380,11 +384,31 @@ class Checkpointer:
             self.ledger.append("start", resumed_from=self.resumed_from, restore_s=round(self._restore_s, 6),
                                engine=self.options.engine, world_size=self.ranks.world)
         self._start_step = self.step
+        if self._trace is not None and self.ranks.is_coordinator:
+            from .check import append_trace
+            append_trace(self._trace, {"dir": str(self.root), "resumed_from": self.resumed_from})
         self._check_time_left()
+
+    def report_loss(self, loss: Any) -> None:
+        """Optional: this step's loss, compared step by step by ``hpcckpt check`` (else unused)."""
+        if self._trace is not None:
+            self._loss = float.hex(float(loss))
+
+    def _trace_step(self) -> None:
+        """hpcckpt check: one line per boundary with a digest of each part of the state (coordinator)."""
+        from .check import append_trace, state_digests
+        if self._trace is None or not self.ranks.is_coordinator:
+            return
+        flat = self.state.capture(step=self.step, plan=False)
+        user_objects = {n: o for n, o in self.state.objects.items() if n != Progress.NAME}
+        digests = {k: v for k, v in state_digests(user_objects, flat).items() if k != Progress.NAME}
+        append_trace(self._trace, {"step": self.step, "digests": digests, "loss": self._loss})
+        self._loss = None
 
     def _boundary(self) -> None:
         if self._jit is not None:
             self._jit.at_boundary(self.step)  # the small state of this boundary, for a JIT save
+        self._trace_step()
         self._reap()
         for r in self.signals.log_new():  # every rank logs what it received
             self.ledger.append("signal", signum=r.signum, signame=r.name, step=self.step,

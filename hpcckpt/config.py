@@ -199,6 +199,8 @@ TUNABLES: dict[str, Tunable] = {t.env.removeprefix("HPCCKPT_").lower(): t for t 
     Tunable("HPCCKPT_WARNING_WINDOW_S", parse_float, lambda v: _is_num(v) and v >= 0,
             "seconds >= 0: a warning signal with at most this much time left waits for the deadline "
             "(0: every warning stops at once)", "300"),
+    Tunable("HPCCKPT_CHECK_TRACE", str, lambda v: isinstance(v, str),
+            "a file path: each step's state digests are appended there (set by hpcckpt check)", "/tmp/trace.jsonl"),
     Tunable("HPCCKPT_END_TIME", parse_float, lambda v: _is_num(v) and v > 0,
             "epoch seconds when the job will be stopped", "1767225600"),
     *(Tunable(f"HPCCKPT_REQUEUE_MAX_{key}", parse_int, lambda v: _is_int(v) and v >= 0,
