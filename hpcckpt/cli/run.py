@@ -40,6 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--end-poll-s", type=non_negative_seconds, default=10.0, metavar="SECONDS",
                    help="--mode criu under Slurm: read the job's end time this often; a preemption with GraceTime "
                         "pulls it in, and the job is dumped then (default 10; 0: off)")
+    p.add_argument("--lead-s", type=non_negative_seconds, default=None, metavar="SECONDS",
+                   help="--mode criu: the LEAD of `#SBATCH --signal=B:USR2@LEAD`; a warning that slurmctld's coarse "
+                        "tick delivers earlier waits until LEAD seconds before the end (default: dump at once)")
     p.add_argument("--keep", type=positive_int, default=2, help="images to keep (default 2)")
     p.add_argument("--on-restore-failure", choices=("app", "fresh", "fail"), default="app",
                    help="app: start CMD again, it resumes from its own checkpoint (default); "
@@ -71,7 +74,8 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
                       keep=args.keep, on_restore_failure=args.on_restore_failure,
                       dump=DumpOptions(tcp_established=args.tcp_established, ext_unix_sk=args.ext_unix_sk),
                       cuda_lock_timeout_ms=int(args.cuda_lock_timeout_s * 1000), criu_path=args.criu,
-                      dump_every_s=args.dump_every, end_poll_s=args.end_poll_s, json_stdout=bool(args.json))
+                      dump_every_s=args.dump_every, end_poll_s=args.end_poll_s, json_stdout=bool(args.json),
+                      lead_s=args.lead_s)
 
 
 def non_negative_seconds(text: str) -> float:

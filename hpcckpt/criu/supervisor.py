@@ -112,6 +112,7 @@ CONSUMED = "CONSUMED"
 # When the dumpability check runs (seconds after the job starts or is restored): early,
 # and again once a launcher such as torchrun has started its workers.
 CHECK_AT_S = (5.0, 45.0)
+SIGNAL_TICK_S = 60.0  # slurmctld sends --signal up to this much earlier than asked
 DUMP_MARGIN_S = 15.0  # a deferred time-limit dump starts at least this long before the end
 MAX_CHAIN = 8  # images in a --track-mem chain (each holding only what the one before lacks)
 STALE = images.STALE
@@ -131,6 +132,7 @@ class RunOptions:
     keep: int = 2
     dump_every_s: float = 0.0  # periodic images (criu dump --leave-running); 0: only at a stop
     end_poll_s: float = 10.0  # under Slurm: how often the end time is read (a preemption pulls it in)
+    lead_s: float | None = None  # the --signal lead of the batch script (an early warning waits for it)
     on_restore_failure: str = "app"
     dump: ops.DumpOptions = field(default_factory=ops.DumpOptions)
     cuda_lock_timeout_ms: int = 60_000
@@ -502,13 +504,15 @@ class Supervisor:
         return None
 
     def _defer(self, sig: signal.Signals, cause: str, received: bool) -> bool:
-        """A time-limit warning long before the end (slurmctld's coarse tick delivers
-        ``B:USR2@LEAD`` up to a minute early): dump at the end minus the measured dump
-        cost and a margin, not now. TERM, preemptions and a late warning go at once."""
+        """A time-limit warning early (slurmctld's coarse tick delivers ``B:USR2@LEAD`` up to
+        a minute before LEAD, ``--lead-s``): dump at the end minus LEAD (or three times the
+        measured dump cost, 15 s at least, if more), not now. TERM, preemptions, a signal
+        from elsewhere (``scancel --signal``: more than LEAD + a minute before the end) and
+        runs without ``--lead-s`` dump at once."""
         left = self._watch.remaining_s() if self._watch is not None else None
-        if not received or cause != "time_limit" or sig == signal.SIGTERM or left is None:
+        if not received or cause != "time_limit" or sig == signal.SIGTERM or left is None or self.opts.lead_s is None:
             return False
-        margin = self._dump_margin_s()
+        margin = max(self.opts.lead_s, self._dump_margin_s())
         if left <= margin:
             return False
         self._dump_at = time.monotonic() + left - margin
@@ -561,7 +565,8 @@ class Supervisor:
         if self._watch.pulled_in:
             return "preemption"
         left = self._watch.remaining_s()
-        return "time_limit" if left is not None and left <= 600 else "signal"
+        near = (self.opts.lead_s + SIGNAL_TICK_S) if self.opts.lead_s is not None else 600.0
+        return "time_limit" if left is not None and left <= near else "signal"
 
     # -- dump -------------------------------------------------------------------------
     def _on_dump_signal(self, job: ops.Job, sig: signal.Signals, *, cause: str | None = None,

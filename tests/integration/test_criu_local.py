@@ -318,7 +318,7 @@ def test_restored_job_is_pid_2_under_nsinit_and_gets_forwarded_signals(criu_ok: 
     run_dir, out = tmp_path / "run", tmp_path / "seen.txt"
     cmd = [sys.executable, str(probe), str(out)]
     dumped_once(run_dir, out, cmd=cmd, step=3)
-    proc = start(run_dir, out, cmd=cmd)
+    proc = start(run_dir, out, "--signal", "USR2", cmd=cmd)  # TERM is forwarded, not a dump trigger
     wait_for_step(run_dir, 20, proc)  # only the restored incarnation gets this far
     proc.send_signal(signal.SIGTERM)
     code, summary, stderr = finish(proc)
@@ -359,7 +359,9 @@ def test_job_ending_during_the_dump(criu_ok: None, tmp_path: Path, how: str) -> 
     wrapper.chmod(0o755)
     script = tmp_path / "job.py"
     script.write_text(ENDS_ON_FLAG)
-    proc = start(run_dir, flag, cmd=[sys.executable, str(script), str(flag)], env={"HPCCKPT_CRIU": str(wrapper)})
+    # --signal USR2: TERM is then no dump signal, so the job does not ignore it and can be killed by it.
+    proc = start(run_dir, flag, "--signal", "USR2", cmd=[sys.executable, str(script), str(flag)],
+                 env={"HPCCKPT_CRIU": str(wrapper)})
     try:
         wait_for_step(run_dir, 3, proc)
         proc.send_signal(signal.SIGUSR2)

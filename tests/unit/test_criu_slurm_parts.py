@@ -266,3 +266,34 @@ def test_doctor_takes_a_command_only_with_mode_criu() -> None:
     proc = subprocess.run([sys.executable, "-m", "hpcckpt.cli", "doctor", "--no-plugins", "--", "true"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--mode criu" in proc.stderr and "Traceback" not in proc.stderr
+
+
+class _Watch:
+    """An end-time watch frozen at ``left`` seconds before the end."""
+
+    def __init__(self, left: float, pulled_in: bool = False) -> None:
+        self.left, self.pulled_in = left, pulled_in
+
+    def refresh(self) -> None:
+        pass
+
+    def remaining_s(self) -> float:
+        return self.left
+
+
+@pytest.mark.parametrize(("left", "pulled_in", "sig", "cause", "deferred"), [
+    (40.0, False, signal.SIGUSR2, "time_limit", True),    # B:USR2@10 delivered 30 s early by the tick
+    (12.0, False, signal.SIGUSR2, "time_limit", False),   # on time: at once
+    (40.0, False, signal.SIGTERM, "time_limit", False),   # TERM never waits
+    (500.0, False, signal.SIGUSR2, "signal", False),      # scancel --signal=USR2 long before the end
+    (8.0, True, signal.SIGUSR2, "preemption", False)])    # the end was pulled in
+def test_an_early_time_limit_warning_waits_for_its_lead(tmp_path: Path, left: float, pulled_in: bool,
+                                                        sig: signal.Signals, cause: str, deferred: bool) -> None:
+    from hpcckpt.criu.supervisor import RunOptions, Supervisor
+
+    sup = Supervisor(RunOptions(dir=tmp_path, cmd=("true",), lead_s=10.0), log=lambda _m: None)
+    sup._watch = _Watch(left, pulled_in)  # type: ignore[assignment]
+    assert sup._stop_cause(sig) == cause
+    assert sup._defer(sig, cause, True) is deferred
+    if deferred:
+        assert sup._dump_at is not None and sup._dump_at - time.monotonic() <= 25  # end - max(10, 15)
