@@ -223,7 +223,7 @@ class DcpAsync(Method):
             kwargs["async_stager"] = self.stager
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            got = dcp.async_save(_dcp_state(self.rig), **kwargs)
+            got: Any = dcp.async_save(_dcp_state(self.rig), **kwargs)
         pending = _Pending(t0, path)
         if hasattr(got, "upload_completion"):  # AsyncSaveResponse: staging and upload futures
             pending.staging = got.staging_completion

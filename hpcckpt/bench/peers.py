@@ -175,7 +175,8 @@ def child_overhead(names: list[str], intervals: list[int], steps: int, rounds: i
         shutil.rmtree(Path(root) / "warm", ignore_errors=True)
     keys = [str(i) for i in intervals]
     base: list[float] = []
-    got = {n: {k: {"wall": [], "blocked": [], "drain": []} for k in keys} for n in names}
+    got: dict[str, dict[str, dict[str, list[float]]]] = {
+        n: {k: {"wall": [], "blocked": [], "drain": []} for k in keys} for n in names}
     for r in range(rounds):
         base.append(_train(rig, None, 1, steps, Path(root), options)[0])
         for name in _rotate(names, r):
