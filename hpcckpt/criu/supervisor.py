@@ -364,7 +364,7 @@ class Supervisor:
                          log=self.root / "logs" / f"unshare-{self.tag}.log", ignore=self._ignored())
         self.log(f"started {' '.join(self.opts.cmd)!r} in new PID + mount namespaces (host PID {job.app_pid}); "
                  f"stdout {out}, stderr {err}")
-        self._started(job, image=None, progress_s=0.0)
+        self._started(job, progress_s=0.0)
         self.ledger.append("start", mode="criu", resumed_from=None, image=None, progress_s=0.0,
                            fallback=fallback, dump_every_s=self.opts.dump_every_s,
                            **Progress.lost_since(self.ledger.read(), 0.0))
@@ -375,16 +375,19 @@ class Supervisor:
         and only the supervisor may act on it (dump first, then the job ends)."""
         return tuple(s for s in self.opts.dump_signals if s not in (signal.SIGKILL, signal.SIGSTOP))
 
-    def _started(self, job: ops.Job, *, image: str | None, progress_s: float) -> None:
+    def _started(self, job: ops.Job, *, progress_s: float) -> None:
+        """The job runs (fresh or restored): count its progress, copy its output, watch its end."""
         self.acct.begin(progress_s)
         self._last_dump = time.monotonic()
         self._parent = None
         self._tee = Tee([(job.stdout, 2 if self.opts.json_stdout else 1), (job.stderr, 2)])
         self._tee.start()
-        if os.environ.get("SLURM_JOB_ID") and self.opts.end_poll_s > 0:
+        if self.opts.end_poll_s > 0:
             from ..cluster import detect
 
-            self._watch = EndTimeWatch(detect().end_time, poll_s=self.opts.end_poll_s)
+            cluster = detect()
+            if cluster.name != "local":  # a scheduler that can move the end time
+                self._watch = EndTimeWatch(cluster.end_time, poll_s=self.opts.end_poll_s)
 
     def _close_tee(self) -> None:
         if self._tee is not None:
@@ -454,7 +457,7 @@ class Supervisor:
                            criu_s=criu_s, bytes=image.bytes_total(), progress_s=progress_s,
                            dump_every_s=self.opts.dump_every_s, **Progress.lost_since(self.ledger.read(), progress_s))
         self.outcome.restored_from = image.name
-        self._started(job, image=image.name, progress_s=progress_s)
+        self._started(job, progress_s=progress_s)
         return job
 
     def _gpu_plan(self, manifest: dict[str, Any]) -> list[tuple[str, str]] | None:
