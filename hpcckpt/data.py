@@ -307,12 +307,36 @@ class LoaderPosition:
         iterable = isinstance(getattr(self.loader, "dataset", None), torch.utils.data.IterableDataset)
         return "fetch" if iterable or getattr(self.loader, "num_workers", 0) > 0 else "indices"
 
+    @property
+    def stateful(self) -> bool:
+        """The loader saves its own position (torchdata's ``StatefulDataLoader``): it is used,
+        except with worker processes, whose random streams it does not bring back (the
+        interrupted pass is then replayed through them, as for any loader)."""
+        return (callable(getattr(self.loader, "state_dict", None)) and callable(
+            getattr(self.loader, "load_state_dict", None)) and getattr(self.loader, "num_workers", 0) == 0)
+
     def open(self) -> Iterator[Any]:
         """The iterator of the training pass: the restored one resumed, else a new pass."""
         if self._restored is not None:
             state, self._restored = self._restored, None
             return self._resume(state)
         return self._begin()
+
+    def _resume_stateful(self, state: Mapping[str, Any]) -> Iterator[Any]:
+        """The loader's own state (sampler, workers, iterable dataset) resumes the pass."""
+        if "loader" in state:
+            self.loader.load_state_dict(state["loader"])
+        boundary = torch.get_rng_state()  # its iterator draws a worker seed: not from the resumed stream
+        try:
+            return iter(self.loader)
+        except StopIteration:
+            # torchdata 0.11 fast-forwards an iterable dataset without state to where the pass was,
+            # and fails when that was its end: the pass is over, the next open() begins a new one.
+            if hasattr(self.loader, "next_iter_state"):
+                self.loader.next_iter_state = None  # else its next iter() fails the same way
+            return iter(())
+        finally:
+            torch.set_rng_state(boundary)
 
     def _begin(self) -> Iterator[Any]:
         sampler = self.resumable
@@ -333,6 +357,8 @@ class LoaderPosition:
         """Replay the saved pass's start, skip what was trained on; the global RNG is left as found."""
         self.passes, self.taken = int(state["passes"]), int(state["taken"])
         self._rng = dict(state.get("rng") or {})
+        if self.stateful:
+            return self._resume_stateful(state)
         sampler = self.resumable
         if sampler is not None:
             if self.saves_sampler and "sampler" in state:
@@ -340,6 +366,8 @@ class LoaderPosition:
             sampler.resume_next_iter()
         if self.set_epochs and sampler is None and hasattr(getattr(self.loader, "sampler", None), "set_epoch"):
             self.loader.sampler.set_epoch(self.passes - 1)
+        if getattr(self.loader, "next_iter_state", None) is not None:
+            self.loader.next_iter_state = None  # a StatefulDataLoader's own position: replayed here instead
         boundary = torch.get_rng_state()  # the resume point's RNG: put back once the pass is replayed
         try:
             if "torch" in self._rng:
@@ -384,6 +412,8 @@ class LoaderPosition:
         sampler = self.resumable
         if sampler is not None and self.saves_sampler:
             state["sampler"] = sampler.state_dict()
+        if self.stateful:
+            state["loader"] = self.loader.state_dict()
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

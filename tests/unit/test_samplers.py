@@ -58,6 +58,26 @@ LOADERS: dict[str, Callable[[], tuple[DataLoader[Any], Any]]] = {
 }
 
 
+class Stream(torch.utils.data.IterableDataset[tuple[int, float]]):
+    """An iterable dataset with random augmentation (no state_dict: torchdata fast-forwards it)."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        g = torch.Generator().manual_seed(21)
+        for i in range(N):
+            yield i, float(torch.rand((), generator=g).item())
+
+
+try:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+except ImportError:  # torchdata is optional: these cases run where it is installed
+    StatefulDataLoader = None
+if StatefulDataLoader is not None:
+    LOADERS["StatefulDataLoader shuffle"] = lambda: (StatefulDataLoader(indices(), batch_size=4, shuffle=True), None)
+    LOADERS["StatefulDataLoader IterableDataset"] = lambda: (StatefulDataLoader(Stream(), batch_size=4), None)
+    LOADERS["StatefulDataLoader workers"] = lambda: (StatefulDataLoader(Augmenting(), batch_size=4, shuffle=True,
+                                                                        num_workers=2), None)
+
+
 def _with_sampler(sampler: Any, *, batch_size: int) -> tuple[DataLoader[Any], Any]:
     return DataLoader(indices(), batch_size=batch_size, sampler=sampler), sampler
 
@@ -120,7 +140,7 @@ def with_stops(ckdir: Path, make: Callable[[], tuple[DataLoader[Any], Any]], sto
 def test_integrated_run_keeps_the_data_order_and_resumes_it(case: str, tmp_path: Path) -> None:
     make = LOADERS[case]
     ref = plain(make)
-    per_epoch = len(make()[0])
+    per_epoch = sum(1 for _ in make()[0])  # len() is unknown for an iterable dataset
     uninterrupted: list[Any] = []
     integrated(tmp_path / "a", make, uninterrupted)
     assert uninterrupted == ref  # adding hpcckpt changes nothing
