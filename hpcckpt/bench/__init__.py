@@ -7,7 +7,6 @@ CLI prints it on stderr, so ``--json`` keeps stdout for the result alone).
 """
 from __future__ import annotations
 
-import gc
 import math
 import os
 import shutil
@@ -22,7 +21,8 @@ import torch
 
 from ..errors import ConfigError
 from .limits import GB, fresh_memory_gbps, memcpy_gbps, write_read_gbps
-from .measure import measure_engine, measure_loads, measure_staging
+from .isolate import held_vs_state, run_isolated
+from .measure import STAGING_FRACTIONS, measure_engine, measure_loads, measure_staging, supports_staging_budget
 from .overhead import DemoLoad, measure_overhead
 from .smallstate import measure_small_state
 from .synthetic import SyntheticRig
@@ -166,17 +166,20 @@ def _small_targets(small: dict[str, Any]) -> dict[str, Any]:
 
 
 class _Phases:
-    """Wall seconds per phase of the run (where ``bench --quick``'s time goes)."""
+    """Wall seconds per phase of the run, and this process's CPU seconds (children apart):
+    where ``bench --quick``'s time goes, even on a machine other work keeps busy."""
 
     def __init__(self) -> None:
         self.wall: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
 
     def __call__(self, name: str, fn: Callable[[], Any]) -> Any:
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), time.process_time()
         try:
             return fn()
         finally:
             self.wall[name] = time.monotonic() - t0
+            self.cpu[name] = time.process_time() - c0
 
 
 class _Steps:
@@ -207,26 +210,60 @@ def _limits(o: BenchOptions, base: Path, tick: Callable[[str], None]) -> dict[st
     return limits
 
 
+def child_engine(name: str, size: int, device: str, root: str, repeats: int,
+                 options: dict[str, Any]) -> dict[str, Any]:
+    """``measure_engine`` on a rig built in this (isolated) process: its peak RSS is the save's."""
+    rig = SyntheticRig(size, device=device)
+    return {**measure_engine(name, rig, Path(root), repeats=repeats, options=options),
+            "state_bytes": rig.state_bytes}
+
+
+def child_staging(size: int, device: str, root: str, repeats: int, options: dict[str, Any],
+                  fraction: float) -> dict[str, Any]:
+    """``measure_staging`` at one budget, in an isolated process of its own."""
+    rig = SyntheticRig(size, device=device)
+    return {**measure_staging(rig, Path(root), repeats=repeats, options=options, fractions=(fraction,)),
+            "state_bytes": rig.state_bytes}
+
+
+def _isolated(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """``fn`` in a child (``isolate``); its peak RSS beyond its start per byte of state as ``held_vs_state``."""
+    got = run_isolated(fn, *args)
+    got["held_vs_state"] = held_vs_state(got.pop("rss"), int(got["state_bytes"]))
+    got.pop("cpu_s", None)
+    return got
+
+
+def _staging(o: BenchOptions, size: int, base: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """Each staging budget in a child of its own: the peak RSS per budget is its own."""
+    if not supports_staging_budget():
+        return {"supported": False, "why": "this concurrent engine takes no staging_bytes option"}
+    out: dict[str, Any] = {"supported": True, "fractions": {}}
+    for frac in STAGING_FRACTIONS:
+        got = _isolated(child_staging, size, o.device, str(base / "staging"), o.repeats, options, frac)
+        out["fractions"].update({k: {**v, "held_vs_state": got["held_vs_state"]}
+                                 for k, v in got["fractions"].items()})
+    return out
+
+
 def _one_size(o: BenchOptions, size: int, base: Path, options: dict[str, Any], *, top: bool,
               tick: Callable[[str], None]) -> dict[str, Any]:
-    """Stall/persist of each engine at one size; at the largest, staging budgets and cold loads."""
-    rig = SyntheticRig(size, device=o.device)
-    row: dict[str, Any] = {"state_bytes": rig.state_bytes}
+    """Stall/persist of each engine at one size; at the largest, staging budgets and cold loads.
+
+    Each engine runs in a child of its own (``isolate``) on a rig built there from the same
+    seed, so its peak RSS is its own (``save_held_vs_state``) and this process holds no
+    state while the loads run (a resumed job has its node to itself)."""
+    row: dict[str, Any] = {}
     for name in ENGINES:
-        row[name] = measure_engine(name, rig, base / name, repeats=o.repeats, options=options)
-        tick(f"{name} at {rig.state_bytes / GB:.3f} GB: stall {row[name]['stall_s']:.4f}s, "
-             f"persist {row[name]['persist_gbps']:.2f} GB/s")
+        got = _isolated(child_engine, name, size, o.device, str(base / name), o.repeats, options)
+        got["save_held_vs_state"] = got.pop("held_vs_state")
+        row[name], row["state_bytes"] = got, got["state_bytes"]
+        tick(f"{name} at {got['state_bytes'] / GB:.3f} GB: stall {got['stall_s']:.4f}s, "
+             f"persist {got['persist_gbps']:.2f} GB/s, peak RSS {got['save_held_vs_state']:.2f}x the state")
     if top:
-        row["staging"] = measure_staging(rig, base / "staging", repeats=o.repeats, options=options)
+        row["staging"] = _staging(o, size, base, options)
         tick("concurrent staging budgets" + ("" if row["staging"]["supported"] else ": not supported by this engine"))
-    # A resumed job has its node to itself: the loads run with this process's
-    # gigabytes of rig freed. (Measured: while it still held the 2 GB rig, a
-    # fresh process's 2 GB resume took 1.3-3.4 s instead of 1.0 s on the VM.)
-    nbytes = rig.state_bytes
-    del rig
-    gc.collect()
-    if o.device == "cuda":
-        torch.cuda.empty_cache()
+    nbytes = int(row["state_bytes"])
     if top:
         loads = measure_loads({n: base / n for n in ENGINES}, nbytes, rounds=o.rounds, rig_bytes=size,
                               device=o.device)
@@ -286,6 +323,7 @@ def run_bench(o: BenchOptions, progress: Callable[[str], None] = lambda s: None)
         **over,
         "small_state": small,
         "phases_s": phases.wall,
+        "phases_cpu_s": phases.cpu,
         "machine": machine,
         "options": {"repeats": o.repeats, "quick": o.quick, "rounds": o.rounds,
                     "overhead_rounds": o.overhead_rounds, **options},

@@ -22,8 +22,9 @@ from typing import Any, Callable
 
 from ..errors import HpcckptError
 
-PRELOAD = ["torch", "torch.distributed.checkpoint", "hpcckpt.bench.methods", "hpcckpt.bench.peers", "hpcckpt.bench.tensors", "hpcckpt.bench.smallstate",
-           "hpcckpt.bench.loadproc", "hpcckpt.bench.synthetic",
+PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
+           "torch.distributed.checkpoint.staging", "torch.distributed.checkpoint.state_dict_saver", "hpcckpt.bench.methods", "hpcckpt.bench.peers", "hpcckpt.bench.tensors", "hpcckpt.bench.smallstate",
+           "hpcckpt.bench.loadproc", "hpcckpt.bench", "hpcckpt.bench.synthetic",
            "hpcckpt.engines", "hpcckpt.store.read", "hpcckpt.store.catalog"]
 _ctx: Any = None
 

@@ -155,13 +155,14 @@ def measure_engine(name: str, rig: SyntheticRig, root: Path, *, repeats: int, op
     return out
 
 
-def measure_staging(rig: SyntheticRig, root: Path, *, repeats: int, options: dict[str, Any]) -> dict[str, Any]:
-    """The concurrent engine's stall with staging at 100/50/25% of the state, when it takes a budget."""
+def measure_staging(rig: SyntheticRig, root: Path, *, repeats: int, options: dict[str, Any],
+                    fractions: tuple[float, ...] = STAGING_FRACTIONS) -> dict[str, Any]:
+    """The concurrent engine's stall with staging at ``fractions`` of the state, when it takes a budget."""
     if not supports_staging_budget():
         return {"supported": False, "why": "this concurrent engine takes no staging_bytes option"}
     nbytes = rig.state_bytes
     out: dict[str, Any] = {"supported": True, "fractions": {}}
-    for frac in STAGING_FRACTIONS:
+    for frac in fractions:
         budget = int(nbytes * frac)
         shutil.rmtree(root, ignore_errors=True)
         engine = _engine("concurrent", root, {**options, "staging_bytes": budget}, rig)

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..store.commit import fsync_path
 from .synthetic import PeerRig
 
 HPCCKPT = {"hpcckpt_sync": "sync", "hpcckpt_concurrent": "concurrent"}
@@ -93,14 +94,6 @@ def state_digest(rig: PeerRig) -> str:
 
 # -- saving --------------------------------------------------------------------------
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class _Pending:
     """One save in progress: when it started, and when it became durable (once known)."""
 
@@ -156,7 +149,7 @@ class TorchSave(Method):
             torch.save({"model": self.rig.model.state_dict(), "optim": self.rig.opt.state_dict()}, f)
             f.flush()
             os.fsync(f.fileno())
-        _fsync(self.root)
+        fsync_path(self.root)
         return _Pending(t0, path, done_at=time.perf_counter())
 
 
@@ -315,6 +308,18 @@ def make_method(name: str, root: Path, rig: PeerRig, options: dict[str, Any]) ->
 
 
 # -- restoring -----------------------------------------------------------------------
+
+def import_for(name: str) -> None:
+    """Import what ``restore(name, ...)`` uses, so that no import lands inside a timed restore
+    (the forkserver preloads most of it; this makes sure)."""
+    if name.startswith("dcp"):
+        import torch.distributed.checkpoint  # noqa: F401
+        import torch.distributed.checkpoint.state_dict  # noqa: F401
+    elif name in HPCCKPT:
+        from ..engines import load_rank  # noqa: F401
+        from ..engines.base import live_tensors  # noqa: F401
+        from ..store import catalog  # noqa: F401
+
 
 def restore(name: str, path: Path, rig: PeerRig) -> None:
     """Read the checkpoint at ``path`` (written by ``name``) into ``rig``, built fresh (warm=False)."""

@@ -21,6 +21,8 @@ any wait before the next optimizer.step; on CUDA at least the step's wall time b
 plain step), ``persist_s`` (save call to durable), ``restore_s`` (cold, fresh process),
 ``restore_exact``, ``save_held_vs_state``/``restore_held_vs_state`` (peak RSS beyond the
 child's start, per byte of state), ``overhead`` {interval: fraction}, all samples kept.
+``--quick`` on a CPU runs its children with one torch thread: at 16 MB a second OpenMP
+thread spins (and on a shared machine gets preempted) more than it computes.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ import torch
 
 from .isolate import held_vs_state, run_isolated
 from .limits import GB, drop_caches, write_read_gbps
-from .methods import available, make_method, restore, state_digest
+from .methods import available, import_for, make_method, restore, state_digest
 from .synthetic import PeerRig
 
 DEFAULT_GB, QUICK_GB = 0.5, 0.016
@@ -57,6 +59,7 @@ class PeersOptions:
     steps: int = 40
     overhead_rounds: int = 3
     direct: bool | None = None
+    threads: int = 0  # torch intra-op threads in the children; 0: torch's default
 
     @staticmethod
     def make(*, size_gb: float | None, device: str, dir: Path | None, quick: bool,
@@ -64,7 +67,8 @@ class PeersOptions:
         size = int((size_gb or (QUICK_GB if quick else DEFAULT_GB)) * GB)
         if quick:
             return PeersOptions(size_bytes=size, device=device, dir=dir, quick=True, rounds=1, repeats=2,
-                                intervals=QUICK_INTERVALS, steps=10, overhead_rounds=1, direct=direct)
+                                intervals=QUICK_INTERVALS, steps=10, overhead_rounds=1, direct=direct,
+                                threads=1 if device == "cpu" else 0)
         return PeersOptions(size_bytes=size, device=device, dir=dir, direct=direct)
 
     def engine_options(self) -> dict[str, Any]:
@@ -72,6 +76,15 @@ class PeersOptions:
 
 
 # -- in the children -----------------------------------------------------------------
+
+def _rig(spec: dict[str, Any], **kwargs: Any) -> PeerRig:
+    """The rig ``spec`` describes; its ``threads`` (when set) are torch's intra-op threads here."""
+    spec = dict(spec)
+    threads = spec.pop("threads", 0)
+    if threads:
+        torch.set_num_threads(threads)
+    return PeerRig(**spec, **kwargs)
+
 
 def _plain_step_s(rig: PeerRig) -> float:
     rig.sync()
@@ -110,7 +123,7 @@ def one_checkpoint(m: Any, rig: PeerRig, step: int, *, digest: bool = False) -> 
 
 def child_save(name: str, root: str, spec: dict[str, Any], repeats: int, options: dict[str, Any]) -> dict[str, Any]:
     """A first save, then ``repeats`` steady ones; the newest stays for the restore."""
-    rig = PeerRig(**spec)
+    rig = _rig(spec)
     m = make_method(name, Path(root), rig, options)
     try:
         first = one_checkpoint(m, rig, 1)
@@ -123,7 +136,8 @@ def child_save(name: str, root: str, spec: dict[str, Any], repeats: int, options
 
 def child_restore(name: str, path: str, spec: dict[str, Any]) -> dict[str, Any]:
     """A cold restore into a freshly built rig (built before the clock starts), and its digest."""
-    rig = PeerRig(**spec, warm=False)
+    import_for(name)
+    rig = _rig(spec, warm=False)
     rig.sync()
     t0 = time.perf_counter()
     restore(name, Path(path), rig)
@@ -167,7 +181,7 @@ def _train(rig: PeerRig, name: str | None, interval: int, steps: int, root: Path
 def child_overhead(names: list[str], intervals: list[int], steps: int, rounds: int, spec: dict[str, Any],
                    root: str, options: dict[str, Any]) -> dict[str, Any]:
     """Baseline and every method x interval, interleaved, ``rounds`` times (one rig, one process)."""
-    rig = PeerRig(**spec)
+    rig = _rig(spec)
     for name in names:  # warm-up, untimed: code paths, DCP's checkpoint daemon, allocator
         m = make_method(name, Path(root) / "warm", rig, options)
         m.persist_s(m.start(0))
@@ -189,6 +203,20 @@ def child_overhead(names: list[str], intervals: list[int], steps: int, rounds: i
 
 
 # -- in the parent -------------------------------------------------------------------
+
+class Ticker:
+    """Numbered progress lines with the elapsed time: ``[peers 12.3s 4] what``."""
+
+    def __init__(self, label: str, say: Tick) -> None:
+        self.label, self.say, self.t0, self.done = label, say, time.monotonic(), 0
+
+    def __call__(self, what: str) -> None:
+        self.done += 1
+        self.say(f"[{self.label} {self.elapsed_s():6.1f}s {self.done}] {what}")
+
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.t0
+
 
 def _rotate(names: list[str], r: int) -> list[str]:
     k = r % max(1, len(names))
@@ -273,15 +301,10 @@ def run_peers(o: PeersOptions, progress: Tick = lambda s: None) -> dict[str, Any
     """Measure every available method; the result tree (see the module docstring)."""
     names_desc, skipped = available(o.device)
     names = list(names_desc)
-    spec = {"state_bytes": o.size_bytes, "tensors": None, "device": o.device}
+    spec = {"state_bytes": o.size_bytes, "tensors": None, "device": o.device, "threads": o.threads}
     options = o.engine_options()
     base = Path(tempfile.mkdtemp(prefix="hpcckpt-peers-", dir=o.dir))
-    t_start = time.monotonic()
-    done = [0]
-
-    def tick(what: str) -> None:
-        done[0] += 1
-        progress(f"[peers {time.monotonic() - t_start:6.1f}s {done[0]}] {what}")
+    tick = Ticker("peers", progress)
 
     progress(f"[peers] {o.device}, {len(names)} methods, state {o.size_bytes / GB:.3f} GB, files under {base}"
              + (f"; left out: {', '.join(f'{n} ({w})' for n, w in skipped.items())}" if skipped else ""))
@@ -310,8 +333,8 @@ def run_peers(o: PeersOptions, progress: Tick = lambda s: None) -> dict[str, Any
                             "intervals": list(o.intervals), "runs": raw["runs"]},
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "dir": str(o.dir or tempfile.gettempdir())},
         "options": {"quick": o.quick, "rounds": o.rounds, "repeats": o.repeats, "overhead_rounds": o.overhead_rounds,
-                    **options},
-        "wall_s": time.monotonic() - t_start,
+                    "torch_threads": o.threads or torch.get_num_threads(), **options},
+        "wall_s": tick.elapsed_s(),
         "children_cpu_s": raw["cpu_s"] + sum(x.get("cpu_s", 0.0) + x["restore"].get("cpu_s", 0.0)
                                              for r in rounds for x in r.values()),
     }

@@ -59,6 +59,7 @@ def test_bench_quick_json_has_every_key(tmp_path: Path) -> None:
     assert res["engines"]["sync"]["torch_load_s"] > 0  # the torch.load reference ran on the sync archive
     # peak RSS of each resume's process beyond its start, per byte of state (torch.load's too)
     assert all(finite_positive(e["load_held_vs_state"]) for e in res["engines"].values())
+    assert all(finite_positive(e["save_held_vs_state"]) for e in res["engines"].values())  # each save in its own child
     assert finite_positive(res["engines"]["sync"]["torch_load_held_vs_state"])
     # a small state saved at every step: the per-save fixed cost of each engine
     small = res["small_state"]
@@ -67,12 +68,13 @@ def test_bench_quick_json_has_every_key(tmp_path: Path) -> None:
         e = small["engines"][name]
         assert math.isfinite(e["overhead"]) and math.isfinite(e["per_save_ms"]) and e["blocked_per_save_ms"] >= 0
     # where the run's time went, phase by phase
-    assert set(res["phases_s"]) == {"limits", "engines", "overhead", "small_state"}
+    assert set(res["phases_s"]) == set(res["phases_cpu_s"]) == {"limits", "engines", "overhead", "small_state"}
     assert set(res["overhead_min"]) == set(res["overhead_blocked"]) == {"sync", "concurrent"}
     staging = res["staging"]
     if staging["supported"]:
         assert set(staging["fractions"]) == {"1.0", "0.5", "0.25"}
         assert all(finite_positive(v["stall_s"]) for v in staging["fractions"].values())
+        assert all(finite_positive(v["held_vs_state"]) for v in staging["fractions"].values())
     t = res["targets"]
     assert t["device"] == "cpu" and t["snapshot_copy_limit"] == "memcpy_gbps"
     assert t["load_vs_read"] == conc["load_vs_raw_read"]
