@@ -591,7 +591,9 @@ class Checkpointer:
     def _finish(self) -> None:
         """The run ended: its final state is checkpointed (a re-run then says it finished)."""
         self._settle_quietly(list(self._handles))
-        if not self._already_finished:
+        # A run with checkpoints (or an epoch loop, whose resume would run the last epoch's end
+        # again) keeps its final state: a re-run then resumes there and says it finished.
+        if not self._already_finished and (self.committed_step is not None or self.progress.epoch is not None):
             self.progress.finished = True
             try:
                 self.save(final=True)
