@@ -111,3 +111,25 @@ def test_isolated_child_reports_peak_rss_and_errors() -> None:
     assert got["rss"]["peak_bytes"] - got["rss"]["base_bytes"] >= 60 << 20
     with pytest.raises(HpcckptError, match="the measurement broke"):
         run_isolated(_fails)
+
+
+def test_peers_options_and_overhead_arithmetic() -> None:
+    """The run's shape per mode, and overhead taken against each round's own baseline (hand-made figures)."""
+    from hpcckpt.bench.peers import PeersOptions, _overhead, _ratios
+
+    q = PeersOptions.make(size_gb=None, device="cpu", dir=None, quick=True)
+    assert q.size_bytes == 16_000_000 and q.intervals == (1, 5) and q.rounds == 1 and q.threads == 1
+    full = PeersOptions.make(size_gb=2.0, device="cuda", dir=None, quick=False)
+    assert full.size_bytes == 2_000_000_000 and full.intervals == (5, 20) and full.overhead_rounds == 3
+    assert full.threads == 0
+    raw = {"baseline_s": [10.0, 20.0],
+           "runs": {"m": {"5": {"wall": [11.0, 30.0], "blocked": [1.0, 2.0], "drain": [1.0, 0.0]}}}}
+    fig = _overhead(raw)["m"]
+    assert fig["overhead"]["5"] == pytest.approx(0.3)  # median of +10% and +50%
+    assert fig["overhead_with_drain"]["5"] == pytest.approx(0.35)
+    assert fig["overhead_blocked"]["5"] == pytest.approx(0.1)
+    one = {"stall_s": 1.0, "persist_s": 2.0, "restore_s": 4.0}
+    ratios = _ratios({"torch_save": one, "hpcckpt_concurrent": {**one, "stall_s": 0.5, "overhead": {"5": 0.1}},
+                      "dcp_async": {**one, "overhead": {"5": 0.2}}})
+    assert ratios["vs_torch_save"]["hpcckpt_concurrent"]["stall"] == pytest.approx(0.5)
+    assert ratios["concurrent_ahead_of_dcp_async"] == {"5": True}
