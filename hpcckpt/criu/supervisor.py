@@ -34,7 +34,15 @@ Call sequence:
           HPCCKPT_CRIU_FALLBACK=fresh), or exit (``fail``).
   signal: a dump signal -> CUDA lock + checkpoint -> criu dump into a Transaction ->
           commit (checksummed, fsync, rename, LATEST) -> retention -> requeue and exit.
-          Any other catchable signal is forwarded to the job.
+          Any other catchable signal is forwarded to the job. The job starts with the dump
+          signals ignored (USR2, TERM by default): Slurm sends TERM to every process of the
+          job at a preemption's end and at the time limit, and only we may act on it. Under
+          Slurm the end time is read every --end-poll-s: pulled in (a GraceTime preemption,
+          which sends no signal at its start) it is a dump at once; a time-limit warning the
+          coarse tick delivered early waits until --lead-s before the end.
+  between: soon after the start, what criu would refuse (io_uring, perf events, TCP) is
+          said once (stderr, ledger criu_check); with --dump-every, periodic images while
+          the job runs on (chained by --track-mem where the kernel tracks dirty pages).
   failed dump: the job keeps running (criu resumes it, CUDA is unlocked). The trigger
           signal is forwarded only to the job's processes that catch it (SigCgt): a job
           that does not would be killed by it and lose everything since its last save.
