@@ -284,7 +284,12 @@ def run_bench(o: BenchOptions, progress: Callable[[str], None] = lambda s: None)
     at the largest size (stall_s, first_stall_s, first_vs_steady, snapshot_gbps,
     persist_s, persist_gbps, persist_vs_raw_write, load_s, load_gbps, load_vs_raw_read,
     torch_load_s, ...), ``staging`` (stall at 100/50/25% staging budgets), ``sizes``
-    (the same per size), ``overhead`` {engine: {interval: fraction}}, ``targets`` (ratios).
+    (the same per size), ``overhead`` {engine: {interval: fraction}}, ``small_state`` (a ~3 MB
+    state saved at every ~6 ms step: overhead and per-save cost per engine), ``targets``
+    (ratios), ``phases_s``/``phases_cpu_s`` (wall and this process's CPU seconds per phase).
+    Peak RSS per byte of state: ``save_held_vs_state`` per engine (its saves run in a child of
+    their own), ``load_held_vs_state``/``torch_load_held_vs_state`` (each resume's process),
+    ``held_vs_state`` per staging budget.
     """
     base = Path(tempfile.mkdtemp(prefix="hpcckpt-bench-", dir=o.dir))
     sizes = o.sizes()
