@@ -10,7 +10,9 @@ of their time there); a fork costs milliseconds.
 Peak RSS: the child resets the kernel's high-water mark (``/proc/self/clear_refs`` 5)
 and reads ``VmHWM`` at the end; where that is refused it falls back to ``ru_maxrss``.
 ``rss_base_bytes`` is the RSS at the start (the imports), so ``peak - base`` is what
-the measurement itself held.
+the measurement itself held. That includes what a fresh torch process allocates on
+first use (measured: 60-80 MB on the CPU with a 2-16 MB state), so per byte of state
+it means something from hundreds of MB of state up, not for --quick's tiny states.
 """
 from __future__ import annotations
 
