@@ -39,7 +39,7 @@ import torch
 
 
 from ..api import Checkpointer
-from ..data import ResumableSampler
+from ..data import ResumableSampler, find_resumable
 from ..errors import ConfigError
 from ..state import rng_state, set_rng_state
 from ._extras import require
@@ -82,13 +82,7 @@ class _LoopState:
         self.trainer.fit_loop.load_state_dict(dict(state))
 
 
-def find_sampler(loader: Any) -> ResumableSampler | None:
-    """The ResumableSampler that drives ``loader`` (as sampler or inside its batch sampler)."""
-    for candidate in (getattr(loader, "sampler", None),
-                      getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
-        if isinstance(candidate, ResumableSampler):
-            return candidate
-    return None
+find_sampler = find_resumable  # the ResumableSampler that drives a loader (sampler or batch sampler's)
 
 
 def _total_steps(trainer: Any) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -36,8 +37,8 @@ def checkpointer(ckdir: Path, clock: Clock) -> Checkpointer:
     return ck
 
 
-def test_a_warning_long_before_the_deadline_stops_there_not_at_once(ckdir: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def stopped(ckdir: Path, monkeypatch: pytest.MonkeyPatch, events: dict[int, Callable[[Clock], None]]) -> RequeueExit:
+    """A run with 200 s left; ``events[step](clock)`` runs after that step. Returns its stop."""
     clock = Clock()
     monkeypatch.setenv("HPCCKPT_END_TIME", str(clock.t + 200))
     objs = tiny_state(0)
@@ -46,11 +47,22 @@ def test_a_warning_long_before_the_deadline_stops_there_not_at_once(ckdir: Path,
             ck.register(**objs)
             for step in ck.steps(50):
                 train_step(objs)
-                if step == 2:
-                    os.kill(os.getpid(), signal.SIGUSR2)  # the scheduler's warning, 200 s early
-                if step == 20:
-                    clock.t += 190  # 10 s left: within 1.5 x save + a step + the 5 s margin
-    assert exc.value.step == 21 and exc.value.reason == "deadline"
+                if step in events:
+                    events[step](clock)
+    return exc.value
+
+
+def usr2(_clock: Clock) -> None:
+    os.kill(os.getpid(), signal.SIGUSR2)  # the scheduler's warning, 200 s early
+
+
+def test_a_warning_long_before_the_deadline_stops_there_not_at_once(ckdir: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    def near_the_end(clock: Clock) -> None:
+        clock.t += 190  # 10 s left: within 1.5 x save + a step + the 5 s margin
+
+    stop = stopped(ckdir, monkeypatch, {2: usr2, 20: near_the_end})
+    assert stop.step == 21 and stop.reason == "deadline"
     led = Ledger(ckdir).read()
     deferred = [e for e in led if e["event"] == "signal_deferred"]
     assert len(deferred) == 1 and deferred[0]["step"] == 3 and "margin 5s" in deferred[0]["detail"]
@@ -60,19 +72,8 @@ def test_a_warning_long_before_the_deadline_stops_there_not_at_once(ckdir: Path,
 
 
 def test_a_term_still_stops_at_the_next_step(ckdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    clock = Clock()
-    monkeypatch.setenv("HPCCKPT_END_TIME", str(clock.t + 200))
-    objs = tiny_state(0)
-    with pytest.raises(RequeueExit) as exc:
-        with checkpointer(ckdir, clock) as ck:
-            ck.register(**objs)
-            for step in ck.steps(50):
-                train_step(objs)
-                if step == 2:
-                    os.kill(os.getpid(), signal.SIGUSR2)
-                if step == 5:
-                    os.kill(os.getpid(), signal.SIGTERM)
-    assert exc.value.step == 6 and exc.value.reason == "signal"
+    stop = stopped(ckdir, monkeypatch, {2: usr2, 5: lambda _c: os.kill(os.getpid(), signal.SIGTERM)})
+    assert stop.step == 6 and stop.reason == "signal"
 
 
 def test_an_allocation_too_short_for_a_step_and_a_save_is_refused_with_figures(
