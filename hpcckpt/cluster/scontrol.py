@@ -242,8 +242,8 @@ def refine_cause(cause: str, job: Mapping[str, str] | None, restarts_before: int
         return Cause.PREEMPTION.value
     if job_state(job) == "PREEMPTED":
         return Cause.PREEMPTION.value
-    if job_state(job) in {"TIMEOUT", "DEADLINE"}:
-        return Cause.TIME_LIMIT.value
+    if job_state(job) in {"TIMEOUT", "DEADLINE"} or job.get("Reason") == "TimeLimit":
+        return Cause.TIME_LIMIT.value  # a job being ended shows COMPLETING, with the reason
     if job_state(job) == "NODE_FAIL":
         return Cause.NODE_FAILURE.value
     requeued = job_state(job) in REQUEUED_STATES or (

@@ -132,6 +132,7 @@ def test_refine_cause_from_job_record() -> None:
     assert refine_cause("maintenance", pending) == "maintenance"
     assert refine_cause("signal", None) == "signal"
     assert refine_cause("signal", {**job, "JobState": "TIMEOUT"}) == "time_limit"
+    assert refine_cause("signal", {**job, "JobState": "COMPLETING", "Reason": "TimeLimit"}) == "time_limit"
     assert refine_cause("signal", {**job, "JobState": "PREEMPTED"}) == "preemption"
     # COMPLETING, PREEMPTED, TIMEOUT are how a job that will NOT run again looks too: no evidence.
     for state in ("COMPLETING", "PREEMPTED", "TIMEOUT", "RUNNING"):
