@@ -21,7 +21,7 @@ import torch
 
 from ..errors import ConfigError
 from .limits import GB, fresh_memory_gbps, memcpy_gbps, write_read_gbps
-from .isolate import held_vs_state, run_isolated
+from .isolate import children_cpu_s, held_vs_state, run_isolated
 from .measure import STAGING_FRACTIONS, measure_engine, measure_loads, measure_staging, supports_staging_budget
 from .overhead import DemoLoad, measure_overhead
 from .smallstate import measure_small_state
@@ -166,20 +166,20 @@ def _small_targets(small: dict[str, Any]) -> dict[str, Any]:
 
 
 class _Phases:
-    """Wall seconds per phase of the run, and this process's CPU seconds (children apart):
-    where ``bench --quick``'s time goes, even on a machine other work keeps busy."""
+    """Wall seconds per phase of the run, and CPU seconds (this process and its isolated
+    children): where ``bench --quick``'s time goes, even on a machine other work keeps busy."""
 
     def __init__(self) -> None:
         self.wall: dict[str, float] = {}
         self.cpu: dict[str, float] = {}
 
     def __call__(self, name: str, fn: Callable[[], Any]) -> Any:
-        t0, c0 = time.monotonic(), time.process_time()
+        t0, c0 = time.monotonic(), time.process_time() + children_cpu_s()
         try:
             return fn()
         finally:
             self.wall[name] = time.monotonic() - t0
-            self.cpu[name] = time.process_time() - c0
+            self.cpu[name] = time.process_time() + children_cpu_s() - c0
 
 
 class _Steps:
@@ -286,7 +286,7 @@ def run_bench(o: BenchOptions, progress: Callable[[str], None] = lambda s: None)
     torch_load_s, ...), ``staging`` (stall at 100/50/25% staging budgets), ``sizes``
     (the same per size), ``overhead`` {engine: {interval: fraction}}, ``small_state`` (a ~3 MB
     state saved at every ~6 ms step: overhead and per-save cost per engine), ``targets``
-    (ratios), ``phases_s``/``phases_cpu_s`` (wall and this process's CPU seconds per phase).
+    (ratios), ``phases_s``/``phases_cpu_s`` (wall and CPU seconds per phase, children's included).
     Peak RSS per byte of state: ``save_held_vs_state`` per engine (its saves run in a child of
     their own), ``load_held_vs_state``/``torch_load_held_vs_state`` (each resume's process),
     ``held_vs_state`` per staging budget.

@@ -29,6 +29,12 @@ PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.checkpoin
            "hpcckpt.bench.loadproc", "hpcckpt.bench", "hpcckpt.bench.synthetic",
            "hpcckpt.engines", "hpcckpt.store.read", "hpcckpt.store.catalog"]
 _ctx: Any = None
+_children_cpu_s = [0.0]  # CPU seconds of every child so far (user + system, theirs and their own children's)
+
+
+def children_cpu_s() -> float:
+    """CPU seconds the isolated children of this process have used so far."""
+    return _children_cpu_s[0]
 
 
 def _context() -> Any:
@@ -103,6 +109,8 @@ def run_isolated(fn: Callable[..., dict[str, Any]], *args: Any, timeout_s: float
         if proc.is_alive():  # a result came but the child hangs on exit (a helper process of its own)
             proc.kill()
             proc.join()
+    if status == "ok":
+        _children_cpu_s[0] += float(payload.get("cpu_s", 0.0))
     if status != "ok":
         raise HpcckptError(f"bench: {fn.__name__}{args!r:.200} failed in its child process "
                            f"(exit {proc.exitcode}): {payload}")
