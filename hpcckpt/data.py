@@ -9,12 +9,15 @@ prefetch ahead of that).
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Iterator, Mapping
 
 import torch
 from torch.utils.data import Sampler
 
 from .errors import ConfigError
+
+log = logging.getLogger("hpcckpt")
 
 
 class ResumableSampler(Sampler[int]):
@@ -368,6 +371,12 @@ class LoaderPosition:
             self.loader.sampler.set_epoch(self.passes - 1)
         if getattr(self.loader, "next_iter_state", None) is not None:
             self.loader.next_iter_state = None  # a StatefulDataLoader's own position: replayed here instead
+        if self.passes > 1 and getattr(self.loader, "persistent_workers", False) and self._mode() == "fetch":
+            log.warning("hpcckpt: this DataLoader keeps its worker processes across epochs (persistent_workers="
+                        "True): their random streams since the first epoch cannot be brought back, so random "
+                        "augmentation in them differs from the uninterrupted run after this resume (epoch %d). "
+                        "For an exact resume use persistent_workers=False, or seed augmentation from the "
+                        "sample index and epoch", self.passes)
         boundary = torch.get_rng_state()  # the resume point's RNG: put back once the pass is replayed
         try:
             if "torch" in self._rng:
