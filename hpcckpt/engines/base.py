@@ -154,8 +154,8 @@ class Engine(ABC):
             else:
                 warnings: list[str] = []
                 try:
-                    path = self._commit(step, tmp, [m["record"] for m in everyone], warnings)
-                    outcome = {"ok": True, "path": str(path), "warnings": warnings}
+                    committed = self._commit(step, tmp, [m["record"] for m in everyone], warnings)
+                    outcome = {"ok": True, "path": str(committed), "warnings": warnings}
                 except Exception as exc:  # reported to every rank below
                     outcome = {"ok": False, "errors": {0: f"commit failed: {type(exc).__name__}: {exc}"}}
             if not outcome["ok"]:

@@ -209,8 +209,9 @@ class WriterLease:
         if self._key is None:
             return
         with self._mutex:
-            entry = self._held.get(self._key)
-            self._key, key = None, self._key
+            key = self._key
+            self._key = None
+            entry = self._held.get(key)
             if entry is None:
                 return
             entry[1] -= 1
