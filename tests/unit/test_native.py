@@ -344,3 +344,30 @@ def test_native_sources_name_every_header_they_use() -> None:
     n = len(list((REPO / "native").glob("src/*.cpp"))) + len(list((REPO / "native").glob("tests/*.cpp"))) + 1
     assert f"libstdc++ 14: {n} files checked" in proc.stderr
     assert f"libc++ 16 (no transitive includes): {n} files checked" in proc.stderr
+
+
+def test_read_items_through_a_checked_descriptor(tmp_path: Path) -> None:
+    """The fd form reads the open file, never its name; a FIFO or symlink is refused, never waited on."""
+    import numpy as np
+    from hpcckpt._core import crc32c as _crc, native as _native
+    data = os.urandom(1 << 16)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        path.rename(tmp_path / "moved")
+        path.symlink_to("/etc/hostname")  # the name now leads elsewhere: the descriptor does not
+        buf = np.empty(len(data), dtype=np.uint8)
+        crcs, _ = _native().read_items("named-in-errors", [(buf, 0)], fd=fd)
+        assert bytes(buf) == data and crcs == [_crc(data)]
+        assert _native().file_resident("x", fd=fd)[1] == len(data)
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError) as link:
+        _native().read_items(str(path), [(np.empty(8, dtype=np.uint8), 0)])
+    assert link.value.errno == errno.ELOOP
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError) as special:
+        _native().read_items(str(fifo), [(np.empty(8, dtype=np.uint8), 0)])
+    assert special.value.errno == errno.EINVAL
