@@ -816,6 +816,8 @@ class Supervisor:
                          "and a restore finds it by its sequence number")
                 return time.monotonic() - t1
             raise _CommitFailed(f"criu dumped the job but committing {tx.path} failed: {exc}") from exc
+        for warning in getattr(tx, "warnings", []):  # after the rename: committed, whatever failed
+            self.log(f"{warning}; the image is complete and a restore finds it by its sequence number")
         return time.monotonic() - t1
 
     def _manifest(self, job: ops.Job, seq: int, sig: signal.Signals | None, criu: Criu, dump_s: float,
