@@ -410,10 +410,13 @@ class Checkpointer:
             self._jit.at_boundary(self.step)  # the small state of this boundary, for a JIT save
         self._trace_step()
         self._reap()
-        for r in self.signals.log_new():  # every rank logs what it received
-            self.ledger.append("signal", signum=r.signum, signame=r.name, step=self.step,
-                                   rank=self.ranks.rank, signal_time=r.wall_s)
+        new = self.signals.log_new()  # every rank logs what it received
         local, warned = self._signal_reason()
+        for r in new:
+            if self._deferred is not None and r.signum in WARNING_SIGNALS:
+                continue  # recorded as signal_deferred: the deadline, not this signal, stops the run
+            self.ledger.append("signal", signum=r.signum, signame=r.name, step=self.step,
+                               rank=self.ranks.rank, signal_time=r.wall_s)
         if self.step in self._stop_at and self.step != self.resumed_from:
             log.warning("hpcckpt: stopping at step %d as HPCCKPT_STOP_AT_STEPS asks", self.step)
             local = StopReason.SIGNAL
@@ -501,7 +504,7 @@ class Checkpointer:
             return False
 
     def _stop(self, reason: StopReason) -> None:
-        first = self.signals.first()
+        first = self.signals.first() if reason is StopReason.SIGNAL else None  # a deferred warning did not stop it
         log.warning("hpcckpt: stopping at step %d (%s); taking the final checkpoint", self.step, reason.name.lower())
         final_ok = self._final_save()
         refusal = self._no_progress(reason)

@@ -67,6 +67,7 @@ def test_a_warning_long_before_the_deadline_stops_there_not_at_once(ckdir: Path,
     deferred = [e for e in led if e["event"] == "signal_deferred"]
     assert len(deferred) == 1 and deferred[0]["step"] == 3 and "margin 5s" in deferred[0]["detail"]
     assert [e["reason"] for e in led if e["event"] == "stop"] == ["deadline"]
+    assert not [e for e in led if e["event"] == "signal"]  # history: a time-limit stop, not a signal's
     figures = Figures.read(ckdir)  # the measured save is there for the next allocation
     assert figures.save_s is not None and figures.save_s < 10 and figures.step_s is not None
 
