@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 import torch
 
 from .config import CheckpointOptions, env_value, resolve_options
-from .data import Progress, ResumableSampler, find_resumable
+from .data import Progress, find_resumable
 from .engines import SaveContext, SaveHandle, make_engine
 from .engines.base import live_tensors
 from .errors import CheckpointCorrupt, CheckpointFailed, ConfigError, HpcckptError

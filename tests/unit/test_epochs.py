@@ -140,7 +140,6 @@ def test_step_done_loop_resumes_exactly(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", list(LOOPS))
 def test_rerunning_a_finished_job_says_so_and_trains_nothing(name: str, tmp_path: Path,
                                                              caplog: pytest.LogCaptureFixture) -> None:
-    ref: list[str] = []
     ref_o = resumed(LOOPS[name], tmp_path, "shuffle", [20])[1]  # a job with checkpoints, finished
     again: list[str] = []
     with caplog.at_level(logging.WARNING, logger="hpcckpt"):
