@@ -67,6 +67,9 @@ class Stream(torch.utils.data.IterableDataset[tuple[int, float]]):
             yield i, float(torch.rand((), generator=g).item())
 
 
+LOADERS["IterableDataset"] = lambda: (DataLoader(Stream(), batch_size=4), None)
+LOADERS["IterableDataset, workers"] = lambda: (DataLoader(Stream(), batch_size=4, num_workers=1), None)
+
 try:
     from torchdata.stateful_dataloader import StatefulDataLoader
 except ImportError:  # torchdata is optional: these cases run where it is installed
