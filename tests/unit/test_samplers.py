@@ -22,7 +22,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSamp
 from hpcckpt.api import Checkpointer, RequeueExit
 from hpcckpt.data import ResumableSampler
 
-pytestmark = pytest.mark.native
+pytestmark = [pytest.mark.native,
+              # torchdata 0.11's StatefulDataLoader warns on every iterator (a deprecated torch call of its own)
+              pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")]
 
 N = 22  # not a multiple of the batch size nor of 2 ranks: short last batches and padding
 EPOCHS = 3
