@@ -22,6 +22,7 @@ REFUSED_ANON = {
     "anon_inode:[perf_event]": "a perf event",
 }
 TCP_ESTABLISHED = "01"  # st column of /proc/net/tcp{,6}
+SAID = 4  # problems named on stderr (the ledger has them all)
 TORCHRUN_FIX = ("run it with hpcckpt's in-process checkpoints instead: `hpcckpt template torchrun` (torchrun, "
                 "DDP), or `hpcckpt run --mode app` around a script that uses hpcckpt's Checkpointer")
 
@@ -102,9 +103,11 @@ def fix(found: list[Problem]) -> str:
 
 def lines(found: list[Problem]) -> list[str]:
     """The loud message: what cannot be dumped, that the job runs on, and what to do."""
+    named = "; ".join(p.text() for p in found[:SAID])
+    more = f"; and {len(found) - SAID} more" if len(found) > SAID else ""
     return ["!" * 72,
-            "THIS JOB CANNOT BE DUMPED BY CRIU: " + "; ".join(p.text() for p in found),
+            f"THIS JOB CANNOT BE DUMPED BY CRIU: {named}{more}",
             "It keeps running (hpcckpt never kills it), but a preemption or time limit will end it without an "
-            "image, and its next run will start from the beginning.",
+            "image: its next run restores an older image if there is one, else starts from the beginning.",
             f"What to do: {fix(found)}.",
             "!" * 72]
