@@ -54,7 +54,7 @@ from ..config import check_on_busy, from_env, parse_bool
 from ..errors import CheckpointFailed, ConfigError
 from ..state import Flat, TrainState
 from ..ranks import Ranks
-from ..store.hdf5 import TensorEntry, raw_bytes
+from ..store.entry import TensorEntry, raw_bytes
 from ..store.hostmem import one_cuda_device
 from .base import Engine, SaveContext, SaveHandle
 from ..store.layout import Layout

@@ -35,7 +35,7 @@ import torch
 
 from .._core import native
 from ..errors import ConfigError
-from ..store.hdf5 import ALIGN, TensorEntry
+from ..store.entry import ALIGN, TensorEntry
 from ..store.hostmem import Piece, Slot, make_slots, plan_rounds, round_up
 from ..store.layout import Layout, Spec
 

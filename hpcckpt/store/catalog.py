@@ -12,7 +12,7 @@ from typing import Any, Iterator
 from ..errors import CheckpointCorrupt, NoCheckpoint
 from .commit import LATEST, MANIFEST, TMP_MARK, discard, open_member, read_latest, read_manifest, verify_files
 from . import rankfile
-from .hdf5 import TensorEntry
+from .entry import TensorEntry
 from .lock import reader_lock
 from .manifest import validate
 

@@ -22,6 +22,7 @@ from typing import Any, Iterator
 
 from .._core import crc32c
 from ..errors import CheckpointCorrupt
+from .manifest import safe_relpath
 
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
@@ -262,7 +263,6 @@ def verify_files(ckpt_dir: Path, *, full: bool = True, manifest: dict[str, Any] 
 
 
 def _verify_one(ckpt_dir: Path, rel: str, info: Any, *, full: bool) -> list[str]:
-    from .manifest import safe_relpath
     try:
         safe_relpath(rel, "manifest file")
         want = info["bytes"]

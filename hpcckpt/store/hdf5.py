@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -20,8 +19,10 @@ import torch
 
 from .._core import crc32c, native
 from ..errors import CheckpointCorrupt, ConfigError
+from .commit import open_checked
+from .entry import ALIGN, TensorEntry, dtype_name, raw_bytes
+from .staged_read import read_staged
 
-ALIGN = 4096
 ALIGN_THRESHOLD = 64 << 10
 
 # torch dtype -> HDF5 storage dtype (little endian)
@@ -37,46 +38,11 @@ for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnu
         _STORAGE[getattr(torch, _name)] = "|u1"
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def torch_dtype(name: str) -> torch.dtype:
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
         raise CheckpointCorrupt(f"unknown tensor dtype {name!r} in manifest")
     return dt
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """Where one tensor lives in a rank file, as the manifest records it."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-    crc32c: int = 0
-
-    def to_json(self) -> dict[str, object]:
-        return {"dtype": self.dtype, "shape": list(self.shape), "offset": self.offset,
-                "nbytes": self.nbytes, "crc32c": self.crc32c}
-
-    @staticmethod
-    def from_json(name: str, d: Mapping[str, Any]) -> TensorEntry:
-        return TensorEntry(name, str(d["dtype"]), tuple(int(x) for x in d["shape"]),
-                           int(d.get("offset", 0)), int(d["nbytes"]), int(d.get("crc32c", 0)))
-
-
-def raw_bytes(t: torch.Tensor) -> np.ndarray:
-    """A flat uint8 NumPy view of a contiguous CPU tensor's bytes (no copy)."""
-    if t.device.type != "cpu":
-        raise ConfigError(f"raw_bytes needs a CPU tensor, got one on {t.device}")
-    t = t.contiguous().reshape(-1)
-    if t.numel() == 0:
-        return np.empty(0, dtype=np.uint8)
-    return t.view(torch.uint8).numpy()
 
 
 def plan_file(path: Path, specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
@@ -216,7 +182,6 @@ def read_tensors(path: Path, entries: Mapping[str, TensorEntry], *, into: Mappin
     if fd is not None:
         return _read_tensors(path, entries, fd, into=into, threads=threads, verify=verify, direct=direct,
                              stats=stats)
-    from .commit import open_checked
     own = open_checked(path, min_size=max((e.offset + e.nbytes for e in entries.values() if e.nbytes), default=0))
     try:
         return _read_tensors(path, entries, own, into=into, threads=threads, verify=verify, direct=direct,
@@ -315,7 +280,6 @@ def _read_tensors(path: Path, entries: Mapping[str, TensorEntry], fd: int, *, in
 def _read_to_device(path: Path, fd: int, targets: list[tuple[TensorEntry, torch.Tensor]], direct: bool,
                     threads: int, info: dict[str, int]) -> dict[str, int]:
     """CUDA targets: through pinned chunks, H2D overlapped with the reads (``staged_read``)."""
-    from .staged_read import read_staged  # it builds on this module
     return read_staged(path, targets, direct=direct, threads=threads, info=info, fd=fd)
 
 
@@ -325,7 +289,6 @@ VERIFY_BATCH_BYTES = 64 << 20  # verify reads this much at a time: memory bounde
 def verify_tensors(path: Path, entries: Mapping[str, TensorEntry]) -> list[str]:
     """Every damaged tensor of a rank file: one descriptor, tensors read in batches of
     ``VERIFY_BATCH_BYTES`` (a damaged batch is re-read one tensor at a time to name each)."""
-    from .commit import open_checked
     try:
         fd = open_checked(path, min_size=max((e.offset + e.nbytes for e in entries.values() if e.nbytes),
                                              default=0))

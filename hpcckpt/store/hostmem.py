@@ -17,7 +17,7 @@ import torch
 
 from .._core import native
 from ..errors import ConfigError
-from .hdf5 import ALIGN, TensorEntry
+from .entry import ALIGN, TensorEntry
 
 log = logging.getLogger("hpcckpt.store.hostmem")
 

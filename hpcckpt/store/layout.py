@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
-from .hdf5 import ALIGN, TensorEntry, plan_file
+from .entry import ALIGN, TensorEntry
+from .hdf5 import plan_file
 
 _TEMPLATE_MAX_BYTES = 16 << 20  # larger metadata than this: plan each file afresh
 Spec = tuple[str, torch.dtype, tuple[int, ...]]

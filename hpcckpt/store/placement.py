@@ -29,8 +29,9 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from .._core import crc32c
 from ..errors import CheckpointFailed, ConfigError
-from .hdf5 import dtype_name
+from .entry import dtype_name, raw_bytes
 
 FORMAT_V1 = "hpcckpt/1"
 FORMAT = "hpcckpt/2"
@@ -118,8 +119,6 @@ def plan(tensors: Mapping[str, torch.Tensor], where: Placement, *, fingerprint: 
             out.tensors[name] = t
     _stripe(replicated, where, out)
     if fingerprint:
-        from .._core import crc32c
-        from .hdf5 import raw_bytes
         out.fingerprints = {n: crc32c(raw_bytes(t.detach().cpu().contiguous())) for n, t in replicated}
     return out
 

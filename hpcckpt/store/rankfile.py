@@ -18,7 +18,7 @@ import torch
 
 from ..errors import CheckpointCorrupt
 from . import hdf5, torchfile
-from .hdf5 import TensorEntry
+from .entry import TensorEntry
 from .manifest import FORMATS
 
 

@@ -29,7 +29,7 @@ import torch
 
 from .._core import native
 from ..config import from_env
-from .hdf5 import ALIGN, TensorEntry
+from .entry import ALIGN, TensorEntry
 from .hostmem import Piece, Slot, make_slots, one_cuda_device, plan_rounds
 
 log = logging.getLogger("hpcckpt.store.staged_read")

@@ -18,7 +18,7 @@ import torch
 from .._core import crc32c
 from ..errors import CheckpointCorrupt
 from .commit import TMP_MARK, explain_os_error, fd_crc32c, open_checked
-from .hdf5 import dtype_name, raw_bytes
+from .entry import dtype_name, raw_bytes
 
 
 class _CrcWriter:
