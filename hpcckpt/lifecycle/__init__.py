@@ -8,7 +8,8 @@ the environment and runs scheduler verbs, and never records.
 """
 from __future__ import annotations
 
+from .history import record_superseded
 from .identity import Identity, current
 from .requeue import requeue
 
-__all__ = ["Identity", "current", "requeue"]
+__all__ = ["Identity", "current", "record_superseded", "requeue"]
