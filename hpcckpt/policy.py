@@ -156,6 +156,7 @@ class Policy:
     save_cost_s: float = 10.0  # replaced by measured save times (kept across requeues: Figures)
     step_s: float | None = None  # measured
     warning_window_s: float = 300.0  # a warning with at most this much time left is the time-limit one
+    exit_s: float = 5.0  # after the final save: the requeue call and the exit of every rank
     _last_poll: float = field(default=float("-inf"), init=False)
     _end_time: float | None = field(default=None, init=False)
     _moved_earlier: bool = field(default=False, init=False)
@@ -195,12 +196,12 @@ class Policy:
 
     def lead_s(self) -> float:
         """How long before the end time the stop must come: the final save (x1.5), the step
-        that may run before the stop is noticed, and the margin."""
-        return self.save_cost_s * 1.5 + (self.step_s or 0.0) + self.margin_s
+        that may run before the stop is noticed, the requeue and exit, and the margin."""
+        return self.save_cost_s * 1.5 + (self.step_s or 0.0) + self.exit_s + self.margin_s
 
     def lead_figures(self) -> str:
         return (f"{self.lead_s():.1f}s = 1.5 x save {self.save_cost_s:.2f}s + step {self.step_s or 0.0:.2f}s + "
-                f"margin {self.margin_s:.0f}s")
+                f"requeue and exit {self.exit_s:.0f}s + margin {self.margin_s:.0f}s")
 
     def report(self) -> dict[str, Any]:
         """``{"auto": AutoInterval.report()}`` with ``every_steps="auto"``, else ``{}`` (for the ledger)."""

@@ -145,7 +145,7 @@ def test_a_warning_long_before_the_end_waits_for_the_deadline() -> None:
     assert p.stop_reason() is StopReason.NONE
     clock.t += 0.2  # within the lead: 1.5 x save + a step + the margin before the end
     assert p.stop_reason() is StopReason.DEADLINE
-    assert p.lead_s() == pytest.approx(1.5 * 0.02 + 0.5 + 5)
+    assert p.lead_s() == pytest.approx(1.5 * 0.02 + 0.5 + p.exit_s + 5)
 
 
 @pytest.mark.parametrize("end, window, why", [(None, 300, "no end time known"), (5000, 300, "operator's request"),
