@@ -258,14 +258,14 @@ class Supervisor:
             self.outcome.exit_code = self._loop(job, dumps=False)
             return self.outcome
         try:
-            job = self._restore_or_start()
+            restored = self._restore_or_start()
         except ops.JobExited as done:  # a job that ends at once is over, never started again
             self.log(str(done))
             self.outcome.exit_code = self._job_exited(done.code, dumped=False)
             return self.outcome
-        if job is None:
+        if restored is None:
             return self.outcome
-        self.outcome.exit_code = self._loop(job, dumps=True)
+        self.outcome.exit_code = self._loop(restored, dumps=True)
         return self.outcome
 
     # -- main loop --------------------------------------------------------------
