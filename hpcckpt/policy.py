@@ -157,6 +157,7 @@ class Policy:
     step_s: float | None = None  # measured
     warning_window_s: float = 300.0  # a warning with at most this much time left is the time-limit one
     exit_s: float = 5.0  # after the final save: the requeue call and the exit of every rank
+    _measured: bool = field(default=False, init=False)  # save_cost_s is a measurement, not the default
     _last_poll: float = field(default=float("-inf"), init=False)
     _end_time: float | None = field(default=None, init=False)
     _moved_earlier: bool = field(default=False, init=False)
@@ -182,8 +183,10 @@ class Policy:
             self.auto.observe_step(dt)
 
     def observe_save(self, save_s: float, stall_s: float | None = None) -> None:
-        # Keep the worst recent cost: the final save must fit before the deadline.
-        self.save_cost_s = max(save_s, 0.8 * self.save_cost_s)
+        # Keep the worst recent cost: the final save must fit before the deadline. The first
+        # measurement replaces the assumed default instead of decaying from it.
+        self.save_cost_s = max(save_s, 0.8 * self.save_cost_s) if self._measured else save_s
+        self._measured = True
         if self.auto is not None:
             self.auto.observe_save(save_s if stall_s is None else stall_s, save_s)
 
@@ -191,6 +194,7 @@ class Policy:
         """Start from what earlier allocations measured instead of the defaults."""
         if figures.save_s is not None:
             self.save_cost_s = figures.save_s
+            self._measured = True
         if figures.step_s is not None and self.step_s is None:
             self.step_s = figures.step_s
 

@@ -177,3 +177,13 @@ def test_measured_costs_are_kept_across_requeues(tmp_path) -> None:  # type: ign
     assert (p.save_cost_s, p.step_s) == (0.02, 0.4)
     (tmp_path / FIGURES).write_text("{not json")
     assert Figures.read(tmp_path) == Figures()  # damaged: measured again, never an error
+
+
+def test_the_first_measured_save_replaces_the_assumed_cost() -> None:
+    p = Policy(every_steps=None)  # assumes 10 s until a save is measured
+    p.observe_save(0.02)
+    assert p.save_cost_s == 0.02  # not 8 s, decaying from the assumption
+    p.observe_save(0.5)
+    p.observe_save(0.01)
+    assert p.save_cost_s == pytest.approx(0.4)  # then the worst recent one, decaying
+
