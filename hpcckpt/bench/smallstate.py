@@ -37,10 +37,17 @@ def _step_s(rig: PeerRig, n: int = 3) -> float:
 
 
 def calibrate(rig: PeerRig, target_s: float) -> float:
-    """Double the batch's rows until a step takes ``target_s``; returns the step time reached."""
+    """Double the batch's rows until a step takes ``target_s``, then interpolate between the
+    last two (a doubling overshoots by up to 2x); returns the step time reached."""
     took = _step_s(rig)
+    below = (rig.rows, took)
     while took < target_s and rig.rows < MAX_ROWS:
+        below = (rig.rows, took)
         rig.rows *= 2
+        took = _step_s(rig)
+    rows, low = below
+    if took > target_s > low and rig.rows > rows:
+        rig.rows = max(rows, round(rows + (rig.rows - rows) * (target_s - low) / (took - low)))
         took = _step_s(rig)
     return took
 
