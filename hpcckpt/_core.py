@@ -13,7 +13,7 @@ def native() -> ModuleType:
     global _native
     if _native is None:
         try:
-            from . import _native as mod  # type: ignore[attr-defined]
+            from . import _native as mod
         except ImportError as exc:  # pragma: no cover - depends on the build
             raise NativeMissing(
                 "the compiled core hpcckpt._native is missing or failed to load "

@@ -238,7 +238,7 @@ def from_env(name: str, default: T, parse: Callable[[str], T],
         raise ConfigError(f"environment variable HPCCKPT_{name}={raw!r} is invalid: {exc}{hint}") from None
     if spec is not None:
         validate(name.lower(), value, source=f"environment variable HPCCKPT_{name}={raw!r}")
-    return value  # type: ignore[no-any-return]
+    return value
 
 
 def env_value(option: str, default: T, environ: Mapping[str, str] | None = None) -> T:
@@ -376,12 +376,12 @@ def resolve_options(
         max_async=pick(max_async, "MAX_ASYNC", 1, parse_int),
         writer_threads=pick(writer_threads, "WRITER_THREADS", 0, parse_int),
         on_busy=pick(on_busy, "ON_BUSY", "wait", str),
-        memory_budget_bytes=pick(memory_budget_bytes, "MEMORY_BUDGET_BYTES", None, parse_bytes),  # type: ignore[arg-type]
-        staging_bytes=pick(staging_bytes, "STAGING_BYTES", None, parse_bytes),  # type: ignore[arg-type]
+        memory_budget_bytes=pick(memory_budget_bytes, "MEMORY_BUDGET_BYTES", None, parse_bytes),
+        staging_bytes=pick(staging_bytes, "STAGING_BYTES", None, parse_bytes),
         direct=pick(direct, "DIRECT", True, parse_bool),
         on_corrupt=pick(on_corrupt, "ON_CORRUPT", "raise", str),
         replicated=pick(replicated, "REPLICATED", "auto", str),
         check_replicas=pick(check_replicas, "CHECK_REPLICAS", False, parse_bool),
         jit=pick(jit, "JIT", False, parse_bool),
-        jit_timeout_s=pick(jit_timeout_s, "JIT_TIMEOUT_S", None, parse_float),  # type: ignore[arg-type]
+        jit_timeout_s=pick(jit_timeout_s, "JIT_TIMEOUT_S", None, parse_float),
     )

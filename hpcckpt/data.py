@@ -346,7 +346,7 @@ class LoaderPosition:
         inner = getattr(self.loader, "sampler", None)
         if sampler is not None and sampler.exhausted:
             sampler.set_epoch(sampler.epoch + 1)  # a loop that never calls set_epoch itself
-        elif sampler is None and self.set_epochs and hasattr(inner, "set_epoch"):
+        elif sampler is None and self.set_epochs and inner is not None and hasattr(inner, "set_epoch"):
             inner.set_epoch(self.passes)  # DistributedSampler under Checkpointer.loop
         gens = _generators(self.loader)
         self._rng = {k: g.get_state() for k, g in gens.items()}

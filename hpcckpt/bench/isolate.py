@@ -114,7 +114,7 @@ def run_isolated(fn: Callable[..., dict[str, Any]], *args: Any, timeout_s: float
     if status != "ok":
         raise HpcckptError(f"bench: {fn.__name__}{args!r:.200} failed in its child process "
                            f"(exit {proc.exitcode}): {payload}")
-    return payload  # type: ignore[no-any-return]
+    return payload
 
 
 def held_vs_state(rss: dict[str, Any], state_bytes: int) -> float:

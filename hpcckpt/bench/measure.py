@@ -245,7 +245,7 @@ def measure_loads(roots: dict[str, Path], nbytes: int, *, rounds: int, rig_bytes
         raw_s = statistics.median(got["raw"])
         e: dict[str, Any] = {
             "load_s": load_s, "load_gbps": nbytes / load_s / GB, "raw_read_gbps": nbytes / raw_s / GB,
-            "load_vs_raw_read": statistics.median(r / l for r, l in zip(got["raw"], got["load"])),
+            "load_vs_raw_read": statistics.median(raw / load for raw, load in zip(got["raw"], got["load"])),
             "load_fresh_s": statistics.median(got["fresh"]),
             "load_fresh_vs_raw_read": statistics.median(r / f for r, f in zip(got["raw"], got["fresh"])),
             # the same raw read with its bytes landing in new memory, as a load's new tensors do

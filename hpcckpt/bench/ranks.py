@@ -165,8 +165,8 @@ def run_procs(cmds: list[list[str]], logs: list[Path], *, what: str, env: dict[s
                 r = failed[0]
                 for p in procs:
                     _kill(p)
-                for f in files:
-                    f.flush()
+                for out in files:
+                    out.flush()
                 raise HpcckptError(f"bench --ranks: {what}: rank {r} of {len(procs)} exited with code "
                                    f"{codes[r]}; its last output lines ({logs[r]}):\n{_tail(logs[r])}")
             if all(c == 0 for c in codes):
@@ -179,8 +179,8 @@ def run_procs(cmds: list[list[str]], logs: list[Path], *, what: str, env: dict[s
     finally:
         for p in procs:
             _kill(p)
-        for f in files:
-            f.close()
+        for out in files:
+            out.close()
 
 
 def _one_world(o: RanksOptions, engine: str, world: int, base: Path) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from .common import add_json, emit, positive_int
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("check", help="run a training command uninterrupted and with stops; compare step by step",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stop-at", type=_steps, default=None, metavar="S,...",

@@ -18,7 +18,7 @@ from .common import add_json, emit, positive_seconds
 ACTIONS = ("state", "lock", "checkpoint", "restore", "unlock", "toggle", "restore-tid")
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("cuda", help="CUDA checkpoint API on a process (lock/checkpoint/restore/unlock)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("action", choices=ACTIONS)

@@ -26,7 +26,7 @@ def step_list(raw: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="train, preempt, requeue, resume; check the result is bit-identical",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", default="sync", choices=["sync", "concurrent"])

@@ -21,7 +21,7 @@ from hpcckpt.errors import ConfigError
 _MARK = {"ok": "ok  ", "info": "info", "warn": "WARN", "fail": "FAIL"}
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("doctor", help="check signal lead time, requeue, GraceTime, USR1/NCCL...",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--script", type=Path, default=None, help="the sbatch script to check")

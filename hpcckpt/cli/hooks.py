@@ -31,7 +31,7 @@ def hook_script(name: str) -> Path:
                       "reinstall hpcckpt (pip install hpcckpt, or pip install -e . in a checkout)")
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     for name, text in HOOKS.items():
         p = sub.add_parser(name, help=text, description=__doc__)
         p.add_argument("--path", action="store_true", help="print the script's path (for slurm.conf) and exit")

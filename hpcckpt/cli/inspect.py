@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ..store.catalog import CheckpointInfo
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="show a checkpoint's manifest and tensors", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dir", type=Path)
@@ -79,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
         emit(args, {"step": info.step, "path": str(info.path), "error": "; ".join(problems), "problems": problems},
              f"step {info.step}: {info.status.upper()} ({info.path})\n" + "\n".join(f"  - {p}" for p in problems))
         return 1
-    job = m.get("job") if isinstance(m.get("job"), dict) else {}
+    raw_job = m.get("job")
+    job: dict[str, Any] = raw_job if isinstance(raw_job, dict) else {}
     view = global_view(m)
     lines = [f"checkpoint step {m['step']} at {info.path}",
              f"  format {view['format']}, engine {m.get('engine')}, world size {m['world_size']}, "

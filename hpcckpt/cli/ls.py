@@ -7,7 +7,7 @@ from pathlib import Path
 from .common import add_json, directory, emit, human_bytes
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ls", help="list checkpoints and their status", description=__doc__)
     p.add_argument("dir", type=Path)
     add_json(p)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ..criu.supervisor import RunOptions
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run a job under the hpcckpt supervisor (CRIU or app mode)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=("criu", "app"), default="criu")

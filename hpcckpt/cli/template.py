@@ -16,7 +16,7 @@ from hpcckpt.cluster import render
 from hpcckpt.errors import ConfigError
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("template", help="render an sbatch/submitit template (--list to see them)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("name", nargs="?", help="template name (see --list)")

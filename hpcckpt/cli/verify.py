@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .common import add_json, directory, emit
 
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 VANISH_RETRIES = 50
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="fully verify a checkpoint (default: the newest)", description=__doc__)
     p.add_argument("dir", type=Path)
     p.add_argument("--step", type=int, default=None)
@@ -64,7 +64,7 @@ def _targets(args: argparse.Namespace) -> list[CheckpointInfo]:
 
 
 def run(args: argparse.Namespace) -> int:
-    results = [{"step": i.step, "path": str(i.path), "ok": not i.problems, "problems": i.problems}
+    results: list[dict[str, Any]] = [{"step": i.step, "path": str(i.path), "ok": not i.problems, "problems": i.problems}
                for i in _targets(args)]
     ok = all(r["ok"] for r in results)
     text = "\n".join(

@@ -32,7 +32,7 @@ class Template:
     defaults: dict[str, str] = field(default_factory=dict)
 
     def text(self) -> str:
-        return resources.files("hpcckpt.cluster").joinpath("templates", self.source).read_text(encoding="utf-8")
+        return resources.files("hpcckpt.cluster").joinpath("templates").joinpath(self.source).read_text(encoding="utf-8")
 
 
 TEMPLATES: dict[str, Template] = {t.name: t for t in (

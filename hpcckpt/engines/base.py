@@ -37,7 +37,7 @@ log = logging.getLogger("hpcckpt.engines")
 
 
 
-class LiveTensors(dict):  # type: ignore[type-arg]
+class LiveTensors(dict):
     """Live tensors by flat name (``TrainState.capture``) plus, per registered optimizer,
     the devices its parameters are on: where its missing state belongs on a resume.
 

@@ -155,10 +155,10 @@ class ConcurrentEngine(Engine):
         self._wanted_async = max_async  # max_async is lowered to the slots a memory budget allows
         self.on_busy = check_on_busy(on_busy if on_busy is not None else from_env("ON_BUSY", "wait", str))
         self.memory_budget_bytes = memory_budget_bytes if memory_budget_bytes is not None else from_env(
-            "MEMORY_BUDGET_BYTES", None, int)  # type: ignore[arg-type]
+            "MEMORY_BUDGET_BYTES", None, int)
         self.staging_bytes = staging_bytes if staging_bytes is not None else from_env(
-            "STAGING_BYTES", None, int)  # type: ignore[arg-type]
-        self.ring_chunk_bytes = ring_chunk_bytes or from_env("RING_CHUNK_BYTES", None, int)  # type: ignore[arg-type]
+            "STAGING_BYTES", None, int)
+        self.ring_chunk_bytes = ring_chunk_bytes or from_env("RING_CHUNK_BYTES", None, int)
         self._check_budgets()
         # O_DIRECT by default: on the reference VM buffered pwrite + fdatasync of 1 GB ran at
         # 0.3-0.5 GB/s, O_DIRECT at 1.7-2.0 GB/s (the page cache copy and writeback cost more

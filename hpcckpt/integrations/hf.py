@@ -62,7 +62,7 @@ def _unwrap(obj: Any, attr: str) -> Any:
     return getattr(obj, attr, obj)
 
 
-class HpcckptTrainerCallback(TrainerCallback):  # type: ignore[misc]
+class HpcckptTrainerCallback(TrainerCallback):  # type: ignore[misc,valid-type]  # object when transformers is absent
     """Preemption-safe, exactly resumable ``Trainer`` runs (see the module docstring).
 
     Keyword arguments are ``Checkpointer`` options; ``engine`` defaults to ``"concurrent"``.

@@ -91,7 +91,7 @@ def _total_steps(trainer: Any) -> int:
     return int(total) if isinstance(total, int) or math.isfinite(total) else _UNBOUNDED_STEPS
 
 
-class HpcckptCallback(pl.Callback):  # type: ignore[misc, name-defined]
+class HpcckptCallback(pl.Callback):  # type: ignore[name-defined]  # pl is found at import time (lightning or pytorch_lightning)
     """Preemption-safe, exactly resumable Lightning training (see the module docstring).
 
     Keyword arguments are ``Checkpointer`` options (``every_steps``, ``keep``, ``signals``,
@@ -176,7 +176,7 @@ class HpcckptCallback(pl.Callback):  # type: ignore[misc, name-defined]
                 "len(ds), seed=0)); under DDP give it num_replicas=world_size, rank=global_rank and pass "
                 f"Trainer(use_distributed_sampler=False). Found {len(loaders)} loader(s) with samplers "
                 f"{[type(getattr(dl, 'sampler', None)).__name__ for dl in loaders]}")
-        return samplers[0]  # type: ignore[return-value]
+        return samplers[0]
 
     def _after_restore(self, trainer: Any) -> None:
         """Put the data position where the uninterrupted run has it; keep the RNG for later."""

@@ -278,7 +278,7 @@ def to_host(tensors: Mapping[str, torch.Tensor], events: list[Any],
             host.copy_(t.detach(), non_blocking=True)
         out[n] = host
     done = []
-    for device, stream in streams.items():
+    for stream in streams.values():
         ev = torch.cuda.Event()
         ev.record(stream)
         done.append(ev)

@@ -73,7 +73,9 @@ def max_inner_id(root: int) -> int:
 def catches(pid: int, sig: int) -> bool:
     """True when ``pid`` has a handler installed for ``sig`` (SigCgt in /proc/PID/status)."""
     value = status_field(pid, "SigCgt")
-    return bool(value) and bool(int(value, 16) >> (sig - 1) & 1)
+    if not value:
+        return False
+    return bool(int(value, 16) >> (sig - 1) & 1)
 
 
 def nvidia_files(pid: int) -> tuple[set[str], set[str]]:

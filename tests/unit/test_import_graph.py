@@ -120,3 +120,25 @@ def test_hpcckpt_has_no_import_circle() -> None:
     circles = _circles(_edges(_modules()))
     assert not circles, "import circles in hpcckpt (move what both sides need into a module " \
         "below them):\n" + "\n".join(" <-> ".join(c) for c in circles)
+
+
+# What each layer may import (docs/ARCHITECTURE.md, "Who may import whom"): the Slurm
+# adapter only reads the environment and runs verbs; the store owns bytes and knows nothing
+# of how or when they are written; engines know nothing of the job's lifecycle.
+FORBIDDEN = {
+    "cluster": {"api", "lifecycle", "ledger", "supervisor", "store", "engines", "criu", "jit", "cli"},
+    "store": {"api", "engines", "lifecycle", "ledger", "cluster", "criu", "jit", "cli", "policy"},
+    "engines": {"api", "lifecycle", "ledger", "cluster", "criu", "jit", "cli"},
+    "lifecycle": {"api", "engines", "store", "criu", "jit", "cli"},
+}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_layers_import_only_what_is_below_them() -> None:
+    bad = sorted(f"{a} imports {b}" for a, targets in _edges(_modules()).items() for b in targets
+                 if _layer(b) in FORBIDDEN.get(_layer(a), set()))
+    assert not bad, "imports across layers that docs/ARCHITECTURE.md forbids:\n" + "\n".join(bad)

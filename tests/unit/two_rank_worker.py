@@ -49,7 +49,7 @@ def main() -> None:
             return real_stage(flat, step, *args, **kwargs)
 
         engine._stage = stage  # type: ignore[attr-defined]
-        for step in ck.steps(8):
+        for _step in ck.steps(8):
             train_step(objs)
             engine.drain()  # type: ignore[attr-defined]
         for h in list(ck._handles):  # settled at the boundaries: nothing may be left
