@@ -7,6 +7,7 @@ the coordinator only; ranks then agree on the outcome.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .cluster.base import Cause
+from .store.commit import read_regular
 
 log = logging.getLogger("hpcckpt.policy")
 
@@ -125,20 +127,29 @@ class Figures:
     @classmethod
     def read(cls, root: Path) -> Figures:
         try:
-            raw = json.loads((root / FIGURES).read_text())
+            raw = json.loads(read_regular(root / FIGURES, 4096))  # never a FIFO or a link
             return cls(save_s=_pos(raw.get("save_s")), step_s=_pos(raw.get("step_s")),
                        no_progress=max(0, int(raw.get("no_progress", 0))))
         except (OSError, ValueError, TypeError, AttributeError):
             return cls()  # none yet, or unreadable: measured again
 
     def write(self, root: Path) -> None:
-        """Atomically (a reader never sees half a file); a failure only loses the figures."""
+        """Atomically (a reader never sees half a file), private (0600), without an fsync on the
+        step path: a crash only loses figures that the next allocation measures again."""
         tmp = root / f"{FIGURES}.tmp-{os.getpid()}"
+        data = json.dumps({"save_s": self.save_s, "step_s": self.step_s, "no_progress": self.no_progress})
         try:
-            tmp.write_text(json.dumps({"save_s": self.save_s, "step_s": self.step_s,
-                                       "no_progress": self.no_progress}))
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            try:
+                view = memoryview(data.encode())
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
             os.replace(tmp, root / FIGURES)
         except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
             log.warning("hpcckpt: could not keep the measured costs in %s (%s)", root / FIGURES, exc)
 
 
