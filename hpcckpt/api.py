@@ -32,7 +32,8 @@ from .engines import SaveContext, SaveHandle, make_engine
 from .engines.base import live_tensors
 from .errors import CheckpointCorrupt, CheckpointFailed, ConfigError, HpcckptError
 from .exitcodes import EXIT_PROBLEM, EXIT_REQUEUE
-from .ledger import Ledger
+from .lifecycle import identity
+from .lifecycle.ledger import Ledger
 from .policy import WARNING_SIGNALS, AutoInterval, Figures, Policy, StopReason
 from .ranks import Ranks
 from .resume import Outcome, load_newest
@@ -120,7 +121,8 @@ class Checkpointer:
         self._started = False
         self._closed = False
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self._lease = WriterLease(self.root)
+        me = identity.current()
+        self._lease = WriterLease(self.root, job_id=me.raw_job_id, restart=me.restart)
         self._take_lease()
         try:
             self.engine = make_engine(self.options.engine, SaveContext(
@@ -159,31 +161,39 @@ class Checkpointer:
         for name, obj in objects.items():
             self.state.register(name, obj)
         self.engine.bind(self.state)
-        flat = self._load()
-        if flat is not None:
-            saved = flat.meta["objects"]
-            missing = set(objects) - set(saved)
-            if missing:
-                raise ConfigError(f"checkpoint step {self.resumed_from} under {self.root} has no state for "
-                                  f"{sorted(missing)}; it holds {sorted(n for n in saved if n != Progress.NAME)}")
-            sub = TrainState()
-            sub.objects.update(objects)
-            if Progress.NAME in saved and not self._progress_restored:  # the first register() of a resume
-                sub.objects[Progress.NAME] = self.progress
-                self._progress_restored = True
-            subset = Flat(flat.tensors, {**flat.meta, "objects": {n: v for n, v in saved.items() if n in sub.objects}})
-            sub.restore(subset)
-            self.state.user_meta.update(flat.meta.get("user", {}))
-            self._resume_rng = rng_state()  # as saved; set again where training resumes (_resume_point)
-            self._already_finished = self.progress.finished
+        if not self._load_attempted:
+            # The restore itself is the last check of a candidate: one that verifies but cannot
+            # be restored into these objects is passed over for the one before (resume.load_newest).
+            self._load(accept=lambda flat: self._restore(flat, objects))
+        elif self._loaded is not None:
+            self._restore(self._loaded, objects)
         return self.resumed_from
+
+    def _restore(self, flat: Flat, objects: dict[str, Any]) -> None:
+        """Put ``objects`` back from ``flat`` (and the loop's progress, on the first register())."""
+        saved = flat.meta["objects"]
+        missing = set(objects) - set(saved)
+        if missing:
+            raise ConfigError(f"checkpoint step {flat.meta.get('step')} under {self.root} has no state for "
+                              f"{sorted(missing)}; it holds {sorted(n for n in saved if n != Progress.NAME)}")
+        sub = TrainState()
+        sub.objects.update(objects)
+        with_progress = Progress.NAME in saved and not self._progress_restored  # the first register() of a resume
+        if with_progress:
+            sub.objects[Progress.NAME] = self.progress
+        subset = Flat(flat.tensors, {**flat.meta, "objects": {n: v for n, v in saved.items() if n in sub.objects}})
+        sub.restore(subset)
+        self._progress_restored = self._progress_restored or with_progress
+        self.state.user_meta.update(flat.meta.get("user", {}))
+        self._resume_rng = rng_state()  # as saved; set again where training resumes (_resume_point)
+        self._already_finished = self.progress.finished
 
     @property
     def user_meta(self) -> dict[str, Any]:
         """Small JSON metadata saved with every checkpoint (restored on resume)."""
         return self.state.user_meta
 
-    def _load(self) -> Flat | None:
+    def _load(self, accept: Callable[[Flat], None] | None = None) -> Flat | None:
         if self._load_attempted:
             return self._loaded
         self._load_attempted = True
@@ -199,7 +209,7 @@ class Checkpointer:
         # The optimizers' parameter devices say where missing optimizer state belongs (GPU or host).
         self._fresh_ok = fresh_ok
         live = self._live_targets
-        outcome = load_newest(self.root, self.ranks, into=live, on_skip=self._skipped)
+        outcome = load_newest(self.root, self.ranks, into=live, on_skip=self._skipped, accept=accept)
         self._restore_s = time.monotonic() - t0
         if outcome.flat is not None:
             self._loaded = outcome.flat

@@ -21,6 +21,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from .cluster.env import without_slurm
 from .errors import ConfigError, HpcckptError
 from .exitcodes import EXIT_REQUEUE
 
@@ -151,7 +152,7 @@ def run_command(cmd: Sequence[str], env: Mapping[str, str], max_restarts: int, l
 
 
 def _environment(work: Path, name: str, stops: Sequence[int]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env = without_slurm(os.environ)
     run = work / name
     run.mkdir(parents=True, exist_ok=True)
     env.update({"HPCCKPT_DIR": str(run / "ckpt"), TRACE_ENV: str(run / "trace.jsonl")})

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable
 
+from ..cluster.env import without_slurm
 from ..errors import ConfigError, HpcckptError
 from .limits import GB
 
@@ -116,7 +117,7 @@ def free_port() -> int:
 
 def rank_env() -> dict[str, str]:
     """This environment without Slurm's variables (local ranks, not a job step), one thread per rank."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env = without_slurm(os.environ)
     env.update(OMP_NUM_THREADS="1", HPCCKPT_CLUSTER="local")
     return env
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
+from ..lifecycle import identity
 from .common import add_json, directory, emit, positive_int, positive_seconds
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ def non_negative_seconds(text: str) -> float:
 def run(args: argparse.Namespace) -> int:
     from ..criu.supervisor import Supervisor
 
-    if args.mode == "app" and not os.environ.get("SLURM_JOB_ID"):
+    if args.mode == "app" and not identity.current().in_slurm:
         return run_app_locally(args)
     outcome = Supervisor(options_from_args(args)).run()
     if args.json:

@@ -185,6 +185,12 @@ class JobEnv:
         return path if mine and safe_root else None
 
 
+def without_slurm(environ: Mapping[str, str]) -> dict[str, str]:
+    """A copy of ``environ`` without Slurm's variables: for processes that must not take
+    themselves for a step of the surrounding job (local ranks, reference runs)."""
+    return {k: v for k, v in environ.items() if not k.startswith(("SLURM_", "SLURMD_"))}
+
+
 def staging_root(environ: Mapping[str, str]) -> Path:
     """Where slurm/prolog puts per-job staging directories.
 

@@ -99,9 +99,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Callable
 
+from ..cluster import detect
 from ..errors import CheckpointCorrupt, CriuError, CudaCheckpointError, HpcckptError, NoCheckpoint
 from ..exitcodes import EXIT_REQUEUE
-from ..ledger import Ledger
+from ..lifecycle import identity, requeue
+from ..lifecycle.ledger import Ledger
 from ..proc import tree as proctree
 from ..store.commit import Transaction, atomic_write
 from ..store.lock import writer_lock
@@ -187,9 +189,8 @@ def exit_code_of(status: int) -> int:
 
 
 def _incarnation() -> str:
-    job = os.environ.get("SLURM_JOB_ID", "local")
-    restart = os.environ.get("SLURM_RESTART_COUNT", "0") or "0"
-    return f"{job}-r{restart}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    me = identity.current()
+    return f"{me.job_id or 'local'}-r{me.restart_count}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
 
 
 class Supervisor:
@@ -391,8 +392,6 @@ class Supervisor:
         self._tee = Tee([(job.stdout, 2 if self.opts.json_stdout else 1), (job.stderr, 2)])
         self._tee.start()
         if self.opts.end_poll_s > 0:
-            from ..cluster import detect
-
             cluster = detect()
             if cluster.name != "local":  # a scheduler that can move the end time
                 self._watch = EndTimeWatch(cluster.end_time, poll_s=self.opts.end_poll_s)
@@ -610,7 +609,7 @@ class Supervisor:
         self.outcome.images.append(name)
         self._stop_record(cause, image=name, signame=sig.name if received else None, progress_s=self._dumped_at_s)
         self._close_tee()
-        return self._requeue(name)
+        return self._requeue(name, cause)
 
     def _how_gone(self, code: int | None) -> str:
         if code is None:
@@ -666,7 +665,7 @@ class Supervisor:
         self._wait_gone(job)
         self._stop_record(cause, image=None, signame=sig.name, dump_failed=True)
         self._close_tee()
-        return self._requeue(None)
+        return self._requeue(None, cause)
 
     def _wait_gone(self, job: ops.Job) -> None:
         # criu killed the tree; collect unshare's status so no zombie outlives us.
@@ -825,8 +824,8 @@ class Supervisor:
                   parent: str | None) -> dict[str, Any]:
         return {
             "kind": images.KIND, "seq": seq, "created": time.time(), "host": socket.gethostname(),
-            "job_id": os.environ.get("SLURM_JOB_ID"),
-            "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+            "job_id": identity.current().job_id,
+            "restart_count": identity.current().restart_count,
             "cmd": list(self.opts.cmd), "signal": sig.name if sig else None, "criu_version": criu.version,
             "dump_s": dump_s, "progress_s": self._dumped_at_s, "parent": parent, "periodic": sig is None,
             "stdio": {"stdout": str(job.stdout), "stderr": str(job.stderr)},
@@ -838,15 +837,13 @@ class Supervisor:
         }
 
     # -- requeue -----------------------------------------------------------------------
-    def _requeue(self, image: str | None) -> int:
+    def _requeue(self, image: str | None, cause: str) -> int:
         """Hand the job back to the scheduler; with Slurm ``scontrol requeue`` kills us."""
-        from ..cluster import detect
-
         self.outcome.action = "requeue"
         what = f"after CRIU image {image}" if image else "after a failed CRIU dump that ended the job"
         self.log(f"requeueing ({what})")
         try:
-            outcome = requeue(cluster=detect(), state_dir=self.dir, cause="signal", committed_step=None,
+            outcome = requeue(cluster=detect(), state_dir=self.dir, cause=cause, committed_step=None,
                               ledger=self.ledger, source="criu", note=what)
         except HpcckptError as exc:
             self.log(f"requeue failed: {exc}; the image stays committed: resubmit the job to resume it")
@@ -857,4 +854,3 @@ class Supervisor:
             self.log(f"not requeued: {outcome.detail}; the image stays committed: resubmit to resume it")
             return 1
         return int(outcome.exit_code) if outcome.exit_code is not None else 0
-        from ..lifecycle import requeue

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from ..cluster.env import JobEnv
 from ..data import ResumableSampler
 from .model import MarkovTokens, ModelConfig, TinyLM, param_digest
 
@@ -44,15 +45,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def init_distributed() -> tuple[int, int]:
     """Join a gloo group when launched as several Slurm tasks (or torchrun)."""
-    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+    job = JobEnv()
+    world = int(os.environ.get("WORLD_SIZE", job.world_size))
     if world <= 1 or dist.is_initialized():
         return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    rank = int(os.environ.get("RANK", job.global_rank))
     if "MASTER_ADDR" not in os.environ:
-        from ..cluster.env import JobEnv
-        nodes = JobEnv().hostnames
+        nodes = job.hostnames
         os.environ["MASTER_ADDR"] = nodes[0] if nodes else "127.0.0.1"
-    os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000))
+    os.environ.setdefault("MASTER_PORT", str(20000 + int(job.raw_job_id or 0) % 20000))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     return rank, world
 

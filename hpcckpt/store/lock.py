@@ -119,10 +119,10 @@ class Holder:
     pid_ns: str | None = None  # PIDs are only comparable within one PID namespace (containers)
 
     @classmethod
-    def me(cls) -> Holder:
-        return cls(host=socket.gethostname(), pid=os.getpid(), job_id=os.environ.get("SLURM_JOB_ID") or None,
-                   restart=_restart_count(), started=time.time(), proc_start=_proc_start(os.getpid()),
-                   pid_ns=_pid_ns())
+    def me(cls, job_id: str | None = None, restart: int = 0) -> Holder:
+        """This process, in the job ``job_id`` (Slurm's, None outside Slurm) after ``restart`` restarts."""
+        return cls(host=socket.gethostname(), pid=os.getpid(), job_id=job_id or None, restart=restart,
+                   started=time.time(), proc_start=_proc_start(os.getpid()), pid_ns=_pid_ns())
 
     @classmethod
     def parse(cls, raw: bytes) -> Holder | None:
@@ -152,15 +152,6 @@ class Holder:
         return self.job_id is not None and self.job_id == me.job_id and self.restart < me.restart
 
 
-def _restart_count() -> int:
-    for name in ("SLURM_RESTART_COUNT", "HPCCKPT_LOCAL_RESTART"):
-        try:
-            return int(os.environ[name])
-        except (KeyError, ValueError):
-            continue
-    return 0
-
-
 def _pid_ns() -> str | None:
     try:
         return os.readlink("/proc/self/ns/pid")
@@ -188,10 +179,13 @@ class WriterLease:
     _held: dict[str, list[Any]] = {}  # realpath of the lease file -> [fd, count]
     _mutex = threading.Lock()
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, job_id: str | None = None, restart: int = 0) -> None:
+        """``job_id``/``restart``: the holder's Slurm job and restart count (the caller's identity;
+        the store reads no environment), so that a requeued instance knows its predecessor."""
         self.root = Path(root)
         self.path = self.root / LEASE_NAME
         self._key: str | None = None
+        self._job_id, self._restart = job_id, restart
 
     def acquire(self, *, wait_s: float = SAME_JOB_WAIT_S) -> None:
         key = os.path.realpath(self.path)
@@ -223,7 +217,7 @@ class WriterLease:
                 os.close(entry[0])
 
     def _take(self, wait_s: float) -> int:
-        me = Holder.me()
+        me = Holder.me(self._job_id, self._restart)
         deadline = time.monotonic() + wait_s
         while True:
             with writer_lock(self.root):  # lock + record as one step, as ``_break`` sees them
