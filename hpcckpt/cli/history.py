@@ -12,7 +12,7 @@ from hpcckpt.errors import NoCheckpoint
 from hpcckpt.lifecycle.history import Interruption, interruptions, load, summary
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("history", help="per interruption: cause, signal, lost steps, save/queue/restore time",
                        description=__doc__)
     p.add_argument("dir", type=Path, help="checkpoint directory (holds ledger.jsonl)")

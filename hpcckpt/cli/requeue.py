@@ -32,7 +32,7 @@ _STOP_REASON_CAUSE = {"deadline": Cause.TIME_LIMIT, "maintenance": Cause.MAINTEN
                       "rank_failure": Cause.RANK_FAILURE}
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("requeue", help="requeue this Slurm job (successor job if refused)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cause", default=None,

@@ -187,7 +187,7 @@ def classify(stop: Mapping[str, object] | None, signame: str | None, signal_time
     if reason == "rank_failure":
         return Cause.RANK_FAILURE
     if run is not None and run.cause not in (None, Cause.DONE, Cause.FAILURE):
-        return run.cause  # type: ignore[return-value]
+        return run.cause
     if signame in {"SIGTERM", "TERM"}:
         # Slurm sends TERM on preemption (GraceTime) and on scancel; a job that requeues
         # itself within the grace time is recorded as a requeue, not as PREEMPTED.
