@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from types import TracebackType
@@ -33,6 +34,7 @@ from .engines.base import live_tensors
 from .errors import CheckpointCorrupt, CheckpointFailed, ConfigError, HpcckptError
 from .exitcodes import EXIT_PROBLEM, EXIT_REQUEUE
 from .lifecycle import identity
+from .lifecycle.history import record_superseded
 from .lifecycle.ledger import Ledger
 from .policy import WARNING_SIGNALS, AutoInterval, Figures, Policy, StopReason
 from .ranks import Ranks
@@ -135,16 +137,26 @@ class Checkpointer:
 
     def _take_lease(self) -> None:
         """The coordinator holds the directory's writer lease until ``close``; every rank learns a refusal."""
-        refusal: str | None = None
+        refusal: dict[str, Any] | None = None
         if self.ranks.is_coordinator:
             try:
                 self._lease.acquire()
             except WriterBusy as exc:
-                refusal = str(exc)
+                refusal = {"message": str(exc), "job_id": exc.holder_job_id}
         refusal = self.ranks.broadcast_json(refusal)
-        if refusal is not None:
-            self.ranks.close()
-            raise WriterBusy(refusal)
+        if refusal is None:
+            return
+        self.ranks.close()
+        if not identity.current().in_slurm:
+            raise WriterBusy(refusal["message"], holder_job_id=refusal["job_id"])
+        # Under Slurm a second live job on this directory is a duplicate of this run (a
+        # successor and a requeued original both started): the one without the lease is
+        # superseded. It says so once, records it, and leaves quietly (status 0, not FAILED).
+        if self.ranks.is_coordinator:
+            record_superseded(self.ledger, holder=refusal["message"], holder_job_id=refusal["job_id"])
+            print(f"hpcckpt: superseded: {refusal['message']}; this run leaves without training "
+                  "(status 0)", file=sys.stderr, flush=True)
+        raise SystemExit(0)
 
     def _concurrent_options(self) -> dict[str, Any]:
         o = self.options

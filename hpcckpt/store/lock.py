@@ -105,6 +105,10 @@ def _flock_within(fd: int, kind: int, timeout_s: float) -> bool:
 class WriterBusy(HpcckptError):
     """Another live job holds the writer lease of this checkpoint directory."""
 
+    def __init__(self, message: str, *, holder_job_id: str | None = None) -> None:
+        super().__init__(message)
+        self.holder_job_id = holder_job_id  # the Slurm job holding it, when it is one
+
 
 @dataclass(frozen=True, kw_only=True)
 class Holder:
@@ -239,7 +243,7 @@ class WriterLease:
             if holder is not None and holder.predecessor_of(me) and time.monotonic() < deadline:
                 _pause(holder)
                 continue
-            raise WriterBusy(self._busy_message(holder, me))
+            raise WriterBusy(self._busy_message(holder, me), holder_job_id=holder.job_id if holder else None)
 
     def _open(self) -> int:
         usable_root(self.root)

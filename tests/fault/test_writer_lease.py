@@ -137,3 +137,24 @@ def test_one_process_may_open_its_directory_twice(ckdir: Path) -> None:
     assert p.stdout is not None and p.stdout.readline().strip() == "ready"
     p.communicate(timeout=120)
     assert p.returncode == 0
+
+
+def test_a_duplicate_slurm_job_leaves_quietly_as_superseded(ckdir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Under Slurm, the run without the lease is a duplicate (a successor and a requeued
+    original both started): it records 'superseded' naming the holder and exits 0."""
+    from hpcckpt.lifecycle.ledger import Ledger
+
+    p = holder(ckdir, "wait", job="4300")
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        monkeypatch.setenv("SLURM_JOB_ID", "4301")
+        with pytest.raises(SystemExit) as err:
+            Checkpointer(ckdir, every_steps=None)
+        assert err.value.code == 0
+        assert "superseded" in capsys.readouterr().err
+        events = [e for e in Ledger(ckdir).read() if e["event"] == "superseded"]
+        assert len(events) == 1 and events[0]["by_job_id"] == "4300", events
+    finally:
+        p.communicate(input="", timeout=120)
+    assert p.returncode == 0, p.stderr
