@@ -23,7 +23,7 @@ RESTART_ENV = "HPCCKPT_LOCAL_RESTART"  # the restart number, read by the local c
 
 
 @dataclass
-class Supervisor:
+class LocalSupervisor:
     cmd: Sequence[str]
     max_restarts: int = 10
     env: dict[str, str] | None = None

@@ -111,7 +111,7 @@ def run_app_locally(args: argparse.Namespace) -> int:
     refused (its budget: the ledger's last ``requeue`` says ``requeued: false``).
     """
     from ..ledger import Ledger
-    from ..supervisor import Supervisor as Restarter
+    from ..supervisor import LocalSupervisor as Restarter
 
     cmd = [c for c in args.cmd[1 if args.cmd[:1] == ["--"] else 0:]]
     if not cmd:

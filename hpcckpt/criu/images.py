@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointCorrupt, NoCheckpoint
-from ..store.commit import MANIFEST, TMP_MARK, read_latest, read_manifest, verify_files
+from ..store.commit import MANIFEST, TMP_MARK, discard, read_latest, read_manifest, verify_files
 
 CRIU_SUBDIR = "criu"
 IMAGE_PREFIX = "image-"
@@ -228,10 +227,10 @@ def prune(root: Path, *, keep: int) -> list[Path]:
             needed.add(im.name)
     for im in images[: max(0, len(images) - max(keep, 1))]:
         if im.name != latest and im.name not in needed:
-            shutil.rmtree(im.path, ignore_errors=True)
             removed.append(im.path)
     for entry in root.iterdir() if root.is_dir() else []:
         if entry.name.startswith(IMAGE_PREFIX) and TMP_MARK in entry.name and entry.is_dir():
-            shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
+    # The store's retention: renamed aside first, so no image is ever seen half-deleted.
+    discard(root, removed)
     return removed

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from ..errors import ConfigError, HpcckptError
 from ..ledger import Ledger
-from ..supervisor import Supervisor
+from ..supervisor import LocalSupervisor
 from .runtime import child_env, module_cmd, work_dir
 
 
@@ -102,7 +102,7 @@ def run_preempted(run_dir: Path, o: DemoOptions, targets: list[int],
     """Run under the local supervisor, signalling when the trace reaches each target."""
     trace = run_dir / "trace.jsonl"
     sent: list[int] = []
-    sup = Supervisor(train_cmd(run_dir, o), max_restarts=len(targets) + 2, env=child_env(o.device))
+    sup = LocalSupervisor(train_cmd(run_dir, o), max_restarts=len(targets) + 2, env=child_env(o.device))
     done = threading.Event()
 
     def watcher() -> None:

@@ -29,7 +29,7 @@ from ..errors import CheckpointFailed
 from ..ranks import Ranks
 from ..state import Flat, TrainState
 from ..store import catalog, placement
-from ..store.commit import Transaction
+from ..store.commit import Transaction, discard
 from ..store.manifest import build as build_manifest
 from ..store.lock import writer_lock
 
@@ -159,9 +159,8 @@ class Engine(ABC):
                 except Exception as exc:  # reported to every rank below
                     outcome = {"ok": False, "errors": {0: f"commit failed: {type(exc).__name__}: {exc}"}}
             if not outcome["ok"]:
-                import shutil
-                for path in {str(m["tmp"]) for m in everyone}:  # one, unless ranks were out of step
-                    shutil.rmtree(path, ignore_errors=True)
+                tmps = [Path(p) for p in {str(m["tmp"]) for m in everyone}]  # one, unless ranks were out of step
+                discard(tmps[0].parent, tmps)
         else:
             outcome = {}
         outcome = ranks.broadcast_json(outcome)

@@ -1,6 +1,6 @@
 """The local supervisor's restarts are charged to the requeue budget, each one.
 
-A real ``Supervisor`` restarts a real process that asks the local backend for a
+A real ``LocalSupervisor`` restarts a real process that asks the local backend for a
 requeue (exit 75) every time: with a budget of two, the third run is refused and the
 loop ends, instead of restarting until ``max_restarts``.
 """
@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from hpcckpt.supervisor import Supervisor
+from hpcckpt.supervisor import LocalSupervisor
 
 CHILD = r'''
 import sys
@@ -27,7 +27,7 @@ sys.exit(75 if out.requeued else 3)
 def test_every_local_restart_is_charged(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HPCCKPT_", "SLURM_"))}
     env["HPCCKPT_REQUEUE_MAX_SIGNAL"] = "2"
-    sup = Supervisor([sys.executable, "-c", CHILD, str(tmp_path)], max_restarts=10, env=env)
+    sup = LocalSupervisor([sys.executable, "-c", CHILD, str(tmp_path)], max_restarts=10, env=env)
     assert sup.run() == 3
     assert sup.exit_codes == [75, 75, 3] and sup.restarts == 2
     budget = json.loads((tmp_path / "requeue-budget.json").read_text())
