@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     lines = [head] + [
         f"{r.index:>2} {_fmt(r.job_id):>10} {r.cause:<16} {_fmt(r.signal):<8} {_when(r.signal_time):<8} "
         f"{_fmt(r.step_at_signal):>8} {_fmt(r.committed_step):>9} "
-        f"{_fmt(r.lost_steps) if r.lost_steps is not None else 'unknown':>7} "
+        f"{_lost(r):>7} "
         f"{_fmt(r.save_s, 's'):>7} {_fmt(r.queue_wait_s, 's'):>7} {_fmt(r.restore_s, 's'):>7}  {_requeue(r)}"
         for r in rows]
     info = summary(folded, rows)
@@ -53,8 +53,9 @@ def run(args: argparse.Namespace) -> int:
     lines += [f"! #{r.index}: rank(s) {', '.join(map(str, r.failed_ranks))} failed; the survivors saved step "
               f"{_fmt(r.committed_step)} just in time" for r in rows if r.failed_ranks]
     unknown = f" (+ unknown in {info['lost_steps_unknown']})" if info["lost_steps_unknown"] else ""
-    lines.append(f"{info['interruptions']} interruption(s), {info['lost_steps_total']} lost step(s){unknown}, "
-                 f"{'finished' if info['finished'] else 'not finished'}")
+    seconds = f", {info['lost_s_total']:.1f} s of CRIU progress lost" if info["lost_s_total"] is not None else ""
+    lines.append(f"{info['interruptions']} interruption(s), {info['lost_steps_total']} lost step(s){seconds}"
+                 f"{unknown}, {'finished' if info['finished'] else 'not finished'}")
     # A failed CRIU dump is no interruption (the job ran on) but must not go unseen.
     failed = folded.failed_dumps
     lines += [f"! {_when(e.get('time'))} CRIU dump failed, {_dump_outcome(e)}: "
@@ -80,3 +81,14 @@ def _dump_outcome(e: dict) -> str:
     if e.get("exited_itself"):
         return f"the job finished by itself (exit {e.get('exit_code')})"
     return "job ended" if e.get("job_ended") else "job kept running"
+
+
+def _lost(r: Interruption) -> str:
+    """Lost steps; for a CRIU run the seconds of progress (``<=N s`` when only bounded)."""
+    if r.lost_steps is not None:
+        return _fmt(r.lost_steps)
+    if r.lost_s is not None:
+        return f"{r.lost_s:.1f}s" if r.lost_exact else f">={r.lost_s:.1f}s"
+    if r.lost_at_most_s is not None:
+        return f"<={r.lost_at_most_s:.0f}s"
+    return "unknown"

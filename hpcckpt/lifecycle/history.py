@@ -48,6 +48,12 @@ class Interruption:
     requeued: bool | None = None  # confirmed (Slurm's record, or the successor's id)
     successor_job_id: str | None = None
     resumed_by: str | None = None  # the job whose run came next (a successor's own id)
+    # CRIU runs count progress in seconds of the job's run time, not steps: what the next
+    # restore lost (exact when the stop was dumped; else a lower bound, with the dump interval
+    # as the upper one when periodic images were taken).
+    lost_s: float | None = None
+    lost_exact: bool | None = None
+    lost_at_most_s: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -207,7 +213,17 @@ def _interruption(index: int, run: RunSummary, nxt: RunSummary | None, slurm: Se
         requeue_detail=_str(req.get("detail")) if req else None,
         failed_ranks=_failed_ranks(run), requeued=requeued if isinstance(requeued, bool) else None,
         successor_job_id=_str(req.get("successor_job_id")) if req else None,
-        resumed_by=_str(head_next.get("job_id")) if head_next else None)
+        resumed_by=_str(head_next.get("job_id")) if head_next else None,
+        **_lost_seconds(head_next))
+
+
+def _lost_seconds(head: Event | None) -> dict[str, Any]:
+    """What a CRIU restore (or a CRIU run's start) says the run before it lost, in seconds."""
+    if head is None or "lost_s" not in head and "lost_at_most_s" not in head:
+        return {}
+    exact = head.get("lost_exact")
+    return {"lost_s": _float(head.get("lost_s")), "lost_exact": exact if isinstance(exact, bool) else None,
+            "lost_at_most_s": _float(head.get("lost_at_most_s"))}
 
 
 def _failed_ranks(run: RunSummary) -> list[int] | None:
@@ -246,8 +262,11 @@ def _superseded(index: int, ev: Event) -> Interruption:
 def summary(events: Iterable[Event] | Fold, rows: Sequence[Interruption]) -> dict[str, Any]:
     folded = events if isinstance(events, Fold) else fold(events)
     lost = [r.lost_steps for r in rows if r.lost_steps is not None]
+    seconds = [r.lost_s for r in rows if r.lost_s is not None]
     return {"interruptions": len(rows), "finished": folded.finished, "lost_steps_total": sum(lost),
-            "lost_steps_unknown": sum(1 for r in rows if r.lost_steps is None),
+            "lost_steps_unknown": sum(1 for r in rows
+                                      if r.lost_steps is None and r.lost_s is None and r.lost_at_most_s is None),
+            "lost_s_total": round(sum(seconds), 3) if seconds else None,
             "causes": sorted({r.cause for r in rows})}
 
 

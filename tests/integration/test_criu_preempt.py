@@ -146,6 +146,8 @@ def test_preempted_twice_and_timed_out_resumes_each_time_from_that_stop(
     assert [r["lost_s"] for r in restores] == [0.0, 0.0, 0.0] and all(r["lost_exact"] for r in restores)
     history = slurm_cluster.history(run_dir)
     assert history["interruptions"] == 3 and history["finished"] is True, history
+    assert history["lost_s_total"] == 0.0 and history["lost_steps_unknown"] == 0, history
+    assert [r["cause"] for r in history["rows"]] == ["preemption", "preemption", "time_limit"], history["rows"]
     # The job's own output reached the Slurm output file too, not only criu/stdio.
     assert f"done {STEPS}" in text and "step 1 " in text
 

@@ -157,6 +157,29 @@ def test_history_of_array_tasks_with_causes_successors_and_unknown_losses() -> N
     assert summary(ledger, rows)["lost_steps_unknown"] == 1
 
 
+def test_history_counts_what_a_criu_job_lost_in_seconds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """CRIU runs have no steps: the next restore says what was lost, exactly (dumped at the
+    stop) or only bounded (killed; periodic images every N s)."""
+    ledger = [
+        _ev("start", 100.0, restart_count=0, progress_s=0.0),
+        _ev("stop", 160.0, reason="preemption", signame="SIGTERM", progress_s=60.0),
+        _ev("criu_restore", 180.0, restart_count=1, image="image-1", lost_s=0.0, lost_exact=True),
+        _ev("criu_restore", 260.0, restart_count=2, image="image-2", lost_s=None, lost_exact=False,
+            lost_at_most_s=5.0),
+        _ev("stop", 300.0, restart_count=2, reason="done"),
+    ]
+    rows = interruptions(ledger, slurm=[])
+    assert [(r.cause, r.lost_steps, r.lost_s, r.lost_exact, r.lost_at_most_s) for r in rows] == [
+        ("preemption", None, 0.0, True, None), ("unknown", None, None, False, 5.0)]
+    info = summary(ledger, rows)
+    assert info["lost_s_total"] == 0.0 and info["lost_steps_unknown"] == 0, info
+    with open(tmp_path / LEDGER, "w") as fh:
+        fh.writelines(json.dumps(e) + "\n" for e in ledger)
+    assert main(["history", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    assert " 0.0s " in table and "<=5s" in table and "0.0 s of CRIU progress lost" in table, table
+
+
 def test_history_cli_streams_a_hostile_ledger(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with open(tmp_path / LEDGER, "w") as fh:
         for i in range(3):
