@@ -41,7 +41,7 @@ from .ranks import Ranks
 from .resume import Outcome, load_newest
 from .signals import SignalRecorder
 from .state import Flat, TrainState, init_dtensor_optimizer_state, rng_state, set_rng_state
-from .store.lock import WriterBusy, WriterLease
+from .store.lock import WriterBusy, WriterLease, usable_root
 
 log = logging.getLogger("hpcckpt")
 
@@ -122,7 +122,7 @@ class Checkpointer:
         self._handles: list[SaveHandle] = []
         self._started = False
         self._closed = False
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        usable_root(self.root)  # made if needed; a ConfigError naming it and the fix, never a raw OSError
         me = identity.current()
         self._lease = WriterLease(self.root, job_id=me.raw_job_id, restart=me.restart)
         self._take_lease()

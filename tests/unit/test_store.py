@@ -330,3 +330,5 @@ def test_an_unusable_checkpoint_directory_is_a_clear_error_not_a_hang(where: str
     from hpcckpt.api import Checkpointer
     with pytest.raises(ConfigError, match="cannot be used"):
         Checkpointer(where)
+    with pytest.raises(ConfigError, match="cannot be used"):  # made under it: no raw OSError from mkdir
+        Checkpointer(f"{where}/run/ckpt")
