@@ -76,7 +76,8 @@ def test_failed_rank_jit_requeue_and_identical_resume(slurm_cluster: SlurmCluste
     assert len(failure) == 1 and failure[0]["failed_ranks"] == [victim], text[-4000:]
     assert failure[0]["jit_step"] == at and failure[0]["lost_step"] == at + 1
     commits = [e for e in ledger if e["event"] == "commit"]
-    assert [(c["step"], c.get("jit")) for c in commits] == [(at, True)], commits
+    # the survivors' JIT checkpoint, then the finished run's own checkpoint of its end state
+    assert [(c["step"], c.get("jit")) for c in commits] == [(at, True), (TOTAL, None)], commits
     requeue = [e for e in ledger if e["event"] == "requeue" and e.get("requeued")]
     assert requeue and requeue[-1]["cause"] == "rank_failure", requeue
     starts = [e for e in ledger if e["event"] == "start"]
