@@ -36,6 +36,7 @@ from .exitcodes import EXIT_PROBLEM, EXIT_REQUEUE
 from .lifecycle import identity
 from .lifecycle.history import record_superseded
 from .lifecycle.ledger import Ledger
+from .cluster.base import Cause
 from .policy import WARNING_SIGNALS, AutoInterval, Figures, Policy, StopReason
 from .ranks import Ranks
 from .resume import Outcome, load_newest
@@ -608,7 +609,10 @@ class Checkpointer:
         """The lifecycle's requeue (coordinator only; it records the outcome); exit 75 follows either way."""
         from .lifecycle import requeue
 
-        outcome = requeue(cluster=self.cluster, state_dir=self.root, cause=reason.cause,
+        # A deadline that came from a pulled-in end time is what Slurm does at a GraceTime
+        # preemption; the cluster's record (PreemptTime) confirms it or makes it a shortened limit.
+        cause = Cause.PREEMPTION if reason is StopReason.DEADLINE and self.policy.end_moved_earlier else reason.cause
+        outcome = requeue(cluster=self.cluster, state_dir=self.root, cause=cause,
                           committed_step=self.committed_step, ledger=self.ledger, source="checkpointer").as_dict()
         log.warning("hpcckpt: requeue decision: %s", outcome)
         return outcome

@@ -241,6 +241,11 @@ class Policy:
         except Exception as exc:  # a scheduler hiccup must not kill training
             log.warning("hpcckpt: could not query the scheduler (%s); keeping the previous answers", exc)
 
+    @property
+    def end_moved_earlier(self) -> bool:
+        """The job's end time was pulled in while it ran (a GraceTime preemption, or a shortened limit)."""
+        return self._moved_earlier
+
     def time_left(self) -> float | None:
         return None if self._end_time is None else self._end_time - self.clock()
 

@@ -250,6 +250,8 @@ def refine_cause(cause: str, job: Mapping[str, str] | None, restarts_before: int
         restarts_before is not None and requeue_evidence(job, restarts_before) is not None)
     if requeued and Cause.parse(cause) in {Cause.SIGNAL, Cause.UNKNOWN, Cause.TIME_LIMIT}:
         return Cause.OPERATOR_REQUEUE.value  # requeued while running, and not by a preemption
+    if not requeued and Cause.parse(cause) is Cause.PREEMPTION and job_state(job) == "RUNNING":
+        return Cause.TIME_LIMIT.value  # an end time pulled in with no preemption: a shortened limit
     return cause
 
 

@@ -130,6 +130,13 @@ def test_refine_cause_from_job_record() -> None:
     # Pending again without a preemption: someone ran `scontrol requeue` (an operator).
     assert requeue_evidence(pending, 0) == "JobState=PENDING" and refine_cause("signal", pending) == "operator_requeue"
     assert refine_cause("maintenance", pending) == "maintenance"
+    # A stop on a pulled-in end time: Slurm already requeued the preempted job (PreemptTime is
+    # gone from the pending record), so it stays a preemption; still running with no
+    # PreemptTime, the end time was pulled in by a shortened limit.
+    assert refine_cause("preemption", pending) == "preemption"
+    assert refine_cause("preemption", {**job, "JobState": "RUNNING"}) == "time_limit"
+    assert refine_cause("preemption", {**job, "JobState": "RUNNING", "PreemptTime": "2026-11-21T00:06:00"}) == \
+        "preemption"
     assert refine_cause("signal", None) == "signal"
     assert refine_cause("signal", {**job, "JobState": "TIMEOUT"}) == "time_limit"
     assert refine_cause("signal", {**job, "JobState": "COMPLETING", "Reason": "TimeLimit"}) == "time_limit"
