@@ -172,7 +172,8 @@ def test_history_rows_from_a_ledger() -> None:
     # It was killed without a stop: it got past step 23, but how far is unknown (not 3, not 0).
     assert (second.cause, second.lost_steps, second.committed_step) == ("preemption", None, 20)
     assert summary(ledger, rows) == {"interruptions": 2, "finished": True, "lost_steps_total": 0,
-                                     "lost_steps_unknown": 1, "causes": ["preemption", "signal"]}
+                                     "lost_steps_unknown": 1, "lost_s_total": None,
+                                     "causes": ["preemption", "signal"]}
 
 
 def test_history_ignores_a_run_still_going() -> None:
