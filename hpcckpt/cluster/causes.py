@@ -177,7 +177,13 @@ def classify(stop: Mapping[str, object] | None, signame: str | None, signal_time
     told = {Cause.PREEMPTION, Cause.NODE_FAILURE, Cause.MAINTENANCE, Cause.RANK_FAILURE,
             Cause.OPERATOR_REQUEUE, Cause.TIME_LIMIT, Cause.SUPERSEDED}
     if requeue_cause and Cause.parse(requeue_cause) in told:
-        return Cause.parse(requeue_cause)
+        said = Cause.parse(requeue_cause)
+        # At requeue time a job Slurm had already put back (its record pending again, no
+        # PreemptTime left) looks like an operator's requeue; Slurm's own record of the run
+        # (PREEMPTED in jobcomp or sacct) knows better.
+        if said is Cause.OPERATOR_REQUEUE and run is not None and run.cause is Cause.PREEMPTION:
+            return Cause.PREEMPTION
+        return said
     if reason == "superseded":
         return Cause.SUPERSEDED
     if reason in {"deadline", "time_limit"}:

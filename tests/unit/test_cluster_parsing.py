@@ -115,6 +115,10 @@ def test_classify_prefers_what_the_job_and_slurm_know() -> None:
     assert classify({"reason": "maintenance"}, None, None, None) is Cause.MAINTENANCE
     assert classify({"reason": "deadline"}, None, None, None, "preemption") is Cause.PREEMPTION
     assert classify({"reason": "signal"}, "SIGUSR2", start + 5, runs[0]) is Cause.PREEMPTION
+    # Already requeued by Slurm when the job asked: it looked like an operator's requeue, but
+    # Slurm's record of the run says PREEMPTED; without such a record the guess stands.
+    assert classify({"reason": "signal"}, "SIGTERM", start + 5, runs[0], "operator_requeue") is Cause.PREEMPTION
+    assert classify({"reason": "signal"}, "SIGTERM", start + 5, None, "operator_requeue") is Cause.OPERATOR_REQUEUE
     pending = runs_from_jobcomp([JOBCOMP.replace("TimeLimit=525600", "TimeLimit=10")], {"1"})[0]
     t0 = pending.start_s or 0.0
     assert classify({"reason": "signal"}, "SIGUSR2", t0 + 590, pending) is Cause.TIME_LIMIT
