@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .cluster.base import Cause
+from .fsio import write_all
 from .store.commit import read_regular
 
 log = logging.getLogger("hpcckpt.policy")
@@ -141,9 +142,7 @@ class Figures:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             try:
-                view = memoryview(data.encode())
-                while view:
-                    view = view[os.write(fd, view):]
+                write_all(fd, data.encode())
             finally:
                 os.close(fd)
             os.replace(tmp, root / FIGURES)

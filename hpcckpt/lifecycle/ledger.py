@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..fsio import write_all
 from .identity import Identity, current
 
 LEDGER = "ledger.jsonl"
@@ -70,9 +71,7 @@ class Ledger:
             size = os.fstat(fd).st_size
             if size and os.pread(fd, 1, size - 1) != b"\n":
                 line = b"\n" + line  # an earlier append was torn (crash, full disk): keep this one whole
-            view = memoryview(line)
-            while view:
-                view = view[os.write(fd, view):]
+            write_all(fd, line)
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -22,6 +22,7 @@ from typing import Any, Iterator
 
 from .._core import crc32c
 from ..errors import CheckpointCorrupt
+from ..fsio import write_all
 from .manifest import safe_relpath
 
 MANIFEST = "manifest.json"
@@ -47,9 +48,7 @@ def write_new_durable(path: Path, data: bytes) -> None:
     """Create ``path`` (it must not exist) holding ``data``, and fsync it."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        write_all(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
