@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 
 
-def write_all(fd: int, data: bytes) -> None:
+def write_all(fd: int, data: bytes | memoryview) -> None:
     """Write every byte of ``data`` to ``fd`` (``os.write`` may write fewer than asked)."""
     view = memoryview(data)
     while view:

@@ -13,12 +13,13 @@ to the supervisor's own stdout/stderr, which under Slurm is the job's output fil
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from ..fsio import write_all
 
 # An end time pulled in by at least this much is a preemption (or an operator's shorter
 # limit); less is rounding of the scheduler's clock.
@@ -89,10 +90,8 @@ class Tee(threading.Thread):
             except OSError:
                 continue
             self._offsets[i] += len(data)
-            view = memoryview(data)
             try:
-                while view:
-                    view = view[os.write(fd, view):]
+                write_all(fd, data)
             except OSError:
                 return  # our output is gone (closed, full disk): the job's own files still hold it
 

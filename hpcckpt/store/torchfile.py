@@ -17,6 +17,7 @@ import torch
 
 from .._core import crc32c
 from ..errors import CheckpointCorrupt
+from ..fsio import write_all
 from .commit import TMP_MARK, explain_os_error, fd_crc32c, open_checked
 from .entry import dtype_name, raw_bytes
 
@@ -35,8 +36,7 @@ class _CrcWriter:
         self.crc = crc32c(view, self.crc)
         n = len(view)
         try:
-            while view:
-                view = view[os.write(self.fd, view):]
+            write_all(self.fd, view)
         except OSError as exc:
             self.error = self.error or exc
             raise
