@@ -33,7 +33,7 @@ from .engines import SaveContext, SaveHandle, make_engine
 from .engines.base import live_tensors
 from .errors import CheckpointCorrupt, CheckpointFailed, ConfigError, HpcckptError
 from .exitcodes import EXIT_PROBLEM, EXIT_REQUEUE
-from .lifecycle import identity
+from .lifecycle import identity, requeue
 from .lifecycle.history import record_superseded
 from .lifecycle.ledger import Ledger
 from .cluster.base import Cause
@@ -607,8 +607,6 @@ class Checkpointer:
 
     def _requeue(self, reason: StopReason) -> dict[str, Any]:
         """The lifecycle's requeue (coordinator only; it records the outcome); exit 75 follows either way."""
-        from .lifecycle import requeue
-
         # A deadline that came from a pulled-in end time is what Slurm does at a GraceTime
         # preemption; the cluster's record (PreemptTime) confirms it or makes it a shortened limit.
         cause = Cause.PREEMPTION if reason is StopReason.DEADLINE and self.policy.end_moved_earlier else reason.cause
