@@ -57,20 +57,26 @@ class Outcome:
 
 
 def _candidates(root: Path, ranks: Ranks, tried: set[str]) -> tuple[list[dict[str, Any]], list[tuple[int, str]]]:
-    """The coordinator's committed candidates (untried, newest first) and its unusable step dirs."""
+    """The coordinator's candidates (untried, newest first) and its unusable step dirs.
+
+    Only the step directories down to the newest committed one are checked here (the
+    usual resume reads one manifest, however many are kept); older ones follow as
+    candidates by name and are checked when their turn comes (``_read``).
+    """
     doc: dict[str, Any] = {}
     if ranks.is_coordinator:
-        infos = catalog.snapshot(root)
-        doc["candidates"] = [{"step": i.step, "key": _key(i)} for i in reversed(infos)
+        inspected, older = catalog.newest_committed(root)
+        doc["candidates"] = [{"step": i.step, "key": _key(i)} for i in inspected
                              if i.status == "committed" and _key(i) not in tried]
-        doc["unusable"] = [[i.step, (i.problems or [i.status])[0]] for i in infos
-                           if i.status != "committed" and catalog.STEP_RE.match(i.path.name)]
+        doc["candidates"] += [{"step": e.step, "key": f"{e.step}:{e.inode}"} for e in older
+                              if f"{e.step}:{e.inode}" not in tried]
+        doc["unusable"] = [[i.step, (i.problems or [i.status])[0]] for i in inspected if i.status != "committed"]
     doc = ranks.broadcast_json(doc)
     return doc["candidates"], [(int(s), str(p)) for s, p in doc["unusable"]]
 
 
 def _key(info: catalog.CheckpointInfo) -> str:
-    return f"{info.step}:{info.ident}"
+    return f"{info.step}:{info.ident[1] if info.ident else None}"
 
 
 def _read(root: Path, step: int, ranks: Ranks, into: Mapping[str, Any] | None,

@@ -4,13 +4,15 @@ from __future__ import annotations
 import os
 import re
 import stat
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import CheckpointCorrupt, NoCheckpoint
-from .commit import LATEST, MANIFEST, TMP_MARK, discard, open_member, read_latest, read_manifest, verify_files
+from .commit import LATEST, MANIFEST, discard, open_member, read_latest, read_manifest, verify_files
 from . import rankfile
 from .entry import TensorEntry
 from .lock import reader_lock
@@ -94,6 +96,25 @@ def _dir_step(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
+# Manifests already validated for a step (``read_manifest`` hands back the same dict for
+# the same bytes); the dict is held here, so its id is never reused while it is listed.
+_VALIDATED: OrderedDict[tuple[int, int | None], dict[str, Any]] = OrderedDict()
+_VALIDATED_LOCK = threading.Lock()
+
+
+def _validate_once(manifest: dict[str, Any], step: int | None) -> None:
+    key = (id(manifest), step)
+    with _VALIDATED_LOCK:
+        if _VALIDATED.get(key) is manifest:
+            _VALIDATED.move_to_end(key)
+            return
+    validate(manifest, step=step)
+    with _VALIDATED_LOCK:
+        _VALIDATED[key] = manifest
+        while len(_VALIDATED) > 256:
+            _VALIDATED.popitem(last=False)
+
+
 def check(path: Path, *, full: bool) -> tuple[dict[str, Any] | None, list[str]]:
     """(manifest, problems) for one step directory; the manifest only if it can be trusted.
 
@@ -103,7 +124,7 @@ def check(path: Path, *, full: bool) -> tuple[dict[str, Any] | None, list[str]]:
     """
     try:
         manifest = read_manifest(path)
-        validate(manifest, step=_dir_step(path))
+        _validate_once(manifest, _dir_step(path))
     except CheckpointCorrupt as exc:
         text = str(exc)
         return None, [text if str(path) in text else f"{path / MANIFEST}: {text}"]
@@ -249,32 +270,132 @@ def _stale_tmp(path: Path) -> bool:
         return False
 
 
+# Step directories this process found committed (or committed itself), by path, with the
+# inode the entry had then: retention counts them as committed from a directory listing,
+# without reading their manifests again (retention trusts nothing it restores).
+_KNOWN_COMMITTED: dict[Path, int] = {}
+_KNOWN_LOCK = threading.Lock()
+
+
+def _known(path: Path, inode: int) -> bool:
+    with _KNOWN_LOCK:
+        return _KNOWN_COMMITTED.get(path) == inode
+
+
+def _learn(path: Path, inode: int | None) -> None:
+    if inode is None:
+        return
+    with _KNOWN_LOCK:
+        _KNOWN_COMMITTED[path] = inode
+        while len(_KNOWN_COMMITTED) > 65536:
+            del _KNOWN_COMMITTED[next(iter(_KNOWN_COMMITTED))]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A ``step-<S>`` (or a save's ``step-<S>.tmp-*``) directory entry, from a listing alone."""
+
+    step: int
+    path: Path
+    inode: int
+    tmp: bool
+
+
+def entries(root: Path) -> list[Entry]:
+    """Step and temporary directories under ``root``, newest step first, from one listing
+    (names and inodes only: nothing is opened)."""
+    out: list[Entry] = []
+    try:
+        with os.scandir(root) as it:
+            for e in it:
+                if m := STEP_RE.match(e.name):
+                    out.append(Entry(int(m.group(1)), root / e.name, e.inode(), False))
+                elif m := STEP_TMP_RE.match(e.name):
+                    out.append(Entry(int(m.group(1)), root / e.name, e.inode(), True))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out.sort(key=lambda e: (e.step, not e.tmp), reverse=True)
+    return out
+
+
+def _committed(entry: Entry) -> tuple[bool, str | None]:
+    """(committed, status) of one step directory: known from earlier, or checked cheaply now."""
+    if _known(entry.path, entry.inode):
+        return True, "committed"
+    info = _inspect(entry.path, entry.step, full=False)
+    if info is None:
+        return False, None  # vanished
+    return info.status == "committed", info.status
+
+
+def newest_committed(root: Path) -> tuple[list[CheckpointInfo], list[Entry]]:
+    """(inspected, older): step directories checked newest first up to and including the
+    newest committed one, and the older step directories, not yet opened.
+
+    A resume needs the newest checkpoint every rank can read: there is no reason to read
+    hundreds of retained manifests to find it. Taken under the commit lock's shared side,
+    like ``snapshot``.
+    """
+    with reader_lock(root):
+        listing = [e for e in entries(root) if not e.tmp]
+        inspected: list[CheckpointInfo] = []
+        for i, e in enumerate(listing):
+            info = _inspect(e.path, e.step, full=False)
+            if info is None:
+                continue  # vanished meanwhile
+            inspected.append(info)
+            if info.status == "committed":
+                return inspected, listing[i + 1:]
+        return inspected, []
+
+
 def prune(root: Path, keep: int, *, protect: set[Path] | None = None) -> list[Path]:
     """Delete old checkpoints beyond the newest ``keep`` committed ones; call under the writer lock.
 
     The newest checkpoint that verifies (manifest checksum and file sizes; the
     bytes were checksummed as they were written) is never deleted, nor are corrupt
     ones newer than it (evidence for a human); stale temporary directories go too.
+    ``protect``: what the caller has just committed (counted as committed, never deleted).
     Deletion renames aside first (``commit.discard``): a kill mid-way never leaves a
     half-deleted directory under a checkpoint's name.
+
+    The cost does not grow with how many are kept: the directory is listed once, step
+    directories this process already knows to be committed (same inode) are not opened
+    again, and those older than the ``keep``-th newest committed go without being read.
     """
-    victims: list[Path] = []
-    infos = scan(root)
-    committed = [i for i in infos if i.status == "committed"]
-    newest_good = committed[-1] if committed else None
-    keepers = {i.path for i in committed[-keep:]} | (protect or set())
+    protect = protect or set()
     latest = read_latest(root)
-    for info in infos:
-        if info.path in keepers or info.path.name == latest:
+    victims: list[Path] = []
+    committed = 0
+    seen_good = False
+    for e in entries(root):
+        if e.tmp:
+            if e.path not in protect and _stale_tmp(e.path):
+                victims.append(e.path)  # a fresh one may belong to a save still in flight
             continue
-        if info.status == "corrupt" and (newest_good is None or info.step > newest_good.step):
+        if e.path in protect:
+            _learn(e.path, e.inode)
+            committed += 1
+            seen_good = True
             continue
-        if info.status == "incomplete" and TMP_MARK in info.path.name and not _stale_tmp(info.path):
-            continue  # may belong to a save still in flight (here or in a racing instance)
-        victims.append(info.path)
+        if committed >= keep:  # older than every checkpoint kept: goes, whatever it holds
+            if e.path.name != latest:
+                victims.append(e.path)
+            continue
+        ok, status = _committed(e)
+        if status is None:
+            continue
+        if ok:
+            _learn(e.path, e.inode)
+            committed += 1
+            seen_good = True
+            continue
+        if e.path.name == latest or (status == "corrupt" and not seen_good):
+            continue  # corrupt and newer than every good one: evidence for a human
+        victims.append(e.path)
     discard(root, victims)
     return victims
 
 
-__all__ = ["CheckpointInfo", "scan", "check", "find", "prune", "committed_newest_first",
+__all__ = ["CheckpointInfo", "Entry", "entries", "newest_committed", "scan", "check", "find", "prune", "committed_newest_first",
            "rank_entries", "step_name", "vanished", "identity", "inspect_step", "snapshot", "LATEST"]

@@ -16,6 +16,8 @@ import os
 import secrets
 import shutil
 import stat
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Iterator
@@ -33,6 +35,31 @@ TRASH_PREFIX = ".trash-"  # directories being deleted: never listed (see ``disca
 # larger "manifest" is refused before it is parsed (parsing is the cost of every listing).
 MAX_MANIFEST_BYTES = 64 << 20
 _READ_CHUNK = 16 << 20
+# Parsed manifests, by path and the crc32c of their bytes: a restore, a listing and a
+# prune look at the same manifest several times, and parsing and re-encoding a large one
+# (13 MB at 65,536 tensors) costs seconds while reading and checksumming it costs
+# milliseconds. Keyed by content, so a manifest changed in place is parsed afresh.
+_PARSED: OrderedDict[tuple[str, int, int], dict[str, Any]] = OrderedDict()
+_PARSED_SIZE: dict[tuple[str, int, int], int] = {}
+_PARSED_MAX_BYTES = 64 << 20
+_PARSED_LOCK = threading.Lock()
+
+
+def _parsed(key: tuple[str, int, int]) -> dict[str, Any] | None:
+    with _PARSED_LOCK:
+        data = _PARSED.get(key)
+        if data is not None:
+            _PARSED.move_to_end(key)
+        return data
+
+
+def _remember(key: tuple[str, int, int], data: dict[str, Any]) -> None:
+    with _PARSED_LOCK:
+        _PARSED[key] = data
+        _PARSED_SIZE[key] = key[1]
+        while sum(_PARSED_SIZE.values()) > _PARSED_MAX_BYTES and len(_PARSED) > 1:
+            old, _ = _PARSED.popitem(last=False)
+            _PARSED_SIZE.pop(old, None)
 
 
 def fsync_path(path: Path) -> None:
@@ -127,7 +154,9 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
     """Parse and self-verify ``manifest.json``; raise CheckpointCorrupt naming the problem.
 
     The self-checksum proves the manifest was not damaged, not that its fields make
-    sense: ``manifest.validate`` (run by ``catalog.check``) does that.
+    sense: ``manifest.validate`` (run by ``catalog.check``) does that. The same bytes
+    read again (same path, same crc32c) return the dict parsed the first time: callers
+    must not change it.
     """
     path = ckpt_dir / MANIFEST
     try:
@@ -146,6 +175,10 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
             raw = f.read(MAX_MANIFEST_BYTES + 1)
     finally:
         os.close(fd)
+    key = (str(path), len(raw), crc32c(raw))
+    cached = _parsed(key)
+    if cached is not None:
+        return cached
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, absurd nesting or numbers
@@ -159,6 +192,7 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
         raise CheckpointCorrupt(f"{path} cannot be re-encoded ({exc}); the manifest is damaged") from None
     if crc32c(canonical) != data["manifest_crc32c"]:
         raise CheckpointCorrupt(f"{path} fails its own checksum: the manifest is damaged")
+    _remember(key, data)
     return data
 
 
