@@ -158,10 +158,57 @@ def successor_environment(environ: Mapping[str, str], predecessor: str) -> dict[
     keep = {"SLURM_CONF"}
     env = {k: v for k, v in environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))
            or k in keep}
+    for key in [k for k in env if k.startswith(BATCH_ARGS_PREFIX)]:
+        del env[key]  # this job's arguments: the successor gets them on its command line
     env["HPCCKPT_PREDECESSOR_JOB_ID"] = predecessor
     generation = env_value("successor_generation", 0, environ)
     env["HPCCKPT_SUCCESSOR_GENERATION"] = str(generation + 1)
     return env
+
+
+# The templates export the batch script's arguments ("$@"): HPCCKPT_BATCH_ARGS_JOB (the
+# SLURM_JOB_ID they belong to), HPCCKPT_BATCH_ARGC and HPCCKPT_BATCH_ARG_1..N, one variable
+# per argument, so any argument (blanks, quotes, newlines) comes back exactly.
+BATCH_ARGS_PREFIX = "HPCCKPT_BATCH_ARG"
+
+
+def batch_script_args(environ: Mapping[str, str], raw_job_id: str | None, *,
+                      proc_root: Path = Path("/proc"), pid: int | None = None) -> list[str] | None:
+    """The arguments the batch script was started with (what followed it on the sbatch
+    command line), or None when they cannot be known.
+
+    Slurm passes them again to a requeued job but shows them nowhere (``scontrol show job``'s
+    Command is the script alone), so a successor must be given them. Read from what the
+    templates export (above), else from the batch shell's command line in ``/proc``
+    (``bash .../job<ID>/slurm_script ARGS...``) when this process descends from it."""
+    if raw_job_id is not None and environ.get("HPCCKPT_BATCH_ARGS_JOB") == raw_job_id:
+        try:
+            count = int(environ.get("HPCCKPT_BATCH_ARGC", ""))
+            return [environ[f"{BATCH_ARGS_PREFIX}_{i}"] for i in range(1, count + 1)]
+        except (ValueError, KeyError):
+            log.info("HPCCKPT_BATCH_ARG* are incomplete; reading the batch shell's command line instead")
+    return _batch_shell_args(proc_root, os.getpid() if pid is None else pid)
+
+
+def _batch_shell_args(proc_root: Path, pid: int) -> list[str] | None:
+    # slurmstepd runs the stored script as <SlurmdSpoolDir>/job<ID>/slurm_script; only this
+    # job's own batch shell can be above this process.
+    for _ in range(64):  # up the process tree, at most this many parents
+        try:
+            cmdline = (proc_root / str(pid) / "cmdline").read_bytes()
+            stat = (proc_root / str(pid) / "stat").read_text()
+        except OSError:
+            return None
+        argv = [os.fsdecode(a) for a in cmdline.removesuffix(b"\0").split(b"\0")] if cmdline else []
+        for i, arg in enumerate(argv[:4]):  # the script follows the interpreter and its options
+            script = Path(arg)
+            if script.name == "slurm_script" and script.parent.name.startswith("job"):
+                return argv[i + 1:]
+        parent = int(stat.rpartition(")")[2].split()[1])
+        if parent <= 1:
+            return None
+        pid = parent
+    return None
 
 
 def _given(value: str | None) -> bool:
@@ -177,10 +224,12 @@ _SAME_AS = {"JobName": "--job-name", "Partition": "--partition", "Account": "--a
             "MailUser": "--mail-user", "MailType": "--mail-type", "TimeMin": "--time-min"}
 
 
-def successor_sbatch_args(job: Mapping[str, str], script: Path, dependency_job_id: str) -> list[str]:
+def successor_sbatch_args(job: Mapping[str, str], script: Path, dependency_job_id: str,
+                          script_args: Sequence[str] = ()) -> list[str]:
     """sbatch arguments that resubmit ``job`` (a ``show_job`` dict) as the same job after
-    ``dependency_job_id``: every option of its allocation Slurm shows, and for an array
-    task its index (``--array=T``: ``SLURM_ARRAY_TASK_ID`` and ``%a`` stay the same)."""
+    ``dependency_job_id``: every option of its allocation Slurm shows, for an array task
+    its index (``--array=T``: ``SLURM_ARRAY_TASK_ID`` and ``%a`` stay the same), and the
+    batch script's own arguments after the script (``batch_script_args``)."""
     args = ["sbatch", "--parsable", f"--dependency=afterany:{dependency_job_id}",
             "--export=ALL", "--open-mode=append"]
     for key, flag in _SAME_AS.items():
@@ -202,7 +251,7 @@ def successor_sbatch_args(job: Mapping[str, str], script: Path, dependency_job_i
     if _given(job.get("ArrayTaskId")):
         args.append(f"--array={job['ArrayTaskId']}")
     args.append(str(script))
-    return args
+    return args + list(script_args)
 
 
 def _numeric(key: str, value: str) -> str:
@@ -362,14 +411,19 @@ class SlurmCli(ClusterBase):
                    f"with --dependency=afterany:{job_id}")
 
     def submit_successor(self, *, dependency_job_id: str | None = None) -> str:
-        """Coordinator only: the same job again, after this one: its stored batch script, every
-        option of its allocation, its array index, and this environment (minus SLURM_*).
+        """Coordinator only: the same job again, after this one: its stored batch script and its
+        arguments, every option of its allocation, its array index, and this environment (minus SLURM_*).
         Returns the successor's id as Slurm names it (``A_T`` for an array task)."""
         job_id = self._job_id()
         after = dependency_job_id or job_id
         job = show_job(job_id)
         script = self._saved_batch_script(job_id, Path(job.get("WorkDir") or "."))
-        args = successor_sbatch_args(job, script, after)
+        script_args = batch_script_args(self.env.environ, self.env.raw_job_id)
+        if script_args is None:
+            log.warning("the arguments job %s's batch script was started with are unknown (no HPCCKPT_BATCH_ARG* "
+                        "as `hpcckpt template` scripts export, and no batch shell above this process): "
+                        "the successor is submitted without any", job_id)
+        args = successor_sbatch_args(job, script, after, script_args or ())
         out = run_slurm(args, environ=successor_environment(os.environ, job_id))
         successor = out.strip().split(";")[0]
         if _given(job.get("ArrayTaskId")):

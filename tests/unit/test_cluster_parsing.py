@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import pytest
 
 from hpcckpt.cluster.base import Cause, Reservation, node_is_draining
 from hpcckpt.cluster.causes import STATE_CAUSE, classify, parse_jobcomp_line, parse_sacct, runs_from_jobcomp
-from hpcckpt.cluster.scontrol import (parse_config, parse_duration_s, parse_kv_line, parse_reservations,
-                                      parse_slurm_time, refine_cause, requeue_evidence,
+from hpcckpt.cluster.scontrol import (batch_script_args, parse_config, parse_duration_s, parse_kv_line,
+                                      parse_reservations, parse_slurm_time, refine_cause, requeue_evidence,
                                       successor_environment, successor_sbatch_args)
 
 JOB_HOSTILE = (
@@ -157,11 +159,51 @@ def test_successor_keeps_environment_but_not_this_jobs_slurm_variables() -> None
                                  "SBATCH_PARTITION": "x", "HPCCKPT_DIR": "/ck pt", "PATH": "/bin"}, "7")
     assert env == {"SLURM_CONF": "/c", "HPCCKPT_DIR": "/ck pt", "PATH": "/bin",
                    "HPCCKPT_PREDECESSOR_JOB_ID": "7", "HPCCKPT_SUCCESSOR_GENERATION": "1"}
-    from pathlib import Path
-
     args = successor_sbatch_args(parse_kv_line(JOB_HOSTILE), Path("/s.sbatch"), "6")
     assert args[:3] == ["sbatch", "--parsable", "--dependency=afterany:6"]
     assert '--job-name=evil "name"; rm -rf / UserId=x' in args
     assert "--time=00:10:00" in args and "--requeue" in args and "--nodes=2" in args
     assert "--exclusive" in args and "--ntasks=2" in args and not any(a.startswith("--array") for a in args)
     assert "--chdir=/tmp/t1/we ird;\"dir'" in args and args[-1] == "/s.sbatch"
+
+
+def test_successor_is_given_the_batch_scripts_own_arguments(tmp_path: Path) -> None:
+    # What the templates export, read back exactly (blanks, quotes, newlines, empty, '$'),
+    # and put after the script on the successor's sbatch command line.
+    import subprocess
+
+    from hpcckpt.cluster import render
+
+    text = render.render("criu")
+    block = [line for line in text.splitlines() if "HPCCKPT_BATCH_ARG" in line and not line.startswith("#")]
+    assert len(block) == 2, block
+    argv = ["python", "train.py", "--name", "a b", "it's \"x\"", "c\nd", "", "$HOME"]
+    out = subprocess.run(["bash", "-euc", "\n".join(block) + '\nexec env -0', "criu.sbatch", *argv],
+                         env={"SLURM_JOB_ID": "77", "PATH": os.environ["PATH"]},
+                         capture_output=True, check=True).stdout
+    environ = dict(item.split("=", 1) for item in out.decode().split("\0") if item)
+    assert batch_script_args(environ, "77", proc_root=tmp_path) == argv
+    # Another job's (inherited) variables are not this job's arguments; nothing else knows them.
+    assert batch_script_args(environ, "78", proc_root=tmp_path) is None
+    assert batch_script_args({**environ, "HPCCKPT_BATCH_ARGC": "9"}, "77", proc_root=tmp_path) is None
+    args = successor_sbatch_args(parse_kv_line(JOB_HOSTILE), Path("/s.sbatch"), "77", argv)
+    assert args[-len(argv) - 1:] == ["/s.sbatch", *argv]
+    assert successor_sbatch_args(parse_kv_line(JOB_HOSTILE), Path("/s.sbatch"), "77")[-1] == "/s.sbatch"
+    # The successor's environment does not carry them (its own batch shell exports its own).
+    assert not [k for k in successor_environment(environ, "77") if k.startswith("HPCCKPT_BATCH_ARG")]
+
+
+def test_batch_script_arguments_from_the_batch_shell_above_this_process(tmp_path: Path) -> None:
+    # A script of the user's own (no exported variables): the batch shell's command line,
+    # `bash [-l] <spool>/job<ID>/slurm_script ARGS...`, found by walking up /proc.
+    def proc(pid: int, ppid: int, *argv: bytes) -> None:
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "cmdline").write_bytes(b"".join(a + b"\0" for a in argv))
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} (odd ) name) S {ppid} 1 1 0 -1\n")
+
+    proc(300, 200, b"python", b"train.py")
+    proc(200, 100, b"/bin/bash", b"-l", b"/var/spool/slurmd/job00077/slurm_script", b"train.py", b"a b", b"")
+    proc(100, 1, b"slurmstepd: [77.batch]")
+    assert batch_script_args({}, "77", proc_root=tmp_path, pid=300) == ["train.py", "a b", ""]
+    assert batch_script_args({}, "77", proc_root=tmp_path, pid=100) is None  # not under the batch shell
+    assert batch_script_args({}, "77", proc_root=tmp_path, pid=999) is None  # no such process
