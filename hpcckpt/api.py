@@ -259,6 +259,9 @@ class Checkpointer:
         seen = {d[0] for d in outcome.damaged}
         bad = sorted(outcome.damaged + [u for u in outcome.unusable if u[0] not in seen], reverse=True)
         listing = "; ".join(f"step {s}: {p}" for s, p in bad[:5])
+        if outcome.refused is not None:  # every one refused alike: this job's code, not the checkpoints
+            raise ConfigError(f"{outcome.refused.advice} (every checkpoint under {self.root} is refused the "
+                              f"same way: steps {', '.join(str(s) for s, _ in outcome.damaged)})")
         if fresh_ok and not outcome.overwritten:
             log.warning("hpcckpt: no checkpoint under %s could be restored (%s); starting fresh as "
                         "on_corrupt='fresh' asks", self.root, listing)
@@ -272,10 +275,8 @@ class Checkpointer:
             f"loaded{overwritten}. See `hpcckpt verify {self.root} --all`; to start fresh, move the damaged "
             "step-* directories aside, or run with on_corrupt='fresh' (HPCCKPT_ON_CORRUPT=fresh).")
 
-    def _job_info(self) -> dict[str, Any]:
-        env = getattr(self.cluster, "env", None)
-        return {"job_id": getattr(env, "job_id", None), "restart_count": getattr(env, "restart_count", 0),
-                "backend": getattr(self.cluster, "name", "unknown")}
+    def _job_info(self) -> dict[str, object]:
+        return identity.current(self.cluster.env.environ).as_job(self.cluster.name)
 
     # -- the step loop ----------------------------------------------------------
 

@@ -465,7 +465,5 @@ class JitGuard:
                          committed_step=committed, ledger=self.ckpt.ledger, source="jit").as_dict()
         log.error("hpcckpt: jit: requeue decision: %s", result)
 
-    def _job(self) -> dict[str, Any]:
-        who = current()
-        return {"job_id": who.job_id, "restart_count": who.restart_count,
-                "backend": getattr(self.ckpt.cluster, "name", "unknown")}
+    def _job(self) -> dict[str, object]:
+        return current().as_job(self.ckpt.cluster.name)

@@ -59,6 +59,10 @@ class Identity:
         return {"job_id": self.job_id, "slurm_job_id": self.raw_job_id, "restart_count": self.restart_count,
                 "local_restart": self.local_restart or 0, "host": self.host, "pid": os.getpid()}
 
+    def as_job(self, backend: str) -> dict[str, object]:
+        """The ``job`` block of a checkpoint's manifest; ``backend`` is the cluster's ``name``."""
+        return {"job_id": self.job_id, "restart_count": self.restart_count, "backend": backend}
+
 
 def _local_restart(environ: Mapping[str, str]) -> int | None:
     value = environ.get(RESTART_ENV)
