@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from ..config import TUNABLES
+from ..errors import ConfigError
 from ..exitcodes import EXIT_REQUEUE
 from ..lifecycle import current, requeue
 from ..store import catalog, torchfile
@@ -51,24 +53,17 @@ log = logging.getLogger("hpcckpt.jit")
 
 DEFAULT_TIMEOUT_S = 5.0
 LEDGER_WAIT_S = 10.0  # the JIT path's ledger appends: a rank stopped inside an append holds the ledger's lock
-TIMEOUT_ENV = "HPCCKPT_JIT_TIMEOUT_S"
+TIMEOUT_ENV = TUNABLES["jit_timeout_s"].env  # resolved into options.jit_timeout_s by config.resolve_options
 
 
 def _timeout_from(ckpt: Any, timeout_s: float | None) -> float:
+    """``timeout_s``, else the resolved ``ckpt.options.jit_timeout_s``, else the default."""
     value: Any = timeout_s
     if value is None:
         value = getattr(getattr(ckpt, "options", None), "jit_timeout_s", None)
-    if value is None and os.environ.get(TIMEOUT_ENV):
-        raw = os.environ[TIMEOUT_ENV]
-        try:
-            value = float(raw)
-        except ValueError:
-            from ..errors import ConfigError
-            raise ConfigError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds; e.g. {TIMEOUT_ENV}=5") from None
     if value is None:
         return DEFAULT_TIMEOUT_S
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        from ..errors import ConfigError
         raise ConfigError(f"jit_timeout_s={value!r} is invalid: use a positive number of seconds "
                           f"(e.g. jit_timeout_s=5 or {TIMEOUT_ENV}=5)")
     return float(value)

@@ -293,6 +293,7 @@ def test_frozen_gate_holds_back_the_next_optimizer_step() -> None:
 
 def test_a_single_rank_or_a_bad_timeout_is_reported_clearly(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from types import SimpleNamespace
+    from hpcckpt.config import resolve_options
     from hpcckpt.errors import ConfigError
     from hpcckpt.jit import JitGuard
     ckpt = SimpleNamespace(ranks=SimpleNamespace(rank=0, world=1), root=tmp_path, options=SimpleNamespace(),
@@ -303,8 +304,11 @@ def test_a_single_rank_or_a_bad_timeout_is_reported_clearly(monkeypatch: pytest.
     guard.at_boundary(1)
     guard.close()
     monkeypatch.setenv("HPCCKPT_JIT_TIMEOUT_S", "soon")
-    with pytest.raises(ConfigError, match="HPCCKPT_JIT_TIMEOUT_S='soon' is not a number"):
-        JitGuard(ckpt)
+    assert JitGuard(ckpt).timeout_s == 5.0  # the guard reads no variable: resolve_options does
+    with pytest.raises(ConfigError, match="HPCCKPT_JIT_TIMEOUT_S='soon' is invalid"):
+        resolve_options(tmp_path)
+    monkeypatch.setenv("HPCCKPT_JIT_TIMEOUT_S", "2.5")
+    assert JitGuard(SimpleNamespace(**{**vars(ckpt), "options": resolve_options(tmp_path)})).timeout_s == 2.5
     with pytest.raises(ConfigError, match="jit_timeout_s=-1 is invalid"):
         JitGuard(ckpt, timeout_s=-1)
 
