@@ -270,7 +270,28 @@ class Policy:
         """
         self.poll(cluster, force=True)
         left = self.time_left()
-        if left is None or self._moved_earlier or left <= self.lead_s() or left > self.warning_window_s:
+        if warning_wait_s(left, self.lead_s(), window_s=self.warning_window_s,
+                          moved_earlier=self._moved_earlier) is None:
             return None
         return (f"{left:.0f}s before the end time: the stop is scheduled {self.lead_figures()} before it; "
                 "a preemption or TERM still stops at the next step")
+
+
+def warning_wait_s(left_s: float | None, lead_s: float, *, window_s: float,
+                   moved_earlier: bool = False) -> float | None:
+    """How long the stop a time-limit warning asks for may wait: ``left_s - lead_s`` when the
+    end time is known, was not pulled in, and is more than ``lead_s`` but at most ``window_s``
+    away (further is no time-limit warning: an operator's request); None: stop now. The one
+    rule of the in-process Policy and the CRIU supervisor."""
+    if left_s is None or moved_earlier or left_s <= lead_s or left_s > window_s:
+        return None
+    return left_s - lead_s
+
+
+def bounded_lead_s(lead_s: float, *, allocation_s: float | None, need_s: float) -> float:
+    """The lead a stop takes before the end time: ``lead_s`` (a template's ``--signal`` lead),
+    at most a quarter of the allocation (``--time-min`` may grant less time than the lead: the
+    templates' rule), never less than ``need_s`` (what the final save or dump is measured to need)."""
+    if allocation_s is not None and allocation_s > 0:
+        lead_s = min(lead_s, allocation_s / 4)
+    return max(lead_s, need_s)

@@ -39,7 +39,8 @@ Call sequence:
           job at a preemption's end and at the time limit, and only we may act on it. Under
           Slurm the end time is read every --end-poll-s: pulled in (a GraceTime preemption,
           which sends no signal at its start) it is a dump at once; a time-limit warning the
-          coarse tick delivered early waits until --lead-s before the end.
+          coarse tick delivered early (or --time-min's short allocation at its start) waits
+          until the lead before the end (policy.bounded_lead_s).
   between: soon after the start, what criu would refuse (io_uring, perf events, TCP) is
           said once (stderr, ledger criu_check); with --dump-every, periodic images while
           the job runs on (chained by --track-mem where the kernel tracks dirty pages).
@@ -104,6 +105,7 @@ from ..errors import CheckpointCorrupt, CriuError, CudaCheckpointError, HpcckptE
 from ..exitcodes import EXIT_REQUEUE
 from ..lifecycle import identity, requeue
 from ..lifecycle.ledger import Ledger
+from ..policy import bounded_lead_s, warning_wait_s
 from ..proc import tree as proctree
 from ..store.commit import Transaction, atomic_write
 from ..store.lock import writer_lock
@@ -216,6 +218,7 @@ class Supervisor:
         self._dumped_at_s = 0.0
         self._track_mem: bool | None = None
         self._dump_at: float | None = None  # a deferred time-limit dump (monotonic)
+        self._began = time.time()  # about when this allocation started (the batch shell exec's us)
 
     # -- signals: record only -------------------------------------------------
     def _record(self, signum: int, _frame: FrameType | None) -> None:
@@ -515,22 +518,42 @@ class Supervisor:
 
     def _defer(self, sig: signal.Signals, cause: str, received: bool) -> bool:
         """A time-limit warning early (slurmctld's coarse tick delivers ``B:USR2@LEAD`` up to
-        a minute before LEAD, ``--lead-s``): dump at the end minus LEAD (or three times the
-        measured dump cost, 15 s at least, if more), not now. TERM, preemptions, a signal
-        from elsewhere (``scancel --signal``: more than LEAD + a minute before the end) and
-        runs without ``--lead-s`` dump at once."""
+        a minute before LEAD, ``--lead-s``; with ``--time-min`` Slurm may grant less time than
+        LEAD and the warning comes at the start): dump at the end minus the lead
+        (``policy.bounded_lead_s``: LEAD, at most a quarter of this allocation, at least three
+        times the measured dump cost and 15 s), not now. TERM, preemptions, a signal from
+        elsewhere (``scancel --signal``: more than LEAD + a minute before the end) and runs
+        without ``--lead-s`` dump at once."""
         left = self._watch.remaining_s() if self._watch is not None else None
         if not received or cause != "time_limit" or sig == signal.SIGTERM or left is None or self.opts.lead_s is None:
             return False
-        margin = max(self.opts.lead_s, self._dump_margin_s())
-        if left <= margin:
+        lead = self._lead_s(left)
+        wait = warning_wait_s(left, lead, window_s=self._near_s())
+        if wait is None:
             return False
-        self._dump_at = time.monotonic() + left - margin
-        self.log(f"received {sig.name}, {left:.0f} s before the time limit: the dump starts {margin:.0f} s before "
-                 f"the end (in {left - margin:.0f} s); TERM or a preemption still dumps at once")
+        self._dump_at = time.monotonic() + wait
+        short = (f" (this allocation has about {self._allocation_s(left):.0f} s: a quarter of it, not "
+                 f"--lead-s {self.opts.lead_s:.0f})" if lead < self.opts.lead_s else "")
+        self.log(f"received {sig.name}, {left:.0f} s before the time limit: the dump starts {lead:.0f} s before "
+                 f"the end{short} (in {wait:.0f} s); TERM or a preemption still dumps at once")
         self.ledger.append("signal", signum=int(sig), signame=sig.name, step=None, source="criu-supervisor",
-                           cause=cause, deferred_s=left - margin, progress_s=self.acct.now())
+                           cause=cause, deferred_s=wait, progress_s=self.acct.now())
         return True
+
+    def _allocation_s(self, left: float) -> float:
+        """The time this allocation has in all: what has run since the supervisor started, and what is left."""
+        return max(0.0, time.time() - self._began) + left
+
+    def _lead_s(self, left: float) -> float:
+        """How long before the end a time-limit dump starts (``policy.bounded_lead_s``)."""
+        need = self._dump_margin_s()
+        lead = self.opts.lead_s if self.opts.lead_s is not None else need
+        return bounded_lead_s(lead, allocation_s=self._allocation_s(left), need_s=need)
+
+    def _near_s(self) -> float:
+        """How close to the end a warning is the time-limit one: --lead-s plus slurmctld's tick
+        (10 minutes without --lead-s)."""
+        return (self.opts.lead_s + SIGNAL_TICK_S) if self.opts.lead_s is not None else 600.0
 
     def _dump_margin_s(self) -> float:
         """Three times the slowest dump + commit this run directory has seen, and 15 s at least."""
@@ -575,8 +598,7 @@ class Supervisor:
         if self._watch.pulled_in:
             return "preemption"
         left = self._watch.remaining_s()
-        near = (self.opts.lead_s + SIGNAL_TICK_S) if self.opts.lead_s is not None else 600.0
-        return "time_limit" if left is not None and left <= near else "signal"
+        return "time_limit" if left is not None and left <= self._near_s() else "signal"
 
     # -- dump -------------------------------------------------------------------------
     def _on_dump_signal(self, job: ops.Job, sig: signal.Signals, *, cause: str | None = None,

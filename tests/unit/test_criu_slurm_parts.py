@@ -297,3 +297,24 @@ def test_an_early_time_limit_warning_waits_for_its_lead(tmp_path: Path, left: fl
     assert sup._defer(sig, cause, True) is deferred
     if deferred:
         assert sup._dump_at is not None and sup._dump_at - time.monotonic() <= 25  # end - max(10, 15)
+
+
+def test_a_warning_in_an_allocation_shorter_than_the_lead_waits_for_the_end(tmp_path: Path) -> None:
+    # --time-min granted 120 s against the template's B:USR2@180: the warning comes at the
+    # start. The dump waits until a quarter of the allocation before the end (30 s), or
+    # three times the measured dump cost when that is more, never dumping at the warning.
+    from hpcckpt.criu.supervisor import RunOptions, Supervisor
+    from hpcckpt.lifecycle.ledger import Ledger
+
+    sup = Supervisor(RunOptions(dir=tmp_path, cmd=("true",), lead_s=180.0), log=lambda _m: None)
+    sup._watch = _Watch(120.0)  # type: ignore[assignment]
+    assert sup._stop_cause(signal.SIGUSR2) == "time_limit"
+    assert sup._defer(signal.SIGUSR2, "time_limit", True)
+    assert sup._dump_at is not None and 60 < sup._dump_at - time.monotonic() <= 90  # 120 - max(120 / 4, 15)
+    Ledger(tmp_path).append("criu_dump", image="x", dump_s=14.0, commit_s=1.0)  # measured: 15 s, x3 = 45 s
+    sup._dump_at = None
+    assert sup._defer(signal.SIGUSR2, "time_limit", True)
+    assert sup._dump_at is not None and sup._dump_at - time.monotonic() <= 75  # 120 - 45
+    sup._dump_at = None
+    sup._watch = _Watch(40.0)  # the dump needs more than is left: at once
+    assert not sup._defer(signal.SIGUSR2, "time_limit", True) and sup._dump_at is None

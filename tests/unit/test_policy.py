@@ -187,3 +187,17 @@ def test_the_first_measured_save_replaces_the_assumed_cost() -> None:
     p.observe_save(0.01)
     assert p.save_cost_s == pytest.approx(0.4)  # then the worst recent one, decaying
 
+
+
+def test_the_shared_warning_rule_and_the_bounded_lead() -> None:
+    from hpcckpt.policy import bounded_lead_s, warning_wait_s
+
+    assert warning_wait_s(100.0, 30.0, window_s=300.0) == 70.0
+    assert warning_wait_s(20.0, 30.0, window_s=300.0) is None  # within the lead: now
+    assert warning_wait_s(400.0, 30.0, window_s=300.0) is None  # no time-limit warning: now
+    assert warning_wait_s(100.0, 30.0, window_s=300.0, moved_earlier=True) is None
+    assert warning_wait_s(None, 30.0, window_s=300.0) is None
+    assert bounded_lead_s(180.0, allocation_s=4 * 3600.0, need_s=15.0) == 180.0
+    assert bounded_lead_s(180.0, allocation_s=120.0, need_s=15.0) == 30.0  # --time-min granted less
+    assert bounded_lead_s(180.0, allocation_s=40.0, need_s=15.0) == 15.0  # never below the need
+    assert bounded_lead_s(180.0, allocation_s=None, need_s=200.0) == 200.0
