@@ -15,7 +15,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch.utils.data import Sampler
 
-from .errors import ConfigError
+from .errors import CheckpointCorrupt, ConfigError
 
 log = logging.getLogger("hpcckpt")
 
@@ -141,10 +141,22 @@ class ResumableSampler(Sampler[int]):
         return {"epoch": self.epoch, "consumed": self.consumed, "start": self._base, "seed": self.seed,
                 "dataset_len": self.dataset_len, "num_replicas": self.num_replicas}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    @staticmethod
+    def check_state(state: Any) -> None:
+        """Raise CheckpointCorrupt unless ``state`` is a well-formed saved sampler state."""
+        if not isinstance(state, Mapping):
+            raise CheckpointCorrupt(f"sampler state is a {type(state).__name__}, not a mapping")
         missing = [k for k in ("epoch", "consumed", "seed", "dataset_len", "num_replicas") if k not in state]
         if missing:
-            raise ConfigError(f"sampler state lacks {missing}; it was not saved by ResumableSampler.state_dict")
+            raise CheckpointCorrupt(f"sampler state lacks {missing}; it was not saved by "
+                                    "ResumableSampler.state_dict")
+        bad = [k for k in ("epoch", "consumed", "start", "seed", "dataset_len", "num_replicas")
+               if k in state and not _is_int(state[k])]
+        if bad:
+            raise CheckpointCorrupt(f"sampler state has non-integer {bad}")
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.check_state(state)
         for key in ("seed", "dataset_len"):
             if state[key] != getattr(self, key):
                 raise ConfigError(
@@ -155,10 +167,10 @@ class ResumableSampler(Sampler[int]):
         start = int(state.get("start", 0))  # states saved before re-partitioning existed start at 0
         replicas = int(state["num_replicas"])
         if epoch < 0 or consumed < 0 or replicas < 1 or not 0 <= start <= self.dataset_len:
-            raise ConfigError(
+            raise CheckpointCorrupt(
                 f"sampler state is inconsistent (epoch={epoch}, consumed={consumed}, start={start}, "
-                f"num_replicas={replicas}, dataset_len={self.dataset_len}); the checkpoint's sampler "
-                f"state is damaged, resume from another checkpoint")
+                f"num_replicas={replicas}, dataset_len={self.dataset_len}): the checkpoint's sampler "
+                "state is damaged")
         self.epoch = epoch
         if replicas == self.num_replicas:
             # Same world size: the exact position, so every rank yields what it would have.
@@ -425,10 +437,25 @@ class LoaderPosition:
             state["loader"] = self.loader.state_dict()
         return state
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    @staticmethod
+    def check_state(state: Any) -> None:
+        """Raise CheckpointCorrupt unless ``state`` is a well-formed saved loader position."""
+        if not isinstance(state, Mapping):
+            raise CheckpointCorrupt(f"loader position is a {type(state).__name__}, not a mapping")
         missing = [k for k in ("passes", "taken") if k not in state]
         if missing:
-            raise ConfigError(f"loader position lacks {missing}; the checkpoint's data position is damaged")
+            raise CheckpointCorrupt(f"loader position lacks {missing}; the checkpoint's data position is damaged")
+        if not all(_is_int(state[k]) and state[k] >= 0 for k in ("passes", "taken")):
+            raise CheckpointCorrupt(f"loader position has passes={state['passes']!r}, taken={state['taken']!r}")
+        rng = state.get("rng")
+        if rng is not None and not (isinstance(rng, Mapping) and all(
+                isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.dim() == 1 for v in rng.values())):
+            raise CheckpointCorrupt("loader position's RNG states are not generator states")
+        if "sampler" in state:
+            ResumableSampler.check_state(state["sampler"])
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.check_state(state)
         self._restored = state
         self.passes, self.taken = int(state["passes"]), int(state["taken"])
         self._rng = dict(state.get("rng") or {})
@@ -463,7 +490,22 @@ class Progress:
         return {"epoch": self.epoch, "finished": self.finished, "total": self.total, "loaders": loaders}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.epoch = state.get("epoch")
-        self.finished = bool(state.get("finished", False))
-        self.total = state.get("total")
-        self._restored_loaders = dict(state.get("loaders") or {})
+        if not isinstance(state, Mapping):
+            raise CheckpointCorrupt(f"the progress state is a {type(state).__name__}, not a mapping")
+        epoch, finished, total = state.get("epoch"), state.get("finished", False), state.get("total")
+        loaders = state.get("loaders") or {}
+        if not ((epoch is None or _is_int(epoch) and epoch >= 0) and isinstance(finished, bool)
+                and (total is None or _is_int(total) and total >= 0) and isinstance(loaders, Mapping)):
+            raise CheckpointCorrupt(f"the progress state is damaged (epoch={epoch!r}, finished={finished!r}, "
+                                    f"total={total!r}, loaders: {type(loaders).__name__})")
+        for name, saved in loaders.items():
+            try:
+                LoaderPosition.check_state(saved)
+            except CheckpointCorrupt as exc:
+                raise CheckpointCorrupt(f"loader {name!r}: {exc}") from None
+        self.epoch, self.finished, self.total = epoch, finished, total
+        self._restored_loaders = dict(loaders)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

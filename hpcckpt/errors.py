@@ -17,6 +17,20 @@ class CheckpointCorrupt(HpcckptError):
     """A checkpoint exists on disk but fails verification."""
 
 
+class StateRefused(CheckpointCorrupt):
+    """A checkpoint that reads back intact holds state a registered object refuses.
+
+    Either that state is damaged (the resume falls back to the checkpoint before it) or
+    the user's code changed since it was saved; then every checkpoint is refused alike
+    (the same ``key``) and ``advice`` says what to do.
+    """
+
+    def __init__(self, message: str, *, key: str, advice: str) -> None:
+        super().__init__(message)
+        self.key = key
+        self.advice = advice
+
+
 class NoCheckpoint(HpcckptError):
     """No committed checkpoint that verifies could be found."""
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .engines import load_rank
-from .errors import CheckpointCorrupt, ConfigError, HpcckptError
+from .errors import CheckpointCorrupt, ConfigError, HpcckptError, StateRefused
 from .ranks import Ranks
 from .state import Flat, unflatten
 from .store import catalog
@@ -54,6 +54,9 @@ class Outcome:
     unusable: list[tuple[int, str]] = field(default_factory=list)  # step-N dirs that are not committed
     overwritten: bool = False  # live tensors now hold bytes of a checkpoint that was not restored
     rounds: int = 0
+    # Every damaged checkpoint was refused alike by a registered object (on every rank): the
+    # user's code changed since they were saved, not the checkpoints; the newest refusal.
+    refused: StateRefused | None = None
 
 
 def _candidates(root: Path, ranks: Ranks, tried: set[str]) -> tuple[list[dict[str, Any]], list[tuple[int, str]]]:
@@ -80,26 +83,38 @@ def _key(info: catalog.CheckpointInfo) -> str:
 
 
 def _read(root: Path, step: int, ranks: Ranks, into: Mapping[str, Any] | None,
-          stats: dict[str, Any], accept: Callable[[Flat], None] | None = None) -> tuple[int, Flat | None, str]:
-    """(code, state, problem) of this rank's part of candidate ``step``, as this rank sees it."""
+          stats: dict[str, Any], accept: Callable[[Flat], None] | None = None
+          ) -> tuple[int, Flat | None, str, StateRefused | None]:
+    """(code, state, problem, refusal) of this rank's part of candidate ``step``, as this rank sees it.
+
+    A ConfigError (another world size; the user's code changed in a way only the user can
+    fix, e.g. the optimizer's parameter groups) is the same for every checkpoint: raised.
+    Anything else, the restore's refusals included, passes this checkpoint over.
+    """
     info = catalog.inspect_step(root, step)
     if info is None:
-        return VANISHED, None, ""
+        return VANISHED, None, "", None
     if info.status != "committed":  # fails a cheap check here although the coordinator's passed
-        return CORRUPT, None, "; ".join(info.problems) or info.status
+        return CORRUPT, None, "; ".join(info.problems) or info.status, None
+    refusal: StateRefused | None = None
     try:
         flat = load_rank(info, ranks.rank, ranks.world, into=into, stats=stats)
         check_restorable(flat, into)
         if accept is not None:
-            accept(flat)
-        return OK, flat, ""
+            try:
+                accept(flat)
+            except BaseException:
+                stats["restored_into"] = True  # the registered objects may hold part of it now
+                raise
+        return OK, flat, "", None
     except ConfigError:
-        raise  # another world size: the same answer on every rank, and the user's to fix
+        raise  # the same answer for every checkpoint, and the user's to fix
     except Exception as exc:  # noqa: BLE001 - anything a damaged file makes a reader raise
         problem = str(exc) if isinstance(exc, HpcckptError) else f"{type(exc).__name__}: {exc}"
+        refusal = exc if isinstance(exc, StateRefused) else None
     if catalog.vanished(info):
-        return VANISHED, None, ""
-    return CORRUPT, None, problem
+        return VANISHED, None, "", None
+    return CORRUPT, None, problem, refusal
 
 
 def check_restorable(flat: Flat, live: Mapping[str, Any] | None) -> None:
@@ -119,9 +134,11 @@ def check_restorable(flat: Flat, live: Mapping[str, Any] | None) -> None:
         now = (live or {}).get(name)
         if isinstance(now, torch.Tensor) and isinstance(saved, torch.Tensor) and (
                 tuple(now.shape) != tuple(saved.shape) or now.dtype != saved.dtype):
-            raise CheckpointCorrupt(
-                f"state tensor {name!r} was saved as {tuple(saved.shape)} {saved.dtype} but is "
-                f"{tuple(now.shape)} {now.dtype} in this job; it cannot be restored into the model as it is now")
+            problem = (f"state tensor {name!r} was saved as {tuple(saved.shape)} {saved.dtype} but is "
+                       f"{tuple(now.shape)} {now.dtype} in this job")
+            raise StateRefused(
+                f"{problem}; it cannot be restored into the model as it is now", key=f"shape:{name}",
+                advice=f"{problem}: build the model as in the run that saved it, or start fresh in another directory")
 
 
 def load_newest(root: Path, ranks: Ranks, *, into: Callable[[], Mapping[str, Any] | None] | None = None,
@@ -131,14 +148,17 @@ def load_newest(root: Path, ranks: Ranks, *, into: Callable[[], Mapping[str, Any
 
     ``into``: called once, before the first read, for the live tensors to read into
     (``TrainState.capture``); ``on_skip(step, problem)`` runs on every rank for each
-    damaged checkpoint passed over. A checkpoint that reads back intact but cannot be
+    damaged checkpoint passed over, once the search is over. A checkpoint that reads back intact but cannot be
     restored here (``check_restorable``: RNG state the generators refuse, a tensor whose
     shape or dtype differs from the live one; or whatever ``accept(flat)``, e.g. the
-    restore itself, raises) is passed over the same way, with that reason.
-    Collective over ``ranks``.
+    restore itself, raises) is passed over the same way, with that reason. When every
+    damaged one was refused alike by a registered object (``StateRefused`` with one key),
+    ``refused`` holds the newest refusal: the user's code changed, and its ``advice``
+    says what to do (``on_skip`` is not called: nothing was damaged). Collective over ``ranks``.
     """
     out = Outcome()
     tried: set[str] = set()
+    refusals: dict[int, StateRefused] = {}
     live: Mapping[str, Any] | None = None
     asked = False
     while out.rounds < MAX_ROUNDS:
@@ -146,18 +166,22 @@ def load_newest(root: Path, ranks: Ranks, *, into: Callable[[], Mapping[str, Any
         candidates, out.unusable = _candidates(root, ranks, tried)
         if not candidates:
             out.overwritten = ranks.max(int(out.overwritten)) > 0
+            out.refused = _alike(out.damaged, refusals, ranks)
+            if out.refused is None:  # else nothing was damaged: the job's code is refused
+                _report(out.damaged, on_skip)
             return out
         for cand in candidates:
             if not asked:
                 live, asked = (into() if into is not None else None), True
             stats: dict[str, Any] = {}
-            code, flat, problem = _read(root, int(cand["step"]), ranks, live, stats, accept)
+            code, flat, problem, refusal = _read(root, int(cand["step"]), ranks, live, stats, accept)
             agreed = ranks.max(code)
-            if agreed != OK and stats.get("in_place_bytes", 0) > 0:
+            if agreed != OK and (stats.get("in_place_bytes", 0) > 0 or stats.get("restored_into")):
                 out.overwritten = True
             if agreed == OK:
                 out.flat, out.step = flat, int(cand["step"])
                 out.path = root / catalog.step_name(out.step)
+                _report(out.damaged, on_skip)
                 return out
             if agreed == VANISHED:
                 log.info("hpcckpt: checkpoint step %s disappeared while being read (pruned by a writer); "
@@ -165,10 +189,26 @@ def load_newest(root: Path, ranks: Ranks, *, into: Callable[[], Mapping[str, Any
                 time.sleep(0.01 * min(out.rounds, 10))
                 break
             tried.add(str(cand["key"]))  # damaged, not gone: never tried again
+            if refusal is not None:
+                refusals[int(cand["step"])] = refusal
             problem = problem or "another rank could not read its part"
             out.damaged.append((int(cand["step"]), problem))
-            if on_skip is not None:
-                on_skip(int(cand["step"]), problem)
+    _report(out.damaged, on_skip)
     raise CheckpointsVanishing(
         f"checkpoints under {root} disappeared while being read {MAX_ROUNDS} times in a row: another job is "
         "writing and pruning this directory. Stop it or give this job its own directory.")
+
+
+def _alike(damaged: list[tuple[int, str]], refusals: Mapping[int, StateRefused], ranks: Ranks) -> StateRefused | None:
+    """The newest refusal if every damaged checkpoint was refused for the same reason on every
+    rank: then the user's code changed, not the checkpoints. Collective over ``ranks``."""
+    keys = {refusals[s].key if s in refusals else None for s, _ in damaged}
+    alike = len(keys) == 1 and None not in keys
+    return refusals[damaged[0][0]] if ranks.all(alike) else None
+
+
+def _report(damaged: list[tuple[int, str]], on_skip: Callable[[int, str], None] | None) -> None:
+    """``on_skip`` for each checkpoint passed over, once the search knows they were damaged."""
+    if on_skip is not None:
+        for step, problem in damaged:
+            on_skip(step, problem)

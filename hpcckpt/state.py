@@ -15,7 +15,7 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from .errors import ConfigError
+from .errors import CheckpointCorrupt, ConfigError, StateRefused
 
 JSONScalar = (str, int, bool, type(None))
 
@@ -276,11 +276,16 @@ class TrainState:
                 f"checkpoint has no state for {sorted(missing)} (it holds {sorted(tree['objects'])}); "
                 "register the same objects under the same names as the run that saved it")
         for name, obj in self.objects.items():
-            saved = unflatten(tree["objects"][name], flat.tensors)
+            saved: Any = None
             try:
+                saved = unflatten(tree["objects"][name], flat.tensors)
                 obj.load_state_dict(saved)
-            except (ValueError, KeyError, RuntimeError, TypeError) as exc:
-                raise ConfigError(_load_failed(name, obj, saved, exc, tree.get("step"))) from exc
+            except ConfigError:
+                raise  # the object's own verdict on this job's configuration (another seed, dataset)
+            except CheckpointCorrupt as exc:  # hpcckpt's own objects: the saved state is damaged
+                raise CheckpointCorrupt(f"cannot restore {name}: {exc}") from exc
+            except Exception as exc:  # noqa: BLE001 - whatever a load_state_dict raises
+                raise _refused(name, obj, saved, exc, tree.get("step")) from exc
         set_rng_state(unflatten(tree["rng"], flat.tensors))
         self.user_meta.update(tree.get("user", {}))
         return tree
@@ -297,21 +302,41 @@ class TrainState:
         return safe
 
 
-def _load_failed(name: str, obj: Any, saved: Any, exc: BaseException, step: Any) -> str:
-    """What a failed ``load_state_dict`` means for the user, and what to do."""
+def _group_sizes(groups: Any) -> list[int] | None:
+    """The parameter count of each saved parameter group, or None if they are not well formed."""
+    if not isinstance(groups, (list, tuple)):
+        return None
+    sizes = []
+    for g in groups:
+        params = g.get("params") if isinstance(g, Mapping) else None
+        if not isinstance(params, (list, tuple)):
+            return None
+        sizes.append(len(params))
+    return sizes
+
+
+def _refused(name: str, obj: Any, saved: Any, exc: BaseException, step: Any) -> ConfigError | StateRefused:
+    """What a failed ``load_state_dict`` means: the user's code changed (ConfigError, what to do),
+    or the checkpoint holds state the object refuses (StateRefused: damaged, unless every
+    checkpoint is refused alike, which ``resume.load_newest`` tells)."""
     where = f"the checkpoint of step {step}" if step is not None else "the checkpoint"
     if isinstance(obj, torch.optim.Optimizer) and isinstance(saved, Mapping):
         now = [len(g["params"]) for g in obj.param_groups]
-        then = [len(g.get("params", ())) for g in saved.get("param_groups", ())]
-        if now != then:
-            return (f"cannot restore {name}: {where} has {len(then)} parameter group(s) of {then} parameters, "
-                    f"the optimizer now has {len(now)} of {now}. Build the optimizer as it was when the "
-                    "checkpoint was taken before register(): parameter groups added during training "
-                    "(progressive unfreezing) are added again first, with optimizer.add_param_group(...), "
-                    "in the same order; or start fresh in another directory")
-    return (f"cannot restore {name} ({type(obj).__name__}) from {where}: {type(exc).__name__}: {exc}. Register "
-            "an object built as in the run that saved it (same shapes, same structure), or start fresh in "
-            "another directory")
+        then = _group_sizes(saved.get("param_groups"))
+        if then is not None and now != then:  # well formed, another layout: the optimizer was built otherwise
+            return ConfigError(
+                f"cannot restore {name}: {where} has {len(then)} parameter group(s) of {then} parameters, "
+                f"the optimizer now has {len(now)} of {now}. Build the optimizer as it was when the "
+                "checkpoint was taken before register(): parameter groups added during training "
+                "(progressive unfreezing) are added again first, with optimizer.add_param_group(...), "
+                "in the same order; or start fresh in another directory")
+    what = f"{type(exc).__name__}: {exc}".rstrip(" .\n\t")
+    if len(what) > 300:
+        what = what[:300] + "..."
+    return StateRefused(
+        f"cannot restore {name} ({type(obj).__name__}): {what}", key=f"{name}:{type(exc).__name__}",
+        advice=(f"cannot restore {name} ({type(obj).__name__}) from {where}: {what}. Register an object built "
+                "as in the run that saved it (same shapes, same structure), or start fresh in another directory"))
 
 
 def init_dtensor_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:

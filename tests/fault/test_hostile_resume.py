@@ -171,3 +171,104 @@ def test_a_stride0_view_never_allocates_its_view(tmp_path: Path) -> None:
     assert status == "corrupt"
     assert peak_kib < 900 * 1024, f"verify peaked at {peak_kib // 1024} MiB: the 1 GiB view was materialised"
     _assert_fell_back(tmp_path, good, bad, saved, "storage")
+
+
+# --- state a registered object refuses: the checkpoint's, or the user's code (issue 29 item 3) ---
+
+def _optimizer(m: dict[str, Any]) -> dict[str, Any]:
+    opt: dict[str, Any] = m["ranks"]["0"]["meta"]["objects"]["optimizer"]
+    return opt
+
+
+@pytest.mark.parametrize("garbage", ["param_groups", "params", "state"])
+def test_garbage_optimizer_state_falls_back_with_a_reason(tmp_path: Path, garbage: str) -> None:
+    """A re-sealed manifest (it verifies) whose optimizer metadata the optimizer refuses: the step
+    before is restored and the ledger says why, instead of register() failing."""
+    saved = _train(tmp_path)
+    good, bad = _newest_two(tmp_path)
+
+    def damage(m: dict[str, Any]) -> None:
+        if garbage == "param_groups":
+            _optimizer(m)["param_groups"] = "garbage"
+        elif garbage == "params":
+            _optimizer(m)["param_groups"][0]["params"] = "garbage"
+        else:
+            _optimizer(m)["state"] = 5
+    _reseal(tmp_path / f"step-{bad}", damage)
+    _assert_fell_back(tmp_path, good, bad, saved, "cannot restore optimizer")
+
+
+def _train_with_sampler(root: Path) -> dict[int, dict[str, torch.Tensor]]:
+    from hpcckpt.data import ResumableSampler
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sampler = ResumableSampler(16, seed=1)
+    saved: dict[int, dict[str, torch.Tensor]] = {}
+    with Checkpointer(root, engine="sync", every_steps=1, keep=5) as ck:
+        ck.register(model=model, optimizer=opt, sampler=sampler)
+        for step in ck.steps(3):
+            sampler.advance(2)
+            opt.zero_grad()
+            model(torch.ones(1, 4)).sum().backward()
+            opt.step()
+            saved[step + 1] = {k: v.clone() for k, v in model.state_dict().items()}
+    return saved
+
+
+@pytest.mark.parametrize("field, value, reason", [
+    ("sampler", {"consumed": "lots"}, "non-integer"),
+    ("sampler", {"epoch": -3}, "inconsistent"),
+    ("sampler", {"seed": None}, "non-integer"),
+    ("__progress__", {"finished": "maybe"}, "progress state is damaged"),
+    ("__progress__", {"loaders": {"train": {"passes": 1}}}, "lacks"),
+])
+def test_garbage_sampler_or_progress_state_falls_back_with_a_reason(
+        tmp_path: Path, field: str, value: dict[str, Any], reason: str) -> None:
+    from hpcckpt.data import ResumableSampler
+    saved = _train_with_sampler(tmp_path)
+    good, bad = _newest_two(tmp_path)
+
+    def damage(m: dict[str, Any]) -> None:
+        m["ranks"]["0"]["meta"]["objects"][field].update(value)
+    _reseal(tmp_path / f"step-{bad}", damage)
+    model = _model()
+    sampler = ResumableSampler(16, seed=1)
+    with Checkpointer(tmp_path, engine="sync", every_steps=1000) as ck:
+        step = ck.register(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), sampler=sampler)
+    assert step == good
+    assert sampler.consumed == 2 * good
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, saved[good][k]), k
+    ledger = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    skips = [r for r in ledger if r.get("event") == "skip_corrupt"]
+    assert [s["step"] for s in skips] == [bad] and reason in skips[0]["problem"], skips
+
+
+def test_a_model_every_checkpoint_refuses_alike_says_what_to_do(tmp_path: Path) -> None:
+    """The user's code changed (a layer added): every checkpoint is refused the same way. That is
+    a ConfigError saying what to do, not 'every checkpoint damaged', and nothing is pruned."""
+    from hpcckpt.errors import ConfigError
+    _train(tmp_path)
+    before = sorted(p.name for p in tmp_path.glob("step-*"))
+    model = torch.nn.Sequential(_model(), torch.nn.Linear(4, 4))
+    with Checkpointer(tmp_path, engine="sync", every_steps=1000) as ck:
+        with pytest.raises(ConfigError, match=r"(?s)cannot restore model .*Register an object built as in the run "
+                                              r"that saved it.*refused the same way: steps"):
+            ck.register(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == before
+    assert "skip_corrupt" not in (tmp_path / "ledger.jsonl").read_text()  # nothing was damaged
+
+
+def test_a_changed_param_group_layout_is_not_passed_over(tmp_path: Path) -> None:
+    """Parameter groups that differ from the newest checkpoint's are this job's optimizer, not
+    damage: the resume stops with what to do instead of falling back to an older step."""
+    from hpcckpt.errors import ConfigError
+    _train(tmp_path)
+    model = _model()
+    head = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.add_param_group({"params": head.parameters(), "lr": 0.01})
+    with Checkpointer(tmp_path, engine="sync", every_steps=1000) as ck:
+        with pytest.raises(ConfigError, match=r"1 parameter group\(s\).*now has 2.*add_param_group"):
+            ck.register(model=model, optimizer=opt)
+    assert "skip_corrupt" not in (tmp_path / "ledger.jsonl").read_text()

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from hpcckpt.data import ResumableSampler
-from hpcckpt.errors import ConfigError
+from hpcckpt.errors import CheckpointCorrupt, ConfigError
 
 
 def consume(s: ResumableSampler, n: int) -> list[int]:
@@ -183,7 +183,7 @@ def test_other_data_is_refused(key: str, value: int) -> None:
 
 def test_damaged_state_is_refused() -> None:
     b = ResumableSampler(10)
-    with pytest.raises(ConfigError, match="lacks"):
+    with pytest.raises(CheckpointCorrupt, match="lacks"):
         b.load_state_dict({"epoch": 0})
-    with pytest.raises(ConfigError, match="inconsistent"):
+    with pytest.raises(CheckpointCorrupt, match="inconsistent"):
         b.load_state_dict(b.state_dict() | {"start": 11})
