@@ -162,7 +162,8 @@ class Checkpointer:
     def _concurrent_options(self) -> dict[str, Any]:
         o = self.options
         return {"max_async": o.max_async, "writer_threads": o.writer_threads, "on_busy": o.on_busy,
-                "memory_budget_bytes": o.memory_budget_bytes, "direct": o.direct, "staging_bytes": o.staging_bytes}
+                "memory_budget_bytes": o.memory_budget_bytes, "direct": o.direct, "staging_bytes": o.staging_bytes,
+                "chunk_bytes": o.chunk_bytes, "ring_chunk_bytes": o.ring_chunk_bytes}
 
     # -- registration and restore ---------------------------------------------
 

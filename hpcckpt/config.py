@@ -31,6 +31,7 @@ CLUSTERS = ("local", "slurm-cli", "pyslurm")
 # of a DDP was registered), or nothing (none: every rank writes its own copy).
 REPLICATED = ("auto", "models", "none")
 DEFAULT_SIGNALS = ("SIGUSR2", "SIGTERM")
+CHUNK_BYTES = 8 << 20  # concurrent engine: one writer thread's piece of a file (HPCCKPT_CHUNK_BYTES)
 # Signals that a scheduler sends as a warning and a handler can catch. Excluded on
 # purpose: KILL/STOP cannot be caught; SEGV/BUS/FPE/ILL/ABRT/TRAP/SYS are faults of
 # the process itself; CHLD/CONT/WINCH/URG/PIPE/TSTP/TTIN/TTOU/PROF/VTALRM/IO are
@@ -280,6 +281,8 @@ class CheckpointOptions:
     check_replicas: bool = False  # debug: compare checksums of the replicated tensors across ranks at each save
     jit: bool = False  # just-in-time checkpoint by the survivors when a rank dies or hangs (hpcckpt.jit)
     jit_timeout_s: float | None = None  # how long a silent rank may take before it counts as failed
+    chunk_bytes: int = CHUNK_BYTES  # concurrent engine: one writer thread's piece of a file
+    ring_chunk_bytes: int | None = None  # concurrent engine: one staging ring chunk (None: the engine's size)
 
     def __post_init__(self) -> None:
         if self.every_steps is not None and not (_is_int(self.every_steps) and self.every_steps > 0):
@@ -287,7 +290,7 @@ class CheckpointOptions:
                               "or None; e.g. every_steps=100 or HPCCKPT_EVERY_STEPS=100")
         for option in ("engine", "overhead_bound", "keep", "deadline_margin_s", "max_async", "writer_threads",
                        "on_busy", "memory_budget_bytes", "staging_bytes", "direct", "on_corrupt", "replicated",
-                       "check_replicas", "jit", "jit_timeout_s"):
+                       "check_replicas", "jit", "jit_timeout_s", "chunk_bytes", "ring_chunk_bytes"):
             validate(option, getattr(self, option))
         if not self.signals:
             raise ConfigError("signals=() leaves no stop signal; e.g. signals=('SIGUSR2', 'SIGTERM') "
@@ -350,6 +353,8 @@ def resolve_options(
     check_replicas: bool | None = None,
     jit: bool | None = None,
     jit_timeout_s: float | None = None,
+    chunk_bytes: int | None = None,
+    ring_chunk_bytes: int | None = None,
 ) -> CheckpointOptions:
     """Build options from arguments, then ``HPCCKPT_*`` variables, then defaults."""
     raw_dir = dir if dir is not None else os.environ.get("HPCCKPT_DIR")
@@ -384,4 +389,24 @@ def resolve_options(
         check_replicas=pick(check_replicas, "CHECK_REPLICAS", False, parse_bool),
         jit=pick(jit, "JIT", False, parse_bool),
         jit_timeout_s=pick(jit_timeout_s, "JIT_TIMEOUT_S", None, parse_float),
+        chunk_bytes=pick(chunk_bytes, "CHUNK_BYTES", CHUNK_BYTES, parse_bytes),
+        ring_chunk_bytes=pick(ring_chunk_bytes, "RING_CHUNK_BYTES", None, parse_bytes),
     )
+
+
+#: the concurrent engine's keyword arguments that HPCCKPT_* variables set, with their defaults
+_CONCURRENT_FROM_ENV: dict[str, Any] = {"on_busy": "wait", "memory_budget_bytes": None, "staging_bytes": None,
+                                        "direct": True, "chunk_bytes": CHUNK_BYTES, "ring_chunk_bytes": None}
+
+
+def concurrent_options(**given: Any) -> dict[str, Any]:
+    """Keyword arguments for a concurrent engine made outside a Checkpointer (the benchmarks).
+
+    Each of ``given`` that is not None as it is; the engine's other settings from their
+    ``HPCCKPT_*`` variables, else their defaults. The engine itself reads no environment.
+    """
+    out = {k: v for k, v in given.items() if v is not None}
+    for option, default in _CONCURRENT_FROM_ENV.items():
+        if option not in out:
+            out[option] = env_value(option, default)
+    return out

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..config import concurrent_options
 from ..engines import SaveContext, make_engine
 from ..ranks import Ranks
 from ..store import catalog
@@ -46,7 +47,7 @@ def _engine(name: str, root: Path, options: dict[str, Any], rig: SyntheticRig) -
     thread once the state's shapes are known, while a real loop keeps training; the rig
     saves at once, so it waits for that here (the time is reported as ``prepare_s``)."""
     ctx = SaveContext(root=root, keep=1, job={}, user={})
-    engine = make_engine(name, ctx, Ranks(), **(options if name == "concurrent" else {}))
+    engine = make_engine(name, ctx, Ranks(), **(concurrent_options(**options) if name == "concurrent" else {}))
     engine.bind(rig.state)
     if hasattr(engine, "wait_prepared"):
         engine.wait_prepared()

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from ..config import concurrent_options
 from ..engines import SaveContext, SaveHandle, make_engine
 from ..ranks import Ranks
 from ..state import TrainState
@@ -88,7 +89,7 @@ def _loop(load: DemoLoad, engine_name: str | None, interval: int, root: Path,
     if engine_name is not None:
         shutil.rmtree(root, ignore_errors=True)
         engine = make_engine(engine_name, SaveContext(root=root, keep=2, job={}, user={}), Ranks(),
-                             **(options if engine_name == "concurrent" else {}))
+                             **(concurrent_options(**options) if engine_name == "concurrent" else {}))
         engine.bind(state)
     loader = DataLoader(data, batch_size=load.batch, shuffle=True, drop_last=True)
     handles: list[SaveHandle] = []

@@ -50,7 +50,7 @@ from typing import Any, Callable
 import torch
 
 from .._core import native
-from ..config import check_on_busy, from_env, parse_bool
+from ..config import CHUNK_BYTES, check_on_busy
 from ..errors import CheckpointFailed, ConfigError
 from ..state import Flat, TrainState
 from ..ranks import Ranks
@@ -153,19 +153,19 @@ class ConcurrentEngine(Engine):
             raise ConfigError(f"max_async must be >= 1, got {max_async}")
         self.max_async = max_async
         self._wanted_async = max_async  # max_async is lowered to the slots a memory budget allows
-        self.on_busy = check_on_busy(on_busy if on_busy is not None else from_env("ON_BUSY", "wait", str))
-        self.memory_budget_bytes = memory_budget_bytes if memory_budget_bytes is not None else from_env(
-            "MEMORY_BUDGET_BYTES", None, int)
-        self.staging_bytes = staging_bytes if staging_bytes is not None else from_env(
-            "STAGING_BYTES", None, int)
-        self.ring_chunk_bytes = ring_chunk_bytes or from_env("RING_CHUNK_BYTES", None, int)
+        # Every setting arrives resolved (Checkpointer: config.resolve_options; elsewhere
+        # config.concurrent_options): the engine reads no environment.
+        self.on_busy = check_on_busy(on_busy if on_busy is not None else "wait")
+        self.memory_budget_bytes = memory_budget_bytes
+        self.staging_bytes = staging_bytes
+        self.ring_chunk_bytes = ring_chunk_bytes or None
         self._check_budgets()
         # O_DIRECT by default: on the reference VM buffered pwrite + fdatasync of 1 GB ran at
         # 0.3-0.5 GB/s, O_DIRECT at 1.7-2.0 GB/s (the page cache copy and writeback cost more
         # than they save). File systems that refuse O_DIRECT fall back to the page cache.
-        self.direct = direct if direct is not None else from_env("DIRECT", True, parse_bool)
+        self.direct = direct if direct is not None else True
         self.stats = EngineStats()
-        self._pool = native().WriterPool(writer_threads, chunk_bytes or from_env("CHUNK_BYTES", 8 << 20, int))
+        self._pool = native().WriterPool(writer_threads, chunk_bytes or CHUNK_BYTES)
         self._bg_ranks = ranks.background()
         self._staging: Staging | None = None
         self._preparer = Preparer(self._build_staging)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from hpcckpt.api import Checkpointer, RequeueExit
+from hpcckpt.config import concurrent_options
 from hpcckpt.engines import SaveContext
 from hpcckpt.engines.concurrent import ConcurrentEngine, Layout
 from hpcckpt.engines.staging import ALIGN, plan_rounds, ring_shape
@@ -189,9 +190,15 @@ def test_staging_budget_options_are_checked(tmp_path: Path, monkeypatch: pytest.
     with pytest.raises(ConfigError, match="memory_budget_bytes"):
         Rig(tmp_path / "b", staging_bytes=1 << 20, memory_budget_bytes=1 << 19)
     monkeypatch.setenv("HPCCKPT_STAGING_BYTES", "65536")
-    rig = Rig(tmp_path / "c")
+    monkeypatch.setenv("HPCCKPT_RING_CHUNK_BYTES", "16K")
+    rig = Rig(tmp_path / "c", **concurrent_options())  # resolved outside the engine
     try:
-        assert rig.engine.staging_bytes == 65536
+        assert (rig.engine.staging_bytes, rig.engine.ring_chunk_bytes) == (65536, 16 << 10)
+    finally:
+        rig.engine.close()
+    rig = Rig(tmp_path / "e")  # the engine itself reads no environment
+    try:
+        assert (rig.engine.staging_bytes, rig.engine.ring_chunk_bytes) == (None, None)
     finally:
         rig.engine.close()
     rig = Rig(tmp_path / "d", staging_bytes=8192)  # too small for a ring: said at the first save
@@ -385,6 +392,14 @@ def test_checkpointer_passes_staging_bytes_to_the_engine(tmp_path: Path, monkeyp
     monkeypatch.setenv("HPCCKPT_STAGING_BYTES", "-1")
     with pytest.raises(ConfigError, match="HPCCKPT_STAGING_BYTES"):
         Checkpointer(tmp_path / "c", engine="concurrent")
+    monkeypatch.delenv("HPCCKPT_STAGING_BYTES")
+    monkeypatch.setenv("HPCCKPT_RING_CHUNK_BYTES", "32K")
+    with Checkpointer(tmp_path / "d", engine="concurrent", chunk_bytes=1 << 20) as ck:
+        assert isinstance(ck.engine, ConcurrentEngine) and ck.engine.ring_chunk_bytes == 32 << 10
+        assert ck.options.chunk_bytes == 1 << 20
+    monkeypatch.setenv("HPCCKPT_CHUNK_BYTES", "1")
+    with pytest.raises(ConfigError, match="HPCCKPT_CHUNK_BYTES"):
+        Checkpointer(tmp_path / "e", engine="concurrent")
 
 
 def test_optimizer_state_names_come_from_the_saved_tree_without_step() -> None:
