@@ -149,7 +149,18 @@ class Tunable:
     example: str
 
 
+def _is_path(v: Any) -> bool:
+    return isinstance(v, str) and v.strip() != ""
+
+
+# Every HPCCKPT_* variable the package reads is a row (tests/unit/test_options_table.py checks,
+# and that README.md names each). Rows read outside resolve_options (paths, the CRIU mode's,
+# the ones hpcckpt sets for its own processes) keep their readers; the row records rule and example.
 TUNABLES: dict[str, Tunable] = {t.env.removeprefix("HPCCKPT_").lower(): t for t in (
+    Tunable("HPCCKPT_DIR", str, _is_path, "a directory path (the checkpoint root, on a shared file system)",
+            "/scratch/$USER/run1/ckpt"),
+    Tunable("HPCCKPT_EVERY_STEPS", str, lambda v: isinstance(v, str),
+            "a whole number of steps > 0, or auto (checked by resolve_options)", "100"),
     Tunable("HPCCKPT_ENGINE", str, lambda v: v in ENGINES, f"one of the valid engines: {', '.join(ENGINES)}",
             "concurrent"),
     Tunable("HPCCKPT_KEEP", parse_int, lambda v: _is_int(v) and v >= 1,
@@ -191,8 +202,6 @@ TUNABLES: dict[str, Tunable] = {t.env.removeprefix("HPCCKPT_").lower(): t for t 
             f"one of {', '.join(CLUSTERS)}", "slurm-cli"),
     Tunable("HPCCKPT_SUCCESSOR_GENERATION", parse_int, lambda v: _is_int(v) and v >= 0,
             "a whole number >= 0 (set by hpcckpt on successor jobs)", "1"),
-    Tunable("HPCCKPT_RESTART_COUNT", parse_int, lambda v: _is_int(v) and v >= 0,
-            "a whole number >= 0 (set by the local supervisor)", "1"),
     Tunable("HPCCKPT_LOCAL_RESTART", parse_int, lambda v: _is_int(v) and v >= 0,
             "a whole number >= 0 (set by the local supervisor)", "1"),
     Tunable("HPCCKPT_STOP_AT_STEPS", parse_steps, lambda v: isinstance(v, tuple) and all(_is_int(s) and s > 0 for s in v),
@@ -202,6 +211,21 @@ TUNABLES: dict[str, Tunable] = {t.env.removeprefix("HPCCKPT_").lower(): t for t 
             "(0: every warning stops at once)", "300"),
     Tunable("HPCCKPT_CHECK_TRACE", str, lambda v: isinstance(v, str),
             "a file path: each step's state digests are appended there (set by hpcckpt check)", "/tmp/trace.jsonl"),
+    Tunable("HPCCKPT_STAGING_ROOT", str, _is_path,
+            "a directory path for per-job node-local staging (%n: the node name; as slurm/prolog)",
+            "/local/hpcckpt-staging"),
+    Tunable("HPCCKPT_CRIU", str, _is_path, "the path of a criu >= 4 binary or wrapper (CRIU mode)",
+            "/opt/hpcckpt/criu/bin/criu"),
+    Tunable("HPCCKPT_CRIU_PREFIX", str, _is_path, "the prefix scripts/install-criu installed criu under",
+            "/opt/hpcckpt/criu"),
+    Tunable("HPCCKPT_CRIU_FALLBACK", str, lambda v: isinstance(v, str),
+            "fresh: do not resume (set by `hpcckpt run --mode criu --on-restore-failure fresh`)", "fresh"),
+    Tunable("HPCCKPT_LIBCUDA", str, _is_path, "the path of the NVIDIA driver library (CUDA checkpoint API)",
+            "libcuda.so.1"),
+    Tunable("HPCCKPT_BATCH_ARGS_JOB", str, lambda v: isinstance(v, str),
+            "the SLURM_JOB_ID the exported batch arguments belong to (set by the templates)", "1234"),
+    Tunable("HPCCKPT_BATCH_ARGC", parse_int, lambda v: _is_int(v) and v >= 0,
+            "how many HPCCKPT_BATCH_ARG_<n> the templates exported (set by the templates)", "2"),
     Tunable("HPCCKPT_END_TIME", parse_float, lambda v: _is_num(v) and v > 0,
             "epoch seconds when the job will be stopped", "1767225600"),
     *(Tunable(f"HPCCKPT_REQUEUE_MAX_{key}", parse_int, lambda v: _is_int(v) and v >= 0,

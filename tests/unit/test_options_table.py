@@ -5,6 +5,7 @@ traceback. The rows are the campaign's cases plus their neighbours."""
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import subprocess
 import sys
@@ -188,3 +189,52 @@ def test_the_real_command_prints_one_line_not_a_traceback(places: dict[str, str]
                               cwd=REPO, timeout=120, check=False)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         assert proc.stderr.strip().count("\n") == 0 and "not a directory" in proc.stderr
+
+
+# -- every HPCCKPT_* variable the package reads is in the table and in the README --------
+
+PACKAGE = REPO / "hpcckpt"
+_READS = [
+    re.compile(r'(?:environ|environ\(\))\s*(?:\.get\(|\[)\s*"(HPCCKPT_[A-Z0-9_]+)"'),  # environ.get / environ[...]
+    re.compile(r'getenv\(\s*"(HPCCKPT_[A-Z0-9_]+)"'),
+    re.compile(r'^[A-Z_]*ENV\s*=\s*"(HPCCKPT_[A-Z0-9_]+)"', re.M),  # a constant naming one, read through it
+]
+_CONFIG_READS = [  # config's readers take the name without the prefix
+    (re.compile(r'\bfrom_env\(\s*"([A-Z0-9_]+)"'), lambda n: f"HPCCKPT_{n}"),
+    (re.compile(r'\bpick\([^,()]+,\s*"([A-Z0-9_]+)"'), lambda n: f"HPCCKPT_{n}"),
+    (re.compile(r'\benv_value\(\s*"([a-z0-9_]+)"'), lambda n: f"HPCCKPT_{n.upper()}"),
+]
+
+
+def _read_variables() -> dict[str, set[str]]:
+    found: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        where = str(path.relative_to(REPO))
+        for rx in _READS:
+            for name in rx.findall(text):
+                found.setdefault(name, set()).add(where)
+        for rx, full in _CONFIG_READS:
+            for name in rx.findall(text):
+                found.setdefault(full(name), set()).add(where)
+    return found
+
+
+def test_the_scan_finds_the_known_readers() -> None:
+    found = _read_variables()
+    for name in ("HPCCKPT_DIR", "HPCCKPT_EVERY_STEPS", "HPCCKPT_CRIU", "HPCCKPT_CRIU_PREFIX", "HPCCKPT_LIBCUDA",
+                 "HPCCKPT_CRIU_FALLBACK", "HPCCKPT_STAGING_ROOT", "HPCCKPT_LOCAL_RESTART", "HPCCKPT_KEEP",
+                 "HPCCKPT_CLUSTER", "HPCCKPT_END_TIME", "HPCCKPT_CHECK_TRACE"):
+        assert name in found, name
+
+
+def test_every_variable_the_package_reads_is_in_the_table_and_the_readme() -> None:
+    from hpcckpt.config import TUNABLES
+    table = {t.env for t in TUNABLES.values()}
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    found = _read_variables()
+    missing_table = {n: sorted(w) for n, w in found.items() if n not in table}
+    assert not missing_table, f"read but not in config.TUNABLES: {missing_table}"
+    missing_readme = sorted(n for n in found | dict.fromkeys(table)
+                            if not re.search(rf"`{re.escape(n)}`", readme))
+    assert not missing_readme, f"not named in README.md: {missing_readme}"
