@@ -41,15 +41,17 @@ def run(args: argparse.Namespace) -> int:
                            "with this checkpoint directory (check the path)")
     rows = interruptions(folded)
     head = (f"{'#':>2} {'job':>10} {'cause':<16} {'signal':<8} {'at':<8} {'sig step':>8} "
-            f"{'committed':>9} {'lost':>7} {'save':>7} {'queue':>7} {'restore':>7}  requeue")
+            f"{'committed':>9} {'resumed':>12} {'lost':>7} {'save':>7} {'queue':>7} {'restore':>7}  requeue")
     lines = [head] + [
         f"{r.index:>2} {_fmt(r.job_id):>10} {r.cause:<16} {_fmt(r.signal):<8} {_when(r.signal_time):<8} "
-        f"{_fmt(r.step_at_signal):>8} {_fmt(r.committed_step):>9} "
+        f"{_fmt(r.step_at_signal):>8} {_fmt(r.committed_step):>9} {_resumed(r):>12} "
         f"{_lost(r):>7} "
         f"{_fmt(r.save_s, 's'):>7} {_fmt(r.queue_wait_s, 's'):>7} {_fmt(r.restore_s, 's'):>7}  {_requeue(r)}"
         for r in rows]
     info = summary(folded, rows)
     lines += [f"! #{r.index}: job {r.job_id} superseded: {r.requeue_detail}" for r in rows if r.cause == "superseded"]
+    lines += [f"! #{r.index}: the next run started from the beginning: {r.started_over}"
+              for r in rows if r.started_over]
     lines += [f"! #{r.index}: rank(s) {', '.join(map(str, r.failed_ranks))} failed; the survivors saved step "
               f"{_fmt(r.committed_step)} just in time" for r in rows if r.failed_ranks]
     unknown = f" (+ unknown in {info['lost_steps_unknown']})" if info["lost_steps_unknown"] else ""
@@ -72,6 +74,13 @@ def _requeue(r: Interruption) -> str:
     if r.successor_job_id:
         return f"successor {r.successor_job_id}"
     return r.requeue_method if r.requeued is not False else f"NOT requeued ({r.requeue_method})"
+
+
+def _resumed(r: Interruption) -> str:
+    """Where the next run resumed: the CRIU image it restored ("none": it started over), or the step."""
+    if r.resumed_image:
+        return r.resumed_image
+    return "none" if r.started_over else _fmt(r.resumed_step)
 
 
 def _dump_outcome(e: dict) -> str:

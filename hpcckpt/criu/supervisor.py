@@ -111,15 +111,16 @@ from ..store.commit import Transaction, atomic_write
 from ..store.lock import writer_lock
 from . import images, ops
 from .locate import Criu, find_criu
-from .watch import EndTimeWatch, Progress, Tee
+from .watch import RUN_OPENERS, EndTimeWatch, Progress, Tee
 
 MODES = ("criu", "app")
 FALLBACKS = ("app", "fresh", "fail")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGQUIT, signal.SIGALRM, signal.SIGXCPU, signal.SIGCONT)
 # Signals that end a run from outside (the scheduler's time limit, preemption, scancel, a
-# hang-up): a job that ends while one is pending has not reached its natural end.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGXCPU)
+# hang-up): a job that ends while one is pending has not reached its natural end. Not the
+# signals that trigger a dump (RunOptions.dump_signals), nor config.STOP_SIGNALS.
+ENDING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGXCPU)
 CONSUMED = "CONSUMED"
 # When the dumpability check runs (seconds after the job starts or is restored): early,
 # and again once a launcher such as torchrun has started its workers.
@@ -170,7 +171,7 @@ class RunOptions:
 
 
 @dataclass(kw_only=True)
-class Outcome:
+class CriuOutcome:
     exit_code: int
     action: str  # "exited" | "requeue" | "restore-failed"
     restored_from: str | None = None
@@ -207,7 +208,7 @@ class Supervisor:
         self.pending: list[signal.Signals] = []
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._criu: Criu | None = None
-        self.outcome = Outcome(exit_code=1, action="exited")
+        self.outcome = CriuOutcome(exit_code=1, action="exited")
         self.tag = _incarnation()
         self.acct = Progress()
         self._tee: Tee | None = None
@@ -242,7 +243,7 @@ class Supervisor:
                 pass
 
     # -- entry ------------------------------------------------------------------
-    def run(self) -> Outcome:
+    def run(self) -> CriuOutcome:
         try:
             outcome = self._run()
         finally:
@@ -252,7 +253,7 @@ class Supervisor:
             driver.set_exit_status(outcome.exit_code)
         return outcome
 
-    def _run(self) -> Outcome:
+    def _run(self) -> CriuOutcome:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._install_signals()
         if self.opts.mode == "app":
@@ -315,7 +316,7 @@ class Supervisor:
         return code
 
     def _killed_from_outside(self, code: int) -> bool:
-        return code > 128 and (code - 128 in (signal.SIGKILL, *STOP_SIGNALS) or self._told_to_stop())
+        return code > 128 and (code - 128 in (signal.SIGKILL, *ENDING_SIGNALS) or self._told_to_stop())
 
     def _stop_record(self, reason: str, *, progress_s: float | None = None, **fields: Any) -> None:
         """One ``stop`` per run: why it ended and how far the job had got (seconds of running)."""
@@ -367,7 +368,9 @@ class Supervisor:
             self._criu = find_criu(self.opts.criu_path)
         return self._criu
 
-    def _start_fresh(self, fallback: str | None) -> ops.Job:
+    def _start_fresh(self, fallback: str | None, *, no_image: str | None = None) -> ops.Job:
+        """Start the command from the beginning; ``no_image``: why this start is a restart that
+        had no image to restore (recorded on the ``start`` event for ``hpcckpt history``)."""
         out, err = self._stdio_paths()
         env = dict(os.environ)
         if fallback:
@@ -378,7 +381,7 @@ class Supervisor:
                  f"stdout {out}, stderr {err}")
         self._started(job, progress_s=0.0)
         self.ledger.append("start", mode="criu", resumed_from=None, image=None, progress_s=0.0,
-                           fallback=fallback, dump_every_s=self.opts.dump_every_s,
+                           fallback=fallback, dump_every_s=self.opts.dump_every_s, no_image=no_image,
                            **Progress.lost_since(self.ledger.read(), 0.0))
         return job
 
@@ -407,7 +410,11 @@ class Supervisor:
         try:
             image = images.newest(self.root)
         except NoCheckpoint:
-            return self._start_fresh(None)
+            restarted = self._restarted()
+            if restarted:
+                self.log(f"NO CRIU IMAGE to restore ({restarted}, but {self.root} holds none): the command starts "
+                         "from the beginning")
+            return self._start_fresh(None, no_image=restarted)
         if self._consumed() == image.name:
             self.log(f"{image.path} belongs to a run that already finished; starting the command from the "
                      "beginning")
@@ -425,6 +432,20 @@ class Supervisor:
             return None
         except (CheckpointCorrupt, CriuError, CudaCheckpointError, OSError) as exc:
             return self._restore_failed(image, exc)
+
+    def _restarted(self) -> str | None:
+        """Why this start is a restart (Slurm's or the local supervisor's restart count, or an
+        earlier run in this directory that did not run to its end), None for a first start."""
+        me = identity.current()
+        if me.restart > 0:
+            return f"job {me.job_id or '(local)'} was restarted, restart {me.restart}"
+        events = self.ledger.read()
+        starts = [i for i, e in enumerate(events) if e.get("event") in RUN_OPENERS]
+        if starts and not any(e.get("event") == "stop" and e.get("reason") in ("done", "error")
+                              for e in events[starts[-1]:]):
+            job = events[starts[-1]].get("job_id")
+            return f"an earlier run{f' (job {job})' if job else ''} in this directory did not finish"
+        return None
 
     def _restore_failed(self, image: images.Image, exc: Exception) -> ops.Job | None:
         fallback = self.opts.on_restore_failure
@@ -645,15 +666,15 @@ class Supervisor:
                 name = f"signal {code - 128}"
             return f"status {code}: killed by {name} from outside, e.g. the scheduler's time limit or preemption"
         return (f"it exited with status {code} while this run was being told to stop "
-                f"({', '.join(s.name for s in self._stop_signals())})")
+                f"({', '.join(s.name for s in self._ending_signals())})")
 
-    def _stop_signals(self) -> list[signal.Signals]:
-        return [s for s in self.pending if s in STOP_SIGNALS]
+    def _ending_signals(self) -> list[signal.Signals]:
+        return [s for s in self.pending if s in ENDING_SIGNALS]
 
     def _told_to_stop(self) -> bool:
         """Whether this run has a TERM/INT/HUP/XCPU pending (Slurm's time limit or preemption
         sends TERM to every process of the step): a job that then ended did not end naturally."""
-        return bool(self._stop_signals())
+        return bool(self._ending_signals())
 
     def _job_alive(self, job: ops.Job) -> bool:
         return job.poll() is None and proctree.alive(job.app_pid)

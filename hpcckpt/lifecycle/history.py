@@ -54,6 +54,8 @@ class Interruption:
     lost_s: float | None = None
     lost_exact: bool | None = None
     lost_at_most_s: float | None = None
+    resumed_image: str | None = None  # the CRIU image the next run restored
+    started_over: str | None = None  # why the next CRIU run started from the beginning (no image restored)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -214,7 +216,22 @@ def _interruption(index: int, run: RunSummary, nxt: RunSummary | None, slurm: Se
         failed_ranks=_failed_ranks(run), requeued=requeued if isinstance(requeued, bool) else None,
         successor_job_id=_str(req.get("successor_job_id")) if req else None,
         resumed_by=_str(head_next.get("job_id")) if head_next else None,
-        **_lost_seconds(head_next))
+        **_lost_seconds(head_next), **_resumed_image(head_next))
+
+
+def _resumed_image(head: Event | None) -> dict[str, Any]:
+    """Which CRIU image the next run restored, or why it restored none (its ``start`` says)."""
+    if head is None:
+        return {}
+    if head.get("event") == "criu_restore":
+        return {"resumed_image": _str(head.get("image"))}
+    if head.get("mode") != "criu":
+        return {}
+    if head.get("no_image"):
+        return {"started_over": f"there was no image ({head.get('no_image')})"}
+    if head.get("fallback"):
+        return {"started_over": f"the image could not be restored (--on-restore-failure={head.get('fallback')})"}
+    return {"started_over": "no image was restored"}
 
 
 def _lost_seconds(head: Event | None) -> dict[str, Any]:

@@ -318,3 +318,51 @@ def test_a_warning_in_an_allocation_shorter_than_the_lead_waits_for_the_end(tmp_
     sup._dump_at = None
     sup._watch = _Watch(40.0)  # the dump needs more than is left: at once
     assert not sup._defer(signal.SIGUSR2, "time_limit", True) and sup._dump_at is None
+
+
+def test_a_restart_with_no_image_says_so_and_records_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    # A restarted job (Slurm's or the local restart count, or an unfinished earlier run in the
+    # ledger) with no image to restore: one line on stderr, and `no_image` on its start event.
+    from hpcckpt.cli.main import main
+    from hpcckpt.criu.supervisor import RunOptions, Supervisor
+    from hpcckpt.lifecycle.ledger import Ledger
+    from hpcckpt.supervisor import RESTART_ENV
+
+    for var in [k for k in os.environ if k.startswith("SLURM_") or k == RESTART_ENV]:
+        monkeypatch.delenv(var)
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def launch(cmd: list[str], *, stdout: Path, stderr: Path, **_kw: object) -> ops.Job:
+        for path in (stdout, stderr):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch()
+        procs.append(subprocess.Popen(["true"]))
+        pid = procs[-1].pid
+        return ops.Job(init_pid=pid, app_pid=pid, wait_pid=pid, stdout=stdout, stderr=stderr, proc=procs[-1])
+
+    monkeypatch.setattr(ops, "launch", launch)
+
+    def start(run_dir: Path) -> list[str]:
+        said: list[str] = []
+        sup = Supervisor(RunOptions(dir=run_dir, cmd=("train",)), log=said.append)
+        try:
+            assert sup._restore_or_start() is not None
+        finally:
+            sup._close_tee()
+            procs[-1].wait(timeout=30)
+        return [m for m in said if "NO CRIU IMAGE" in m]
+
+    assert start(tmp_path) == []  # a first start is no restart
+    [line] = start(tmp_path)  # the first run vanished (killed before any image): the ledger says so
+    assert "\n" not in line and "did not finish" in line and "starts from the beginning" in line, line
+    starts = [e for e in Ledger(tmp_path).read() if e["event"] == "start"]
+    assert starts[0]["no_image"] is None and "did not finish" in starts[1]["no_image"]
+    monkeypatch.setenv(RESTART_ENV, "2")
+    [line] = start(tmp_path / "restarted")  # restarted, and this directory never had a run
+    assert "restart 2" in line, line
+    capsys.readouterr()
+    assert main(["history", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    assert "! #1: the next run started from the beginning: there was no image (an earlier run" in table, table
+    assert " none " in table.splitlines()[1], table

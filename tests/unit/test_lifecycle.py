@@ -208,3 +208,25 @@ def test_cli_requeue_does_nothing_when_the_run_already_did(tmp_path: Path) -> No
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["already"] is True
     assert [e["event"] for e in Ledger(tmp_path).events()] == ["stop", "requeue"]  # no second record
+
+
+def test_history_names_the_image_each_criu_run_resumed_from(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    ledger = [
+        _ev("start", 100.0, restart_count=0, mode="criu", image=None, progress_s=0.0),
+        _ev("stop", 160.0, reason="preemption", signame="SIGTERM", progress_s=60.0),
+        _ev("criu_restore", 180.0, restart_count=1, image="image-000001", lost_s=0.0, lost_exact=True),
+        _ev("stop", 200.0, reason="time_limit", signame="SIGUSR2", progress_s=80.0),
+        _ev("start", 220.0, restart_count=2, mode="criu", image=None, fallback="app", lost_s=80.0),
+        _ev("stop", 230.0, restart_count=2, reason="done"),
+    ]
+    rows = interruptions(ledger, slurm=[])
+    assert [(r.resumed_image, r.started_over) for r in rows] == [
+        ("image-000001", None), (None, "the image could not be restored (--on-restore-failure=app)")]
+    assert rows[0].as_dict()["resumed_image"] == "image-000001"
+    with open(tmp_path / LEDGER, "w") as fh:
+        fh.writelines(json.dumps(e) + "\n" for e in ledger)
+    assert main(["history", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    assert " image-000001 " in table.splitlines()[1] and " none " in table.splitlines()[2], table
+    assert "! #2: the next run started from the beginning: the image could not be restored" in table, table
