@@ -513,31 +513,44 @@ class Checkpointer:
         """Account for finished background saves; a failed one is reported once and training goes on."""
         self._settle_quietly([h for h in self._handles if h.done()])
 
-    def _final_save(self) -> bool:
-        """The stop's checkpoint; False when it failed (the previous committed one then stands)."""
-        self._settle_quietly(list(self._handles))  # older saves first, so the final one is the newest
-        if self.committed_step == self.step:
-            return True
+    def _save_final(self) -> None:
+        """``save(final=True)``, tried once more if it fails (either engine; a ConfigError is not
+        retried: it would fail the same way). Collective: a failed save fails on every rank."""
         try:
             self.save(final=True)
-            return True
+        except ConfigError:
+            raise
+        except (HpcckptError, OSError) as exc:
+            log.warning("hpcckpt: the final checkpoint of step %d failed (%s); trying once more", self.step, exc)
+            self.save(final=True)
+
+    def _final_save(self) -> str | None:
+        """The stop's checkpoint: None when it is durable, else why it failed (the previous
+        committed one then stands)."""
+        self._settle_quietly(list(self._handles))  # older saves first, so the final one is the newest
+        if self.committed_step == self.step:
+            return None
+        try:
+            self._save_final()
+            return None
         except (HpcckptError, OSError) as exc:
             prev = (f"the previous committed checkpoint, step {self.committed_step}" if self.committed_step
                     is not None else "the beginning (no checkpoint was ever committed)")
-            log.error("hpcckpt: the final checkpoint of step %d failed (%s); requeueing anyway: the job "
+            log.error("hpcckpt: the final checkpoint of step %d failed twice (%s); requeueing anyway: the job "
                       "resumes from %s", self.step, exc, prev)
-            return False
+            return str(exc)
 
     def _stop(self, reason: StopReason) -> None:
         first = self.signals.first() if reason is StopReason.SIGNAL else None  # a deferred warning did not stop it
         log.warning("hpcckpt: stopping at step %d (%s); taking the final checkpoint", self.step, reason.name.lower())
-        final_ok = self._final_save()
+        final_error = self._final_save()
         refusal = self._no_progress(reason)
         requeue = refusal is None
         if self.ranks.is_coordinator:
+            extra: dict[str, Any] = {} if final_error is None else {"final_error": final_error}
             self.ledger.append("stop", reason=reason.name.lower(), step=self.step, committed_step=self.committed_step,
-                               requeue=requeue, final_saved=final_ok, signame=first.name if first else None,
-                               signal_time=first.wall_s if first else None)
+                               requeue=requeue, final_saved=final_error is None, signame=first.name if first else None,
+                               signal_time=first.wall_s if first else None, **extra)
         if refusal is not None:
             self._refuse(refusal)
         outcome: dict[str, Any] = {}
@@ -625,7 +638,7 @@ class Checkpointer:
         if not self._already_finished and (self.committed_step is not None or self.progress.epoch is not None):
             self.progress.finished = True
             try:
-                self.save(final=True)
+                self._save_final()
             except (HpcckptError, OSError) as exc:
                 log.error("hpcckpt: the checkpoint of the finished run (step %d) failed: %s", self.step, exc)
         if self.ranks.is_coordinator:

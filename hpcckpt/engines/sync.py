@@ -5,7 +5,6 @@ fsync, commit) and is the reference every faster engine is measured against.
 """
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -13,8 +12,6 @@ from typing import Any
 from ..state import Flat
 from ..store import torchfile
 from .base import Engine, SaveHandle
-
-log = logging.getLogger("hpcckpt.engines")
 
 
 class SyncEngine(Engine):
@@ -26,16 +23,13 @@ class SyncEngine(Engine):
         Any error of this rank's write (making the temporary directory included: ENOSPC,
         EIO, EDQUOT...) fails this save only: every rank still takes part in the commit
         exchange, which fails the save everywhere and leaves the previous checkpoint.
-        A final save (at a stop) tries its write once more before it gives up.
+        A failed final save (at a stop) is tried once more by the Checkpointer, as a whole
+        save, whichever the engine.
         """
         started = time.monotonic()
         handle = SaveHandle(step)
         tmp = self.temp_path(step)  # collective (a shared token): once per save, whatever fails after
         record, error = self._write(flat, step, tmp)
-        if error is not None and final:
-            log.warning("hpcckpt: final save of step %d failed on rank %d (%s); trying once more",
-                        step, self.ranks.rank, error)
-            record, error = self._write(flat, step, tmp)
         try:
             path = self.commit_step(step, tmp, record, error, started)
         except Exception as exc:

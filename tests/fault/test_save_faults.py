@@ -14,10 +14,12 @@ import errno
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -173,3 +175,92 @@ def test_a_fault_after_the_rename_records_a_commit(tmp_path: Path, fault: str,
     on_disk = [i.step for i in catalog.scan(root) if i.status == "committed"]
     assert set(on_disk) <= set(committed) and max(on_disk) == max(committed)
     assert "is committed, but could not" in caplog.text or "is committed, but retention" in caplog.text
+
+
+# --- a failed final save: tried once more, at the Checkpointer, whichever the engine --------------
+
+def _fail_final_saves(engine: str, monkeypatch: pytest.MonkeyPatch, times: int) -> list[int]:
+    """Make the next ``times`` saves fail where the engine makes its file (ENOSPC); the calls made."""
+    calls: list[int] = []
+    if engine == "concurrent":
+        from hpcckpt.engines.concurrent import ConcurrentEngine
+        real = ConcurrentEngine._ensure_staging
+
+        def staging(self: Any, *a: Any, **k: Any) -> Any:
+            calls.append(1)
+            if len(calls) <= times:
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+            return real(self, *a, **k)
+        monkeypatch.setattr(ConcurrentEngine, "_ensure_staging", staging)
+    else:
+        from hpcckpt.engines import sync
+        real_write = sync.torchfile.write
+
+        def write(*a: Any, **k: Any) -> Any:
+            calls.append(1)
+            if len(calls) <= times:
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+            return real_write(*a, **k)
+        monkeypatch.setattr(sync.torchfile, "write", write)
+    return calls
+
+
+def _stopped_run(root: Path, engine: str, monkeypatch: pytest.MonkeyPatch,
+                 times: int) -> tuple[int, int, list[int]]:
+    """One committed step, then the final save at a SIGUSR2 fails ``times`` times:
+    (the committed step, the stop's step, the tries)."""
+    from hpcckpt.api import EXIT_REQUEUE, RequeueExit
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls: list[int] = []
+    good = -1
+    with pytest.raises(RequeueExit) as stopped:
+        with Checkpointer(root, engine=engine, every_steps=None) as ck:
+            ck.register(model=model, optimizer=opt)
+            for step in ck.steps(10):
+                opt.zero_grad()
+                model(torch.ones(1, 4)).sum().backward()
+                opt.step()
+                if step == 1:
+                    ck.save(block=True)  # the last good checkpoint
+                    good = ck.step
+                    calls = _fail_final_saves(engine, monkeypatch, times)
+                if step == 3:
+                    os.kill(os.getpid(), signal.SIGUSR2)  # a real signal through the real handler
+    assert stopped.value.code == EXIT_REQUEUE and good >= 0 and stopped.value.step > good
+    return good, stopped.value.step, calls
+
+
+@pytest.mark.native
+@pytest.mark.parametrize("engine", ["concurrent", "sync"])
+def test_a_final_save_that_fails_once_is_tried_again(tmp_path: Path, engine: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "ck"
+    good, step, calls = _stopped_run(root, engine, monkeypatch, times=1)
+    assert len(calls) == 2, calls
+    records = _ledger(root)
+    failed = [r for r in records if r["event"] == "save_failed"]
+    assert [(r["step"], r["final"]) for r in failed] == [(step, True)] and "injected" in str(failed[0]["error"])
+    assert [r["step"] for r in records if r["event"] == "commit"] == [good, step]
+    stop = [r for r in records if r["event"] == "stop"][-1]
+    assert stop["final_saved"] is True and stop["committed_step"] == step and "final_error" not in stop
+    with Checkpointer(root, engine=engine, every_steps=1000) as ck:
+        assert ck.register(model=torch.nn.Linear(4, 4)) == step
+
+
+@pytest.mark.native
+@pytest.mark.parametrize("engine", ["concurrent", "sync"])
+def test_a_final_save_that_fails_twice_exits_with_the_reason_and_the_last_good_step(
+        tmp_path: Path, engine: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    root = tmp_path / "ck"
+    good, step, calls = _stopped_run(root, engine, monkeypatch, times=10)
+    assert len(calls) == 2, f"{len(calls)} tries of the final save: once more, not more (no retry in the engine too)"
+    records = _ledger(root)
+    assert [r["step"] for r in records if r["event"] == "save_failed"] == [step, step]
+    stop = [r for r in records if r["event"] == "stop"][-1]
+    assert stop["final_saved"] is False and stop["committed_step"] == good
+    assert "injected" in str(stop["final_error"])
+    assert f"resumes from the previous committed checkpoint, step {good}" in caplog.text
+    assert [i.step for i in catalog.scan(root) if i.status == "committed"] == [good]
+    with Checkpointer(root, engine=engine, every_steps=1000) as ck:
+        assert ck.register(model=torch.nn.Linear(4, 4)) == good
