@@ -107,7 +107,7 @@ def read_trace(path: Path) -> tuple[dict[int, dict[str, Any]], list[str]]:
 # --- the check ------------------------------------------------------------------------------
 
 @dataclass
-class Outcome:
+class CheckOutcome:
     identical: bool
     steps: int
     stops: list[int]
@@ -203,9 +203,9 @@ def _unseeded(a: Mapping[int, Any], b: Mapping[int, Any]) -> set[str]:
     return {k for k in set(da) | set(db) if da.get(k) != db.get(k)}
 
 
-def compare(a: Mapping[int, Any], b: Mapping[int, Any], stops: list[int], restarts: int) -> Outcome:
+def compare(a: Mapping[int, Any], b: Mapping[int, Any], stops: list[int], restarts: int) -> CheckOutcome:
     total = max(a)
-    out = Outcome(identical=True, steps=total, stops=stops, restarts=restarts)
+    out = CheckOutcome(identical=True, steps=total, stops=stops, restarts=restarts)
     skip = _unseeded(a, b)
     out.not_compared = sorted(skip)
     if any(not k.startswith("rng.") for k in skip):
@@ -248,7 +248,7 @@ def _hints(differing: Sequence[str]) -> list[str]:
 
 
 def check(cmd: Sequence[str], work: Path, *, stop_at: Sequence[int] | None = None, stops: int = 2,
-          seed: int = 0) -> Outcome:
+          seed: int = 0) -> CheckOutcome:
     if not cmd:
         raise ConfigError("hpcckpt check: no command given; e.g. hpcckpt check -- python train.py --epochs 2")
     ref, _ = _traced(work, "uninterrupted", cmd, ())

@@ -37,8 +37,9 @@ Call sequence:
           Any other catchable signal is forwarded to the job. The job starts with the dump
           signals ignored (USR2, TERM by default): Slurm sends TERM to every process of the
           job at a preemption's end and at the time limit, and only we may act on it. Under
-          Slurm the end time is read every --end-poll-s: pulled in (a GraceTime preemption,
-          which sends no signal at its start) it is a dump at once; a time-limit warning the
+          Slurm the end time is read every --end-poll-s: pulled in to near now (a GraceTime
+          preemption, which sends no signal at its start) it is a dump at once, pulled in
+          further (a shortened limit) it only re-plans the dump; a time-limit warning the
           coarse tick delivered early (or --time-min's short allocation at its start) waits
           until the lead before the end (policy.bounded_lead_s).
   between: soon after the start, what criu would refuse (io_uring, perf events, TCP) is
@@ -219,6 +220,7 @@ class Supervisor:
         self._dumped_at_s = 0.0
         self._track_mem: bool | None = None
         self._dump_at: float | None = None  # a deferred time-limit dump (monotonic)
+        self._shortened = False  # the end time was pulled in too far ahead for a preemption: a shorter limit
         self._began = time.time()  # about when this allocation started (the batch shell exec's us)
 
     # -- signals: record only -------------------------------------------------
@@ -382,7 +384,7 @@ class Supervisor:
         self._started(job, progress_s=0.0)
         self.ledger.append("start", mode="criu", resumed_from=None, image=None, progress_s=0.0,
                            fallback=fallback, dump_every_s=self.opts.dump_every_s, no_image=no_image,
-                           **Progress.lost_since(self.ledger.read(), 0.0))
+                           **Progress.lost_since(self.ledger.events(), 0.0))
         return job
 
     def _ignored(self) -> tuple[signal.Signals, ...]:
@@ -439,11 +441,14 @@ class Supervisor:
         me = identity.current()
         if me.restart > 0:
             return f"job {me.job_id or '(local)'} was restarted, restart {me.restart}"
-        events = self.ledger.read()
-        starts = [i for i, e in enumerate(events) if e.get("event") in RUN_OPENERS]
-        if starts and not any(e.get("event") == "stop" and e.get("reason") in ("done", "error")
-                              for e in events[starts[-1]:]):
-            job = events[starts[-1]].get("job_id")
+        last: dict[str, Any] | None = None  # the last run's opener, while that run has not finished
+        for e in self.ledger.events():  # streamed: a ledger of any size in bounded memory
+            if e.get("event") in RUN_OPENERS:
+                last = e
+            elif e.get("event") == "stop" and e.get("reason") in ("done", "error"):
+                last = None
+        if last is not None:
+            job = last.get("job_id")
             return f"an earlier run{f' (job {job})' if job else ''} in this directory did not finish"
         return None
 
@@ -486,7 +491,7 @@ class Supervisor:
         progress_s = float(manifest.get("progress_s") or 0.0)
         self.ledger.append("criu_restore", image=image.name, restore_s=restore_s, verify_s=verify_s,
                            criu_s=criu_s, bytes=image.bytes_total(), progress_s=progress_s,
-                           dump_every_s=self.opts.dump_every_s, **Progress.lost_since(self.ledger.read(), progress_s))
+                           dump_every_s=self.opts.dump_every_s, **Progress.lost_since(self.ledger.events(), progress_s))
         self.outcome.restored_from = image.name
         self._started(job, progress_s=progress_s)
         return job
@@ -526,16 +531,51 @@ class Supervisor:
     def _duties(self, job: ops.Job) -> int | None:
         """The dumpability check, a preemption seen on the end time, periodic images."""
         self._check_dumpable(job)
-        if self._watch is not None and self._watch.moved():
+        if self._watch is not None and self._watch.moved() and self._pulled_in_is_preemption():
             left = self._watch.remaining_s()
             self.log(f"the job's end time was pulled in ({left:.0f} s left): a preemption (GraceTime); dumping now")
             return self._on_dump_signal(job, signal.SIGTERM, cause="preemption", received=False)
         if self._dump_at is not None and time.monotonic() >= self._dump_at:
             self._dump_at = None
-            return self._on_dump_signal(job, signal.SIGUSR2, cause="time_limit", received=False)
+            if not self._end_moved_later():
+                return self._on_dump_signal(job, signal.SIGUSR2, cause="time_limit", received=False)
         if self.opts.dump_every_s > 0 and time.monotonic() - self._last_dump >= self.opts.dump_every_s:
             self._periodic_dump(job)
         return None
+
+    def _pulled_in_is_preemption(self) -> bool:
+        """The end time was just pulled in. To within the window of a preemption's grace or the
+        lead (``_near_s``): a preemption, dump at once. Further away it is a shortened limit (an
+        operator's ``scontrol update TimeLimit``): no dump and no requeue now, the dump is
+        re-planned for the lead before the new end."""
+        assert self._watch is not None
+        left = self._watch.remaining_s()
+        self._shortened = left is not None and left > self._near_s()
+        if not self._shortened or left is None:
+            return True
+        lead = self._lead_s(left)
+        at = time.monotonic() + left - lead
+        self._dump_at = at if self._dump_at is None else min(self._dump_at, at)
+        self.log(f"the job's end time was pulled in to {left:.0f} s from now, further than a preemption's grace "
+                 f"({self._near_s():.0f} s): a shortened time limit; the dump is planned {lead:.0f} s before the new "
+                 f"end (in {left - lead:.0f} s), no dump or requeue now")
+        self.ledger.append("end_time_moved", left_s=left, dump_in_s=left - lead, progress_s=self.acct.now())
+        return False
+
+    def _end_moved_later(self) -> bool:
+        """At a planned time-limit dump: was the limit lengthened since it was planned? Then the
+        dump is planned again for the lead before the new end."""
+        if self._watch is None:
+            return False
+        self._watch.refresh()
+        left = self._watch.remaining_s()
+        lead = self._lead_s(left) if left is not None else 0.0
+        if left is None or left - lead <= SIGNAL_TICK_S:
+            return False
+        self._dump_at = time.monotonic() + left - lead
+        self.log(f"the job's end time is now {left:.0f} s away (its limit was lengthened): the dump is planned "
+                 f"{lead:.0f} s before it (in {left - lead:.0f} s)")
+        return True
 
     def _defer(self, sig: signal.Signals, cause: str, received: bool) -> bool:
         """A time-limit warning early (slurmctld's coarse tick delivers ``B:USR2@LEAD`` up to
@@ -578,8 +618,8 @@ class Supervisor:
 
     def _dump_margin_s(self) -> float:
         """Three times the slowest dump + commit this run directory has seen, and 15 s at least."""
-        costs = [float(e.get("dump_s") or 0) + float(e.get("commit_s") or 0) for e in self.ledger.read()
-                 if e.get("event") == "criu_dump"]
+        costs = (float(e.get("dump_s") or 0) + float(e.get("commit_s") or 0) for e in self.ledger.events()
+                 if e.get("event") == "criu_dump")  # streamed: bounded memory
         return max(DUMP_MARGIN_S, 3 * max(costs, default=0.0))
 
     def _check_dumpable(self, job: ops.Job) -> None:
@@ -612,11 +652,13 @@ class Supervisor:
                                progress_s=self.acct.now())
 
     def _stop_cause(self, sig: signal.Signals) -> str:
-        """Why a dump signal came: a pulled-in end time is a preemption; one near the end, the limit."""
+        """Why a dump signal came: an end time pulled in to near now is a preemption (one pulled in
+        further, a shortened limit, is not); one near the end, the limit."""
         if self._watch is None:
             return "signal"
-        self._watch.refresh()
-        if self._watch.pulled_in:
+        if self._watch.refresh():
+            self._pulled_in_is_preemption()
+        if self._watch.pulled_in and not self._shortened:
             return "preemption"
         left = self._watch.remaining_s()
         return "time_limit" if left is not None and left <= self._near_s() else "signal"
