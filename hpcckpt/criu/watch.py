@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +58,10 @@ class EndTimeWatch:
         self.last = end
         return moved
 
-    def refresh(self) -> None:
-        """Read the end time now (at a signal: was the end pulled in since the last poll?)."""
+    def refresh(self) -> bool:
+        """Read the end time now (at a signal): True when it was pulled in since the last poll."""
         self._next = 0.0
-        self.moved()
+        return self.moved()
 
     @property
     def pulled_in(self) -> bool:
@@ -124,22 +124,31 @@ class Progress:
         return self.base_s + self.run_s()
 
     @staticmethod
-    def lost_since(events: list[dict[str, Any]], resumed_s: float) -> dict[str, Any]:
-        """What resuming at ``resumed_s`` loses of the previous run (from its ledger events).
+    def lost_since(events: Iterable[dict[str, Any]], resumed_s: float) -> dict[str, Any]:
+        """What resuming at ``resumed_s`` loses of the previous run (from its ledger events,
+        streamed: ``Ledger.events()``; memory does not grow with the ledger).
 
         Exact when that run wrote its ``stop``; when it vanished (KILL, node failure) the
         furthest point it recorded (a periodic image) makes ``lost_s`` a lower bound."""
-        starts = [i for i, e in enumerate(events) if e.get("event") in RUN_OPENERS]
-        if not starts:
+        opened = stopped = False
+        every: Any = None
+        furthest: float | None = None
+        for e in events:
+            if e.get("event") in RUN_OPENERS:  # a later run: what counts starts again here
+                opened, stopped, every, furthest = True, False, e.get("dump_every_s"), None
+                continue
+            if not opened:
+                continue
+            stopped = stopped or e.get("event") == "stop"
+            p = e.get("progress_s")
+            if isinstance(p, (int, float)):
+                furthest = float(p) if furthest is None else max(furthest, float(p))
+        if not opened:
             return {}
-        prev = events[starts[-1]:]
-        stopped = any(e.get("event") == "stop" for e in prev)
-        every = prev[0].get("dump_every_s")
         bound = {} if stopped or not every else {"lost_at_most_s": every}  # a kill: at most one interval
-        seen = [float(e["progress_s"]) for e in prev[1:] if isinstance(e.get("progress_s"), (int, float))]
-        if not seen:
+        if furthest is None:
             return {"lost_s": None, "lost_exact": False, **bound}
-        return {"lost_s": round(max(0.0, max(seen) - resumed_s), 3), "lost_exact": stopped, **bound}
+        return {"lost_s": round(max(0.0, furthest - resumed_s), 3), "lost_exact": stopped, **bound}
 
 
 RUN_OPENERS = ("start", "criu_restore")

@@ -366,3 +366,35 @@ def test_a_restart_with_no_image_says_so_and_records_it(tmp_path: Path, monkeypa
     table = capsys.readouterr().out
     assert "! #1: the next run started from the beginning: there was no image (an earlier run" in table, table
     assert " none " in table.splitlines()[1], table
+
+
+def test_an_end_time_pulled_in_hours_ahead_is_a_shortened_limit_not_a_preemption(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An operator shortens the limit to 3 h from now: no dump and no requeue now, the dump is
+    # re-planned for the lead before the new end. A preemption after it (the end pulled in to
+    # now + GraceTime) still dumps at once.
+    from hpcckpt.criu.supervisor import RunOptions, Supervisor
+
+    said: list[str] = []
+    sup = Supervisor(RunOptions(dir=tmp_path, cmd=("true",), lead_s=180.0), log=said.append)
+    sup._checks_at = []
+    clock, end = [0.0], [time.time() + 8 * 3600]
+    sup._watch = EndTimeWatch(lambda: end[0], poll_s=10, clock=lambda: clock[0])
+    dumps: list[dict[str, object]] = []
+    monkeypatch.setattr(sup, "_on_dump_signal", lambda _job, _sig, **kw: dumps.append(kw) or 0)
+    assert sup._duties(None) is None  # type: ignore[arg-type]  # the first reading of the end time
+
+    end[0], clock[0] = time.time() + 3 * 3600, 10.0  # shortened by 5 h
+    assert sup._duties(None) is None and dumps == []  # type: ignore[arg-type]
+    assert sup._dump_at is not None and 3 * 3600 - 240 < sup._dump_at - time.monotonic() <= 3 * 3600 - 180
+    assert "shortened time limit" in said[-1], said
+    assert sup._stop_cause(signal.SIGUSR2) == "signal"  # a USR2 now is no time-limit warning, nor a preemption
+
+    sup._dump_at = time.monotonic() - 1  # the planned dump is due, but the limit was lengthened again
+    end[0], clock[0] = time.time() + 5 * 3600, 20.0
+    assert sup._duties(None) is None and dumps == []  # type: ignore[arg-type]
+    assert sup._dump_at is not None and sup._dump_at - time.monotonic() > 4 * 3600
+
+    end[0], clock[0] = time.time() + 30, 30.0  # a preemption with GraceTime 30 s
+    assert sup._duties(None) == 0 and dumps == [{"cause": "preemption", "received": False}]  # type: ignore[arg-type]
+    assert sup._stop_cause(signal.SIGTERM) == "preemption"
