@@ -706,7 +706,7 @@ class Batches:
         self._ckpt, self._loader, self._name, self._skip = ckpt, loader, name, skip
 
     def __len__(self) -> int:
-        return len(self._loader)  # type: ignore[arg-type]
+        return len(self._loader)  # type: ignore[arg-type]  # a loader without len() raises TypeError, as its own would
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._loader, attr)
@@ -736,5 +736,5 @@ def preemptible(fn: F | None = None, /, **checkpoint_options: Any) -> Any:
         def run(*args: Any, **kwargs: Any) -> Any:
             with Checkpointer(**checkpoint_options) as ckpt:
                 return f(ckpt, *args, **kwargs)
-        return run  # type: ignore[return-value]
+        return run  # type: ignore[return-value]  # wraps(f) keeps f's signature at run time; mypy cannot see it
     return wrap(fn) if fn is not None else wrap

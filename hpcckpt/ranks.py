@@ -74,7 +74,7 @@ class Ranks:
             return obj
         box = [json.dumps(obj) if self.is_coordinator else None]
         dist.broadcast_object_list(box, src=0, group=group)
-        return json.loads(box[0])  # type: ignore[arg-type]
+        return json.loads(box[0])  # type: ignore[arg-type]  # the broadcast filled box[0] with a str
 
     def close(self) -> None:
         """Destroy the groups made here, while the interpreter is fully alive.

@@ -223,7 +223,7 @@ class TrainState:
             if (_replicates_world(obj, self.world) if self.replicated == "auto"
                     else isinstance(obj, torch.nn.Module)):
                 ignored = _ddp_ignored(obj)
-                for pname, param in obj.named_parameters(remove_duplicate=False):  # type: ignore[attr-defined]
+                for pname, param in obj.named_parameters(remove_duplicate=False):  # type: ignore[attr-defined]  # obj is a Module here (checked above)
                     if pname in ignored:  # DDP does not synchronise it: each rank's own
                         continue
                     names.add(f"objects/{name}/{_escape(pname)}")

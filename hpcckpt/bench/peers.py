@@ -162,7 +162,7 @@ def _train(rig: PeerRig, name: str | None, interval: int, steps: int, root: Path
         rig.forward_backward()
         if pending is not None:
             t1 = time.perf_counter()
-            m.before_step(pending)  # type: ignore[union-attr]
+            m.before_step(pending)  # type: ignore[union-attr]  # pending is set only when m is not None
             blocked += time.perf_counter() - t1
         rig.opt.step()
         if m is not None and s % interval == 0:

@@ -56,7 +56,7 @@ class SyntheticRig:
         for p in self.model.parameters():
             with torch.no_grad():
                 p.uniform_(-bound, bound)
-        self.opt = self.optimizer(self.model.parameters(), lr=1e-4)  # type: ignore[call-arg]
+        self.opt = self.optimizer(self.model.parameters(), lr=1e-4)  # type: ignore[call-arg]  # base Optimizer type takes no lr; the subclasses used do
         self.state = TrainState()
         self.state.register("model", self.model)
         self.state.register("optimizer", self.opt)

@@ -13,7 +13,7 @@ def make_engine(name: str, ctx: SaveContext, ranks: Ranks, **options: object) ->
         return SyncEngine(ctx, ranks)
     if name == "concurrent":
         from .concurrent import ConcurrentEngine
-        return ConcurrentEngine(ctx, ranks, **options)  # type: ignore[arg-type]
+        return ConcurrentEngine(ctx, ranks, **options)  # type: ignore[arg-type]  # options: keyword arguments of ConcurrentEngine, typed object here
     raise ConfigError(f"unknown engine {name!r}; valid engines: sync, concurrent")
 
 

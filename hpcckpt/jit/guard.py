@@ -171,7 +171,7 @@ class JitGuard:
         self._set_boundary(self._start_step)
         # Through weak references: the registrations never keep the Checkpointer and its model alive.
         ref = weakref.ref(self)
-        threading._register_atexit(_shutdown_hook, ref)  # type: ignore[attr-defined]
+        threading._register_atexit(_shutdown_hook, ref)  # type: ignore[attr-defined]  # private CPython API, not in the stubs
         os.register_at_fork(after_in_child=lambda: _fork_hook(ref))
         self.heartbeat.start()
         if self.rank == 0:  # after the heartbeat started: a slow file system never delays it

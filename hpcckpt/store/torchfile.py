@@ -62,7 +62,7 @@ def write(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     w = _CrcWriter(fd)
     try:
-        torch.save({"tensors": cpu}, w)  # type: ignore[arg-type]
+        torch.save({"tensors": cpu}, w)  # type: ignore[arg-type]  # torch stubs want IO[bytes]; w has write/flush
         os.fsync(fd)
     except OSError as exc:
         raise explain_os_error(exc, root, path) from None
