@@ -120,7 +120,7 @@ def build_context(*, script: Path | None, ckpt_dir: Path | None) -> DoctorContex
     if ckpt_dir is not None:
         from hpcckpt.ledger import Ledger
 
-        costs = tuple(float(e["save_s"]) for e in Ledger(ckpt_dir).read()
+        costs = tuple(float(e["save_s"]) for e in Ledger(ckpt_dir).events()
                       if e.get("event") == "commit" and isinstance(e.get("save_s"), (int, float)))
     config: dict[str, str] | None = None
     partitions: tuple[dict[str, str], ...] = ()

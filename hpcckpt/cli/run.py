@@ -123,7 +123,10 @@ def run_app_locally(args: argparse.Namespace) -> int:
     ledger = Ledger(Path(env["HPCCKPT_DIR"]))
 
     def refused() -> str | None:
-        last = next((e for e in reversed(ledger.read()) if e.get("event") == "requeue"), None)
+        last = None
+        for e in ledger.events():  # streamed: a ledger of any size in bounded memory
+            if e.get("event") == "requeue":
+                last = e
         return None if last is None or last.get("requeued", True) else str(last.get("detail") or "refused")
 
     sup = Restarter(cmd, max_restarts=args.max_restarts, env=env, should_restart=refused)

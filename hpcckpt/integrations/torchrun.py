@@ -19,21 +19,28 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from ..ledger import Ledger
 
 
-def last_run(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The events of the newest run: everything after the last ``start``."""
-    starts = [i for i, e in enumerate(events) if e.get("event") == "start"]
-    return events[starts[-1]:] if starts else []
+def last_run(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events of the newest run: everything after the last ``start`` (streamed: only that
+    run's events are kept, whatever the ledger's size)."""
+    run: list[dict[str, Any]] = []
+    for e in events:
+        if e.get("event") == "start":
+            run = [e]
+        elif run:
+            run.append(e)
+    return run
 
 
 def should_requeue(ckpt_dir: Path) -> tuple[bool, str]:
     """Whether the newest run stopped for a requeue with its final checkpoint committed, and why."""
-    run = last_run(Ledger(ckpt_dir).read())
+    run = last_run(Ledger(ckpt_dir).events())
     if not run:
         return False, f"no run recorded in {ckpt_dir}/ledger.jsonl"
     stop = next((e for e in reversed(run) if e.get("event") == "stop"), None)
