@@ -15,7 +15,9 @@ from ..errors import ConfigError
 from .entry import ALIGN, TensorEntry
 from .hdf5 import plan_file
 
-_TEMPLATE_MAX_BYTES = 16 << 20  # larger metadata than this: plan each file afresh
+# HDF5 metadata is ~0.5-1 KB a dataset: 256 MiB is far beyond any model's state (and held
+# in memory for the run); a file with more is planned afresh at each save.
+_TEMPLATE_MAX_BYTES = 256 << 20
 Spec = tuple[str, torch.dtype, tuple[int, ...]]
 
 
@@ -23,28 +25,51 @@ def _round_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align
 
 
-def _data_segments(path: Path) -> tuple[list[tuple[int, bytes]], int] | None:
-    """The non-hole bytes of a freshly planned (sparse) HDF5 file, and its size.
+def _without(start: int, end: int, data: list[tuple[int, int]], i: int) -> tuple[list[tuple[int, int]], int]:
+    """The parts of ``[start, end)`` outside the sorted, disjoint ranges ``data[i:]`` (and the
+    index of the first range that may still overlap a later segment)."""
+    parts: list[tuple[int, int]] = []
+    while i < len(data) and data[i][1] <= start:
+        i += 1
+    j, cur = i, start
+    while j < len(data) and data[j][0] < end:
+        lo, hi = data[j]
+        if lo > cur:
+            parts.append((cur, lo))
+        cur = max(cur, hi)
+        j += 1
+    if cur < end:
+        parts.append((cur, end))
+    return parts, i
 
-    A planned file holds only metadata; its datasets are unwritten holes, so the
-    metadata is all a later save needs to rewrite (far cheaper than re-creating
-    the HDF5 structure). None where the file system reports no holes.
+
+def _data_segments(path: Path, entries: dict[str, TensorEntry]) -> tuple[list[tuple[int, bytes]], int] | None:
+    """The HDF5 metadata of a freshly planned (sparse) file: its non-hole bytes outside every
+    tensor's data, and the file's size.
+
+    A planned file holds only metadata and its datasets' unwritten data; the metadata is
+    all a later save needs to rewrite (far cheaper than re-creating the HDF5 structure),
+    and small tensors' data, which shares file-system blocks with it, is left out: the
+    save writes it. None where the file system reports no holes or the metadata is huge.
     """
+    data = sorted((e.offset, e.offset + e.nbytes) for e in entries.values() if e.nbytes)
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
         segments: list[tuple[int, bytes]] = []
-        total, off = 0, 0
+        total, off, i = 0, 0, 0
         while off < size:
             try:
                 start = os.lseek(fd, off, os.SEEK_DATA)
             except OSError:
                 break  # ENXIO: only a hole remains
             end = os.lseek(fd, start, os.SEEK_HOLE)
-            total += end - start
-            if total > _TEMPLATE_MAX_BYTES:
-                return None
-            segments.append((start, os.pread(fd, end - start, start)))
+            parts, i = _without(start, end, data, i)
+            for lo, hi in parts:
+                total += hi - lo
+                if total > _TEMPLATE_MAX_BYTES:
+                    return None
+                segments.append((lo, os.pread(fd, hi - lo, lo)))
             off = end
         return segments, size
     finally:
@@ -81,7 +106,7 @@ class Layout:
             cursor = _round_up(cursor, ALIGN) + e.offset % ALIGN
             offsets[name] = cursor
             cursor += e.nbytes
-        return Layout(specs, entries, offsets, max(_round_up(cursor, ALIGN), ALIGN), _data_segments(path))
+        return Layout(specs, entries, offsets, max(_round_up(cursor, ALIGN), ALIGN), _data_segments(path, entries))
 
     def materialise(self, path: Path) -> None:
         """Create ``path`` as this layout's HDF5 file (data regions still holes)."""
