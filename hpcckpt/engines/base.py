@@ -31,7 +31,7 @@ from ..state import Flat, TrainState
 from ..store import catalog, placement
 from ..store.commit import Transaction, discard
 from ..store.manifest import build as build_manifest
-from ..store.lock import writer_lock
+from ..store.publish import commit_and_prune
 
 log = logging.getLogger("hpcckpt.engines")
 
@@ -185,19 +185,12 @@ class Engine(ABC):
         """Commit and prune; coordinator only. Faults after the rename (root fsync, LATEST,
         pruning) go to ``warnings``: the step is committed, a failed save would be a lie."""
         manifest = build_manifest(step=step, engine=self.name, job=self.ctx.job, user=self.ctx.user, records=records)
-        warnings = [] if warnings is None else warnings
-        with writer_lock(self.ctx.root):
-            txn = Transaction(self.ctx.root, catalog.step_name(step), temp=tmp)
-            # Rank files are already fsynced by their writers; sizes are re-read, crcs come from the writers.
-            path = txn.commit(manifest, checksum=False, fsync_files=False)
-            warnings += txn.warnings
-            try:
-                removed = catalog.prune(self.ctx.root, self.ctx.keep, protect={path})
-            except OSError as exc:
-                warnings.append(f"step {step} is committed, but retention could not prune older checkpoints: {exc}")
-                removed = []
-            for p in removed:
-                log.info("hpcckpt: retention removed %s", p)
+        txn = Transaction(self.ctx.root, catalog.step_name(step), temp=tmp)
+        path, faults, removed = commit_and_prune(txn, manifest, keep=self.ctx.keep)
+        if warnings is not None:
+            warnings += faults
+        for p in removed:
+            log.info("hpcckpt: retention removed %s", p)
         return path
 
 

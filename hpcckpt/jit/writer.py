@@ -14,7 +14,7 @@ directory, which is never loaded.
 """
 from __future__ import annotations
 
-import time
+import logging
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -22,11 +22,13 @@ import torch
 
 from ..store import catalog, torchfile
 from ..store.commit import Transaction
-from ..store.lock import writer_lock
+from ..store.manifest import build as build_manifest
+from ..store.publish import commit_and_prune
+
+log = logging.getLogger("hpcckpt.jit")
 
 JIT_FILE = "jit.pt"
 ENGINE = "jit"
-MANIFEST_FORMAT = "hpcckpt/2"
 LOCK_TIMEOUT_S = 60.0
 
 
@@ -90,10 +92,10 @@ def commit(root: Path, *, step: int, world: int, writer_rank: int, keep: int, jo
             held = sorted(set(names_of[src].values()) | (set(replicated) if r == holder else set()))
             ranks[str(r)] = {"file": JIT_FILE, "format": "torch", "meta": meta,
                              "tensors": {n: entries[n] for n in held}}
-        manifest = {"format": MANIFEST_FORMAT, "step": step, "world_size": world, "engine": ENGINE,
-                    "created": time.time(), "job": dict(job), "user": dict(user), "ranks": ranks,
-                    "files": {JIT_FILE: rec["file_info"]}, "shared": shared, "jit": dict(info)}
-        with writer_lock(root, timeout_s=LOCK_TIMEOUT_S):
-            path = txn.commit(manifest, checksum=False, fsync_files=False)
-            catalog.prune(root, keep, protect={path})
+        manifest = build_manifest(step=step, engine=ENGINE, job=job, user=user,
+                                  records=[ranks[str(r)] for r in range(world)], shared=shared,
+                                  files={JIT_FILE: rec["file_info"]}, jit=dict(info))
+        path, faults, _removed = commit_and_prune(txn, manifest, keep=keep, lock_timeout_s=LOCK_TIMEOUT_S)
+        for fault in faults:
+            log.warning("hpcckpt: jit: %s", fault)
     return path

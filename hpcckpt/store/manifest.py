@@ -182,15 +182,22 @@ def _bounded(fname: str, file_bytes: int, tensors: Mapping[str, Any], fmt: str, 
 
 
 def build(*, step: int, engine: str, job: Mapping[str, Any], user: Mapping[str, Any],
-          records: list[dict[str, Any]]) -> dict[str, Any]:
+          records: list[dict[str, Any]], shared: Mapping[str, Any] | None = None,
+          files: Mapping[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
     """The manifest of one save from every rank's commit record (rank order); the coordinator's.
 
     The records' distributed-tensor fields become the ``shared`` table
-    (``placement.merge_shared``, which refuses pieces that do not tile a tensor).
+    (``placement.merge_shared``, which refuses pieces that do not tile a tensor), and
+    their ``file_info`` the ``files`` table, unless the caller gives them (the JIT writer:
+    one file for every rank, its replicated tensors already laid out). ``extra``: further
+    top-level fields (the JIT writer's ``jit``).
     """
     import time
-    from .placement import merge_shared
-    shared = merge_shared(records)
+    if shared is None:
+        from .placement import merge_shared
+        shared = merge_shared(records)
+    if files is None:
+        files = {rec["file"]: rec["file_info"] for rec in records if "file_info" in rec}
     return {
         "format": FORMAT_V2,
         "step": step,
@@ -200,8 +207,9 @@ def build(*, step: int, engine: str, job: Mapping[str, Any], user: Mapping[str, 
         "job": dict(job),
         "user": dict(user),
         "ranks": {str(r): rec for r, rec in enumerate(records)},
-        "files": {rec["file"]: rec["file_info"] for rec in records if "file_info" in rec},
-        "shared": shared,
+        "files": dict(files),
+        "shared": dict(shared),
+        **extra,
     }
 
 

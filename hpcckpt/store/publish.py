@@ -1,0 +1,34 @@
+"""Commit a written checkpoint, then prune the old ones: one routine for every mode that saves steps.
+
+Used by the engines (``engines/base.py``) and the JIT writer (``jit/writer.py``). Both
+write and fsync their rank files before the commit, so the commit re-reads sizes only
+(the crcs come from the writers) and fsyncs nothing but the manifest and directories.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from . import catalog
+from .commit import Transaction
+from .lock import writer_lock
+
+
+def commit_and_prune(txn: Transaction, manifest: dict[str, Any], *, keep: int,
+                     lock_timeout_s: float = -1) -> tuple[Path, list[str], list[Path]]:
+    """Under the writer lock: commit ``txn`` with ``manifest``, then keep the newest ``keep``.
+
+    Returns ``(path, warnings, removed)``. Faults after the rename (root fsync, LATEST,
+    pruning) are ``warnings``, never an exception: the step is committed, and a failed
+    save would be a lie. ``lock_timeout_s``: how long to wait for the lock (-1: for ever).
+    """
+    warnings: list[str] = []
+    with writer_lock(txn.root, timeout_s=lock_timeout_s):
+        path = txn.commit(manifest, checksum=False, fsync_files=False)
+        warnings += txn.warnings
+        try:
+            removed = catalog.prune(txn.root, keep, protect={path})
+        except OSError as exc:
+            warnings.append(f"{txn.name} is committed, but retention could not prune older checkpoints: {exc}")
+            removed = []
+    return path, warnings, removed
