@@ -495,7 +495,8 @@ class Checkpointer:
         if handle.save_s is not None:
             self.policy.observe_save(handle.save_s, getattr(handle, "stall_s", None))
         if self.ranks.is_coordinator:
-            self.ledger.append("commit", step=handle.step, save_s=handle.save_s, engine=self.options.engine,
+            self.ledger.append("commit", durable=handle.final, step=handle.step, save_s=handle.save_s,
+                               engine=self.options.engine,
                                stall_s=getattr(handle, "stall_s", None), final=handle.final,
                                path=str(handle.path), **self.policy.report())
             self.figures.save_s, self.figures.step_s = self.policy.save_cost_s, self.policy.step_s

@@ -47,8 +47,15 @@ class Ledger:
         self.path = self.dir / LEDGER
         self._identity = identity
 
-    def append(self, event: str, *, lock_wait_s: float = LOCK_WAIT_S, **fields: Any) -> dict[str, Any]:
-        """Append one event durably; on failure log it and go on (the event is returned either way)."""
+    def append(self, event: str, *, lock_wait_s: float = LOCK_WAIT_S, durable: bool = True,
+               **fields: Any) -> dict[str, Any]:
+        """Append one event durably; on failure log it and go on (the event is returned either way).
+
+        ``durable=False``: no fsync of its own (the next durable append, or the kernel's own
+        writeback, makes it durable): for the records of every periodic commit, which are
+        bookkeeping beside a checkpoint that is itself durable, so that a small state saved
+        at every step does not pay a ledger fsync on the training thread each time.
+        """
         who = self._identity or current()
         rec: dict[str, Any] = {"event": event, "time": time.time(), **who.record()}
         rec.update(fields)
@@ -58,21 +65,22 @@ class Ledger:
             lock = _open_regular(self.dir / LOCK, os.O_RDWR | os.O_CREAT)
             try:
                 _flock_bounded(lock, lock_wait_s, self.dir / LOCK)
-                self._write(line)
+                self._write(line, durable)
             finally:
                 os.close(lock)  # closing drops the flock
         except Exception as exc:  # noqa: BLE001 - never let bookkeeping stop training
             log.error("hpcckpt: could not record %r in %s (%s); skipped, training goes on", event, self.path, exc)
         return rec
 
-    def _write(self, line: bytes) -> None:
+    def _write(self, line: bytes, durable: bool = True) -> None:
         fd = _open_regular(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
         try:
             size = os.fstat(fd).st_size
             if size and os.pread(fd, 1, size - 1) != b"\n":
                 line = b"\n" + line  # an earlier append was torn (crash, full disk): keep this one whole
             write_all(fd, line)
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
 

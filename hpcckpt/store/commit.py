@@ -2,8 +2,9 @@
 
 1. write into ``<root>/<name>.tmp-<unique>/`` (same directory, never the system temp);
 2. fsync every file; 3. write ``manifest.json`` and fsync it;
-4. ``os.replace`` the directory to ``<root>/<name>``; 5. fsync ``<root>``;
-6. atomically replace ``<root>/LATEST`` (tmp, fsync, replace, fsync dir).
+4. ``os.replace`` the directory to ``<root>/<name>``; 5. fsync ``<root>`` (after 6);
+6. replace ``<root>/LATEST`` (a hint: tmp, replace) and fsync ``<root>`` once for both
+   renames (5 and 6 share that fsync).
 
 A directory without a manifest, or whose checksums fail, does not exist for load.
 """
@@ -87,6 +88,19 @@ def atomic_write(path: Path, data: bytes) -> None:
     write_new_durable(tmp, data)
     os.replace(tmp, path)
     fsync_path(path.parent)
+
+
+def replace_hint(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically, without fsyncs of its own: for a hint
+    (``LATEST``) whose rename a following fsync of the directory makes durable, and
+    whose loss or emptiness after a crash costs nothing (readers never trust it alone)."""
+    tmp = path.with_name(f"{path.name}{TMP_MARK}{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        write_all(fd, data)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
 
 
 def file_crc32c(path: Path) -> tuple[int, int]:
@@ -477,14 +491,14 @@ class Transaction:
             # that a crash at any instant leaves one complete step directory in place.
             exchange_dirs(self.path, self.final)
             self.committed = True
-            self._after_rename("make the swap durable (fsync of the checkpoint root)", fsync_path, self.root)
-            self._after_rename("remove the replaced copy", discard, self.root, [self.path])
         else:
             os.replace(self.path, self.final)
             self.committed = True
-            self._after_rename("make the rename durable (fsync of the checkpoint root)", fsync_path, self.root)
-        if update_latest:
-            self._after_rename("update LATEST", atomic_write, self.root / LATEST, (self.name + "\n").encode())
+        if update_latest:  # a hint: its rename is made durable by the one fsync of the root below
+            self._after_rename("update LATEST", replace_hint, self.root / LATEST, (self.name + "\n").encode())
+        self._after_rename("make the rename durable (fsync of the checkpoint root)", fsync_path, self.root)
+        if self.path.exists():
+            self._after_rename("remove the replaced copy", discard, self.root, [self.path])
         return self.final
 
     def _after_rename(self, what: str, fn: Any, *args: Any) -> None:
