@@ -267,6 +267,14 @@ def _draws_global(loader: Any, gens: Mapping[str, torch.Generator]) -> bool:
     return not isinstance(inner, quiet) and not isinstance(getattr(inner, "generator", None), torch.Generator)
 
 
+def _drop_unused_iterator(loader: Any) -> None:
+    """Forget the iterator a StatefulDataLoader makes when its ``state_dict()`` is asked for before any
+    ``iter()`` (a save's capture, an engine planning its layout at ``register()``): it drew its worker
+    seed and order then, not where the pass begins, and ``iter()`` would hand it out as the pass's."""
+    if getattr(loader, "_initial_iter_for_state_dict", False) and callable(getattr(loader, "load_state_dict", None)):
+        loader.load_state_dict({})  # torchdata: drops that iterator, keeps a restored position (next_iter_state)
+
+
 def find_resumable(loader: Any) -> ResumableSampler | None:
     """The ResumableSampler that drives ``loader`` (its sampler, or its batch sampler's)."""
     for candidate in (getattr(loader, "sampler", None),
@@ -303,6 +311,7 @@ class LoaderPosition:
         self.passes = 0  # passes begun (epochs over this loader)
         self.taken = 0   # batches of the current pass that reached the training code
         self._rng: dict[str, torch.Tensor] = {}
+        self._rng_iter: dict[str, torch.Tensor] = {}  # a StatefulDataLoader's generators just after its iter()
         self._restored: Mapping[str, Any] | None = None
 
     @property
@@ -352,8 +361,19 @@ class LoaderPosition:
             return iter(())
         finally:
             torch.set_rng_state(boundary)
+            # torchdata puts a sampler's generator back to the pass's start and draws the order again,
+            # but not the worker seed the pass's iter() drew from the loader's generator after it: the
+            # generators are set to their state after that iter(), as in the uninterrupted run.
+            for role, g in _generators(self.loader).items():
+                if role in self._rng_iter:
+                    g.set_state(self._rng_iter[role])
 
     def _begin(self) -> Iterator[Any]:
+        if not self.stateful:
+            # With worker processes a resume replays this pass from the RNG states recorded here, so the
+            # pass's iterator must draw from them. (Without, the loader's own state resumes it, and an
+            # iterator its state_dict() made is the one a script without hpcckpt would have made here.)
+            _drop_unused_iterator(self.loader)
         sampler = self.resumable
         inner = getattr(self.loader, "sampler", None)
         if sampler is not None and sampler.exhausted:
@@ -366,12 +386,15 @@ class LoaderPosition:
             self._rng["torch"] = torch.get_rng_state()
         self.passes += 1
         self.taken = 0
-        return iter(self.loader)
+        it = iter(self.loader)
+        self._rng_iter = {k: g.get_state() for k, g in gens.items()} if self.stateful else {}
+        return it
 
     def _resume(self, state: Mapping[str, Any]) -> Iterator[Any]:
         """Replay the saved pass's start, skip what was trained on; the global RNG is left as found."""
         self.passes, self.taken = int(state["passes"]), int(state["taken"])
         self._rng = dict(state.get("rng") or {})
+        self._rng_iter = dict(state.get("rng_iter") or {})
         if self.stateful:
             return self._resume_stateful(state)
         sampler = self.resumable
@@ -381,6 +404,7 @@ class LoaderPosition:
             sampler.resume_next_iter()
         if self.set_epochs and sampler is None and hasattr(getattr(self.loader, "sampler", None), "set_epoch"):
             self.loader.sampler.set_epoch(self.passes - 1)
+        _drop_unused_iterator(self.loader)
         if getattr(self.loader, "next_iter_state", None) is not None:
             self.loader.next_iter_state = None  # a StatefulDataLoader's own position: replayed here instead
         if self.passes > 1 and getattr(self.loader, "persistent_workers", False) and self._mode() == "fetch":
@@ -430,6 +454,8 @@ class LoaderPosition:
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"passes": self.passes, "taken": self.taken, "rng": dict(self._rng)}
+        if self._rng_iter:
+            state["rng_iter"] = dict(self._rng_iter)
         sampler = self.resumable
         if sampler is not None and self.saves_sampler:
             state["sampler"] = sampler.state_dict()
@@ -447,10 +473,11 @@ class LoaderPosition:
             raise CheckpointCorrupt(f"loader position lacks {missing}; the checkpoint's data position is damaged")
         if not all(_is_int(state[k]) and state[k] >= 0 for k in ("passes", "taken")):
             raise CheckpointCorrupt(f"loader position has passes={state['passes']!r}, taken={state['taken']!r}")
-        rng = state.get("rng")
-        if rng is not None and not (isinstance(rng, Mapping) and all(
-                isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.dim() == 1 for v in rng.values())):
-            raise CheckpointCorrupt("loader position's RNG states are not generator states")
+        for key in ("rng", "rng_iter"):
+            rng = state.get(key)
+            if rng is not None and not (isinstance(rng, Mapping) and all(
+                    isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.dim() == 1 for v in rng.values())):
+                raise CheckpointCorrupt("loader position's RNG states are not generator states")
         if "sampler" in state:
             ResumableSampler.check_state(state["sampler"])
 
@@ -459,6 +486,7 @@ class LoaderPosition:
         self._restored = state
         self.passes, self.taken = int(state["passes"]), int(state["taken"])
         self._rng = dict(state.get("rng") or {})
+        self._rng_iter = dict(state.get("rng_iter") or {})
 
 
 class Progress:

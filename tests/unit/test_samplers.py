@@ -78,6 +78,8 @@ except ImportError:  # torchdata is optional: these cases run where it is instal
     StatefulDataLoader = None
 if StatefulDataLoader is not None:
     LOADERS["StatefulDataLoader shuffle"] = lambda: (StatefulDataLoader(indices(), batch_size=4, shuffle=True), None)
+    LOADERS["StatefulDataLoader shuffle+generator"] = lambda: (StatefulDataLoader(
+        indices(), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(11)), None)
     LOADERS["StatefulDataLoader IterableDataset"] = lambda: (StatefulDataLoader(Stream(), batch_size=4), None)
     LOADERS["StatefulDataLoader workers"] = lambda: (StatefulDataLoader(Augmenting(), batch_size=4, shuffle=True,
                                                                         num_workers=2), None)
@@ -112,13 +114,15 @@ def plain(make: Callable[[], tuple[DataLoader[Any], Any]], *, peek: bool = False
 
 
 def integrated(ckdir: Path, make: Callable[[], tuple[DataLoader[Any], Any]], out: list[Any], *,
-               stop_at: int | None = None, peek: bool = False) -> None:
-    """The same script with hpcckpt (epochs + batches); SIGUSR2 during step ``stop_at``."""
+               stop_at: int | None = None, peek: bool = False, engine: str = "sync",
+               register_loader: bool = False) -> None:
+    """The same script with hpcckpt (epochs + batches); SIGUSR2 during step ``stop_at``.
+    ``register_loader``: the loader is registered too, as any stateful object (a StatefulDataLoader)."""
     torch.manual_seed(0)
     loader, sampler = make()
     model = torch.nn.Linear(1, 1)
-    ck = Checkpointer(ckdir, every_steps=None)
-    ck.register(model=model)
+    ck = Checkpointer(ckdir, every_steps=None, engine=engine)
+    ck.register(model=model, **({"loader": loader} if register_loader else {}))
     for epoch in ck.epochs(EPOCHS):
         if peek:
             next(iter(loader))
@@ -131,7 +135,8 @@ def integrated(ckdir: Path, make: Callable[[], tuple[DataLoader[Any], Any]], out
         out.append(("end", epoch, float.hex(torch.rand(()).item())))
 
 
-def with_stops(ckdir: Path, make: Callable[[], tuple[DataLoader[Any], Any]], stops: list[int], **kw: Any) -> list[Any]:
+def with_stops(ckdir: Path, make: Callable[[], tuple[DataLoader[Any], Any]], stops: list[int],
+               **kw: Any) -> list[Any]:
     out: list[Any] = []
     for stop in stops:
         with pytest.raises(RequeueExit) as exc:
@@ -141,16 +146,75 @@ def with_stops(ckdir: Path, make: Callable[[], tuple[DataLoader[Any], Any]], sto
     return out
 
 
-@pytest.mark.parametrize("case", list(LOADERS))
-def test_integrated_run_keeps_the_data_order_and_resumes_it(case: str, tmp_path: Path) -> None:
+# Both engines where the engine could matter to a loader (the save runs where the loader's own
+# state is taken); the sync engine for the rest, to keep the suite fast.
+BOTH_ENGINES = {"StatefulDataLoader shuffle", "StatefulDataLoader shuffle+generator",
+                "StatefulDataLoader IterableDataset", "StatefulDataLoader workers"}
+
+
+def _engine_cases() -> list[Any]:
+    return [pytest.param(case, engine, id=f"{case}-{engine}") for case in LOADERS
+            for engine in (("sync", "concurrent") if case in BOTH_ENGINES else ("sync",))]
+
+
+@pytest.mark.parametrize("case, engine", _engine_cases())
+def test_integrated_run_keeps_the_data_order_and_resumes_it(case: str, engine: str, tmp_path: Path) -> None:
     make = LOADERS[case]
     ref = plain(make)
     per_epoch = sum(1 for _ in make()[0])  # len() is unknown for an iterable dataset
     uninterrupted: list[Any] = []
-    integrated(tmp_path / "a", make, uninterrupted)
+    integrated(tmp_path / "a", make, uninterrupted, engine=engine)
     assert uninterrupted == ref  # adding hpcckpt changes nothing
     # mid-epoch, then exactly at an epoch's end (its per-epoch code not yet run)
-    assert with_stops(tmp_path / "b", make, [per_epoch + 1, 2 * per_epoch]) == ref
+    assert with_stops(tmp_path / "b", make, [per_epoch + 1, 2 * per_epoch], engine=engine) == ref
+
+
+@pytest.mark.skipif(StatefulDataLoader is None, reason="needs torchdata (pip install 'torchdata==0.11.*')")
+@pytest.mark.parametrize("case", ["shuffle", "shuffle+generator", "IterableDataset", "workers"])
+@pytest.mark.parametrize("engine", ["sync", "concurrent"])
+def test_a_registered_stateful_dataloader_resumes_exactly(case: str, engine: str, tmp_path: Path) -> None:
+    """``ckpt.register(loader=loader)``, as any stateful object, and trained through ``ckpt.batches``."""
+    make = LOADERS[f"StatefulDataLoader {case}"]
+    ref = plain(make)
+    per_epoch = sum(1 for _ in make()[0])
+    uninterrupted: list[Any] = []
+    integrated(tmp_path / "a", make, uninterrupted, engine=engine, register_loader=True)
+    if case == "workers" and engine == "concurrent":
+        # The concurrent engine asks the registered objects for their state at register() (to lay out
+        # its staging): the loader's state_dict() then starts its first epoch's workers and draws their
+        # seed and order there; hpcckpt drops that iterator, so the first epoch differs from the script
+        # without hpcckpt (README). Resumes are still exact. (Should this start to fail, the engine no
+        # longer asks at register(): compare with ref here too and drop the README's caveat.)
+        assert uninterrupted != ref
+    else:
+        assert uninterrupted == ref
+    stops = [2, per_epoch, 2 * per_epoch - 1]  # mid-epoch, an epoch's end, the last batch of an epoch
+    assert with_stops(tmp_path / "b", make, stops, engine=engine, register_loader=True) == uninterrupted
+
+
+@pytest.mark.skipif(StatefulDataLoader is None, reason="needs torchdata (pip install 'torchdata==0.11.*')")
+@pytest.mark.parametrize("engine", ["sync", "concurrent"])
+def test_loop_accepts_a_registered_stateful_dataloader(engine: str, tmp_path: Path) -> None:
+    def run(ckdir: Path, out: list[Any], stop_at: int | None = None) -> None:
+        torch.manual_seed(0)
+        loader = StatefulDataLoader(Stream(), batch_size=4)
+        model = torch.nn.Linear(1, 1)
+        ck = Checkpointer(ckdir, every_steps=None, engine=engine)
+        ck.register(model=model, loader=loader)
+        for step, batch in ck.loop(loader, 14):  # 6 batches a pass: 2 passes and 2 batches
+            out.append((step, batch[0].tolist(), batch[1].tolist(), float.hex(torch.rand(()).item())))
+            if stop_at is not None and step + 1 == stop_at:
+                os.kill(os.getpid(), signal.SIGUSR2)
+
+    ref: list[Any] = []
+    run(tmp_path / "a", ref)
+    assert [s for s, *_ in ref] == list(range(14)) and ref[0][1:3] == ref[6][1:3]  # a new pass: the same stream
+    out: list[Any] = []
+    for stop in (3, 6, 11):
+        with pytest.raises(RequeueExit):
+            run(tmp_path / "b", out, stop)
+    run(tmp_path / "b", out)
+    assert out == ref
 
 
 @pytest.mark.parametrize("case", ["shuffle", "shuffle+generator", "DistributedSampler rank 1"])
