@@ -92,7 +92,6 @@ from __future__ import annotations
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -110,6 +109,7 @@ from ..policy import bounded_lead_s, warning_wait_s
 from ..proc import tree as proctree
 from ..store.commit import Transaction, atomic_write
 from ..store.lock import writer_lock
+from ..store.manifest import build_image
 from . import images, ops
 from .locate import Criu, find_criu
 from .watch import RUN_OPENERS, EndTimeWatch, Progress, Tee
@@ -907,19 +907,16 @@ class Supervisor:
     def _manifest(self, job: ops.Job, seq: int, sig: signal.Signals | None, criu: Criu, dump_s: float,
                   cuda_inner: list[int], gpus: list[dict[str, Any]], *, max_inner_id: int,
                   parent: str | None) -> dict[str, Any]:
-        return {
-            "kind": images.KIND, "seq": seq, "created": time.time(), "host": socket.gethostname(),
-            "job_id": identity.current().job_id,
-            "restart_count": identity.current().restart_count,
-            "cmd": list(self.opts.cmd), "signal": sig.name if sig else None, "criu_version": criu.version,
-            "dump_s": dump_s, "progress_s": self._dumped_at_s, "parent": parent, "periodic": sig is None,
-            "stdio": {"stdout": str(job.stdout), "stderr": str(job.stderr)},
-            "ns_layout": NS_LAYOUT, "max_inner_id": max_inner_id,
-            "cuda_pids": cuda_inner, "gpus": gpus,
-            "dump_options": {"file_locks": self.opts.dump.file_locks,
-                             "tcp_established": self.opts.dump.tcp_established,
-                             "ext_unix_sk": self.opts.dump.ext_unix_sk},
-        }
+        who = identity.current()
+        return build_image(
+            kind=images.KIND, seq=seq, job_id=who.job_id, restart_count=who.restart_count,
+            cmd=list(self.opts.cmd), signal=sig.name if sig else None, criu_version=criu.version,
+            dump_s=dump_s, progress_s=self._dumped_at_s, parent=parent, periodic=sig is None,
+            stdio={"stdout": str(job.stdout), "stderr": str(job.stderr)},
+            ns_layout=NS_LAYOUT, max_inner_id=max_inner_id, cuda_pids=cuda_inner, gpus=gpus,
+            dump_options={"file_locks": self.opts.dump.file_locks,
+                          "tcp_established": self.opts.dump.tcp_established,
+                          "ext_unix_sk": self.opts.dump.ext_unix_sk})
 
     # -- requeue -----------------------------------------------------------------------
     def _requeue(self, image: str | None, cause: str) -> int:

@@ -181,6 +181,17 @@ def _bounded(fname: str, file_bytes: int, tensors: Mapping[str, Any], fmt: str, 
                       f"{held}; at most {limit} is plausible")
 
 
+def build_image(*, kind: str, seq: int, job_id: str | None, restart_count: int, **fields: Any) -> dict[str, Any]:
+    """The manifest of one CRIU image (``criu/images``): the store's envelope (kind, sequence
+    number, creation time, host, job) around what the dump recorded (``fields``: the
+    command, signal, CRIU version, timings, namespaces, CUDA processes and GPUs...).
+    Files and their checksums are added by ``Transaction.commit`` as for every checkpoint."""
+    import socket
+    import time
+    return {"kind": kind, "seq": seq, "created": time.time(), "host": socket.gethostname(),
+            "job_id": job_id, "restart_count": restart_count, **fields}
+
+
 def build(*, step: int, engine: str, job: Mapping[str, Any], user: Mapping[str, Any],
           records: list[dict[str, Any]], shared: Mapping[str, Any] | None = None,
           files: Mapping[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
