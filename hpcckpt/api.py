@@ -463,8 +463,10 @@ class Checkpointer:
         """Checkpoint the registered state as of ``self.step``. Collective on all ranks."""
         t0 = time.monotonic()
         flat = self.state.capture(step=self.step, extra=None)
+        capture_s = time.monotonic() - t0  # state_dict() and co.: before the engine's save_s starts
         handle = self.engine.save(flat, self.step, final=final)
         handle.final = final
+        handle.capture_s = capture_s
         handle.stall_s = time.monotonic() - t0  # the part training waited for (engines may add to it)
         self.policy.saved_at(self.step)
         self._handles.append(handle)
@@ -493,7 +495,8 @@ class Checkpointer:
             raise error
         self.committed_step = handle.step
         if handle.save_s is not None:
-            self.policy.observe_save(handle.save_s, getattr(handle, "stall_s", None))
+            self.policy.observe_save(handle.save_s, getattr(handle, "stall_s", None),
+                                     capture_s=getattr(handle, "capture_s", 0.0))
         if self.ranks.is_coordinator:
             self.ledger.append("commit", durable=handle.final, step=handle.step, save_s=handle.save_s,
                                engine=self.options.engine,

@@ -192,10 +192,12 @@ class Policy:
         if self.auto is not None:
             self.auto.observe_step(dt)
 
-    def observe_save(self, save_s: float, stall_s: float | None = None) -> None:
+    def observe_save(self, save_s: float, stall_s: float | None = None, *, capture_s: float = 0.0) -> None:
         # Keep the worst recent cost: the final save must fit before the deadline. The first
-        # measurement replaces the assumed default instead of decaying from it.
-        self.save_cost_s = max(save_s, 0.8 * self.save_cost_s) if self._measured else save_s
+        # measurement replaces the assumed default instead of decaying from it. The final save
+        # captures the state (state_dict()) before the engine writes it: both must fit.
+        cost = save_s + capture_s
+        self.save_cost_s = max(cost, 0.8 * self.save_cost_s) if self._measured else cost
         self._measured = True
         if self.auto is not None:
             self.auto.observe_save(save_s if stall_s is None else stall_s, save_s)

@@ -67,6 +67,7 @@ class SaveHandle:
         self.path: Path | None = None
         self.save_s: float | None = None
         self.stall_s: float | None = None  # how long training was blocked by this save
+        self.capture_s = 0.0  # the state's capture (state_dict()) before the engine's save
         self.final = False
         self._done = threading.Event()
         self._error: BaseException | None = None

@@ -188,6 +188,13 @@ def test_the_first_measured_save_replaces_the_assumed_cost() -> None:
     assert p.save_cost_s == pytest.approx(0.4)  # then the worst recent one, decaying
 
 
+def test_the_save_cost_includes_the_state_capture() -> None:
+    # A slow state_dict() (before the engine's timed write) is part of what the final save needs.
+    p = Policy(every_steps=None)
+    p.observe_save(0.02, 20.02, capture_s=20.0)
+    assert p.save_cost_s == pytest.approx(20.02)
+
+
 
 def test_the_shared_warning_rule_and_the_bounded_lead() -> None:
     from hpcckpt.policy import bounded_lead_s, warning_wait_s
