@@ -270,57 +270,60 @@ def _stale_tmp(path: Path) -> bool:
         return False
 
 
-# Step directories this process found committed (or committed itself), by path, with the
-# inode the entry had then: retention counts them as committed from a directory listing,
-# without reading their manifests again (retention trusts nothing it restores).
-_KNOWN_COMMITTED: dict[Path, int] = {}
+# Step directories this process found committed (or committed itself), by (root, name),
+# with the inode the entry had then: retention counts them as committed from a directory
+# listing, without reading their manifests again (retention trusts nothing it restores).
+# Plain strings, not Paths: a prune looks up every kept name (thousands with a large keep).
+_KNOWN_COMMITTED: dict[tuple[str, str], int] = {}
 _KNOWN_LOCK = threading.Lock()
 
 
-def _known(path: Path, inode: int) -> bool:
-    with _KNOWN_LOCK:
-        return _KNOWN_COMMITTED.get(path) == inode
-
-
-def _learn(path: Path, inode: int | None) -> None:
+def _learn(root: str, name: str, inode: int | None) -> None:
     if inode is None:
         return
     with _KNOWN_LOCK:
-        _KNOWN_COMMITTED[path] = inode
+        _KNOWN_COMMITTED[(root, name)] = inode
         while len(_KNOWN_COMMITTED) > 65536:
             del _KNOWN_COMMITTED[next(iter(_KNOWN_COMMITTED))]
 
 
-@dataclass(frozen=True)
 class Entry:
     """A ``step-<S>`` (or a save's ``step-<S>.tmp-*``) directory entry, from a listing alone."""
 
-    step: int
-    path: Path
-    inode: int
-    tmp: bool
+    __slots__ = ("step", "root", "name", "inode", "tmp")
+
+    def __init__(self, step: int, root: Path, name: str, inode: int, tmp: bool) -> None:
+        self.step, self.root, self.name, self.inode, self.tmp = step, root, name, inode, tmp
+
+    @property
+    def path(self) -> Path:
+        return self.root / self.name
 
 
 def entries(root: Path) -> list[Entry]:
     """Step and temporary directories under ``root``, newest step first, from one listing
     (names and inodes only: nothing is opened)."""
     out: list[Entry] = []
+    step_re, tmp_re = STEP_RE.match, STEP_TMP_RE.match
     try:
         with os.scandir(root) as it:
             for e in it:
-                if m := STEP_RE.match(e.name):
-                    out.append(Entry(int(m.group(1)), root / e.name, e.inode(), False))
-                elif m := STEP_TMP_RE.match(e.name):
-                    out.append(Entry(int(m.group(1)), root / e.name, e.inode(), True))
+                name = e.name
+                if not name.startswith("step-"):
+                    continue
+                if m := step_re(name):
+                    out.append(Entry(int(m.group(1)), root, name, e.inode(), False))
+                elif m := tmp_re(name):
+                    out.append(Entry(int(m.group(1)), root, name, e.inode(), True))
     except (FileNotFoundError, NotADirectoryError):
         return []
     out.sort(key=lambda e: (e.step, not e.tmp), reverse=True)
     return out
 
 
-def _committed(entry: Entry) -> tuple[bool, str | None]:
+def _committed(entry: Entry, known: dict[tuple[str, str], int], root: str) -> tuple[bool, str | None]:
     """(committed, status) of one step directory: known from earlier, or checked cheaply now."""
-    if _known(entry.path, entry.inode):
+    if known.get((root, entry.name)) == entry.inode:
         return True, "committed"
     info = _inspect(entry.path, entry.step, full=False)
     if info is None:
@@ -364,33 +367,37 @@ def prune(root: Path, keep: int, *, protect: set[Path] | None = None) -> list[Pa
     again, and those older than the ``keep``-th newest committed go without being read.
     """
     protect = protect or set()
+    protected = {p.name for p in protect if p.parent == root}
     latest = read_latest(root)
+    key = str(root)
+    known = _KNOWN_COMMITTED  # reads need no lock (a dict lookup is atomic); writes take it
     victims: list[Path] = []
     committed = 0
     seen_good = False
     for e in entries(root):
         if e.tmp:
-            if e.path not in protect and _stale_tmp(e.path):
+            if e.name not in protected and _stale_tmp(e.path):
                 victims.append(e.path)  # a fresh one may belong to a save still in flight
             continue
-        if e.path in protect:
-            _learn(e.path, e.inode)
+        if e.name in protected:
+            _learn(key, e.name, e.inode)
             committed += 1
             seen_good = True
             continue
         if committed >= keep:  # older than every checkpoint kept: goes, whatever it holds
-            if e.path.name != latest:
+            if e.name != latest:
                 victims.append(e.path)
             continue
-        ok, status = _committed(e)
+        ok, status = _committed(e, known, key)
         if status is None:
             continue
         if ok:
-            _learn(e.path, e.inode)
+            if known.get((key, e.name)) != e.inode:
+                _learn(key, e.name, e.inode)
             committed += 1
             seen_good = True
             continue
-        if e.path.name == latest or (status == "corrupt" and not seen_good):
+        if e.name == latest or (status == "corrupt" and not seen_good):
             continue  # corrupt and newer than every good one: evidence for a human
         victims.append(e.path)
     discard(root, victims)

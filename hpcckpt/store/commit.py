@@ -377,8 +377,10 @@ def discard(root: Path, paths: list[Path]) -> None:
 
 def sweep_candidates(root: Path, *, exclude: set[Path]) -> list[Path]:
     """Leftovers of earlier discards that a kill interrupted."""
+    names = {p.name for p in exclude}
     try:
-        return [p for p in root.iterdir() if p.name.startswith(TRASH_PREFIX) and p not in exclude]
+        with os.scandir(root) as it:
+            return [root / e.name for e in it if e.name.startswith(TRASH_PREFIX) and e.name not in names]
     except OSError:
         return []
 
