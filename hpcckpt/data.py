@@ -10,6 +10,7 @@ prefetch ahead of that).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -192,49 +193,67 @@ _END = object()
 
 
 class _Skip:
-    """Stands in for a loader's index sampler for one iterator: drops its first ``k`` items.
+    """Stands in for a loader's index sampler while one iterator is created: drops its first ``k`` items.
 
-    Lazy like the sampler it wraps (torch's iterator draws its worker seed before the
-    sampler draws its permutation, and the order of those draws must not change);
-    ``prime()`` then forces the skip and the first draw, so that both happen while the
-    RNGs hold the epoch's starting state. Later iterators (persistent workers reuse
-    the wrapped sampler) are the inner sampler's own.
+    Every ``__iter__`` during the creation is the inner sampler's own ``iter()`` (the same draws,
+    at the same moments: torch's multi-process iterator calls it twice, once in its base class
+    and once in its first ``_reset``, and uses the second), with the skip laid over it, lazily
+    like the sampler it wraps (torch's iterator draws its worker seed before the sampler draws
+    its permutation, and the order of those draws must not change). ``prime()`` then forces the
+    skip and the first draw of the iterator in use, so that both happen while the RNGs hold the
+    epoch's starting state, and ends the stand-in: later iterators (persistent workers keep the
+    wrapper as their index sampler) are the inner sampler's own.
     """
 
     def __init__(self, inner: Any, k: int) -> None:
         self.inner, self.k = inner, k
-        self._pending: Iterator[Any] | None = None
-        self._buffer: list[Any] = []
-        self._primed = False
+        self._active = True
+        self._latest: _Skipping | None = None
 
     def __len__(self) -> int:
         return len(self.inner)
 
     def __iter__(self) -> Iterator[Any]:
-        if self._pending is not None or self._primed:
+        if not self._active:
             return iter(self.inner)
-        self._pending = iter(self.inner)
-        return self._gen()
-
-    def _gen(self) -> Iterator[Any]:
-        self.prime()
-        while self._buffer:
-            item = self._buffer.pop()
-            if item is _END:
-                return
-            yield item
-        assert self._pending is not None
-        yield from self._pending
+        self._latest = _Skipping(iter(self.inner), self.k)
+        return self._latest
 
     def prime(self) -> None:
-        if self._primed or self._pending is None:
+        self._active = False
+        if self._latest is not None:
+            self._latest.prime()
+
+
+class _Skipping:
+    """One iterator of the inner sampler, less its first ``k`` items (``_Skip``)."""
+
+    def __init__(self, pending: Iterator[Any], k: int) -> None:
+        self._pending, self.k = pending, k
+        self._buffer: list[Any] | None = None  # None: not primed yet
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def prime(self) -> None:
+        if self._buffer is not None:
             return
-        self._primed = True
         for _ in range(self.k):
             if next(self._pending, _END) is _END:
                 self._buffer = [_END]
                 return
         self._buffer = [next(self._pending, _END)]
+
+    def __next__(self) -> Any:
+        self.prime()
+        assert self._buffer is not None
+        if self._buffer:
+            item = self._buffer.pop()
+            if item is _END:
+                self._buffer = [_END]  # stays exhausted
+                raise StopIteration
+            return item
+        return next(self._pending)
 
 
 def _generators(loader: Any) -> dict[str, torch.Generator]:
@@ -261,10 +280,32 @@ def _draws_global(loader: Any, gens: Mapping[str, torch.Generator]) -> bool:
     """
     if getattr(loader, "num_workers", 0) > 0 and "loader" not in gens:
         return True
+    return _sampler_draws_global(loader)
+
+
+def _sampler_draws_global(loader: Any) -> bool:
+    """Whether a pass's order comes from the global torch RNG (a sampler without a generator of its own)."""
     from torch.utils.data import DistributedSampler, SequentialSampler
     inner = getattr(getattr(loader, "batch_sampler", None), "sampler", None) or getattr(loader, "sampler", None)
     quiet = (SequentialSampler, DistributedSampler, ResumableSampler)
     return not isinstance(inner, quiet) and not isinstance(getattr(inner, "generator", None), torch.Generator)
+
+
+def _persistent(loader: Any) -> bool:
+    """The loader keeps its worker processes, and so their random streams, from one pass to the next."""
+    return bool(getattr(loader, "persistent_workers", False)) and getattr(loader, "num_workers", 0) > 0
+
+
+def _epoch_samplers(loader: Any) -> dict[str, Any]:
+    """The loader's samplers whose order depends on an epoch they are told (``set_epoch``), by role."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    found: dict[str, Any] = {}
+    for role, owner in (("sampler", getattr(loader, "sampler", None)), ("batch_sampler", batch_sampler),
+                        ("batch_sampler.sampler", getattr(batch_sampler, "sampler", None))):
+        if (callable(getattr(owner, "set_epoch", None)) and _is_int(getattr(owner, "epoch", None))
+                and all(owner is not o for o in found.values())):
+            found[role] = owner
+    return found
 
 
 def _drop_unused_iterator(loader: Any) -> None:
@@ -299,6 +340,14 @@ class LoaderPosition:
     processes or an iterable dataset, ``indices`` otherwise. Samplers whose order
     depends on their own attributes (``DistributedSampler``'s seed and epoch) need
     nothing more. A ``ResumableSampler`` keeps its own position (O(1), any world size).
+
+    Persistent workers (``persistent_workers=True``) are seeded once, when the loader's first
+    pass starts them, and their random streams run on from pass to pass. For them each pass
+    since that one is recorded (the RNG states its order was drawn from, where they are not
+    those the previous pass left; the epoch its samplers were told), and a resumed pass first
+    replays those earlier passes through new workers seeded as the first ones were, loading
+    and dropping every batch, then the batches of the interrupted pass: the data loading
+    (not the training) of every batch the workers produced before the interruption.
     """
 
     def __init__(self, loader: Any, *, skip: str = "auto", set_epochs: bool = False) -> None:
@@ -312,6 +361,12 @@ class LoaderPosition:
         self.taken = 0   # batches of the current pass that reached the training code
         self._rng: dict[str, torch.Tensor] = {}
         self._rng_iter: dict[str, torch.Tensor] = {}  # a StatefulDataLoader's generators just after its iter()
+        self._rng_end: dict[str, torch.Tensor] = {}  # persistent workers: the generators as the last pass ended
+        self._ended: int | None = None  # persistent workers: the batches their iterator had yielded as it ended
+        # persistent workers: the pass that started them (0: not started by a training pass) and a
+        # record of each pass since (that pass included, the current one last)
+        self._workers_from = 0
+        self._worker_passes: list[dict[str, Any]] = []
         self._restored: Mapping[str, Any] | None = None
 
     @property
@@ -384,17 +439,55 @@ class LoaderPosition:
         self._rng = {k: g.get_state() for k, g in gens.items()}
         if _draws_global(self.loader, gens):
             self._rng["torch"] = torch.get_rng_state()
+        if not _persistent(self.loader):
+            self._workers_from, self._worker_passes = 0, []
+        elif getattr(self.loader, "_iterator", None) is None:  # this pass starts the persistent workers
+            self._workers_from, self._worker_passes = self.passes + 1, [self._pass_record(starts=True)]
+        elif self._workers_from and self._ended == getattr(self.loader._iterator, "_num_yielded", -1):
+            self._worker_passes.append(self._pass_record(starts=False))
+        else:  # the last pass was left early, or the workers served an iter() of another loop since
+            self._workers_from, self._worker_passes = 0, []
         self.passes += 1
         self.taken = 0
         it = iter(self.loader)
         self._rng_iter = {k: g.get_state() for k, g in gens.items()} if self.stateful else {}
-        return it
+        return self._watch_end(it)
+
+    def _watch_end(self, it: Iterator[Any]) -> Iterator[Any]:
+        """The pass's iterator; with persistent workers, the generators' states are noted as it ends
+        (a sampler may draw at its end: torch's RandomSampler does)."""
+        self._rng_end, self._ended = {}, None
+        if not (_persistent(self.loader) and self._workers_from):
+            return it
+        return self._until_end(it)
+
+    def _until_end(self, it: Iterator[Any]) -> Iterator[Any]:
+        yield from it
+        self._rng_end = {k: g.get_state() for k, g in _generators(self.loader).items()}
+        self._ended = getattr(it, "_num_yielded", None)
+
+    def _pass_record(self, *, starts: bool) -> dict[str, Any]:
+        """What replaying this pass through persistent workers needs, taken as it begins: the RNG
+        states its order (and, for the pass that starts the workers, their seed) is drawn from,
+        less those the previous pass left as they are (a generator only the loader draws from),
+        and the epoch each sampler with ``set_epoch`` was told."""
+        rng: dict[str, torch.Tensor] = {}
+        for role, state in self._rng.items():
+            if role == "torch":
+                if starts or _sampler_draws_global(self.loader):
+                    rng[role] = state
+            elif starts or role not in self._rng_end or not torch.equal(state, self._rng_end[role]):
+                rng[role] = state
+        return {"rng": rng, "epochs": {role: int(s.epoch) for role, s in _epoch_samplers(self.loader).items()}}
 
     def _resume(self, state: Mapping[str, Any]) -> Iterator[Any]:
         """Replay the saved pass's start, skip what was trained on; the global RNG is left as found."""
         self.passes, self.taken = int(state["passes"]), int(state["taken"])
         self._rng = dict(state.get("rng") or {})
         self._rng_iter = dict(state.get("rng_iter") or {})
+        workers = state.get("workers") or {}
+        self._workers_from = int(workers.get("from", 0))
+        self._worker_passes = [dict(r) for r in workers.get("passes", [])]
         if self.stateful:
             return self._resume_stateful(state)
         sampler = self.resumable
@@ -407,14 +500,11 @@ class LoaderPosition:
         _drop_unused_iterator(self.loader)
         if getattr(self.loader, "next_iter_state", None) is not None:
             self.loader.next_iter_state = None  # a StatefulDataLoader's own position: replayed here instead
-        if self.passes > 1 and getattr(self.loader, "persistent_workers", False) and self._mode() == "fetch":
-            log.warning("hpcckpt: this DataLoader keeps its worker processes across epochs (persistent_workers="
-                        "True): their random streams since the first epoch cannot be brought back, so random "
-                        "augmentation in them differs from the uninterrupted run after this resume (epoch %d). "
-                        "For an exact resume use persistent_workers=False, or seed augmentation from the "
-                        "sample index and epoch", self.passes)
+        earlier = self._earlier_passes(state)
         boundary = torch.get_rng_state()  # the resume point's RNG: put back once the pass is replayed
         try:
+            if earlier:
+                self._replay_passes(earlier)
             if "torch" in self._rng:
                 torch.set_rng_state(self._rng["torch"])
             for role, g in _generators(self.loader).items():
@@ -429,7 +519,53 @@ class LoaderPosition:
             wrapper.prime()
         finally:
             torch.set_rng_state(boundary)
-        return it
+        return self._watch_end(it)
+
+    def _earlier_passes(self, state: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The records of the passes persistent workers ran before the resumed one (to replay);
+        a warning, saying which case and what to do, where they cannot be replayed."""
+        if not _persistent(self.loader) or self._mode() != "fetch":
+            return []
+        if self._workers_from and len(self._worker_passes) == self.passes - self._workers_from + 1:
+            return self._worker_passes[:-1]
+        if self.passes == 0 or "workers" not in state and self.passes == 1:
+            return []  # no pass yet; or saved before passes were recorded: the first pass's workers start as then
+        why = ("were not all spent in training epochs: an iter() of this loader outside ckpt.batches()/loop() "
+               "(a peek, a sanity check, another loop over it) or an epoch left before its end" if "workers" in state
+               else "were not recorded by the hpcckpt that saved this checkpoint")
+        log.warning("hpcckpt: this DataLoader keeps its worker processes across epochs (persistent_workers=True) "
+                    "and their random streams before this resume (epoch %d) %s: random augmentation in the workers "
+                    "differs from the uninterrupted run from here on. For an exact resume iterate this loader "
+                    "only in whole training epochs, or use persistent_workers=False, or seed augmentation from "
+                    "the sample index and epoch", self.passes, why)
+        return []
+
+    def _replay_passes(self, records: list[dict[str, Any]]) -> None:
+        """Replay the persistent workers' earlier passes: new workers, seeded as the first ones were,
+        load every batch of each pass (dropped), so that their random streams are where they were."""
+        t0 = time.monotonic()
+        samplers = _epoch_samplers(self.loader)
+        epochs_now = {role: int(s.epoch) for role, s in samplers.items()}
+        batches = 0
+        try:
+            for record in records:
+                rng = record.get("rng") or {}
+                if "torch" in rng:
+                    torch.set_rng_state(rng["torch"])
+                for role, g in _generators(self.loader).items():
+                    if role in rng:
+                        g.set_state(rng[role])
+                for role, epoch in (record.get("epochs") or {}).items():
+                    if role in samplers:
+                        samplers[role].set_epoch(epoch)
+                for _ in iter(self.loader):
+                    batches += 1
+        finally:
+            for role, epoch in epochs_now.items():
+                samplers[role].set_epoch(epoch)
+        log.info("hpcckpt: replayed %d batches of %d earlier epochs through this DataLoader's persistent workers "
+                 "(%.1f s of data loading), so that their random streams resume where they were",
+                 batches, len(records), time.monotonic() - t0)
 
     def _patched_iter(self, k: int) -> tuple[Iterator[Any], _Skip]:
         """``iter(loader)`` with its index sampler wrapped in ``_Skip(k)`` for this iterator."""
@@ -456,6 +592,9 @@ class LoaderPosition:
         state: dict[str, Any] = {"passes": self.passes, "taken": self.taken, "rng": dict(self._rng)}
         if self._rng_iter:
             state["rng_iter"] = dict(self._rng_iter)
+        if self._worker_passes or self._workers_from or _persistent(self.loader):
+            state["workers"] = {"from": self._workers_from, "passes": [
+                {"rng": dict(r.get("rng") or {}), "epochs": dict(r.get("epochs") or {})} for r in self._worker_passes]}
         sampler = self.resumable
         if sampler is not None and self.saves_sampler:
             state["sampler"] = sampler.state_dict()
@@ -473,8 +612,17 @@ class LoaderPosition:
             raise CheckpointCorrupt(f"loader position lacks {missing}; the checkpoint's data position is damaged")
         if not all(_is_int(state[k]) and state[k] >= 0 for k in ("passes", "taken")):
             raise CheckpointCorrupt(f"loader position has passes={state['passes']!r}, taken={state['taken']!r}")
-        for key in ("rng", "rng_iter"):
-            rng = state.get(key)
+        workers = state.get("workers")
+        records: list[Any] = []
+        if workers is not None:
+            if not (isinstance(workers, Mapping) and _is_int(workers.get("from", 0)) and workers.get("from", 0) >= 0
+                    and isinstance(workers.get("passes", []), list)):
+                raise CheckpointCorrupt("loader position's record of persistent workers is damaged")
+            records = list(workers.get("passes", []))
+            if not all(isinstance(r, Mapping) and isinstance(r.get("epochs", {}), Mapping)
+                       and all(_is_int(e) for e in r.get("epochs", {}).values()) for r in records):
+                raise CheckpointCorrupt("loader position's record of persistent workers' passes is damaged")
+        for rng in [state.get("rng"), state.get("rng_iter"), *(r.get("rng") for r in records)]:
             if rng is not None and not (isinstance(rng, Mapping) and all(
                     isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.dim() == 1 for v in rng.values())):
                 raise CheckpointCorrupt("loader position's RNG states are not generator states")
@@ -487,6 +635,9 @@ class LoaderPosition:
         self.passes, self.taken = int(state["passes"]), int(state["taken"])
         self._rng = dict(state.get("rng") or {})
         self._rng_iter = dict(state.get("rng_iter") or {})
+        workers = state.get("workers") or {}
+        self._workers_from = int(workers.get("from", 0))
+        self._worker_passes = [dict(r) for r in workers.get("passes", [])]
 
 
 class Progress:

@@ -10,17 +10,21 @@ the global RNG stream of the training code must be the same.
 """
 from __future__ import annotations
 
+import logging
 import os
+import random
 import signal
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, TensorDataset
 
 from hpcckpt.api import Checkpointer, RequeueExit
-from hpcckpt.data import ResumableSampler
+from hpcckpt.data import LoaderPosition, ResumableSampler
 
 pytestmark = [pytest.mark.native,
               # torchdata 0.11's StatefulDataLoader warns on every iterator (a deprecated torch call of its own)
@@ -31,13 +35,14 @@ EPOCHS = 3
 
 
 class Augmenting(Dataset[tuple[int, float]]):
-    """Random augmentation drawn in the worker processes (their RNG streams must resume)."""
+    """Random augmentation drawn in the worker processes from torch, random and numpy (each worker
+    seeds all three; their streams must resume)."""
 
     def __len__(self) -> int:
         return N
 
     def __getitem__(self, i: int) -> tuple[int, float]:
-        return i, float(torch.rand(()).item())
+        return i, float(torch.rand(()).item()) + random.random() + float(np.random.rand())
 
 
 def indices() -> TensorDataset:
@@ -57,6 +62,19 @@ LOADERS: dict[str, Callable[[], tuple[DataLoader[Any], Any]]] = {
                                        batch_size=3))
        for r in (0, 1) for d in (False, True)},
     "workers augmenting": lambda: (DataLoader(Augmenting(), batch_size=4, shuffle=True, num_workers=2), None),
+    "workers augmenting, generator": lambda: (DataLoader(Augmenting(), batch_size=4, shuffle=True, num_workers=2,
+                                                         generator=torch.Generator().manual_seed(11)), None),
+}
+# Persistent workers: seeded once, at the first epoch; their streams run on across epochs.
+PERSISTENT = dict(num_workers=2, persistent_workers=True)
+LOADERS |= {
+    "persistent workers augmenting": lambda: (DataLoader(Augmenting(), batch_size=4, shuffle=True, **PERSISTENT),
+                                              None),
+    "persistent workers, generator": lambda: (DataLoader(Augmenting(), batch_size=4, shuffle=True, **PERSISTENT,
+                                                         generator=torch.Generator().manual_seed(11)), None),
+    "persistent workers, DistributedSampler": lambda: _with_sampler(
+        DistributedSampler(indices(), num_replicas=2, rank=1, seed=9), batch_size=3, dataset=Augmenting(),
+        **PERSISTENT),
 }
 
 
@@ -72,6 +90,18 @@ class Stream(torch.utils.data.IterableDataset[tuple[int, float]]):
 LOADERS["IterableDataset"] = lambda: (DataLoader(Stream(), batch_size=4), None)
 LOADERS["IterableDataset, workers"] = lambda: (DataLoader(Stream(), batch_size=4, num_workers=1), None)
 
+
+class AugmentedStream(torch.utils.data.IterableDataset[tuple[int, float]]):
+    """Each worker streams the items with random augmentation from its own (seeded) RNG."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        for i in range(N):
+            yield i, float(torch.rand(()).item())
+
+
+LOADERS["persistent workers, IterableDataset"] = lambda: (DataLoader(AugmentedStream(), batch_size=4, **PERSISTENT),
+                                                          None)
+
 try:
     from torchdata.stateful_dataloader import StatefulDataLoader
 except ImportError:  # torchdata is optional: these cases run where it is installed
@@ -83,16 +113,18 @@ if StatefulDataLoader is not None:
     LOADERS["StatefulDataLoader IterableDataset"] = lambda: (StatefulDataLoader(Stream(), batch_size=4), None)
     LOADERS["StatefulDataLoader workers"] = lambda: (StatefulDataLoader(Augmenting(), batch_size=4, shuffle=True,
                                                                         num_workers=2), None)
+    LOADERS["StatefulDataLoader persistent workers"] = lambda: (StatefulDataLoader(
+        Augmenting(), batch_size=4, shuffle=True, **PERSISTENT), None)
 
 
-def _with_sampler(sampler: Any, *, batch_size: int) -> tuple[DataLoader[Any], Any]:
-    return DataLoader(indices(), batch_size=batch_size, sampler=sampler), sampler
+def _with_sampler(sampler: Any, *, batch_size: int, dataset: Any = None, **kw: Any) -> tuple[DataLoader[Any], Any]:
+    return DataLoader(indices() if dataset is None else dataset, batch_size=batch_size, sampler=sampler, **kw), sampler
 
 
 def record(out: list[Any], epoch: int, batch: Any) -> None:
     """The batch as seen, plus one draw of the training code's global RNG (dropout's)."""
     first = batch[0]
-    out.append((epoch, first.tolist(), batch[1].tolist() if len(batch) > 1 else None,
+    out.append((epoch, first.tolist(), [float.hex(x) for x in batch[1].tolist()] if len(batch) > 1 else None,
                 float.hex(torch.rand(()).item())))
 
 
@@ -115,7 +147,7 @@ def plain(make: Callable[[], tuple[DataLoader[Any], Any]], *, peek: bool = False
 
 def integrated(ckdir: Path, make: Callable[[], tuple[DataLoader[Any], Any]], out: list[Any], *,
                stop_at: int | None = None, peek: bool = False, engine: str = "sync",
-               register_loader: bool = False) -> None:
+               register_loader: bool = False, skip: str = "auto") -> None:
     """The same script with hpcckpt (epochs + batches); SIGUSR2 during step ``stop_at``.
     ``register_loader``: the loader is registered too, as any stateful object (a StatefulDataLoader)."""
     torch.manual_seed(0)
@@ -123,16 +155,29 @@ def integrated(ckdir: Path, make: Callable[[], tuple[DataLoader[Any], Any]], out
     model = torch.nn.Linear(1, 1)
     ck = Checkpointer(ckdir, every_steps=None, engine=engine)
     ck.register(model=model, **({"loader": loader} if register_loader else {}))
-    for epoch in ck.epochs(EPOCHS):
-        if peek:
-            next(iter(loader))
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
-        for batch in ck.batches(loader):
-            record(out, epoch, batch)
-            if stop_at is not None and ck.step + 1 == stop_at:
-                os.kill(os.getpid(), signal.SIGUSR2)
-        out.append(("end", epoch, float.hex(torch.rand(()).item())))
+    try:
+        for epoch in ck.epochs(EPOCHS):
+            if peek:
+                next(iter(loader))
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(epoch)
+            for batch in ck.batches(loader, skip=skip):
+                record(out, epoch, batch)
+                if stop_at is not None and ck.step + 1 == stop_at:
+                    os.kill(os.getpid(), signal.SIGUSR2)
+            out.append(("end", epoch, float.hex(torch.rand(()).item())))
+    finally:
+        stop_workers(loader)
+
+
+def stop_workers(loader: Any) -> None:
+    """End the worker processes a loader keeps (persistent ones, a StatefulDataLoader's) now, as the end
+    of a restarted process would: left to the garbage collector (the stopped run's traceback holds them
+    in a cycle), their queues may be finalized first, and each worker then takes torch's 5 s join
+    timeout to be killed."""
+    it = getattr(loader, "_iterator", None)
+    if it is not None and hasattr(it, "_shutdown_workers"):
+        it._shutdown_workers()
 
 
 def with_stops(ckdir: Path, make: Callable[[], tuple[DataLoader[Any], Any]], stops: list[int],
@@ -142,6 +187,7 @@ def with_stops(ckdir: Path, make: Callable[[], tuple[DataLoader[Any], Any]], sto
         with pytest.raises(RequeueExit) as exc:
             integrated(ckdir, make, out, stop_at=stop, **kw)
         assert exc.value.step == stop
+        traceback.clear_frames(exc.tb)  # the stopped run's loader iterators end now (see stop_workers)
     integrated(ckdir, make, out, **kw)
     return out
 
@@ -257,3 +303,114 @@ def _run_counting(ckdir: Path, make: Callable[[], tuple[DataLoader[Any], Any]], 
             out.append(batch.tolist())
             if stop_at is not None and ck.step + 1 == stop_at:
                 os.kill(os.getpid(), signal.SIGUSR2)
+
+
+# --- persistent workers: their random streams resume -----------------------------------------
+
+PERSISTENT_CASES = [case for case in LOADERS if "persistent" in case]
+
+
+@pytest.mark.parametrize("case", PERSISTENT_CASES)
+@pytest.mark.parametrize("engine", ["sync", "concurrent"])
+def test_persistent_workers_resume_exactly(case: str, engine: str, tmp_path: Path,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    make = LOADERS[case]
+    ref = plain(make)
+    per_epoch = sum(1 for _ in make()[0])
+    caplog.set_level(logging.INFO, logger="hpcckpt")
+    # at the first epoch's end, then in the third epoch (its workers ran two epochs before)
+    assert with_stops(tmp_path, make, [per_epoch, 2 * per_epoch + 1], engine=engine) == ref
+    replays = [r.getMessage() for r in caplog.records if "persistent workers" in r.getMessage()]
+    assert len(replays) == 1 and f"replayed {2 * per_epoch} batches of 2 earlier epochs" in replays[0]
+    assert not [r for r in caplog.records if "persistent_workers=True" in r.getMessage()]  # nothing to warn of
+
+
+def _passes(loader: Any, n: int) -> LoaderPosition:
+    pos = LoaderPosition(loader)
+    for _ in range(n):
+        for _batch in pos.open():
+            pos.took()
+        torch.rand(())  # the training code draws between epochs
+    return pos
+
+
+def test_persistent_workers_record_only_the_rng_states_a_replay_needs() -> None:
+    """A generator only the loader draws from is recorded once, at the pass that starts the workers;
+    the global RNG, which the training code draws from between epochs, at each pass whose order comes
+    from it; nothing for a loader without persistent workers."""
+    torch.manual_seed(0)
+    with_generator = _passes(LOADERS["persistent workers, generator"]()[0], 3).state_dict()["workers"]
+    assert with_generator["from"] == 1
+    assert [sorted(r["rng"]) for r in with_generator["passes"]] == [["loader"], [], []]
+    shuffled = _passes(LOADERS["persistent workers augmenting"]()[0], 3).state_dict()["workers"]
+    assert [sorted(r["rng"]) for r in shuffled["passes"]] == [["torch"], ["torch"], ["torch"]]
+    distributed = _passes(LOADERS["persistent workers, DistributedSampler"]()[0], 2).state_dict()["workers"]
+    assert [(sorted(r["rng"]), r["epochs"]) for r in distributed["passes"]] == [(["torch"], {"sampler": 0}),
+                                                                               ([], {"sampler": 0})]
+    assert "workers" not in _passes(LOADERS["workers augmenting"]()[0], 2).state_dict()
+
+
+@pytest.mark.parametrize("where", ["before training", "between epochs"])
+def test_persistent_workers_used_outside_the_training_epochs_are_named(where: str, tmp_path: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A peek or a sanity check makes the workers load batches a replay does not know of."""
+    def run(stop_at: int | None = None) -> None:
+        torch.manual_seed(0)
+        loader, _ = LOADERS["persistent workers augmenting"]()
+        ck = Checkpointer(tmp_path, every_steps=None)
+        ck.register(model=torch.nn.Linear(1, 1))
+        if where == "before training":
+            next(iter(loader))  # a sanity check: it starts the persistent workers
+        try:
+            for epoch in ck.epochs(2):
+                if where == "between epochs" and epoch == 1:
+                    next(iter(loader))  # a peek at the second epoch's start
+                for _batch in ck.batches(loader):
+                    if stop_at is not None and ck.step + 1 == stop_at:
+                        os.kill(os.getpid(), signal.SIGUSR2)
+        finally:
+            stop_workers(loader)
+
+    with pytest.raises(RequeueExit):
+        run(8)
+    caplog.clear()
+    run()
+    warned = [r.getMessage() for r in caplog.records
+              if r.levelno == logging.WARNING and "persistent_workers=True" in r.getMessage()]
+    assert len(warned) == 1 and "outside ckpt.batches()/loop()" in warned[0] and "(epoch 2)" in warned[0]
+    assert "persistent_workers=False" in warned[0]
+
+
+def test_persistent_workers_of_a_checkpoint_without_their_record_are_named(caplog: pytest.LogCaptureFixture) -> None:
+    loader, _ = LOADERS["persistent workers augmenting"]()
+    pos = LoaderPosition(loader)
+    pos.load_state_dict({"passes": 2, "taken": 1})  # saved before passes of persistent workers were recorded
+    next(pos.open())
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "were not recorded" in warned[0] and "epoch 2" in warned[0]
+    first = LoaderPosition(LOADERS["persistent workers augmenting"]()[0])
+    first.load_state_dict({"passes": 1, "taken": 1})  # the first epoch's workers are seeded as then: nothing to say
+    caplog.clear()
+    next(first.open())
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_skip_by_indices_with_workers_resumes_the_order(tmp_path: Path) -> None:
+    """skip="indices" skips without loading (augmentation in the workers then differs), but the
+    order resumes exactly; torch's multi-process iterator asks for its sampler's iterator twice."""
+    make = LOADERS["workers augmenting"]
+    ref = [(e[0], e[1]) for e in plain(make) if e[0] != "end"]
+    out = with_stops(tmp_path, make, [3, 6], skip="indices")
+    assert [(e[0], e[1]) for e in out if e[0] != "end"] == ref
+
+
+@pytest.mark.parametrize("workers", [
+    {"from": -1, "passes": []},
+    {"from": 1, "passes": "x"},
+    {"from": 1, "passes": [{"rng": {"torch": torch.zeros(3)}, "epochs": {}}]},  # not a generator state
+    {"from": 1, "passes": [{"rng": {}, "epochs": {"sampler": "0"}}]},
+])
+def test_a_damaged_record_of_persistent_workers_is_refused(workers: dict[str, Any]) -> None:
+    from hpcckpt.errors import CheckpointCorrupt
+    with pytest.raises(CheckpointCorrupt, match="persistent workers|generator states"):
+        LoaderPosition.check_state({"passes": 1, "taken": 0, "workers": workers})
