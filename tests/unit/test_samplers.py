@@ -192,10 +192,14 @@ def with_stops(ckdir: Path, make: Callable[[], tuple[DataLoader[Any], Any]], sto
     return out
 
 
-# Both engines where the engine could matter to a loader (the save runs where the loader's own
-# state is taken); the sync engine for the rest, to keep the suite fast.
-BOTH_ENGINES = {"StatefulDataLoader shuffle", "StatefulDataLoader shuffle+generator",
+# Both engines for the loaders users have most (a generator, an iterable dataset, worker processes,
+# persistent ones, torchdata's); the sync engine for the rest, to keep the suite fast. (Persistent
+# workers are stopped at more places, on both engines, in test_persistent_workers_resume_exactly.)
+BOTH_ENGINES = {"shuffle", "shuffle+generator", "IterableDataset", "IterableDataset, workers", "workers augmenting",
+                "workers augmenting, generator", "persistent workers augmenting",
+                "StatefulDataLoader shuffle", "StatefulDataLoader shuffle+generator",
                 "StatefulDataLoader IterableDataset", "StatefulDataLoader workers"}
+assert {c for c in BOTH_ENGINES if not c.startswith("StatefulDataLoader")} <= set(LOADERS)  # names, not typos
 
 
 def _engine_cases() -> list[Any]:
@@ -263,11 +267,12 @@ def test_loop_accepts_a_registered_stateful_dataloader(engine: str, tmp_path: Pa
     assert out == ref
 
 
-@pytest.mark.parametrize("case", ["shuffle", "shuffle+generator", "DistributedSampler rank 1"])
-def test_a_peek_at_each_epoch_start_changes_nothing(case: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("case, engine", [("shuffle", "sync"), ("shuffle+generator", "sync"),
+                                          ("shuffle+generator", "concurrent"), ("DistributedSampler rank 1", "sync")])
+def test_a_peek_at_each_epoch_start_changes_nothing(case: str, engine: str, tmp_path: Path) -> None:
     make = LOADERS[case]
     ref = plain(make, peek=True)
-    assert with_stops(tmp_path, make, [3], peek=True) == ref
+    assert with_stops(tmp_path, make, [3], peek=True, engine=engine) == ref
 
 
 def test_random_sampler_skip_by_indices_loads_nothing_it_skips(tmp_path: Path) -> None:
