@@ -175,4 +175,9 @@ def test_preemption_without_grace_loses_at_most_one_dump_interval(
     [restore] = events(slurm_cluster, run_dir, "criu_restore")
     # Dumped at TERM (nothing lost, exactly), or killed first: at most one interval, said so.
     assert (restore["lost_exact"] and restore["lost_s"] == 0.0) or restore.get("lost_at_most_s") == 5.0, restore
-    assert slurm_cluster.history(run_dir)["interruptions"] == 1
+    history = slurm_cluster.history(run_dir)
+    assert history["interruptions"] == 1
+    # history says how much that interruption lost, as the restore measured it
+    [row] = history["rows"]
+    assert (row["lost_s"], row["lost_exact"], row["lost_at_most_s"]) == (
+        restore.get("lost_s"), restore.get("lost_exact"), restore.get("lost_at_most_s")), row
