@@ -125,7 +125,7 @@ class Checkpointer:
         self._closed = False
         usable_root(self.root)  # made if needed; a ConfigError naming it and the fix, never a raw OSError
         me = identity.current()
-        self._lease = WriterLease(self.root, job_id=me.raw_job_id, restart=me.restart)
+        self._lease = WriterLease(self.root, job_id=me.raw_job_id, restart=me.restart, job=me.job_id)
         self._take_lease()
         try:
             self.engine = make_engine(self.options.engine, SaveContext(

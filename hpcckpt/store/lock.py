@@ -117,15 +117,18 @@ class Holder:
     host: str
     pid: int
     job_id: str | None = None
+    job: str | None = None  # the job as people name it (an array task as A_T); job_id is Slurm's own
     restart: int = 0
     started: float = 0.0
     proc_start: str | None = None  # /proc/PID/stat start time: tells a reused PID apart
     pid_ns: str | None = None  # PIDs are only comparable within one PID namespace (containers)
 
     @classmethod
-    def me(cls, job_id: str | None = None, restart: int = 0) -> Holder:
-        """This process, in the job ``job_id`` (Slurm's, None outside Slurm) after ``restart`` restarts."""
-        return cls(host=socket.gethostname(), pid=os.getpid(), job_id=job_id or None, restart=restart,
+    def me(cls, job_id: str | None = None, restart: int = 0, job: str | None = None) -> Holder:
+        """This process, in the job ``job_id`` (Slurm's, None outside Slurm) after ``restart`` restarts;
+        ``job``: its name for people (an array task's A_T), ``job_id`` when not given."""
+        return cls(host=socket.gethostname(), pid=os.getpid(), job_id=job_id or None,
+                   job=(job or job_id) or None, restart=restart,
                    started=time.time(), proc_start=_proc_start(os.getpid()), pid_ns=_pid_ns())
 
     @classmethod
@@ -133,6 +136,7 @@ class Holder:
         try:
             d = json.loads(raw.decode("utf-8"))
             return cls(host=str(d["host"]), pid=int(d["pid"]), job_id=d.get("job_id") and str(d["job_id"]),
+                       job=(d.get("job") or d.get("job_id")) and str(d.get("job") or d["job_id"]),
                        restart=int(d.get("restart") or 0), started=float(d.get("started") or 0.0),
                        proc_start=d.get("proc_start") and str(d["proc_start"]),
                        pid_ns=d.get("pid_ns") and str(d["pid_ns"]))
@@ -140,7 +144,7 @@ class Holder:
             return None
 
     def describe(self) -> str:
-        job = f"Slurm job {self.job_id} (restart {self.restart})" if self.job_id else "no Slurm job"
+        job = f"Slurm job {self.job or self.job_id} (restart {self.restart})" if self.job_id else "no Slurm job"
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started)) if self.started else "?"
         return f"host {self.host}, PID {self.pid}, {job}, since {since}"
 
@@ -183,13 +187,14 @@ class WriterLease:
     _held: dict[str, list[Any]] = {}  # realpath of the lease file -> [fd, count]
     _mutex = threading.Lock()
 
-    def __init__(self, root: Path, *, job_id: str | None = None, restart: int = 0) -> None:
+    def __init__(self, root: Path, *, job_id: str | None = None, restart: int = 0, job: str | None = None) -> None:
         """``job_id``/``restart``: the holder's Slurm job and restart count (the caller's identity;
-        the store reads no environment), so that a requeued instance knows its predecessor."""
+        the store reads no environment), so that a requeued instance knows its predecessor;
+        ``job``: the job's name for people (an array task's A_T), for records and messages."""
         self.root = Path(root)
         self.path = self.root / LEASE_NAME
         self._key: str | None = None
-        self._job_id, self._restart = job_id, restart
+        self._job_id, self._restart, self._job = job_id, restart, job
 
     def acquire(self, *, wait_s: float = SAME_JOB_WAIT_S) -> None:
         key = os.path.realpath(self.path)
@@ -221,7 +226,7 @@ class WriterLease:
                 os.close(entry[0])
 
     def _take(self, wait_s: float) -> int:
-        me = Holder.me(self._job_id, self._restart)
+        me = Holder.me(self._job_id, self._restart, self._job)
         deadline = time.monotonic() + wait_s
         while True:
             with writer_lock(self.root):  # lock + record as one step, as ``_break`` sees them
@@ -243,7 +248,8 @@ class WriterLease:
             if holder is not None and holder.predecessor_of(me) and time.monotonic() < deadline:
                 _pause(holder)
                 continue
-            raise WriterBusy(self._busy_message(holder, me), holder_job_id=holder.job_id if holder else None)
+            raise WriterBusy(self._busy_message(holder, me),
+                             holder_job_id=(holder.job or holder.job_id) if holder else None)
 
     def _open(self) -> int:
         usable_root(self.root)

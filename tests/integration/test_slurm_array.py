@@ -83,3 +83,30 @@ def test_history_of_an_array_task_names_it_and_each_cause(
     assert [(r["job_id"], r["cause"]) for r in history["rows"]] == \
         [(task, "operator_requeue"), (task, "preemption")], history["rows"]
     assert history["finished"] and history["lost_steps_total"] == 0
+
+
+def test_a_duplicate_of_an_array_task_is_superseded_in_history(
+        slurm_cluster: SlurmCluster, tmp_path: Path, reference_digest: Callable[[int], str]) -> None:
+    # A second job on the directory of a running array task (as a successor and a requeued
+    # original both started would be): it leaves at once, exit 0, and history names it, the
+    # cause 'superseded' and the task that held the directory; the task finishes untouched.
+    steps = 400
+    run_dir = tmp_path / "task"
+    array = slurm_cluster.submit_demo("single", run_dir, "--array=2", "-p", "low", steps=steps, sleep_s=0.2)
+    task = f"{array}_2"
+    slurm_cluster.wait_until(lambda: slurm_cluster.trace_steps(run_dir) >= 5, 120, "5 training steps")
+    dup = slurm_cluster.sbatch(run_dir / "single.sbatch", "-p", "low")
+    try:
+        assert slurm_cluster.wait_done(dup, 240, run_dir / f"slurm-{dup}.out") == "COMPLETED"
+        assert slurm_cluster.trace_steps(run_dir) < steps, "the task ended before its duplicate started"
+        assert slurm_cluster.wait_done(task, 400, run_dir / f"slurm-{array}.out") == "COMPLETED"
+    finally:
+        slurm_cluster.cancel(dup)
+        slurm_cluster.cancel(task)
+    assert slurm_cluster.result_digest(run_dir) == reference_digest(steps), "not bit-identical"
+    history = slurm_cluster.history(run_dir / "ckpt")
+    assert [(r["job_id"], r["cause"], r["resumed_by"]) for r in history["rows"]] == \
+        [(dup, "superseded", task)], history["rows"]
+    assert history["finished"]
+    table = slurm_cluster.hpcckpt("history", str(run_dir / "ckpt")).stdout
+    assert "superseded" in table and task in table, table
