@@ -29,8 +29,13 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 KILL_WAIT_S = 30  # Slurm's default KillWait
 TIME_LIMIT_S = 60  # --time=1
-STEPS, STEP_SLEEP_S = 90, 0.75
-assert STEPS * STEP_SLEEP_S > TIME_LIMIT_S, "the job must not fit in one allocation"
+CHECK_PERIOD_S = 30  # slurmctld looks for jobs past their limit about this often: the kill comes up to it late
+STEPS = 120
+# The first run sleeps 1 s a step: it cannot finish before Slurm's kill, however late that
+# comes. A resumed run sleeps 0.1 s: what is left (< 70 steps, the first run trained for
+# at least a minute) ends well inside its own minute. The sleeps do not change the training.
+FIRST_SLEEP_S, RESUMED_SLEEP_S = 1.0, 0.1
+assert STEPS * FIRST_SLEEP_S > TIME_LIMIT_S + CHECK_PERIOD_S + 20, "the first run must still train at the kill"
 
 
 def _kill_wait(cluster: SlurmCluster) -> int:
@@ -68,7 +73,8 @@ def test_slurm_timeout_kill_comes_back(
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     command = (f'env HPCCKPT_CLUSTER=local HPCCKPT_SIGNALS=SIGTERM {sys.executable} -m hpcckpt.demo.train '
-               f'--dir "$HPCCKPT_RUN_DIR" --steps {STEPS} --every 10 --step-sleep {STEP_SLEEP_S}')
+               f'--dir "$HPCCKPT_RUN_DIR" --steps {STEPS} --every 10 '
+               f'--step-sleep "$( ((${{SLURM_RESTART_COUNT:-0}} == 0)) && echo {FIRST_SLEEP_S} || echo {RESUMED_SLEEP_S})"')
     script = slurm_cluster.render("single", run_dir / "single.sbatch", TIME="1", LEAD_S="0", RUN_DIR=str(run_dir),
                                   OUTPUT=f"{run_dir}/slurm-%j.out", COMMAND=command, JOB_NAME="hpcckpt-timeout")
     with kill_wait(slurm_cluster, KILL_WAIT_S):
