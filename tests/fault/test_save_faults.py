@@ -166,7 +166,7 @@ def test_a_fault_after_the_rename_records_a_commit(tmp_path: Path, fault: str,
         for step in ck.steps(3):
             if step == 1:
                 if fault == "latest":
-                    monkeypatch.setattr(commit, "atomic_write", broken)
+                    monkeypatch.setattr(commit, "replace_hint", broken)  # the LATEST update
                 else:
                     monkeypatch.setattr(catalog, "prune", broken)
     records = _ledger(root)
