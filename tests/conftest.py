@@ -1,6 +1,7 @@
 """Shared fixtures: fresh checkpoint directories with awkward names, a tiny train state."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -46,3 +47,47 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     import os
     if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects, and sorts, the same way
         items.sort(key=_weight)
+
+
+# Opt-in cost profile of the suite (TEST_CPU_PROFILE=dir): one JSON line per test with its
+# wall time and the CPU it and the children it waited for used, per worker; and the whole
+# machine's CPU use every second, from the controller. Used to find where the suite's time
+# goes; nothing is asserted on it.
+_PROFILE = os.environ.get("TEST_CPU_PROFILE")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    if not _PROFILE:
+        yield
+        return
+    import json
+    import time
+    t0, c0 = time.time(), os.times()
+    yield
+    t1, c1 = time.time(), os.times()
+    rec = {"id": item.nodeid, "start": t0, "wall": t1 - t0,
+           "cpu_self": (c1.user + c1.system) - (c0.user + c0.system),
+           "cpu_children": (c1.children_user + c1.children_system) - (c0.children_user + c0.children_system)}
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(os.path.join(_PROFILE, f"tests-{worker}.jsonl"), "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not _PROFILE or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    import threading
+    import time
+    os.makedirs(_PROFILE, exist_ok=True)
+
+    def sample() -> None:
+        with open(os.path.join(_PROFILE, "machine.tsv"), "a") as out:
+            while True:
+                with open("/proc/stat") as f:
+                    fields = f.readline().split()[1:]
+                out.write(f"{time.time():.1f}\t" + "\t".join(fields) + "\n")
+                out.flush()
+                time.sleep(1.0)
+
+    threading.Thread(target=sample, daemon=True).start()
