@@ -1,4 +1,7 @@
-"""``hpcckpt history DIR``: one row per interruption of the run checkpointed in DIR."""
+"""``hpcckpt history DIR``: one row per interruption of the run checkpointed in DIR.
+
+``--goodput``: the job's wall time split into productive training and badput buckets,
+per run (allocation) and in total."""
 
 from __future__ import annotations
 
@@ -9,13 +12,17 @@ from pathlib import Path
 
 from hpcckpt.cli.common import add_json, directory, emit
 from hpcckpt.errors import NoCheckpoint
-from hpcckpt.lifecycle.history import Interruption, interruptions, load, summary
+from hpcckpt.cluster.causes import slurm_runs
+from hpcckpt.lifecycle.history import BUCKETS, Fold, Interruption, goodput, interruptions, load, summary
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("history", help="per interruption: cause, signal, lost steps, save/queue/restore time",
                        description=__doc__)
     p.add_argument("dir", type=Path, help="checkpoint directory (holds ledger.jsonl)")
+    p.add_argument("--goodput", action="store_true",
+                   help="the wall time split into productive training and badput (save, restore, lost "
+                        "progress, requeue and queue wait, start-up), per allocation and in total")
     add_json(p)
     p.set_defaults(func=run)
 
@@ -39,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
     if not folded.runs:
         raise NoCheckpoint(f"{args.dir}/ledger.jsonl is missing or empty: no run has started "
                            "with this checkpoint directory (check the path)")
+    if args.goodput:
+        return _goodput(args, folded)
     rows = interruptions(folded)
     head = (f"{'#':>2} {'job':>10} {'cause':<16} {'signal':<8} {'at':<8} {'sig step':>8} "
             f"{'committed':>9} {'resumed':>12} {'lost':>7} {'save':>7} {'queue':>7} {'restore':>7}  requeue")
@@ -101,3 +110,38 @@ def _lost(r: Interruption) -> str:
     if r.lost_at_most_s is not None:
         return f"<={r.lost_at_most_s:.0f}s"
     return "unknown"
+
+
+_SHORT = {"productive_training": "training", "program_startup": "startup", "checkpoint_restore": "restore",
+          "checkpoint_save": "save", "wasted_progress": "wasted", "requeue_and_queue_wait": "requeue+q",
+          "other": "other", "unaccounted": "unacct"}
+
+
+def _goodput(args: argparse.Namespace, folded: Fold) -> int:
+    """``--goodput``: one row per run (allocation, with the wait after it) and the total."""
+    info = goodput(folded, slurm=slurm_runs(folded.slurm_ids()))
+    wall = info["wall_s"]
+    share = f"{100 * info['goodput']:.1f}%" if info["goodput"] is not None else "-"
+    lines = [f"goodput {share}: {_secs(info['buckets']['productive_training'])} of productive training in "
+             f"{_secs(wall)} of wall time, {info['allocations']} run(s)",
+             f"{'#':>3} {'job':>10} {'ended':<12} {'span':>8} " + " ".join(f"{_SHORT[b]:>9}" for b in BUCKETS)]
+    lines += [f"{r['index']:>3} {_fmt(r['job_id']):>10} {r['ended'][:12]:<12} {_secs(r['span_s']):>8} "
+              + " ".join(f"{_secs(r['buckets'][b]):>9}" for b in BUCKETS) for r in info["rows"]]
+    lines.append(f"{'':>3} {'total':>10} {'':<12} {_secs(wall):>8} "
+                 + " ".join(f"{_secs(info['buckets'][b]):>9}" for b in BUCKETS))
+    lines.append(f"{'':>3} {'':>10} {'':<12} {'':>8} "
+                 + " ".join(f"{_pct(info['buckets'][b], wall):>9}" for b in BUCKETS))
+    lines += [f"! {note}" for note in info["notes"]]
+    emit(args, {"dir": str(args.dir), **info}, "\n".join(lines))
+    return 0
+
+
+def _secs(s: float) -> str:
+    """Seconds as a short duration: 12.34s, 12.3m, 12.3h."""
+    if s < 600:
+        return f"{s:.2f}s"
+    return f"{s / 60:.1f}m" if s < 36000 else f"{s / 3600:.1f}h"
+
+
+def _pct(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.1f}%" if whole > 0 else "-"

@@ -104,7 +104,7 @@ from ..cluster import detect
 from ..errors import CheckpointCorrupt, CriuError, CudaCheckpointError, HpcckptError, NoCheckpoint
 from ..exitcodes import EXIT_REQUEUE
 from ..lifecycle import identity, requeue
-from ..lifecycle.ledger import Ledger
+from ..lifecycle.ledger import Ledger, process_start_time
 from ..policy import bounded_lead_s, warning_wait_s
 from ..proc import tree as proctree
 from ..store.commit import Transaction, atomic_write
@@ -384,6 +384,7 @@ class Supervisor:
         self._started(job, progress_s=0.0)
         self.ledger.append("start", mode="criu", resumed_from=None, image=None, progress_s=0.0,
                            fallback=fallback, dump_every_s=self.opts.dump_every_s, no_image=no_image,
+                           process_start=process_start_time(),
                            **Progress.lost_since(self.ledger.events(), 0.0))
         return job
 
@@ -491,7 +492,8 @@ class Supervisor:
         progress_s = float(manifest.get("progress_s") or 0.0)
         self.ledger.append("criu_restore", image=image.name, restore_s=restore_s, verify_s=verify_s,
                            criu_s=criu_s, bytes=image.bytes_total(), progress_s=progress_s,
-                           dump_every_s=self.opts.dump_every_s, **Progress.lost_since(self.ledger.events(), progress_s))
+                           dump_every_s=self.opts.dump_every_s, process_start=process_start_time(),
+                           **Progress.lost_since(self.ledger.events(), progress_s))
         self.outcome.restored_from = image.name
         self._started(job, progress_s=progress_s)
         return job

@@ -4,7 +4,9 @@ Events written by the training side: ``start`` {resumed_from, restore_s},
 ``signal`` {signum, signame, step}, ``commit`` {step, save_s, final, engine},
 ``stop`` {reason, step, committed_step, requeue}, ``requeue`` (the one schema of
 ``hpcckpt.lifecycle.requeue``). Other parts add their own (``criu_dump``,
-``criu_restore``). ``hpcckpt history`` turns them into one row per interruption.
+``criu_restore``; the CRIU supervisor's openers carry ``process_start``,
+``process_start_time()``). ``hpcckpt history`` turns them into one row per interruption,
+and ``--goodput`` into the wall time's productive and badput buckets.
 
 Nothing here may block training: the lock is taken without blocking and waited for
 at most ``LOCK_WAIT_S`` (then the event is skipped, and said so), and neither the
@@ -109,6 +111,19 @@ class Ledger:
     def read(self) -> list[dict[str, Any]]:
         """Every well-formed event as a list (small ledgers; ``events`` streams)."""
         return list(self.events())
+
+
+def process_start_time(pid: int | str = "self") -> float | None:
+    """When a process started, in epoch seconds (to the kernel's clock tick), from ``/proc``;
+    None where it cannot be read. A run's opening record carries it as ``process_start``, so
+    that ``hpcckpt history --goodput`` tells program start-up apart from the queue wait."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read(4096).rsplit(b")", 1)[1].split()  # the name before ")" may hold spaces
+        since_boot = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 def _parse(line: bytes) -> dict[str, Any] | None:
