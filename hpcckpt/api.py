@@ -33,9 +33,11 @@ from .engines import SaveContext, SaveHandle, make_engine
 from .engines.base import live_tensors
 from .errors import CheckpointCorrupt, CheckpointFailed, ConfigError, HpcckptError
 from .exitcodes import EXIT_PROBLEM, EXIT_REQUEUE
+from .levels import Levels
+from .levels import restore as level_restore
 from .lifecycle import identity, requeue
 from .lifecycle.history import record_superseded
-from .lifecycle.ledger import Ledger
+from .lifecycle.ledger import Ledger, process_start_time
 from .cluster.base import Cause
 from .policy import WARNING_SIGNALS, AutoInterval, Figures, Policy, StopReason
 from .ranks import Ranks
@@ -90,7 +92,8 @@ class Checkpointer:
         self.state.replicated = self.options.replicated
         self.state.check_replicas = self.options.check_replicas
         self.ledger = Ledger(self.root)
-        self.policy = Policy(self.options.every_steps, margin_s=self.options.deadline_margin_s,
+        # With levels, periodic saves are node-local ones; the shared level's are drained from them.
+        self.policy = Policy(self.options.local_every_steps or self.options.every_steps, margin_s=self.options.deadline_margin_s,
                              auto=AutoInterval(overhead_bound=self.options.overhead_bound)
                              if self.options.auto_interval else None)
         self.figures = Figures.read(self.root)  # costs measured by earlier allocations
@@ -127,9 +130,14 @@ class Checkpointer:
         me = identity.current()
         self._lease = WriterLease(self.root, job_id=me.raw_job_id, restart=me.restart, job=me.job_id)
         self._take_lease()
+        self.levels: Levels | None = None  # multi-level checkpoints (local_every_steps)
+        self.restored_level: str | None = None  # the level the resume read: node-local, partner or shared
         try:
+            if self.options.local_every_steps is not None:
+                self.levels = Levels.make(self.options, self.ranks, me.node, self.cluster.env.staging_dir())
             self.engine = make_engine(self.options.engine, SaveContext(
-                root=self.root, keep=self.options.keep, job=self._job_info(), user={}), self.ranks,
+                root=self.levels.local if self.levels else self.root, keep=self.options.keep,
+                job=self._job_info(), user={}, levels=self.levels), self.ranks,
                 **(self._concurrent_options() if self.options.engine == "concurrent" else {}))
         except BaseException:
             self._lease.release()
@@ -223,13 +231,29 @@ class Checkpointer:
         # The optimizers' parameter devices say where missing optimizer state belongs (GPU or host).
         self._fresh_ok = fresh_ok
         live = self._live_targets
-        outcome = load_newest(self.root, self.ranks, into=live, on_skip=self._skipped, accept=accept)
+        outcome, where = None, self.root
+        if self.levels is not None:  # the fastest level holding the newest complete step
+            found = level_restore.prepare(self.levels, self.ranks)
+            if found is not None:
+                outcome = load_newest(self.levels.local, self.ranks, into=live, on_skip=self._skipped,
+                                      accept=accept, only_step=found[0])
+                where, self.restored_level = self.levels.local, found[1]
+                if outcome.flat is None:
+                    log.warning("hpcckpt: node-local step %d could not be restored; trying the shared level",
+                                found[0])
+                    outcome, where, self.restored_level = None, self.root, None
+        if outcome is None:
+            outcome = load_newest(self.root, self.ranks, into=live, on_skip=self._skipped, accept=accept)
+            if outcome.flat is not None and self.levels is not None:
+                self.restored_level = level_restore.SHARED
         self._restore_s = time.monotonic() - t0
         if outcome.flat is not None:
             self._loaded = outcome.flat
             self.step = int(outcome.flat.meta["step"])
             self.resumed_from = self.committed_step = self.step
-            log.warning("hpcckpt: resumed from step %d under %s (%.2fs)", self.step, self.root, self._restore_s)
+            level = f" ({self.restored_level} level)" if self.restored_level else ""
+            log.warning("hpcckpt: resumed from step %d under %s%s (%.2fs)", self.step, where, level,
+                        self._restore_s)
         else:
             for opt in self._initialized:  # a fresh start: the optimizers as they were, without state
                 opt.state.clear()
@@ -407,7 +431,8 @@ class Checkpointer:
             self._jit.start()
         if self.ranks.is_coordinator:
             self.ledger.append("start", resumed_from=self.resumed_from, restore_s=round(self._restore_s, 6),
-                               engine=self.options.engine, world_size=self.ranks.world)
+                               engine=self.options.engine, world_size=self.ranks.world,
+                               process_start=process_start_time(), level=self.restored_level)
         self._start_step = self.step
         if self._trace is not None and self.ranks.is_coordinator:
             from .check import append_trace

@@ -196,6 +196,17 @@ TUNABLES: dict[str, Tunable] = {t.env.removeprefix("HPCCKPT_").lower(): t for t 
             "a byte count of one pinned chunk of a restore onto the GPU, 8 KiB to 4 GiB", "128M"),
     Tunable("HPCCKPT_DIRECT", parse_bool, lambda v: isinstance(v, bool), "1/0, true/false, yes/no, on/off",
             "0"),
+    Tunable("HPCCKPT_LOCAL_EVERY_STEPS", parse_int, lambda v: v is None or (_is_int(v) and v > 0),
+            "a whole number of steps > 0: a node-local checkpoint (and a partner copy on another node) every "
+            "this many steps; every_steps is then the shared level's interval, a multiple of it", "1"),
+    Tunable("HPCCKPT_LOCAL_DIR", str, _is_path,
+            "a node-local directory path for the node-local level (%n: the node name; default: the job's "
+            "prolog-made staging, else /dev/shm)", "/local/$USER/hpcckpt"),
+    Tunable("HPCCKPT_LOCAL_KEEP", parse_int, lambda v: _is_int(v) and v >= 1,
+            "a whole number >= 1 of node-local checkpoints kept on each node", "2"),
+    Tunable("HPCCKPT_PARTNER", parse_bool, lambda v: isinstance(v, bool),
+            "a boolean (1/0): each node-local checkpoint is also copied to a partner node's node-local level",
+            "1"),
     Tunable("HPCCKPT_SIGNALS", parse_signals, lambda v: bool(v), "catchable stop signals, comma-separated",
             "SIGUSR2,SIGTERM"),
     Tunable("HPCCKPT_CLUSTER", lambda s: s.strip().lower(), lambda v: v in CLUSTERS,
@@ -307,6 +318,12 @@ class CheckpointOptions:
     jit_timeout_s: float | None = None  # how long a silent rank may take before it counts as failed
     chunk_bytes: int = CHUNK_BYTES  # concurrent engine: one writer thread's piece of a file
     ring_chunk_bytes: int | None = None  # concurrent engine: one staging ring chunk (None: the engine's size)
+    # multi-level checkpoints (hpcckpt.levels): node-local (+ partner) every local_every_steps;
+    # every_steps is then the shared level's interval (drained from the node-local copy)
+    local_every_steps: int | None = None
+    local_dir: str | None = None
+    local_keep: int = 2
+    partner: bool = True
 
     def __post_init__(self) -> None:
         if self.every_steps is not None and not (_is_int(self.every_steps) and self.every_steps > 0):
@@ -314,8 +331,19 @@ class CheckpointOptions:
                               "or None; e.g. every_steps=100 or HPCCKPT_EVERY_STEPS=100")
         for option in ("engine", "overhead_bound", "keep", "deadline_margin_s", "max_async", "writer_threads",
                        "on_busy", "memory_budget_bytes", "staging_bytes", "direct", "on_corrupt", "replicated",
-                       "check_replicas", "jit", "jit_timeout_s", "chunk_bytes", "ring_chunk_bytes"):
+                       "check_replicas", "jit", "jit_timeout_s", "chunk_bytes", "ring_chunk_bytes",
+                       "local_every_steps", "local_keep", "partner"):
             validate(option, getattr(self, option))
+        if self.local_dir is not None:
+            validate("local_dir", self.local_dir)
+        if self.local_every_steps is not None:
+            if self.auto_interval:
+                raise ConfigError("every_steps='auto' does not combine with local_every_steps: give the shared "
+                                  "level's interval in steps, e.g. every_steps=100, local_every_steps=10")
+            if self.every_steps is not None and self.every_steps % self.local_every_steps:
+                raise ConfigError(f"every_steps={self.every_steps} (the shared level) is not a multiple of "
+                                  f"local_every_steps={self.local_every_steps}: the shared level is drained from "
+                                  f"a node-local checkpoint; e.g. every_steps={self.local_every_steps * 10}")
         if not self.signals:
             raise ConfigError("signals=() leaves no stop signal; e.g. signals=('SIGUSR2', 'SIGTERM') "
                               "or HPCCKPT_SIGNALS=SIGUSR2,SIGTERM")
@@ -379,6 +407,10 @@ def resolve_options(
     jit_timeout_s: float | None = None,
     chunk_bytes: int | None = None,
     ring_chunk_bytes: int | None = None,
+    local_every_steps: int | None = None,
+    local_dir: str | os.PathLike[str] | None = None,
+    local_keep: int | None = None,
+    partner: bool | None = None,
 ) -> CheckpointOptions:
     """Build options from arguments, then ``HPCCKPT_*`` variables, then defaults."""
     raw_dir = dir if dir is not None else os.environ.get("HPCCKPT_DIR")
@@ -415,6 +447,10 @@ def resolve_options(
         jit_timeout_s=pick(jit_timeout_s, "JIT_TIMEOUT_S", None, parse_float),
         chunk_bytes=pick(chunk_bytes, "CHUNK_BYTES", CHUNK_BYTES, parse_bytes),
         ring_chunk_bytes=pick(ring_chunk_bytes, "RING_CHUNK_BYTES", None, parse_bytes),
+        local_every_steps=pick(local_every_steps, "LOCAL_EVERY_STEPS", None, parse_int),
+        local_dir=pick(None if local_dir is None else str(local_dir), "LOCAL_DIR", None, str),
+        local_keep=pick(local_keep, "LOCAL_KEEP", 2, parse_int),
+        partner=pick(partner, "PARTNER", True, parse_bool),
     )
 
 

@@ -15,6 +15,17 @@ import torch
 import torch.distributed as dist
 
 from .errors import HpcckptError
+from .fsio import write_all as fsio_write_all
+
+
+def _tags(peers: list[int]) -> list[int]:
+    """Each transfer's tag: how many transfers to (or from) the same peer come before it."""
+    seen: dict[int, int] = {}
+    out = []
+    for p in peers:
+        out.append(seen.get(p, 0))
+        seen[p] = out[-1] + 1
+    return out
 
 
 class Ranks:
@@ -75,6 +86,55 @@ class Ranks:
         box = [json.dumps(obj) if self.is_coordinator else None]
         dist.broadcast_object_list(box, src=0, group=group)
         return json.loads(box[0])  # type: ignore[arg-type]  # the broadcast filled box[0] with a str
+
+    def exchange_files(self, sends: list[tuple[int, str, int]], recvs: list[tuple[int, str, int]],
+                       *, chunk_bytes: int = 64 << 20) -> None:
+        """Send and receive whole files point to point over the group (multi-level checkpoints).
+
+        ``sends``: (destination rank, path, bytes); ``recvs``: (source rank, path to create,
+        bytes). Both sides know each file's size; a file goes in ``chunk_bytes`` pieces, every
+        rank's pieces of one round in flight together, so no pairing order can deadlock. The
+        k-th file between two ranks in one direction is matched by its tag k. Received files
+        are fsynced. Collective over the ranks taking part (each pairs its sends with the
+        peer's receives).
+        """
+        import math
+        import os
+
+        group = self._comm()
+        if group is None:
+            if sends or recvs:
+                raise HpcckptError("a file transfer between ranks needs torch.distributed with more than one rank")
+            return
+        n_chunks = [max(1, math.ceil(size / chunk_bytes)) for _, _, size in sends + recvs]
+        send_tags, recv_tags = _tags([d for d, _, _ in sends]), _tags([s for s, _, _ in recvs])
+        src_fds = [os.open(p, os.O_RDONLY) for _, p, _ in sends]
+        dst_fds = [os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) for _, p, _ in recvs]
+        try:
+            for c in range(max(n_chunks, default=0)):
+                pending: list[tuple[Any, int | None, torch.Tensor]] = []
+                for i, (dst, _, size) in enumerate(sends):
+                    if c < n_chunks[i]:
+                        n = min(chunk_bytes, size - c * chunk_bytes)
+                        data = os.pread(src_fds[i], n, c * chunk_bytes) if n > 0 else b"\0"
+                        if n > 0 and len(data) != n:
+                            raise HpcckptError(f"{sends[i][1]} is shorter than {size} bytes")
+                        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                        pending.append((dist.isend(buf, dst, group=group, tag=send_tags[i]), None, buf))
+                for j, (src, _, size) in enumerate(recvs):
+                    if c < n_chunks[len(sends) + j]:
+                        n = min(chunk_bytes, size - c * chunk_bytes)
+                        buf = torch.empty(max(n, 1), dtype=torch.uint8)
+                        pending.append((dist.irecv(buf, src, group=group, tag=recv_tags[j]), j if n > 0 else None, buf))
+                for work, into, buf in pending:
+                    work.wait()
+                    if into is not None:
+                        fsio_write_all(dst_fds[into], buf.numpy().tobytes())
+            for fd in dst_fds:
+                os.fsync(fd)
+        finally:
+            for fd in src_fds + dst_fds:
+                os.close(fd)
 
     def close(self) -> None:
         """Destroy the groups made here, while the interpreter is fully alive.

@@ -143,7 +143,7 @@ def check_restorable(flat: Flat, live: Mapping[str, Any] | None) -> None:
 
 def load_newest(root: Path, ranks: Ranks, *, into: Callable[[], Mapping[str, Any] | None] | None = None,
                 on_skip: Callable[[int, str], None] | None = None,
-                accept: Callable[[Flat], None] | None = None) -> Outcome:
+                accept: Callable[[Flat], None] | None = None, only_step: int | None = None) -> Outcome:
     """The newest committed checkpoint every rank can read and restore, or an outcome without state.
 
     ``into``: called once, before the first read, for the live tensors to read into
@@ -154,7 +154,9 @@ def load_newest(root: Path, ranks: Ranks, *, into: Callable[[], Mapping[str, Any
     restore itself, raises) is passed over the same way, with that reason. When every
     damaged one was refused alike by a registered object (``StateRefused`` with one key),
     ``refused`` holds the newest refusal: the user's code changed, and its ``advice``
-    says what to do (``on_skip`` is not called: nothing was damaged). Collective over ``ranks``.
+    says what to do (``on_skip`` is not called: nothing was damaged). ``only_step``: that
+    step or nothing (a node-local level, where older steps may be incomplete on some nodes).
+    Collective over ``ranks``.
     """
     out = Outcome()
     tried: set[str] = set()
@@ -164,6 +166,8 @@ def load_newest(root: Path, ranks: Ranks, *, into: Callable[[], Mapping[str, Any
     while out.rounds < MAX_ROUNDS:
         out.rounds += 1
         candidates, out.unusable = _candidates(root, ranks, tried)
+        if only_step is not None:
+            candidates = [c for c in candidates if int(c["step"]) == only_step]
         if not candidates:
             out.overwritten = ranks.max(int(out.overwritten)) > 0
             out.refused = _alike(out.damaged, refusals, ranks)

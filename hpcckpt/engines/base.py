@@ -26,6 +26,8 @@ from typing import Any, Mapping
 import torch
 
 from ..errors import CheckpointFailed
+from ..levels import Levels
+from ..levels import save as level_save
 from ..ranks import Ranks
 from ..state import Flat, TrainState
 from ..store import catalog, placement
@@ -62,13 +64,13 @@ def live_tensors(tensors: Mapping[str, Any], objects: Mapping[str, Any], *, over
 class SaveHandle:
     """A save in progress. ``wait()`` raises a background error exactly once."""
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, *, final: bool = False) -> None:
         self.step = step
         self.path: Path | None = None
         self.save_s: float | None = None
         self.stall_s: float | None = None  # how long training was blocked by this save
         self.capture_s = 0.0  # the state's capture (state_dict()) before the engine's save
-        self.final = False
+        self.final = final
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._raised = False
@@ -97,10 +99,11 @@ class SaveHandle:
 
 @dataclass(frozen=True, kw_only=True)
 class SaveContext:
-    root: Path
+    root: Path  # where the engine writes: the checkpoint directory, or this node's node-local level
     keep: int
     job: dict[str, Any]
     user: dict[str, Any]
+    levels: Levels | None = None  # multi-level checkpoints: commits go through levels.save
 
 
 class Engine(ABC):
@@ -134,13 +137,24 @@ class Engine(ABC):
         return Transaction.temp_dir(self.ctx.root, catalog.step_name(step), self.ranks.token())
 
     def commit_step(self, step: int, tmp: Path, record: dict[str, Any] | None,
-                    error: BaseException | None, started: float, *, ranks: Ranks | None = None) -> Path:
+                    error: BaseException | None, started: float, *, ranks: Ranks | None = None,
+                    final: bool = False) -> Path:
         """Exchange rank records; the coordinator commits. Collective over all ranks.
 
         A background thread passes ``ranks=self.ranks.background()`` so that its
-        collectives never interleave with the main thread's on one group.
+        collectives never interleave with the main thread's on one group. With levels
+        (``ctx.levels``) every node commits its node-local copy and the shared level is
+        drained from it when due (``levels.save.commit``).
         """
         ranks = ranks or self.ranks
+        if self.ctx.levels is not None:
+            path, level_warnings = level_save.commit(self.ctx.levels, ranks, engine=self.name, job=self.ctx.job,
+                                                     user=self.ctx.user, step=step, tmp=tmp, record=record,
+                                                     error=error, final=final)
+            for warning in level_warnings:
+                log.warning("hpcckpt: %s", warning)
+            log.info("hpcckpt: committed step %d in %.3fs (%s)", step, time.monotonic() - started, path)
+            return path
         mine = {"ok": error is None, "record": record, "step": step, "tmp": str(tmp),
                 "error": f"{type(error).__name__}: {error}" if error else None}
         everyone = ranks.gather_json(mine)

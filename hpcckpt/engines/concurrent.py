@@ -308,7 +308,7 @@ class ConcurrentEngine(Engine):
         if self._closed:
             raise CheckpointFailed(f"checkpoint of step {step} under {self.ctx.root}: the engine is closed")
         t0 = time.monotonic()
-        handle = SaveHandle(step)
+        handle = SaveHandle(step, final=final)
         admitted = False
         try:
             if not self._admit(step, final):
@@ -559,7 +559,8 @@ class ConcurrentEngine(Engine):
                 if job.slot is not None:
                     self._free_slot(job.slot)
         try:
-            path = self.commit_step(job.step, job.tmp, record, error, job.started, ranks=self._bg_ranks)
+            path = self.commit_step(job.step, job.tmp, record, error, job.started, ranks=self._bg_ranks,
+                                    final=job.handle.final)
         except Exception as exc:
             job.handle.finish(error=exc)
         else:

@@ -27,11 +27,11 @@ class SyncEngine(Engine):
         save, whichever the engine.
         """
         started = time.monotonic()
-        handle = SaveHandle(step)
+        handle = SaveHandle(step, final=final)
         tmp = self.temp_path(step)  # collective (a shared token): once per save, whatever fails after
         record, error = self._write(flat, step, tmp)
         try:
-            path = self.commit_step(step, tmp, record, error, started)
+            path = self.commit_step(step, tmp, record, error, started, final=final)
         except Exception as exc:
             handle.finish(error=exc)
         else:

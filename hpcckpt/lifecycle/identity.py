@@ -34,6 +34,9 @@ class Identity:
     local_restart: int | None = None  # the local supervisor's restart number; None when not under it
     rank: int = 0
     host: str = ""
+    # The node this process runs on, as the job's ranks tell nodes apart: Slurm's node name,
+    # else torchrun's node rank (GROUP_RANK), else the host name.
+    node: str = ""
     in_step: bool = False  # inside an srun step (not the batch shell)
 
     @property
@@ -82,7 +85,14 @@ def current(environ: Mapping[str, str] | None = None) -> Identity:
         job_id=env.job_id, raw_job_id=env.raw_job_id, array_job_id=env.array_job_id,
         array_task_id=env.array_task_id, restart_count=_lenient(lambda: env.restart_count),
         local_restart=_local_restart(environ), rank=_lenient(lambda: env.global_rank),
-        host=socket.gethostname(), in_step=env.in_step)
+        host=socket.gethostname(), in_step=env.in_step, node=_node(env, environ))
+
+
+def _node(env: JobEnv, environ: Mapping[str, str]) -> str:
+    if env.node_name:
+        return env.node_name
+    group = environ.get("GROUP_RANK", "").strip()  # torchrun's node rank
+    return f"node-{group}" if group.isdigit() else socket.gethostname()
 
 
 def _lenient(read: Callable[[], int]) -> int:

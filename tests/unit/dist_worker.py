@@ -82,6 +82,13 @@ def parse() -> argparse.Namespace:
                         "while the job is held there, whenever it comes)")
     p.add_argument("--only-first-run", action="store_true",
                    help="exit 0 at once in a requeued Slurm run ($SLURM_RESTART_COUNT >= 1): the test resubmits")
+    p.add_argument("--local-every", type=int, default=None, help="node-local level every N steps (levels)")
+    p.add_argument("--local-dir", default=None, help="node-local level directory (%%n: the node)")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="ranks per simulated node (sets GROUP_RANK as torchrun does)")
+    p.add_argument("--crash-at", type=int, default=None,
+                   help="at step S (its checkpoint committed), dump the state as 'saved' and exit at once, "
+                        "without a final save or close(), as a crash would")
     p.add_argument("--kill-rank", type=int, default=None)
     p.add_argument("--kill-step", type=int, default=None)
     return p.parse_args()
@@ -253,11 +260,15 @@ def run(a: argparse.Namespace, rank: int, world: int) -> int:
     from hpcckpt.api import Checkpointer, RequeueExit
     install_kill(rank, a.kill_rank, a.kill_step)
     root = a.ckpt or a.out / "ckpt"
-    ck = Checkpointer(root, engine=a.engine, every_steps=a.every, keep=a.keep)  # stop signals: USR2, TERM
+    if a.ranks_per_node:
+        os.environ["GROUP_RANK"] = str(rank // a.ranks_per_node)
+    levels = {"local_every_steps": a.local_every, "local_dir": a.local_dir} if a.local_every else {}
+    ck = Checkpointer(root, engine=a.engine, every_steps=a.every, keep=a.keep, **levels)  # stop signals: USR2, TERM
     code = 0
     try:
         restored = ck.register(model=model, optimizer=opt, sampler=sampler)
         result["restored"] = restored
+        result["level"] = ck.restored_level
         result["sampler"] = sampler.state_dict()
         if phase == "resume":
             dump(model, opt, a.out / f"state-restored-r{rank}.pt")
@@ -272,6 +283,12 @@ def run(a: argparse.Namespace, rank: int, world: int) -> int:
             total = a.stop_at
         try:
             for step, batch in ck.loop(loader, total):
+                if step == a.crash_at:
+                    for handle in ck.engine.pending():
+                        handle.wait()
+                    dump(model, opt, a.out / f"state-saved-r{rank}.pt")
+                    log.close()
+                    os._exit(0)
                 if phase == "save" and a.stop == "signal" and rank == 0 and step == a.stop_at - 1:
                     os.kill(os.getpid(), signal.SIGUSR2)
                 while a.hold_at is not None and step == a.hold_at and ck.signals.first() is None:
