@@ -5,6 +5,12 @@ uses, so a step does real work) for the same number of steps from the same seed;
 the time includes waiting for the last checkpoint to be durable. The overhead is
 ``time / time_without_checkpoints - 1`` (see ``measure_overhead`` for how noise
 from a shared machine is handled).
+
+Arms are engine names, or a level arm of ``LEVEL_ARMS``: ``concurrent_local`` is the
+concurrent engine with multi-level checkpoints on (``hpcckpt.levels``), a node-local
+checkpoint at each interval (``local_every_steps=interval``, ``every_steps=None``: the
+shared level is never drained during the run) in the directory ``measure_overhead``'s
+``local`` names; one process, so no partner copy.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from torch.utils.data import DataLoader
 
 from ..config import concurrent_options
 from ..engines import SaveContext, SaveHandle, make_engine
+from ..levels import Levels, Topology
 from ..ranks import Ranks
 from ..state import TrainState
 from ..demo.model import MarkovTokens, ModelConfig, TinyLM
@@ -69,13 +76,26 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+#: level arm -> its engine: node-local checkpoints at each interval (see the module doc)
+LEVEL_ARMS = {"concurrent_local": "concurrent"}
+
+
+def _node_local(shared: Path, local: Path, interval: int) -> Levels:
+    """One rank on one node: node-local checkpoints every ``interval`` steps in ``local``,
+    the shared level ``shared`` only at a stop (none in a bench run), no partner."""
+    local.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return Levels(shared=shared, local=local, topo=Topology(0, ("bench",)), local_every=interval,
+                  shared_every=None, keep=2, local_keep=2, partner=False)
+
+
 def _loop(load: DemoLoad, engine_name: str | None, interval: int, root: Path,
-          options: dict[str, Any]) -> tuple[float, float, float]:
+          options: dict[str, Any], local: Path | None = None) -> tuple[float, float, float]:
     """(seconds for the training steps, seconds of them training was blocked by
     checkpointing, seconds spent after the last step waiting for saves to be durable).
 
     The last wait is a one-off at the end of a job, not a per-step cost, so it is
-    reported apart from the steady-state step time.
+    reported apart from the steady-state step time. ``local``: the node-local directory
+    of a level arm (``LEVEL_ARMS``).
     """
     torch.manual_seed(0)
     cfg = ModelConfig(d_model=load.d_model, n_layers=load.n_layers, seq_len=load.seq_len)
@@ -86,10 +106,17 @@ def _loop(load: DemoLoad, engine_name: str | None, interval: int, root: Path,
     state.register("model", model)
     state.register("optimizer", opt)
     engine = None
+    levels: Levels | None = None
     if engine_name is not None:
         shutil.rmtree(root, ignore_errors=True)
-        engine = make_engine(engine_name, SaveContext(root=root, keep=2, job={}, user={}), Ranks(),
-                             **(concurrent_options(**options) if engine_name == "concurrent" else {}))
+        kind = LEVEL_ARMS.get(engine_name, engine_name)
+        if engine_name in LEVEL_ARMS:
+            if local is None:
+                raise ValueError(f"the level arm {engine_name!r} needs a node-local directory (local=...)")
+            levels = _node_local(root, local / engine_name, interval)
+        engine = make_engine(kind, SaveContext(root=levels.local if levels else root, keep=2, job={}, user={},
+                                               levels=levels), Ranks(),
+                             **(concurrent_options(**options) if kind == "concurrent" else {}))
         engine.bind(state)
     loader = DataLoader(data, batch_size=load.batch, shuffle=True, drop_last=True)
     handles: list[SaveHandle] = []
@@ -123,12 +150,19 @@ def _loop(load: DemoLoad, engine_name: str | None, interval: int, root: Path,
         blocked += float(getattr(getattr(engine, "stats", None), "hook_wait_s", 0.0))
         engine.close()
         shutil.rmtree(root, ignore_errors=True)
+        if levels is not None:
+            shutil.rmtree(levels.local, ignore_errors=True)
     return t1 - t0, blocked, drain
 
 
 def measure_overhead(engines: list[str], intervals: list[int], root: Path, load: DemoLoad,
-                     options: dict[str, Any], *, rounds: int = 5, tick: Any = lambda: None) -> dict[str, Any]:
+                     options: dict[str, Any], *, rounds: int = 5, tick: Any = lambda: None,
+                     local: Path | None = None, rotate: bool = False) -> dict[str, Any]:
     """Interleaved runs (baseline, then every engine x interval), ``rounds`` times.
+
+    ``engines`` may name level arms (``LEVEL_ARMS``; their node-local directories go
+    under ``local``). ``rotate``: the engines' order turns by one each round, so that no
+    arm always runs right after the same other one.
 
     ``overhead`` is the median over rounds of (steps time / that round's baseline - 1):
     each ratio compares runs a minute apart, so slow phases of a shared machine cancel
@@ -142,13 +176,15 @@ def measure_overhead(engines: list[str], intervals: list[int], root: Path, load:
     if load.threads:
         torch.set_num_threads(load.threads)
     try:
-        return _measure(engines, intervals, root, load, options, rounds=rounds, tick=tick)
+        return _measure(engines, intervals, root, load, options, rounds=rounds, tick=tick, local=local,
+                        rotate=rotate)
     finally:
         torch.set_num_threads(before)
 
 
 def _measure(engines: list[str], intervals: list[int], root: Path, load: DemoLoad,
-             options: dict[str, Any], *, rounds: int, tick: Any) -> dict[str, Any]:
+             options: dict[str, Any], *, rounds: int, tick: Any, local: Path | None = None,
+             rotate: bool = False) -> dict[str, Any]:
     _loop(DemoLoad(**{**load.__dict__, "steps": min(load.steps, 5)}), None, 1, root, options)  # warm-up
     base: list[float] = []
     keys = [str(i) for i in intervals]
@@ -161,13 +197,14 @@ def _measure(engines: list[str], intervals: list[int], root: Path, load: DemoLoa
     every_step = min(load.steps, 20) if load.device == "cuda" and load.d_model >= 1024 else load.steps
     steps = {str(i): every_step if i == 1 else load.steps for i in intervals}
     scale = {k: n / max(1, load.steps) for k, n in steps.items()}
-    for _ in range(rounds):
+    for r in range(rounds):
         base.append(_loop(load, None, 1, root, options)[0])
         tick()
-        for name in engines:
+        k = r % len(engines) if rotate and engines else 0
+        for name in engines[k:] + engines[:k]:
             for interval in intervals:
                 wall, stuck, last = _loop(DemoLoad(**{**load.__dict__, "steps": steps[str(interval)]}), name,
-                                          interval, root, options)
+                                          interval, root, options, local)
                 times[name][str(interval)].append(wall)
                 blocked[name][str(interval)].append(stuck)
                 drain[name][str(interval)].append(last)

@@ -24,6 +24,15 @@ exact), peak RSS per byte of state, and training overhead at a few checkpoint in
 on --device (default state 0.5 GB, --quick 0.016 GB). With --tensors N[,N...]: the same
 total state (default 0.256 GB, --quick 0.008) spread over N tensors, per count: stall,
 durable, restore, verify and peak RSS of torch.save/torch.load, DCP and both engines.
+
+With --levels: each checkpoint level on this machine (hpcckpt.levels), side by side in
+one run: write+fsync and cold read of a checkpoint-sized file set (default 0.5 GB,
+--quick 0.016 GB) in MB/s on the node-local directory (--local-dir, else
+$HPCCKPT_LOCAL_DIR, else the job's staging directory, else /dev/shm) and on --dir (the
+shared level), and the partner copy between the 2 ranks of a gloo process group; then
+the training overhead of a checkpoint at every step with the concurrent engine at the
+node-local level (local_every_steps=1) next to the shared directory (every_steps=1),
+paired rounds on the demo model, and their ratio.
 """
 from __future__ import annotations
 
@@ -84,6 +93,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tensors", type=tensors_arg, default=None, metavar="N[,N...]",
                    help="the same state spread over N tensors (e.g. 64,1024,8192): stall, durable, restore, "
                         "verify and peak RSS per count, against torch.save/torch.load and DCP")
+    p.add_argument("--levels", action="store_true",
+                   help="node-local, partner and shared level bandwidth side by side (MB/s), and the overhead of "
+                        "a checkpoint at every step at the node-local level against the shared directory")
+    p.add_argument("--local-dir", default=None, metavar="DIR",
+                   help="with --levels: the node-local level's directory (default: as the levels resolve it, "
+                        "$HPCCKPT_LOCAL_DIR, the job's staging directory or /dev/shm)")
     p.add_argument("--device", default="auto", help="auto (cuda when a GPU is visible), cuda or cpu")
     p.add_argument("--dir", type=Path, default=None,
                    help="file system to measure (created if missing; default: the system temp dir)")
@@ -170,9 +185,12 @@ def run_ranks(args: argparse.Namespace) -> int:
 def _one_mode(args: argparse.Namespace) -> None:
     from ..errors import ConfigError
     chosen = [f for f, on in (("--ranks", args.ranks is not None), ("--peers", args.peers),
-                              ("--tensors", args.tensors is not None)) if on]
+                              ("--tensors", args.tensors is not None), ("--levels", args.levels)) if on]
     if len(chosen) > 1:
         raise ConfigError(f"{' and '.join(chosen)}: give one of them per run (each is a bench of its own)")
+    if args.local_dir is not None and not args.levels:
+        raise ConfigError(f"--local-dir {args.local_dir}: it names the node-local level of --levels; "
+                          "add --levels (e.g. hpcckpt bench --levels --local-dir /dev/shm)")
 
 
 def _room(size_bytes: int, directory: Path | None, *, option: str) -> None:
@@ -218,10 +236,31 @@ def run_peers(args: argparse.Namespace) -> int:
     return 0 if res["all_exact"] else 1
 
 
+def run_levels(args: argparse.Namespace) -> int:
+    """``--levels`` (``hpcckpt.bench.levels``)."""
+    from ..bench import levels
+    from ..demo.runtime import resolve_device, work_dir
+    from ..errors import ConfigError
+
+    if args.plot is not None:
+        raise ConfigError("--plot draws --peers and the default bench; drop --plot with --levels (its result is a table)")
+    if args.local_dir is not None and not str(args.local_dir).strip():
+        raise ConfigError("--local-dir '': give a node-local directory (e.g. --local-dir /dev/shm)")
+    device = resolve_device(args.device)
+    directory = work_dir(args.dir) if args.dir is not None else None
+    o = levels.LevelsOptions.make(size_gb=args.size_gb, dir=directory, local_dir=args.local_dir, quick=args.quick,
+                                  direct=args.direct, device=device)
+    res = levels.run_levels(o, progress=lambda s: print(s, file=sys.stderr, flush=True))
+    emit(args, res, levels.text(res))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     _one_mode(args)
     if args.ranks is not None:
         return run_ranks(args)
+    if args.levels:
+        return run_levels(args)
     if args.peers or args.tensors is not None:
         return run_peers(args)
     from ..bench import BenchOptions, check_room, run_bench

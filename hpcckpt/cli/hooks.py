@@ -17,7 +17,8 @@ from hpcckpt.cli.common import add_json, emit
 from hpcckpt.errors import ConfigError
 
 HOOKS = {"prolog": "prepare node-local staging before a job (slurm.conf Prolog=)",
-         "epilog": "record the interruption and clean staging after a job (slurm.conf Epilog=)"}
+         "epilog": "record the interruption, scavenge node-local checkpoints and clean staging after a job "
+                   "(slurm.conf Epilog=)"}
 
 
 def hook_script(name: str) -> Path:

@@ -42,7 +42,7 @@ TEMPLATES: dict[str, Template] = {t.name: t for t in (
                        'python -m hpcckpt.demo.train --dir "$HPCCKPT_RUN_DIR" --steps 2000'}),
     Template(name="ddp", source="ddp.sbatch.in", output_name="ddp.sbatch",
              description="multi-node DDP under srun; step-delivered signal; batch script requeues",
-             defaults={**_COMMON, "NODES": "2", "TASKS_PER_NODE": "2", "COMMAND":
+             defaults={**_COMMON, "NODES": "2", "TASKS_PER_NODE": "2", "RESTARTS": "0", "COMMAND":
                        'python -m hpcckpt.demo.train --dir "$HPCCKPT_RUN_DIR" --steps 2000'}),
     Template(name="lightning", source="lightning.sbatch.in", output_name="lightning.sbatch",
              description="PyTorch Lightning under srun with HpcckptCallback; batch script requeues",
@@ -117,6 +117,9 @@ def _check_value(key: str, value: str) -> None:
         raise ConfigError(f"template parameter TIME={value!r}: a Slurm time such as 04:00:00, 90, 1-12:00:00")
     elif key in _COUNTS and not (value.isdigit() and int(value) > 0):
         raise ConfigError(f"template parameter {key}={value!r}: a whole number > 0, e.g. {key}=2")
+    elif key == "RESTARTS" and not value.isdigit():
+        raise ConfigError(f"template parameter RESTARTS={value!r}: a whole number >= 0 of restarts of the ranks "
+                          "inside one allocation (0: none), e.g. RESTARTS=3")
     elif key == "DUMP_EVERY_S" and not re.fullmatch(r"\d+(\.\d+)?", value):
         raise ConfigError(f"template parameter DUMP_EVERY_S={value!r}: seconds >= 0 (0: off), e.g. 600")
 

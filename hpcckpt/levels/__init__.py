@@ -20,7 +20,6 @@ all ranks restore from and completes each node's copy of it from the others.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -30,9 +29,8 @@ from pathlib import Path
 from ..config import CheckpointOptions
 from ..errors import ConfigError
 from ..ranks import Ranks
+from ..store.scavenge import POINTER, level_key  # the pointer in each node-local root, read by the scavenge
 from .topology import Topology
-
-POINTER = ".hpcckpt-level.json"  # in each node-local root: the shared directory and the Python to scavenge with
 
 __all__ = ["Levels", "Topology", "POINTER", "local_root"]
 
@@ -80,8 +78,7 @@ def local_root(shared: Path, local_dir: str | None, node: str, staging: Path | N
         base = staging / "levels"
     else:
         base = Path("/dev/shm") / f"hpcckpt-{os.getuid()}"
-    key = hashlib.sha1(str(Path(shared).absolute()).encode()).hexdigest()[:16]
-    root = base / key
+    root = base / level_key(shared)
     try:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:

@@ -24,19 +24,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .._core import crc32c
 from ..errors import CheckpointFailed
-from ..fsio import write_all
 from ..ranks import Ranks
 from ..store import catalog
-from ..store.commit import Transaction, discard, fsync_path
+from ..store.commit import Transaction, discard
+from ..store.copy import copy_verified
 from ..store.manifest import build as build_manifest
 from ..store.publish import commit_and_prune
 from . import Levels
 
 log = logging.getLogger("hpcckpt.levels")
-
-COPY_CHUNK = 16 << 20
 
 
 def commit(levels: Levels, ranks: Ranks, *, engine: str, job: dict[str, Any], user: dict[str, Any],
@@ -155,31 +152,3 @@ def drain(levels: Levels, ranks: Ranks, step: int, rel: str, manifest: dict[str,
                                "checkpoint is untouched", {int(r): p for r, p in outcome["problems"].items()})
     log.info("hpcckpt: drained step %d to %s", step, outcome["path"])
     return Path(outcome["path"]), list(outcome.get("warnings") or [])
-
-
-def copy_verified(src: Path, dst: Path) -> int:
-    """Copy ``src`` to a new ``dst``, fsync it, read it back: its crc32c must be the source's
-    as read. Returns the size."""
-    crc, size = 0, 0
-    fd_in = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        fd_out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            while data := os.read(fd_in, COPY_CHUNK):
-                crc = crc32c(data, crc)
-                size += len(data)
-                write_all(fd_out, data)
-            os.fsync(fd_out)
-        finally:
-            os.close(fd_out)
-    finally:
-        os.close(fd_in)
-    back, n = 0, 0
-    with open(dst, "rb", buffering=0) as f:
-        while data := f.read(COPY_CHUNK):
-            back = crc32c(data, back)
-            n += len(data)
-    if (n, back) != (size, crc):
-        raise OSError(f"{dst} reads back as {n} bytes crc32c {back:#010x}, written {size} bytes {crc:#010x}")
-    fsync_path(dst.parent)
-    return size

@@ -128,14 +128,21 @@ def check(path: Path, *, full: bool) -> tuple[dict[str, Any] | None, list[str]]:
     except CheckpointCorrupt as exc:
         text = str(exc)
         return None, [text if str(path) in text else f"{path / MANIFEST}: {text}"]
+    return manifest, verify_against(path, manifest, full=full)
+
+
+def verify_against(path: Path, manifest: dict[str, Any], *, full: bool) -> list[str]:
+    """Problems of the files in ``path`` against ``manifest`` (already read and validated), as
+    ``check`` finds them: sizes; with ``full``, every byte (whole-file and per-tensor crc32c).
+    For a directory whose manifest is not (yet) inside it: the scavenge's staging directory."""
     problems = verify_files(path, full=full, manifest=manifest)
     if full:
         for rank in range(int(manifest["world_size"])):
-            problems += _verify_rank(path, manifest, rank)
-    return manifest, problems
+            problems += verify_rank(path, manifest, rank)
+    return problems
 
 
-def _verify_rank(path: Path, manifest: dict[str, Any], rank: int) -> list[str]:
+def verify_rank(path: Path, manifest: dict[str, Any], rank: int) -> list[str]:
     """Every damaged tensor of one rank's file (a missing or resized file is reported by verify_files)."""
     rec = manifest["ranks"][str(rank)]
     try:
@@ -404,5 +411,6 @@ def prune(root: Path, keep: int, *, protect: set[Path] | None = None) -> list[Pa
     return victims
 
 
-__all__ = ["CheckpointInfo", "Entry", "entries", "newest_committed", "scan", "check", "find", "prune", "committed_newest_first",
+__all__ = ["CheckpointInfo", "Entry", "entries", "newest_committed", "scan", "check", "verify_against", "verify_rank",
+           "find", "prune", "committed_newest_first",
            "rank_entries", "step_name", "vanished", "identity", "inspect_step", "snapshot", "LATEST"]

@@ -7,25 +7,33 @@ write and fsync their rank files before the commit, so the commit re-reads sizes
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from . import catalog
 from .commit import Transaction
 from .lock import writer_lock
 
 
-def commit_and_prune(txn: Transaction, manifest: dict[str, Any], *, keep: int,
-                     lock_timeout_s: float = -1) -> tuple[Path, list[str], list[Path]]:
+def commit_and_prune(txn: Transaction, manifest: dict[str, Any], *, keep: int | None,
+                     lock_timeout_s: float = -1, precheck: Callable[[], None] | None = None
+                     ) -> tuple[Path, list[str], list[Path]]:
     """Under the writer lock: commit ``txn`` with ``manifest``, then keep the newest ``keep``.
 
     Returns ``(path, warnings, removed)``. Faults after the rename (root fsync, LATEST,
     pruning) are ``warnings``, never an exception: the step is committed, and a failed
     save would be a lie. ``lock_timeout_s``: how long to wait for the lock (-1: for ever).
+    ``keep=None``: no retention (nothing is removed). ``precheck``: runs under the lock
+    before the commit; what it raises leaves the lock and commits nothing (the scavenge
+    checks there that no other node committed the step first).
     """
     warnings: list[str] = []
     with writer_lock(txn.root, timeout_s=lock_timeout_s):
+        if precheck is not None:
+            precheck()
         path = txn.commit(manifest, checksum=False, fsync_files=False)
         warnings += txn.warnings
+        if keep is None:
+            return path, warnings, []
         try:
             removed = catalog.prune(txn.root, keep, protect={path})
         except OSError as exc:

@@ -259,6 +259,8 @@ def run(a: argparse.Namespace, rank: int, world: int) -> int:
 
     from hpcckpt.api import Checkpointer, RequeueExit
     install_kill(rank, a.kill_rank, a.kill_step)
+    (a.out / f"pid-r{rank}.json").write_text(json.dumps({"pid": os.getpid(),
+                                                         "node": os.environ.get("SLURMD_NODENAME")}))
     root = a.ckpt or a.out / "ckpt"
     if a.ranks_per_node:
         os.environ["GROUP_RANK"] = str(rank // a.ranks_per_node)

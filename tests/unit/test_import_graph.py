@@ -130,6 +130,7 @@ FORBIDDEN = {
     "store": {"api", "engines", "lifecycle", "ledger", "cluster", "criu", "jit", "cli", "policy"},
     "engines": {"api", "lifecycle", "ledger", "cluster", "criu", "jit", "cli"},
     "lifecycle": {"api", "engines", "store", "criu", "jit", "cli"},
+    "levels": {"api", "engines", "lifecycle", "ledger", "cluster", "criu", "jit", "cli"},
 }
 
 

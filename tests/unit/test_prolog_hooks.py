@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import stat
 import subprocess
@@ -22,27 +23,36 @@ HOSTILE_NAME = 'evil "name"; rm -rf / $(touch pwned) `x`\nline2\ttab \\ UserId=f
 HOSTILE_DIR = "we ird;\"dir'$(touch pwned)\nx"
 
 
-def _fake_scontrol(bin_dir: Path, name: str | bytes, state: str) -> None:
+def _fake_scontrol(bin_dir: Path, name: str | bytes, state: str, config: str = "") -> None:
     bin_dir.mkdir(exist_ok=True)
     raw = name if isinstance(name, bytes) else name.encode()
     line = (b"JobId=123 JobName=" + raw + b" UserId=root(0) GroupId=root(0) MCS_label=N/A JobState="
             + state.encode() + b" Reason=None Dependency=(null) Requeue=1 Restarts=1")
     script = bin_dir / "scontrol"
-    script.write_bytes(b"#!/bin/bash\ncat <<'EOF_JOB'\n" + line + b"\nEOF_JOB\n")
+    script.write_bytes(b"#!/bin/bash\nif [ \"$2\" = config ]; then\ncat <<'EOF_CONF'\n" + config.encode()
+                       + b"\nEOF_CONF\nexit 0\nfi\ncat <<'EOF_JOB'\n" + line + b"\nEOF_JOB\n")
     script.chmod(0o755)
 
 
 def _run(hook: Path | str, tmp: Path, root: Path, job_id: str = "123", state: str = "RUNNING",
-         name: str | bytes = HOSTILE_NAME) -> subprocess.CompletedProcess[str]:
-    """Run a hook script, or with hook="prolog"/"epilog" the `hpcckpt` verb of that name."""
+         name: str | bytes = HOSTILE_NAME, env_changes: dict[str, str | None] | None = None,
+         config: str = "") -> subprocess.CompletedProcess[str]:
+    """Run a hook script, or with hook="prolog"/"epilog" the `hpcckpt` verb of that name.
+    ``env_changes``: variables to set (a value) or to leave out (None); ``config``: what
+    `scontrol show config` prints."""
     bin_dir = tmp / "bin"
-    _fake_scontrol(bin_dir, name, state)
+    _fake_scontrol(bin_dir, name, state, config)
     work = tmp / HOSTILE_DIR
     work.mkdir(exist_ok=True)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": job_id, "SLURM_JOB_UID": str(os.getuid()),
            "SLURM_JOB_GID": str(os.getgid()), "SLURMD_NODENAME": "n1", "SLURM_JOB_RESTART_COUNT": "1",
            "SLURM_JOB_WORK_DIR": str(work), "SLURM_JOB_EXIT_CODE2": "0:15",
            "HPCCKPT_STAGING_ROOT": str(root)}
+    for key, value in (env_changes or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     if isinstance(hook, str):
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
         cmd = [sys.executable, "-m", "hpcckpt.cli", hook, "--json"]
@@ -270,3 +280,116 @@ def test_doctor_reports_protected_symlinks(tmp_path: Path) -> None:
     (tmp_path / "protected_symlinks").write_text("1\n")
     (check,) = protected_symlinks(None, tmp_path)  # type: ignore[arg-type]
     assert check.ok and check.data["sysctl"]["protected_regular"] == "2"
+
+
+# --- the scavenge (issue 25, item 3): node-local checkpoints the shared level lacks ---
+
+def _fake_python(path: Path, record: Path) -> Path:
+    """A "python" that records who ran it with what, and answers like the verb."""
+    path.write_text(f'#!/bin/sh\necho "$(id -u) $*" >> {shlex.quote(str(record))}\necho "committed: (fake)"\n')
+    path.chmod(0o755)
+    return path
+
+
+def _pointed_root(staging: Path, key: str, python: Path, shared: Path) -> Path:
+    root = staging / "levels" / key
+    root.mkdir(parents=True)
+    (root / ".hpcckpt-level.json").write_text(json.dumps({"shared": str(shared), "python": str(python)}))
+    return root
+
+
+@pytest.mark.native
+def test_epilog_scavenges_a_node_local_checkpoint_the_shared_level_lacks(tmp_path: Path) -> None:
+    """Node-local every step, shared every 5, killed after step 9 (its shared copy never made):
+    the epilog commits node-local step 9 to the shared level, then removes the staging."""
+    from hpcckpt.api import Checkpointer
+    from hpcckpt.store import catalog
+    from tests.helpers import tiny_state, train_step
+    root = tmp_path / "stage"
+    assert _run(PROLOG, tmp_path, root).returncode == 0
+    staging, shared = root / "job-123", tmp_path / "shared ckpt" / "run"
+    objs = tiny_state(0)
+    with Checkpointer(shared, every_steps=5, local_every_steps=1, local_dir=str(staging / "levels")) as ck:
+        ck.register(**objs)
+        for _ in ck.steps(9):
+            train_step(objs)
+    shutil.rmtree(shared / "step-9", ignore_errors=True)  # the kill came before the shared level had it
+    assert [i.step for i in catalog.committed_newest_first(shared)][:1] == [5]
+    (local,) = (staging / "levels").iterdir()
+    assert [i.step for i in catalog.committed_newest_first(local)][:1] == [9]
+
+    ran = _run(EPILOG, tmp_path, root, state="PREEMPTED")
+    assert ran.returncode == 0, ran.stderr
+    (line,) = [x for x in ran.stderr.splitlines() if "scavenge" in x]
+    assert f"job 123: scavenge {local}: committed: committed node-local step 9" in line and "(exit 0)" in line, line
+    assert [i.step for i in catalog.committed_newest_first(shared)][:1] == [9]
+    full = catalog.inspect_step(shared, 9, full=True)
+    assert full is not None and full.status == "committed" and not full.problems
+    assert not staging.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running as another user needs root (the hooks run as root)")
+def test_epilog_scavenges_as_the_jobs_user_never_as_root(tmp_path: Path) -> None:
+    import tempfile
+    base = Path(tempfile.mkdtemp(prefix="hpcckpt-scavenge-", dir="/tmp"))  # pytest's tmp is root's alone
+    try:
+        base.chmod(0o755)
+        root, out = base / "stage", base / "out"
+        out.mkdir(mode=0o777)
+        out.chmod(0o777)
+        nobody = {"SLURM_JOB_UID": "65534", "SLURM_JOB_GID": "65534"}
+        assert _run(PROLOG, tmp_path, root, env_changes=nobody).returncode == 0
+        staging = root / "job-123"
+        assert staging.stat().st_uid == 65534
+        record = out / "ran"
+        python = _fake_python(base / "python", record)
+        mine = _pointed_root(staging, "a" * 16, python, base / "shared")
+        # A root-only directory the user points at: read, if ever, with the user's rights only.
+        secret = base / "root-only"
+        secret.mkdir(mode=0o700)
+        _pointed_root(secret, "b" * 16, python, base / "shared")
+        (staging / "levels" / ("b" * 16)).symlink_to(secret / "levels" / ("b" * 16))
+        for dirpath, dirs, files in os.walk(staging):
+            for name in [dirpath, *(os.path.join(dirpath, n) for n in dirs + files)]:
+                os.chown(name, 65534, 65534, follow_symlinks=False)
+
+        ran = _run(EPILOG, tmp_path, root, env_changes=nobody)
+        assert ran.returncode == 0, ran.stderr
+        assert record.read_text().splitlines() == [f"65534 -m hpcckpt.cli scavenge {mine}"], ran.stderr
+        assert f"scavenge {mine}: committed: (fake) (exit 0)" in ran.stderr
+        assert not staging.exists() and (secret / "levels").is_dir()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_epilog_without_a_job_uid_or_with_scavenge_off_runs_no_python(tmp_path: Path) -> None:
+    root = tmp_path / "stage"
+    record = tmp_path / "ran"
+    python = _fake_python(tmp_path / "python", record)
+    for changes, said in (({"SLURM_JOB_UID": None}, "not scavenged"), ({"HPCCKPT_SCAVENGE": "0"}, "")):
+        assert _run(PROLOG, tmp_path, root).returncode == 0
+        _pointed_root(root / "job-123", "c" * 16, python, tmp_path / "shared")
+        ran = _run(EPILOG, tmp_path, root, env_changes=changes)
+        assert ran.returncode == 0 and said in ran.stderr, ran.stderr
+        assert not record.exists() and not (root / "job-123").exists()
+    # and with both: the pointer's Python runs, once, as this user (root: through setpriv)
+    assert _run(PROLOG, tmp_path, root).returncode == 0
+    root_dir = _pointed_root(root / "job-123", "c" * 16, python, tmp_path / "shared")
+    ran = _run(EPILOG, tmp_path, root)
+    assert record.read_text().splitlines() == [f"{os.getuid()} -m hpcckpt.cli scavenge {root_dir}"], ran.stderr
+
+
+def test_epilog_scavenges_only_within_slurmds_prolog_epilog_timeout(tmp_path: Path) -> None:
+    """slurmd drains a node whose epilog it has to kill: the scavenge keeps within the timeout."""
+    root = tmp_path / "stage"
+    record = tmp_path / "ran"
+    python = _fake_python(tmp_path / "python", record)
+    assert _run(PROLOG, tmp_path, root).returncode == 0
+    _pointed_root(root / "job-123", "d" * 16, python, tmp_path / "shared")
+    ran = _run(EPILOG, tmp_path, root, config="PrologEpilogTimeout     = 30")
+    assert ran.returncode == 0 and "PrologEpilogTimeout=30 leaves no time" in ran.stderr, ran.stderr
+    assert not record.exists() and not (root / "job-123").exists()
+    assert _run(PROLOG, tmp_path, root).returncode == 0
+    _pointed_root(root / "job-123", "d" * 16, python, tmp_path / "shared")
+    ran = _run(EPILOG, tmp_path, root, config="EpilogMsgTime = 2000 usec\nPrologEpilogTimeout     = 120")
+    assert ran.returncode == 0 and len(record.read_text().splitlines()) == 1, ran.stderr

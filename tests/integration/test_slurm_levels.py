@@ -1,0 +1,104 @@
+"""Multi-level checkpoints on the real local Slurm cluster: 2 nodes x 2 ranks (gloo on CPU)
+under the ``ddp`` template with RESTARTS=2 (the job script runs the ranks again when one
+fails), node-local + partner every step, the shared level every 10 steps.
+
+One rank is killed with SIGKILL and its node's node-local directory deleted mid-run: the
+workers restart in the same allocation (no requeue) and restore from the partner copy at the
+last completed step; later the job is preempted, requeued, and resumes from the shared level
+(the prolog-made node-local directories went with the allocation). The trained items and the
+final state equal an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+
+from tests.integration.conftest import PYTHON, REPO
+from tests.unit.test_distributed_state import BATCH, ITEMS, assert_equal_states, run_world
+
+if TYPE_CHECKING:
+    from conftest import SlurmCluster
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+WORKER = REPO / "tests" / "unit" / "dist_worker.py"
+TOTAL, KILL_AT, PREEMPT_AT = 60, 25, 42
+
+
+def _last_step(run_dir: Path, rank: int = 0) -> int:
+    path = run_dir / f"items-run0-r{rank}.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return json.loads(lines[-1])["step"] if lines else -1
+
+
+def _trained(run_dir: Path, world: int) -> dict[tuple[int, int], list[int]]:
+    """(rank, step) -> items, the last time each step was trained (a restart retrains none it kept)."""
+    out: dict[tuple[int, int], list[int]] = {}
+    for phase in ("run0", "run1"):
+        for r in range(world):
+            path = run_dir / f"items-{phase}-r{r}.jsonl"
+            for line in path.read_text().splitlines() if path.exists() else []:
+                row = json.loads(line)
+                out[(r, row["step"])] = row["items"]
+    return out
+
+
+def test_rank_killed_restarts_in_the_allocation_from_the_partner_copy_then_preempted_resumes_from_shared(
+        slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    reference = tmp_path / "reference"
+    run_world(reference, 4, "--phase", "reference", "--total", str(TOTAL))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    command = (f"{PYTHON} {WORKER} --out \"$HPCCKPT_RUN_DIR\" --ckpt \"$HPCCKPT_DIR\" --phase run "
+               f"--mode ddp --engine sync --items {ITEMS} --batch {BATCH} --total {TOTAL} "
+               "--every 10 --local-every 1 --step-sleep 0.3")
+    script = slurm_cluster.render("ddp", run_dir / "ddp.sbatch", TIME="10:00", LEAD_S="50", RUN_DIR=str(run_dir),
+                                  OUTPUT=f"{run_dir}/slurm-%j.out", COMMAND=command, JOB_NAME="hpcckpt-levels",
+                                  NODES="2", TASKS_PER_NODE="2", CPUS_PER_TASK="1", RESTARTS="2")
+    job = slurm_cluster.sbatch(script, "-p", "low", "--exclusive",
+                               f"--export=ALL,OMP_NUM_THREADS=1,PYTHONWARNINGS=ignore,PYTHONPATH={REPO}")
+    out = run_dir / f"slurm-{job}.out"
+    slurm_cluster.wait_until(lambda: _last_step(run_dir) >= KILL_AT, 400, f"step {KILL_AT}")
+
+    # Rank 2 dies (SIGKILL) and its node loses its node-local storage.
+    victim = json.loads((run_dir / "pid-r2.json").read_text())
+    killed_at = _last_step(run_dir, 2)
+    os.kill(victim["pid"], signal.SIGKILL)
+    levels = slurm_cluster.state_dir / "staging" / victim["node"] / f"job-{job}" / "levels"
+    assert levels.is_dir(), f"no node-local level at {levels}"
+    shutil.rmtree(levels)
+
+    slurm_cluster.wait_until(lambda: _last_step(run_dir) >= PREEMPT_AT, 400, f"step {PREEMPT_AT} after the restart")
+    assert slurm_cluster.job(job).get("Restarts") == "0", "the rank's death must not requeue the job"
+    slurm_cluster.preempt()
+    assert slurm_cluster.wait_done(job, 600, out) == "COMPLETED"
+
+    ledger = slurm_cluster.read_ledger(run_dir / "ckpt")
+    starts = [(e["restart_count"], e["resumed_from"], e.get("level")) for e in ledger if e["event"] == "start"]
+    assert len(starts) == 3, starts
+    assert starts[0] == (0, None, None)
+    restart, resumed, level = starts[1]
+    assert (restart, level) == (0, "partner"), starts  # inside the allocation, from the partner copy
+    assert killed_at - 1 <= resumed <= killed_at + 1, (killed_at, starts)  # at most one step lost
+    stops = [e for e in ledger if e["event"] == "stop" and e["reason"] != "done"]
+    assert len(stops) == 1 and stops[0]["committed_step"] == stops[0]["step"], stops
+    assert starts[2] == (1, stops[0]["step"], "shared"), starts  # the next allocation: the shared level
+    assert slurm_cluster.job(job)["Restarts"] == "1"
+
+    ref_items: dict[tuple[int, int], list[int]] = {}
+    for r in range(4):
+        for line in (reference / f"items-reference-r{r}.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            ref_items[(r, row["step"])] = row["items"]
+    assert _trained(run_dir, 4) == ref_items, "the data order differs from the uninterrupted run"
+    for r in range(4):
+        assert_equal_states(torch.load(run_dir / f"state-end-r{r}.pt"), torch.load(reference / f"state-end-r{r}.pt"),
+                            f"rank {r} final state")
