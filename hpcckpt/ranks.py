@@ -110,26 +110,30 @@ class Ranks:
         send_tags, recv_tags = _tags([d for d, _, _ in sends]), _tags([s for s, _, _ in recvs])
         src_fds = [os.open(p, os.O_RDONLY) for _, p, _ in sends]
         dst_fds = [os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) for _, p, _ in recvs]
+        # One buffer per transfer, reused piece after piece (a round's pieces are all done
+        # before the next round fills them): no allocation or copy per piece.
+        sizes = [size for _, _, size in sends + recvs]
+        bufs = [torch.empty(max(1, min(chunk_bytes, size)), dtype=torch.uint8) for size in sizes]
         try:
             for c in range(max(n_chunks, default=0)):
-                pending: list[tuple[Any, int | None, torch.Tensor]] = []
+                pending: list[tuple[Any, int | None, int]] = []
                 for i, (dst, _, size) in enumerate(sends):
                     if c < n_chunks[i]:
                         n = min(chunk_bytes, size - c * chunk_bytes)
-                        data = os.pread(src_fds[i], n, c * chunk_bytes) if n > 0 else b"\0"
-                        if n > 0 and len(data) != n:
+                        view = bufs[i].numpy().data[:max(n, 1)]
+                        if n > 0 and os.preadv(src_fds[i], [view], c * chunk_bytes) != n:
                             raise HpcckptError(f"{sends[i][1]} is shorter than {size} bytes")
-                        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                        pending.append((dist.isend(buf, dst, group=group, tag=send_tags[i]), None, buf))
+                        pending.append((dist.isend(bufs[i][:max(n, 1)], dst, group=group, tag=send_tags[i]), None, 0))
                 for j, (src, _, size) in enumerate(recvs):
-                    if c < n_chunks[len(sends) + j]:
+                    k = len(sends) + j
+                    if c < n_chunks[k]:
                         n = min(chunk_bytes, size - c * chunk_bytes)
-                        buf = torch.empty(max(n, 1), dtype=torch.uint8)
-                        pending.append((dist.irecv(buf, src, group=group, tag=recv_tags[j]), j if n > 0 else None, buf))
-                for work, into, buf in pending:
+                        pending.append((dist.irecv(bufs[k][:max(n, 1)], src, group=group, tag=recv_tags[j]),
+                                        k if n > 0 else None, n))
+                for work, into, n in pending:
                     work.wait()
                     if into is not None:
-                        fsio_write_all(dst_fds[into], buf.numpy().tobytes())
+                        fsio_write_all(dst_fds[into - len(sends)], bufs[into].numpy().data[:n])
             for fd in dst_fds:
                 os.fsync(fd)
         finally:

@@ -40,13 +40,18 @@ def _weight(item: pytest.Item) -> int:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist the longest tests start first (longest-first scheduling): each worker
-    begins with waits on Slurm and whole trainings, and the short unit tests fill the gaps,
-    instead of four workers finishing the unit tier together and then waiting on one cluster.
-    Order within a weight is kept, so a run without workers is unchanged but for this sort."""
+    """Under pytest-xdist each worker starts with the longest tests: pytest-xdist's worksteal
+    hands every worker one contiguous part of the collection and steals from a part's end, so
+    the tests are sorted longest first and dealt round-robin into as many parts as there are
+    workers. Every worker begins with waits on Slurm and whole trainings, side by side, and
+    the short unit tests fill the gaps and are what gets stolen. Order within a weight is
+    kept, so a run without workers is unchanged."""
     import os
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects, and sorts, the same way
-        items.sort(key=_weight)
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if os.environ.get("PYTEST_XDIST_WORKER") and workers.isdigit() and int(workers) > 0:
+        ranked = sorted(items, key=_weight)  # every worker collects, and orders, the same way
+        n = int(workers)
+        items[:] = [item for part in range(n) for item in ranked[part::n]]
 
 
 # Opt-in cost profile of the suite (TEST_CPU_PROFILE=dir): one JSON line per test with its

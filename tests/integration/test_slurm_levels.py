@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
+from hpcckpt.store import catalog
 from tests.integration.conftest import PYTHON, REPO
 from tests.unit.test_distributed_state import BATCH, ITEMS, assert_equal_states, run_world
 
@@ -98,6 +99,44 @@ def test_rank_killed_restarts_in_the_allocation_from_the_partner_copy_then_preem
         for line in (reference / f"items-reference-r{r}.jsonl").read_text().splitlines():
             row = json.loads(line)
             ref_items[(r, row["step"])] = row["items"]
+    assert _trained(run_dir, 4) == ref_items, "the data order differs from the uninterrupted run"
+    for r in range(4):
+        assert_equal_states(torch.load(run_dir / f"state-end-r{r}.pt"), torch.load(reference / f"state-end-r{r}.pt"),
+                            f"rank {r} final state")
+
+
+def test_killed_without_grace_the_epilog_scavenges_the_node_local_step_and_the_next_allocation_resumes_it(
+        slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """The ranks ignore TERM as a stop signal (HPCCKPT_SIGNALS=SIGUSR2), so the requeue kills
+    them with no final checkpoint while the shared level (every 10 steps) is 7 steps behind
+    the node-local one (every step). Both nodes' epilogs scavenge: the node-local step 27
+    reaches the shared level, and the next allocation resumes there."""
+    hold, total = 27, 40
+    reference = tmp_path / "reference"
+    run_world(reference, 4, "--phase", "reference", "--total", str(total))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    command = (f"env HPCCKPT_SIGNALS=SIGUSR2 {PYTHON} {WORKER} --out \"$HPCCKPT_RUN_DIR\" --ckpt \"$HPCCKPT_DIR\" "
+               f"--phase run --mode ddp --engine sync --items {ITEMS} --batch {BATCH} --total {total} "
+               f"--every 10 --local-every 1 --hold-at {hold} --hold-first-run-only")
+    script = slurm_cluster.render("ddp", run_dir / "ddp.sbatch", TIME="10:00", LEAD_S="50", RUN_DIR=str(run_dir),
+                                  OUTPUT=f"{run_dir}/slurm-%j.out", COMMAND=command, JOB_NAME="hpcckpt-scavenge",
+                                  NODES="2", TASKS_PER_NODE="2", CPUS_PER_TASK="1")
+    job = slurm_cluster.sbatch(script, "-p", "low", "--exclusive",
+                               f"--export=ALL,OMP_NUM_THREADS=1,PYTHONWARNINGS=ignore,PYTHONPATH={REPO}")
+    out = run_dir / f"slurm-{job}.out"
+    slurm_cluster.wait_until(lambda: all(_last_step(run_dir, r) == hold - 1 for r in range(4)), 400,
+                             f"every rank to hold at step {hold}")
+    assert [i.step for i in catalog.committed_newest_first(run_dir / "ckpt")][0] == 20
+    slurm_cluster.run(["scontrol", "requeue", job])  # TERM: the ranks die at once, no final checkpoint
+    assert slurm_cluster.wait_done(job, 600, out) == "COMPLETED"
+
+    ledger = slurm_cluster.read_ledger(run_dir / "ckpt")
+    starts = [(e["restart_count"], e["resumed_from"], e.get("level")) for e in ledger if e["event"] == "start"]
+    assert starts == [(0, None, None), (1, hold, "shared")], starts
+    assert not [e for e in ledger if e["event"] == "stop" and e["reason"] != "done"], "a stop was not expected"
+    ref_items = {(r, json.loads(line)["step"]): json.loads(line)["items"] for r in range(4)
+                 for line in (reference / f"items-reference-r{r}.jsonl").read_text().splitlines()}
     assert _trained(run_dir, 4) == ref_items, "the data order differs from the uninterrupted run"
     for r in range(4):
         assert_equal_states(torch.load(run_dir / f"state-end-r{r}.pt"), torch.load(reference / f"state-end-r{r}.pt"),

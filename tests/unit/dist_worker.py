@@ -80,6 +80,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--hold-at", type=int, default=None,
                    help="before step N, wait until this rank has received a stop signal (a preemption lands "
                         "while the job is held there, whenever it comes)")
+    p.add_argument("--hold-first-run-only", action="store_true", help="--hold-at applies to run0 only")
     p.add_argument("--only-first-run", action="store_true",
                    help="exit 0 at once in a requeued Slurm run ($SLURM_RESTART_COUNT >= 1): the test resubmits")
     p.add_argument("--local-every", type=int, default=None, help="node-local level every N steps (levels)")
@@ -293,7 +294,8 @@ def run(a: argparse.Namespace, rank: int, world: int) -> int:
                     os._exit(0)
                 if phase == "save" and a.stop == "signal" and rank == 0 and step == a.stop_at - 1:
                     os.kill(os.getpid(), signal.SIGUSR2)
-                while a.hold_at is not None and step == a.hold_at and ck.signals.first() is None:
+                while (a.hold_at is not None and step == a.hold_at and ck.signals.first() is None
+                       and not (a.hold_first_run_only and phase != "run0")):
                     time.sleep(0.05)
                 record(step, batch, train_step(model, opt, batch))
                 if a.step_sleep:
