@@ -40,16 +40,23 @@ def _last_step(run_dir: Path, rank: int = 0) -> int:
     return json.loads(lines[-1])["step"] if lines else -1
 
 
-def _trained(run_dir: Path, world: int) -> dict[tuple[int, int], list[int]]:
-    """(rank, step) -> items, the last time each step was trained (a restart retrains none it kept)."""
-    out: dict[tuple[int, int], list[int]] = {}
+def _trained(run_dir: Path, world: int) -> dict[tuple[int, int], tuple[list[int], float]]:
+    """(rank, step) -> (items, loss), the last time each step was trained (a restart retrains
+    the steps after the checkpoint it restored)."""
+    out: dict[tuple[int, int], tuple[list[int], float]] = {}
     for phase in ("run0", "run1"):
         for r in range(world):
             path = run_dir / f"items-{phase}-r{r}.jsonl"
             for line in path.read_text().splitlines() if path.exists() else []:
                 row = json.loads(line)
-                out[(r, row["step"])] = row["items"]
+                out[(r, row["step"])] = (row["items"], row["loss"])
     return out
+
+
+def _reference(out: Path) -> dict[tuple[int, int], tuple[list[int], float]]:
+    rows = [(r, json.loads(line)) for r in range(4)
+            for line in (out / f"items-reference-r{r}.jsonl").read_text().splitlines()]
+    return {(r, row["step"]): (row["items"], row["loss"]) for r, row in rows}
 
 
 def test_rank_killed_restarts_in_the_allocation_from_the_partner_copy_then_preempted_resumes_from_shared(
@@ -94,12 +101,7 @@ def test_rank_killed_restarts_in_the_allocation_from_the_partner_copy_then_preem
     assert starts[2] == (1, stops[0]["step"], "shared"), starts  # the next allocation: the shared level
     assert slurm_cluster.job(job)["Restarts"] == "1"
 
-    ref_items: dict[tuple[int, int], list[int]] = {}
-    for r in range(4):
-        for line in (reference / f"items-reference-r{r}.jsonl").read_text().splitlines():
-            row = json.loads(line)
-            ref_items[(r, row["step"])] = row["items"]
-    assert _trained(run_dir, 4) == ref_items, "the data order differs from the uninterrupted run"
+    assert _trained(run_dir, 4) == _reference(reference), "data order or loss trace differs from the uninterrupted run"
     for r in range(4):
         assert_equal_states(torch.load(run_dir / f"state-end-r{r}.pt"), torch.load(reference / f"state-end-r{r}.pt"),
                             f"rank {r} final state")
@@ -135,9 +137,7 @@ def test_killed_without_grace_the_epilog_scavenges_the_node_local_step_and_the_n
     starts = [(e["restart_count"], e["resumed_from"], e.get("level")) for e in ledger if e["event"] == "start"]
     assert starts == [(0, None, None), (1, hold, "shared")], starts
     assert not [e for e in ledger if e["event"] == "stop" and e["reason"] != "done"], "a stop was not expected"
-    ref_items = {(r, json.loads(line)["step"]): json.loads(line)["items"] for r in range(4)
-                 for line in (reference / f"items-reference-r{r}.jsonl").read_text().splitlines()}
-    assert _trained(run_dir, 4) == ref_items, "the data order differs from the uninterrupted run"
+    assert _trained(run_dir, 4) == _reference(reference), "data order or loss trace differs from the uninterrupted run"
     for r in range(4):
         assert_equal_states(torch.load(run_dir / f"state-end-r{r}.pt"), torch.load(reference / f"state-end-r{r}.pt"),
                             f"rank {r} final state")
