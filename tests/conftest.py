@@ -40,18 +40,22 @@ def _weight(item: pytest.Item) -> int:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist each worker starts with the longest tests: pytest-xdist's worksteal
-    hands every worker one contiguous part of the collection and steals from a part's end, so
-    the tests are sorted longest first and dealt round-robin into as many parts as there are
-    workers. Every worker begins with waits on Slurm and whole trainings, side by side, and
-    the short unit tests fill the gaps and are what gets stolen. Order within a weight is
-    kept, so a run without workers is unchanged."""
+    """Under pytest-xdist every worker starts with real-Slurm tests, side by side.
+
+    pytest-xdist's worksteal hands each worker one contiguous part of the collection and
+    steals from a part's end. The real-Slurm tests (which mostly wait on Slurm's clocks) are
+    dealt round-robin to the front of the parts; the other tests follow, longest first, in
+    contiguous runs, so that a module's tests (and its module-scoped fixtures) stay on one
+    worker. A run without workers keeps its order but for this sort."""
     import os
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
-    if os.environ.get("PYTEST_XDIST_WORKER") and workers.isdigit() and int(workers) > 0:
-        ranked = sorted(items, key=_weight)  # every worker collects, and orders, the same way
-        n = int(workers)
-        items[:] = [item for part in range(n) for item in ranked[part::n]]
+    if not (os.environ.get("PYTEST_XDIST_WORKER") and workers.isdigit() and int(workers) > 0):
+        return  # every worker collects, and orders, the same way
+    n = int(workers)
+    slurm = [i for i in items if _weight(i) == 0]
+    rest = sorted((i for i in items if _weight(i) != 0), key=_weight)
+    cut = [len(rest) * p // n for p in range(n + 1)]
+    items[:] = [item for p in range(n) for item in slurm[p::n] + rest[cut[p]:cut[p + 1]]]
 
 
 # Opt-in cost profile of the suite (TEST_CPU_PROFILE=dir): one JSON line per test with its

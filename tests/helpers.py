@@ -27,3 +27,26 @@ def train_step(objs: dict[str, Any]) -> float:
     opt.step()
     sched.step()
     return float(loss.item())
+
+
+def built_once(factory: Any, key: str, build: Any) -> Any:
+    """``factory.getbasetemp()``-relative directory ``key``, made by ``build(path)`` once per test
+    session, by whichever pytest-xdist worker asks first (the others wait for it, then reuse it):
+    for the uninterrupted reference runs that many tests compare against. They are deterministic,
+    so one run serves every worker. A build that fails is retried by the next worker that asks."""
+    import os
+    import shutil
+
+    from filelock import FileLock
+
+    base = factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the session's, shared by workers
+    out = root / "built-once" / key
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if not (out / ".built").exists():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            build(out)
+            (out / ".built").touch()
+    return out

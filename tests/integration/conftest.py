@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.helpers import built_once
 
 REPO = Path(__file__).resolve().parents[2]
 LOCALCLUSTER = REPO / "slurm" / "localcluster"
@@ -234,15 +235,14 @@ _REFERENCES: dict[int, str] = {}
 @pytest.fixture(scope="session")
 def reference_digest(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], str]:
     """``reference_digest(steps)``: digest of an uninterrupted demo run (cached per session)."""
-    base = tmp_path_factory.mktemp("reference")
+    def build(out: Path, steps: int) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
+        subprocess.run([PYTHON, "-m", "hpcckpt.demo.train", "--dir", str(out), "--steps", str(steps),
+                        "--no-checkpoint"], check=True, env=env, timeout=600, capture_output=True)
 
     def digest(steps: int) -> str:
         if steps not in _REFERENCES:
-            out = base / f"ref-{steps}"
-            env = {k: v for k, v in os.environ.items()
-                   if not k.startswith("SLURM_") or k == "SLURM_CONF"}
-            subprocess.run([PYTHON, "-m", "hpcckpt.demo.train", "--dir", str(out), "--steps", str(steps),
-                            "--no-checkpoint"], check=True, env=env, timeout=600, capture_output=True)
+            out = built_once(tmp_path_factory, f"demo-reference-{steps}", lambda d: build(d, steps))
             _REFERENCES[steps] = json.loads((out / "result.json").read_text())["param_digest"]
         return _REFERENCES[steps]
 

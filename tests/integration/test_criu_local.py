@@ -20,6 +20,7 @@ import pytest
 
 from hpcckpt.criu import check, find_criu
 from hpcckpt.errors import CriuError
+from tests.helpers import built_once
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
 
@@ -66,7 +67,8 @@ def uninterrupted(out: Path, *, workers: int = 0) -> dict:
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return uninterrupted(tmp_path_factory.mktemp("ref") / "ref.json")
+    out = built_once(tmp_path_factory, "criu-local-reference", lambda d: uninterrupted(d / "ref.json"))
+    return json.loads((out / "ref.json").read_text())
 
 
 def job_output(run_dir: Path) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from tests.helpers import built_once
 
 if TYPE_CHECKING:
     from conftest import SlurmCluster
@@ -42,10 +43,10 @@ def _train(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("hf-ref")
-    proc = _train(out, "--mode", "plain")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
+    def build(out: Path) -> None:
+        proc = _train(out, "--mode", "plain")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return built_once(tmp_path_factory, "hf-reference", build)
 
 
 def _assert_identical(run_dir: Path, reference: Path) -> None:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.unit.test_jit import TIMEOUT_S, TOTAL, WORLD, _same, run_job
+from tests.helpers import built_once
 
 if TYPE_CHECKING:
     from conftest import SlurmCluster
@@ -51,10 +52,10 @@ srun --kill-on-bad-exit=0 {shlex.quote(python)} -m tests.unit.jit_worker slurm 0
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("jit-reference")
-    codes, outs = run_job(root)
-    assert codes == [0] * WORLD, "\n".join(outs)
-    return root
+    def build(root: Path) -> None:
+        codes, outs = run_job(root)
+        assert codes == [0] * WORLD, "\n".join(outs)
+    return built_once(tmp_path_factory, "slurm-jit-reference", build)
 
 
 @pytest.mark.parametrize(("how", "victim", "at"), [("kill", 2, 6), ("kill", 0, 4), ("stop", 3, 5)])

@@ -31,6 +31,7 @@ import torch
 
 from hpcckpt.store import catalog
 from tests.conftest import REPO
+from tests.helpers import built_once
 
 pytestmark = [pytest.mark.native]
 
@@ -163,10 +164,9 @@ def assert_pieces_tile(manifest: dict[str, Any]) -> None:
 @pytest.fixture(scope="module")
 def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """4 DDP ranks, uninterrupted to step 8; state dumped after 2, 3 and 4 steps and at the end."""
-    out = tmp_path_factory.mktemp("ddp-ref")
-    run_world(out, 4, "--phase", "reference", "--mode", "ddp", "--stop-at", "3", "--total", "8",
-              "--dump-at", "2", "--dump-at", "4")
-    return out
+    return built_once(tmp_path_factory, "ddp-reference", lambda out: run_world(
+        out, 4, "--phase", "reference", "--mode", "ddp", "--stop-at", "3", "--total", "8",
+        "--dump-at", "2", "--dump-at", "4"))
 
 
 # -- DDP: written once, same-size resume ------------------------------------------------

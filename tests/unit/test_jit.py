@@ -27,6 +27,7 @@ from hpcckpt.exitcodes import EXIT_REQUEUE
 from hpcckpt.ledger import Ledger
 from hpcckpt.store import catalog
 from tests.conftest import REPO
+from tests.helpers import built_once
 
 pytestmark = pytest.mark.native
 
@@ -101,14 +102,14 @@ def _same(a: Any, b: Any) -> bool:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted run (the guard watching, no failure)."""
-    root = tmp_path_factory.mktemp("reference")
-    codes, outs = run_job(root)
-    assert codes == [0] * WORLD, "\n".join(outs)
-    for r in range(WORLD):
-        assert json.loads((root / f"result-{r}.json").read_text()) == {"resumed": None, "jit_active": True}
-    assert _committed(root) == [], "no periodic checkpoint was asked for"
-    return root
+    """An uninterrupted run (the guard watching, no failure); one per session."""
+    def build(root: Path) -> None:
+        codes, outs = run_job(root)
+        assert codes == [0] * WORLD, "\n".join(outs)
+        for r in range(WORLD):
+            assert json.loads((root / f"result-{r}.json").read_text()) == {"resumed": None, "jit_active": True}
+        assert _committed(root) == [], "no periodic checkpoint was asked for"
+    return built_once(tmp_path_factory, "jit-reference", build)
 
 
 def _check_jit_and_resume(root: Path, reference: Path, codes: list[int | None], outs: list[str], *,
