@@ -49,9 +49,9 @@ TEMPLATES: dict[str, Template] = {t.name: t for t in (
              defaults={**_COMMON, "JOB_NAME": "hpcckpt-lightning", "NODES": "1", "TASKS_PER_NODE": "1",
                        "COMMAND": 'python train.py --ckpt "$HPCCKPT_DIR"'}),
     Template(name="torchrun", source="torchrun.sbatch.in", output_name="torchrun.sbatch",
-             description="torchrun per node under srun (static rendezvous); batch script requeues",
+             description="torchrun per node under srun (MAX_RESTARTS>0: c10d rendezvous); batch script requeues",
              defaults={**_COMMON, "JOB_NAME": "hpcckpt-torchrun", "NODES": "2", "PROCS_PER_NODE": "2",
-                       "COMMAND": 'train.py --ckpt "$HPCCKPT_DIR"'}),
+                       "MAX_RESTARTS": "0", "COMMAND": 'train.py --ckpt "$HPCCKPT_DIR"'}),
     Template(name="criu", source="criu.sbatch.in", output_name="criu.sbatch",
              description="transparent mode: hpcckpt run --mode criu around an unmodified command",
              defaults={**_COMMON, "JOB_NAME": "hpcckpt-criu", "CPUS_PER_TASK": "2", "DUMP_EVERY_S": "0"}),
@@ -117,9 +117,9 @@ def _check_value(key: str, value: str) -> None:
         raise ConfigError(f"template parameter TIME={value!r}: a Slurm time such as 04:00:00, 90, 1-12:00:00")
     elif key in _COUNTS and not (value.isdigit() and int(value) > 0):
         raise ConfigError(f"template parameter {key}={value!r}: a whole number > 0, e.g. {key}=2")
-    elif key == "RESTARTS" and not value.isdigit():
-        raise ConfigError(f"template parameter RESTARTS={value!r}: a whole number >= 0 of restarts of the ranks "
-                          "inside one allocation (0: none), e.g. RESTARTS=3")
+    elif key in ("RESTARTS", "MAX_RESTARTS") and not value.isdigit():
+        raise ConfigError(f"template parameter {key}={value!r}: a whole number >= 0 of restarts of the ranks "
+                          f"inside one allocation (0: none), e.g. {key}=3")
     elif key == "DUMP_EVERY_S" and not re.fullmatch(r"\d+(\.\d+)?", value):
         raise ConfigError(f"template parameter DUMP_EVERY_S={value!r}: seconds >= 0 (0: off), e.g. 600")
 

@@ -1,6 +1,6 @@
 """Multi-level checkpoints on the real local Slurm cluster: 2 nodes x 2 ranks (gloo on CPU)
-under the ``ddp`` template with RESTARTS=2 (the job script runs the ranks again when one
-fails), node-local + partner every step, the shared level every 10 steps.
+under the ``torchrun`` template with MAX_RESTARTS=2 (torchrun --max-restarts, c10d
+rendezvous), node-local + partner every step, the shared level every 10 steps.
 
 One rank is killed with SIGKILL and its node's node-local directory deleted mid-run: the
 workers restart in the same allocation (no requeue) and restore from the partner copy at the
@@ -65,12 +65,12 @@ def test_rank_killed_restarts_in_the_allocation_from_the_partner_copy_then_preem
     run_world(reference, 4, "--phase", "reference", "--total", str(TOTAL))
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    command = (f"{PYTHON} {WORKER} --out \"$HPCCKPT_RUN_DIR\" --ckpt \"$HPCCKPT_DIR\" --phase run "
+    command = (f"{WORKER} --out \"$HPCCKPT_RUN_DIR\" --ckpt \"$HPCCKPT_DIR\" --phase run "
                f"--mode ddp --engine sync --items {ITEMS} --batch {BATCH} --total {TOTAL} "
                "--every 10 --local-every 1 --step-sleep 0.3")
-    script = slurm_cluster.render("ddp", run_dir / "ddp.sbatch", TIME="10:00", LEAD_S="50", RUN_DIR=str(run_dir),
-                                  OUTPUT=f"{run_dir}/slurm-%j.out", COMMAND=command, JOB_NAME="hpcckpt-levels",
-                                  NODES="2", TASKS_PER_NODE="2", CPUS_PER_TASK="1", RESTARTS="2")
+    script = slurm_cluster.render("torchrun", run_dir / "torchrun.sbatch", TIME="10:00", LEAD_S="50",
+                                  RUN_DIR=str(run_dir), OUTPUT=f"{run_dir}/slurm-%j.out", COMMAND=command,
+                                  JOB_NAME="hpcckpt-levels", NODES="2", PROCS_PER_NODE="2", MAX_RESTARTS="2")
     job = slurm_cluster.sbatch(script, "-p", "low", "--exclusive",
                                f"--export=ALL,OMP_NUM_THREADS=1,PYTHONWARNINGS=ignore,PYTHONPATH={REPO}")
     out = run_dir / f"slurm-{job}.out"
