@@ -53,6 +53,19 @@ def _trained(run_dir: Path, world: int) -> dict[tuple[int, int], tuple[list[int]
     return out
 
 
+def _check_goodput(cluster: SlurmCluster, ckpt: Path, *, runs: int) -> None:
+    """`hpcckpt history --goodput --json`: one row per run, buckets that add up to the wall time."""
+    proc = cluster.hpcckpt("history", str(ckpt), "--goodput", "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["allocations"] == runs and len(doc["rows"]) == runs, doc
+    buckets = doc["buckets"]
+    assert {"productive_training", "checkpoint_save", "checkpoint_restore", "wasted_progress",
+            "requeue_and_queue_wait", "program_startup"} <= set(buckets), buckets
+    assert all(v >= 0 for v in buckets.values()) and buckets["productive_training"] > 0, buckets
+    assert abs(sum(buckets.values()) - doc["wall_s"]) < 1e-3 * max(1.0, doc["wall_s"]), doc
+
+
 def _reference(out: Path) -> dict[tuple[int, int], tuple[list[int], float]]:
     rows = [(r, json.loads(line)) for r in range(4)
             for line in (out / f"items-reference-r{r}.jsonl").read_text().splitlines()]
@@ -100,6 +113,7 @@ def test_rank_killed_restarts_in_the_allocation_from_the_partner_copy_then_preem
     assert len(stops) == 1 and stops[0]["committed_step"] == stops[0]["step"], stops
     assert starts[2] == (1, stops[0]["step"], "shared"), starts  # the next allocation: the shared level
     assert slurm_cluster.job(job)["Restarts"] == "1"
+    _check_goodput(slurm_cluster, run_dir / "ckpt", runs=3)
 
     assert _trained(run_dir, 4) == _reference(reference), "data order or loss trace differs from the uninterrupted run"
     for r in range(4):
