@@ -55,7 +55,10 @@ def test_array_task_with_refused_requeue_comes_back_as_the_same_task(
 def test_history_of_an_array_task_names_it_and_each_cause(
         slurm_cluster: SlurmCluster, tmp_path: Path, reference_digest: Callable[[int], str]) -> None:
     # Task 1 of an array in `low`: first an operator's `scontrol requeue`, then a preemption.
-    steps = 60
+    # The second run has ~55 s of training left when the preemption is submitted, so that it is
+    # still training when the preemption reaches it however loaded the machine (with 60 steps it
+    # once finished first: 10 s were not enough).
+    steps = 300
     run_dir = tmp_path / "task"
     array = slurm_cluster.submit_demo("single", run_dir, "--array=1", "-p", "low", "--exclusive", steps=steps,
                                       sleep_s=0.2)
