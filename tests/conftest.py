@@ -40,22 +40,16 @@ def _weight(item: pytest.Item) -> int:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist every worker starts with real-Slurm tests, side by side.
-
-    pytest-xdist's worksteal hands each worker one contiguous part of the collection and
-    steals from a part's end. The real-Slurm tests (which mostly wait on Slurm's clocks) are
-    dealt round-robin to the front of the parts; the other tests follow, longest first, in
-    contiguous runs, so that a module's tests (and its module-scoped fixtures) stay on one
-    worker. A run without workers keeps its order but for this sort."""
+    """Under pytest-xdist the longest tests start first (longest-first scheduling): each worker
+    begins with waits on Slurm and whole trainings, and the short unit tests fill the gaps,
+    instead of four workers finishing the unit tier together and then waiting on one cluster.
+    Order within a weight is kept, so a run without workers is unchanged but for this sort.
+    (Dealing the real-Slurm tests to every worker's front at once was tried: the time-limit
+    tests then ran side by side with each other's trainings, and their steps slowed enough
+    to need more allocations than they expected.)"""
     import os
-    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
-    if not (os.environ.get("PYTEST_XDIST_WORKER") and workers.isdigit() and int(workers) > 0):
-        return  # every worker collects, and orders, the same way
-    n = int(workers)
-    slurm = [i for i in items if _weight(i) == 0]
-    rest = sorted((i for i in items if _weight(i) != 0), key=_weight)
-    cut = [len(rest) * p // n for p in range(n + 1)]
-    items[:] = [item for p in range(n) for item in slurm[p::n] + rest[cut[p]:cut[p + 1]]]
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects, and sorts, the same way
+        items.sort(key=_weight)
 
 
 # Opt-in cost profile of the suite (TEST_CPU_PROFILE=dir): one JSON line per test with its

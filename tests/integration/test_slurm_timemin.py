@@ -96,18 +96,21 @@ def test_time_min_shorter_than_lead_trains_most_of_every_allocation(
     ledger = slurm_cluster.read_ledger(run_dir / "ckpt")
     starts = [e for e in ledger if e["event"] == "start"]
     stops = [e for e in ledger if e["event"] == "stop"]
-    assert len(starts) == 2 == len(stops), f"two allocations expected, ledger: {ledger}\n{log[-3000:]}"
-    assert sorted(runs) == [0, 1], runs
-    assert [s["restart_count"] for s in starts] == [0, 1]
-    assert [s["reason"] for s in stops] == ["deadline", "done"], stops  # not stopped by the early warning
-    assert stops[0]["committed_step"] == stops[0]["step"] and stops[0]["requeue"] is True
+    # Two allocations here; a loaded machine (slower steps) may need more: each one but the
+    # last ends at its deadline, never at the early warning, committed and requeued.
+    n = len(starts)
+    assert n >= 2 and len(stops) == n, f"two or more allocations expected, ledger: {ledger}\n{log[-3000:]}"
+    assert sorted(runs) == list(range(n)), runs
+    assert [s["restart_count"] for s in starts] == list(range(n))
+    assert [s["reason"] for s in stops] == ["deadline"] * (n - 1) + ["done"], stops  # not the early warning
+    assert all(s["committed_step"] == s["step"] and s["requeue"] is True for s in stops[:-1]), stops
 
     for run, (start, stop) in enumerate(zip(starts, stops)):
         alloc = runs[run]
         # Slurm granted --time-min, less than the template's lead: the case under test.
         assert alloc["limit_s"] == GRANT_S < TEMPLATE_LEAD_S, f"Slurm granted {alloc}"
-        # The first allocation held the node for its whole limit; the last one until it ended.
-        held_s = alloc["limit_s"] if run == 0 else alloc["end"] - alloc["start"]
+        # Every allocation but the last held the node for its whole limit; the last one until it ended.
+        held_s = alloc["limit_s"] if run < n - 1 else alloc["end"] - alloc["start"]
         trained_s = stop["time"] - start["time"]
         assert held_s - trained_s <= 0.4 * alloc["limit_s"], (
             f"run {run}: trained {trained_s:.1f}s of {held_s:.1f}s held, of an allocation of "
@@ -117,4 +120,4 @@ def test_time_min_shorter_than_lead_trains_most_of_every_allocation(
 
     history = slurm_cluster.history(run_dir / "ckpt")
     assert history["finished"] and history["lost_steps_total"] == 0, history
-    assert [r["cause"] for r in history["rows"]] == ["time_limit"], history["rows"]
+    assert [r["cause"] for r in history["rows"]] == ["time_limit"] * (n - 1), history["rows"]

@@ -93,11 +93,15 @@ def test_slurm_timeout_kill_comes_back(
 
     assert slurm_cluster.result_digest(run_dir) == reference_digest(STEPS), "not bit-identical"
     ledger = slurm_cluster.read_ledger(run_dir / "ckpt")
+    # Two allocations when the resumed run (0.1 s steps) ends inside its minute; on a loaded
+    # machine it may meet the limit again: every stop is then the same kind, and resumes exactly.
     starts = [e for e in ledger if e["event"] == "start"]
-    assert [s["restart_count"] for s in starts] == [0, 1], ledger
-    stop = next(e for e in ledger if e["event"] == "stop" and e["reason"] != "done")
-    assert stop["reason"] == "signal" and stop["signame"] == "SIGTERM", stop
-    assert stop["committed_step"] == stop["step"] == starts[1]["resumed_from"], (stop, starts)
+    assert [s["restart_count"] for s in starts] == list(range(len(starts))) and len(starts) >= 2, ledger
+    stops = [e for e in ledger if e["event"] == "stop" and e["reason"] != "done"]
+    assert len(stops) == len(starts) - 1, ledger
+    for stop, resumed in zip(stops, starts[1:]):
+        assert stop["reason"] == "signal" and stop["signame"] == "SIGTERM", stop
+        assert stop["committed_step"] == stop["step"] == resumed["resumed_from"], (stop, starts)
     history = slurm_cluster.history(run_dir / "ckpt")
     assert history["finished"] and history["lost_steps_total"] == 0, history
-    assert [r["cause"] for r in history["rows"]] == ["time_limit"], history["rows"]
+    assert [r["cause"] for r in history["rows"]] == ["time_limit"] * len(stops), history["rows"]
