@@ -33,7 +33,7 @@ from ..state import Flat, TrainState
 from ..store import catalog, placement
 from ..store.commit import Transaction, discard
 from ..store.manifest import build as build_manifest
-from ..store.publish import commit_and_prune
+from ..store.publish import commit_and_prune, record_failures
 
 log = logging.getLogger("hpcckpt.engines")
 
@@ -160,10 +160,7 @@ class Engine(ABC):
         everyone = ranks.gather_json(mine)
         outcome: dict[str, Any]
         if ranks.is_coordinator:
-            failed = {r: str(m["error"]) for r, m in enumerate(everyone) if not m["ok"]}
-            # Never commit a mix of steps: ranks out of step in their saves is a bug to report loudly.
-            failed.update({r: f"rank {r} was committing step {m['step']}, not step {step}"
-                           for r, m in enumerate(everyone) if m["step"] != step})
+            failed = record_failures(everyone, step)  # never commit a mix of steps
             if failed:
                 outcome = {"ok": False, "errors": failed}
             else:

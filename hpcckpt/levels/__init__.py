@@ -40,7 +40,6 @@ class Levels:
     shared: Path  # the checkpoint directory (shared file system)
     local: Path  # this node's node-local root for it
     topo: Topology
-    local_every: int  # node-local (+ partner) every this many steps
     shared_every: int | None  # the shared level every this many steps (None: only at stops)
     keep: int  # shared level retention
     local_keep: int
@@ -63,8 +62,7 @@ class Levels:
         if topo.is_leader:
             _point(local, options.dir)
         ranks.max(0)  # every node's root exists before any rank writes in it
-        return Levels(shared=options.dir, local=local, topo=topo, local_every=options.local_every_steps,
-                      shared_every=options.every_steps, keep=options.keep, local_keep=options.local_keep,
+        return Levels(shared=options.dir, local=local, topo=topo, shared_every=options.every_steps, keep=options.keep, local_keep=options.local_keep,
                       partner=options.partner)
 
 

@@ -30,7 +30,7 @@ from ..store import catalog
 from ..store.commit import Transaction, discard
 from ..store.copy import copy_verified
 from ..store.manifest import build as build_manifest
-from ..store.publish import commit_and_prune
+from ..store.publish import commit_and_prune, record_failures
 from . import Levels
 
 log = logging.getLogger("hpcckpt.levels")
@@ -52,9 +52,7 @@ def commit(levels: Levels, ranks: Ranks, *, engine: str, job: dict[str, Any], us
     mine = {"ok": error is None, "record": record, "step": step, "bytes": size, "now": time.time(),
             "error": f"{type(error).__name__}: {error}" if error else None}
     everyone = ranks.gather_json(mine)
-    failed = {r: str(m["error"]) for r, m in enumerate(everyone) if not m["ok"]}
-    failed.update({r: f"rank {r} was committing step {m['step']}, not step {step}"
-                   for r, m in enumerate(everyone) if m["step"] != step})
+    failed = record_failures(everyone, step)
     if not failed and levels.with_partner:
         problem = _partner_copies(levels, ranks, tmp, everyone)
         for r, p in enumerate(ranks.gather_json(problem)):

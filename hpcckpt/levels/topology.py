@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from ..ranks import Ranks
 
@@ -19,17 +20,25 @@ class Topology:
     def world(self) -> int:
         return len(self.node_of)
 
-    @property
+    @cached_property
     def nodes(self) -> list[str]:
         """The nodes, in the order of their first rank."""
         return list(dict.fromkeys(self.node_of))
 
+    @cached_property
+    def _on(self) -> dict[str, list[int]]:
+        """Each node's ranks, in order."""
+        on: dict[str, list[int]] = {}
+        for r, n in enumerate(self.node_of):
+            on.setdefault(n, []).append(r)
+        return on
+
     def ranks_on(self, node: str) -> list[int]:
-        return [r for r, n in enumerate(self.node_of) if n == node]
+        return list(self._on.get(node, []))
 
     def leader(self, rank: int) -> int:
         """The lowest rank on ``rank``'s node: it commits the node's node-local checkpoints."""
-        return self.ranks_on(self.node_of[rank])[0]
+        return self._on[self.node_of[rank]][0]
 
     @property
     def is_leader(self) -> bool:
@@ -37,19 +46,25 @@ class Topology:
 
     @property
     def leaders(self) -> list[int]:
-        return [self.ranks_on(n)[0] for n in self.nodes]
+        return [self._on[n][0] for n in self.nodes]
 
-    def partner(self, rank: int) -> int | None:
-        """The rank on the next node (cyclically) at the same place among its node's ranks: it
-        keeps a copy of ``rank``'s node-local file. None on a single node."""
+    @cached_property
+    def _partners(self) -> tuple[int | None, ...]:
+        """Each rank's partner: the rank on the next node (cyclically) at the same place among
+        its node's ranks. None on a single node. Made once: every save asks."""
         nodes = self.nodes
         if len(nodes) < 2:
-            return None
-        here = self.node_of[rank]
-        index = self.ranks_on(here).index(rank)
-        there = self.ranks_on(nodes[(nodes.index(here) + 1) % len(nodes)])
-        return there[index % len(there)]
+            return (None,) * self.world
+        out: list[int | None] = []
+        for r, here in enumerate(self.node_of):
+            there = self._on[nodes[(nodes.index(here) + 1) % len(nodes)]]
+            out.append(there[self._on[here].index(r) % len(there)])
+        return tuple(out)
+
+    def partner(self, rank: int) -> int | None:
+        """The rank that keeps a copy of ``rank``'s node-local file (None on a single node)."""
+        return self._partners[rank]
 
     def wards(self, rank: int) -> list[int]:
         """The ranks whose partner ``rank`` is."""
-        return [r for r in range(self.world) if self.partner(r) == rank]
+        return [r for r, p in enumerate(self._partners) if p == rank]

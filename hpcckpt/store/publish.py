@@ -14,6 +14,16 @@ from .commit import Transaction
 from .lock import writer_lock
 
 
+def record_failures(everyone: list[dict[str, Any]], step: int) -> dict[int, str]:
+    """Which ranks cannot take part in the commit of ``step``, and why, from every rank's
+    exchanged ``{"ok", "error", "step", ...}``: a rank that failed to write its part, or one
+    committing another step (ranks out of step in their saves: a bug to report loudly)."""
+    failed = {r: str(m["error"]) for r, m in enumerate(everyone) if not m["ok"]}
+    failed.update({r: f"rank {r} was committing step {m['step']}, not step {step}"
+                   for r, m in enumerate(everyone) if m["step"] != step})
+    return failed
+
+
 def commit_and_prune(txn: Transaction, manifest: dict[str, Any], *, keep: int | None,
                      lock_timeout_s: float = -1, precheck: Callable[[], None] | None = None
                      ) -> tuple[Path, list[str], list[Path]]:
