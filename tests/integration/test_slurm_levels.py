@@ -72,21 +72,36 @@ def _reference(out: Path) -> dict[tuple[int, int], tuple[list[int], float]]:
     return {(r, row["step"]): (row["items"], row["loss"]) for r, row in rows}
 
 
-def test_rank_killed_restarts_in_the_allocation_from_the_partner_copy_then_preempted_resumes_from_shared(
-        slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+def _submit(cluster: SlurmCluster, tmp_path: Path, template: str, total: int, worker_args: str, *,
+            launcher: str, **params: str) -> tuple[Path, Path, str, Path]:
+    """An uninterrupted 4-rank reference run, then the same training under ``template`` on 2 nodes x
+    2 ranks, node-local + partner every step, shared every 10: (reference, run dir, job, output)."""
     reference = tmp_path / "reference"
-    run_world(reference, 4, "--phase", "reference", "--total", str(TOTAL))
+    run_world(reference, 4, "--phase", "reference", "--total", str(total))
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    command = (f"{WORKER} --out \"$HPCCKPT_RUN_DIR\" --ckpt \"$HPCCKPT_DIR\" --phase run "
-               f"--mode ddp --engine sync --items {ITEMS} --batch {BATCH} --total {TOTAL} "
-               "--every 10 --local-every 1 --step-sleep 0.3")
-    script = slurm_cluster.render("torchrun", run_dir / "torchrun.sbatch", TIME="10:00", LEAD_S="50",
-                                  RUN_DIR=str(run_dir), OUTPUT=f"{run_dir}/slurm-%j.out", COMMAND=command,
-                                  JOB_NAME="hpcckpt-levels", NODES="2", PROCS_PER_NODE="2", MAX_RESTARTS="2")
-    job = slurm_cluster.sbatch(script, "-p", "low", "--exclusive",
-                               f"--export=ALL,OMP_NUM_THREADS=1,PYTHONWARNINGS=ignore,PYTHONPATH={REPO}")
-    out = run_dir / f"slurm-{job}.out"
+    command = (f"{launcher}{WORKER} --out \"$HPCCKPT_RUN_DIR\" --ckpt \"$HPCCKPT_DIR\" --phase run --mode ddp "
+               f"--engine sync --items {ITEMS} --batch {BATCH} --total {total} --every 10 --local-every 1 "
+               f"{worker_args}")
+    script = cluster.render(template, run_dir / f"{template}.sbatch", TIME="10:00", LEAD_S="50", RUN_DIR=str(run_dir),
+                            OUTPUT=f"{run_dir}/slurm-%j.out", COMMAND=command, NODES="2", **params)
+    job = cluster.sbatch(script, "-p", "low", "--exclusive",
+                         f"--export=ALL,OMP_NUM_THREADS=1,PYTHONWARNINGS=ignore,PYTHONPATH={REPO}")
+    return reference, run_dir, job, run_dir / f"slurm-{job}.out"
+
+
+def _assert_like_reference(run_dir: Path, reference: Path) -> None:
+    assert _trained(run_dir, 4) == _reference(reference), "data order or loss trace differs from the uninterrupted run"
+    for r in range(4):
+        assert_equal_states(torch.load(run_dir / f"state-end-r{r}.pt"), torch.load(reference / f"state-end-r{r}.pt"),
+                            f"rank {r} final state")
+
+
+def test_rank_killed_restarts_in_the_allocation_from_the_partner_copy_then_preempted_resumes_from_shared(
+        slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    reference, run_dir, job, out = _submit(slurm_cluster, tmp_path, "torchrun", TOTAL, "--step-sleep 0.3",
+                                           launcher="", JOB_NAME="hpcckpt-levels", PROCS_PER_NODE="2",
+                                           MAX_RESTARTS="2")
     slurm_cluster.wait_until(lambda: _last_step(run_dir) >= KILL_AT, 400, f"step {KILL_AT}")
 
     # Rank 2 dies (SIGKILL) and its node loses its node-local storage.
@@ -114,11 +129,7 @@ def test_rank_killed_restarts_in_the_allocation_from_the_partner_copy_then_preem
     assert starts[2] == (1, stops[0]["step"], "shared"), starts  # the next allocation: the shared level
     assert slurm_cluster.job(job)["Restarts"] == "1"
     _check_goodput(slurm_cluster, run_dir / "ckpt", runs=3)
-
-    assert _trained(run_dir, 4) == _reference(reference), "data order or loss trace differs from the uninterrupted run"
-    for r in range(4):
-        assert_equal_states(torch.load(run_dir / f"state-end-r{r}.pt"), torch.load(reference / f"state-end-r{r}.pt"),
-                            f"rank {r} final state")
+    _assert_like_reference(run_dir, reference)
 
 
 def test_killed_without_grace_the_epilog_scavenges_the_node_local_step_and_the_next_allocation_resumes_it(
@@ -128,19 +139,10 @@ def test_killed_without_grace_the_epilog_scavenges_the_node_local_step_and_the_n
     the node-local one (every step). Both nodes' epilogs scavenge: the node-local step 27
     reaches the shared level, and the next allocation resumes there."""
     hold, total = 27, 40
-    reference = tmp_path / "reference"
-    run_world(reference, 4, "--phase", "reference", "--total", str(total))
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    command = (f"env HPCCKPT_SIGNALS=SIGUSR2 {PYTHON} {WORKER} --out \"$HPCCKPT_RUN_DIR\" --ckpt \"$HPCCKPT_DIR\" "
-               f"--phase run --mode ddp --engine sync --items {ITEMS} --batch {BATCH} --total {total} "
-               f"--every 10 --local-every 1 --hold-at {hold} --hold-first-run-only")
-    script = slurm_cluster.render("ddp", run_dir / "ddp.sbatch", TIME="10:00", LEAD_S="50", RUN_DIR=str(run_dir),
-                                  OUTPUT=f"{run_dir}/slurm-%j.out", COMMAND=command, JOB_NAME="hpcckpt-scavenge",
-                                  NODES="2", TASKS_PER_NODE="2", CPUS_PER_TASK="1")
-    job = slurm_cluster.sbatch(script, "-p", "low", "--exclusive",
-                               f"--export=ALL,OMP_NUM_THREADS=1,PYTHONWARNINGS=ignore,PYTHONPATH={REPO}")
-    out = run_dir / f"slurm-{job}.out"
+    reference, run_dir, job, out = _submit(slurm_cluster, tmp_path, "ddp", total,
+                                           f"--hold-at {hold} --hold-first-run-only",
+                                           launcher=f"env HPCCKPT_SIGNALS=SIGUSR2 {PYTHON} ",
+                                           JOB_NAME="hpcckpt-scavenge", TASKS_PER_NODE="2", CPUS_PER_TASK="1")
     slurm_cluster.wait_until(lambda: all(_last_step(run_dir, r) == hold - 1 for r in range(4)), 400,
                              f"every rank to hold at step {hold}")
     assert [i.step for i in catalog.committed_newest_first(run_dir / "ckpt")][0] == 20
@@ -151,7 +153,4 @@ def test_killed_without_grace_the_epilog_scavenges_the_node_local_step_and_the_n
     starts = [(e["restart_count"], e["resumed_from"], e.get("level")) for e in ledger if e["event"] == "start"]
     assert starts == [(0, None, None), (1, hold, "shared")], starts
     assert not [e for e in ledger if e["event"] == "stop" and e["reason"] != "done"], "a stop was not expected"
-    assert _trained(run_dir, 4) == _reference(reference), "data order or loss trace differs from the uninterrupted run"
-    for r in range(4):
-        assert_equal_states(torch.load(run_dir / f"state-end-r{r}.pt"), torch.load(reference / f"state-end-r{r}.pt"),
-                            f"rank {r} final state")
+    _assert_like_reference(run_dir, reference)
