@@ -9,8 +9,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -18,6 +16,7 @@ from typing import Callable
 import pytest
 
 from hpcckpt.store import catalog
+from tests.prefork import Child
 
 pytestmark = [pytest.mark.native, pytest.mark.fault, pytest.mark.slow]
 
@@ -48,16 +47,14 @@ def newest_committed(root: Path) -> catalog.CheckpointInfo | None:
     return infos[-1] if infos else None
 
 
-def start(script: Path, root: Path, total: int) -> tuple[subprocess.Popen[str], int | None]:
+def start(script: Path, root: Path, total: int, out: Path) -> tuple[Child, int | None]:
     env = {**os.environ, "HPCCKPT_CLUSTER": "local"}
-    proc = subprocess.Popen([sys.executable, str(script), str(root), str(total)], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env=env)
-    assert proc.stdout is not None
-    first = json.loads(proc.stdout.readline())
+    proc = Child([str(script), str(root), str(total)], env=env, output=out, errors=os.devnull)
+    first = json.loads(proc.first_line(300))
     return proc, first["resumed"]
 
 
-def _wait_for(cond: Callable[[], bool], proc: subprocess.Popen[str], what: str, timeout: float = 300.0) -> None:
+def _wait_for(cond: Callable[[], bool], proc: Child, what: str, timeout: float = 300.0) -> None:
     """Poll ``cond`` until it holds (a generous bound: a loaded machine is slow, never wrong)."""
     deadline = time.monotonic() + timeout
     while not cond():
@@ -81,7 +78,7 @@ def test_kill_9_during_concurrent_persists_never_breaks_the_newest_checkpoint(tm
     total = 100_000
     for r in range(ROUNDS):
         before = newest_committed(root)
-        proc, resumed = start(script, root, total)
+        proc, resumed = start(script, root, total, tmp_path / f"out-{r}.txt")
         assert resumed == (before.step if before else None)
         if r == 0:  # the scenario needs a committed checkpoint to protect, however slow the machine
             _wait_for(lambda: newest_committed(root) is not None, proc, "first commit")
@@ -91,17 +88,15 @@ def test_kill_9_during_concurrent_persists_never_breaks_the_newest_checkpoint(tm
         _wait_for(lambda: _in_flight(root), proc, "save in flight")
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
-        assert proc.stdout is not None
-        proc.stdout.close()
         newest = newest_committed(root)
         assert newest is not None, "the first round's committed checkpoint is gone"
         _, problems = catalog.check(newest.path, full=True)
         assert problems == [], f"newest committed {newest.path} fails verification: {problems}"
     final = newest_committed(root)
     assert final is not None, "no checkpoint committed in any round"
-    proc, resumed = start(script, root, final.step + 3)
+    proc, resumed = start(script, root, final.step + 3, tmp_path / "out-last.txt")
     assert resumed == final.step
-    out, _ = proc.communicate(timeout=600)
+    out = proc.communicate(timeout=600)
     assert proc.returncode == 0
     assert json.loads(out.strip().splitlines()[-1]) == {"done": final.step + 3}
     done = newest_committed(root)

@@ -4,13 +4,13 @@ LATEST names verify, and the next run resumes from it."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from hpcckpt.store import catalog
 from hpcckpt.store.commit import TRASH_PREFIX, read_latest
+from tests import prefork
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.fault, pytest.mark.native, pytest.mark.slow]
@@ -30,8 +30,7 @@ def check_root(root: Path) -> int | None:
 
 
 def _run(root: Path, engine: str, func: str, n: int) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tests.fault.kill_at_call", str(root), engine, func, str(n)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    return prefork.run(["-m", "tests.fault.kill_at_call", str(root), engine, func, str(n)], cwd=REPO, timeout=300)
 
 
 @pytest.mark.parametrize("engine", ["sync", "concurrent"])

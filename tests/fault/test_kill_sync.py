@@ -4,8 +4,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import pytest
 from hpcckpt.store import catalog
 from hpcckpt.store.commit import read_latest
 from tests.conftest import REPO
+from tests.prefork import Child
 
 pytestmark = [pytest.mark.fault, pytest.mark.native, pytest.mark.slow]
 
@@ -36,14 +35,13 @@ def test_kill9_during_saves(tmp_path: Path, engine: str) -> None:
     root = tmp_path / "ck"
     rng = random.Random(1234)
     steps_seen: list[int | None] = []
-    for _attempt in range(12):
-        proc = subprocess.Popen([sys.executable, "-m", "tests.fault.kill_target", str(root), engine, "24"],
-                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+    for attempt in range(12):
+        proc = Child(["-m", "tests.fault.kill_target", str(root), engine, "24"], cwd=REPO,
+                     output=tmp_path / f"out-{attempt}.txt", errors=os.devnull)
+        assert proc.first_line(300).strip() == "ready"
         time.sleep(rng.uniform(0.05, 1.5))
         os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        proc.stdout.close()
+        proc.wait(60)
         steps_seen.append(assert_newest_is_good(root))
     # the run made progress across restarts (each restart resumes from the newest good step)
     assert steps_seen[-1] is not None and steps_seen[-1] > 0

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO
+from tests.prefork import Child, wait_all
 
 pytestmark = pytest.mark.native
 WORLD = 2
@@ -71,25 +72,17 @@ def cli(*args: str) -> tuple[int, str]:
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("ddp export")
+    logs = tmp_path_factory.mktemp("ddp export logs")
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HPCCKPT_", "SLURM_"))}
     env["HPCCKPT_CLUSTER"] = "local"
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.unit.test_cli_export", str(r), str(WORLD), str(port),
-                               str(root)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in range(WORLD)]
-    outs = []
+    procs = [Child(["-m", "tests.unit.test_cli_export", str(r), str(WORLD), str(port), str(root)], cwd=REPO,
+                   env=env, output=logs / f"worker-r{r}.log") for r in range(WORLD)]
     try:
-        for p in procs:
-            outs.append(p.communicate(timeout=180)[0])
+        wait_all(procs, 180)
     except subprocess.TimeoutExpired:
-        for q in procs:
-            q.kill()
-        pytest.fail("the ranks hung:\n" + "\n".join(q.communicate()[0] for q in procs))
-    finally:
-        for q in procs:
-            if q.poll() is None:
-                q.kill()
-                q.wait()
+        pytest.fail("the ranks hung:\n" + "\n".join(q.read_output() for q in procs))
+    outs = [p.read_output() for p in procs]
     assert [p.returncode for p in procs] == [0] * WORLD, "\n".join(outs)
     assert all(json.loads((root / f"done-{r}.json").read_text())["committed"] == 2 for r in range(WORLD))
     return root

@@ -21,7 +21,6 @@ import signal
 import socket
 import subprocess
 import time
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ import torch
 from hpcckpt.store import catalog
 from tests.conftest import REPO
 from tests.helpers import built_once
+from tests.prefork import Child
 
 pytestmark = [pytest.mark.native]
 
@@ -57,11 +57,12 @@ def run_world(out: Path, world: int, *args: str, expect: int | None = 0, hang_ok
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HPCCKPT_", "SLURM_"))}
     env.update(HPCCKPT_CLUSTER="local", OMP_NUM_THREADS="1")
     out.mkdir(parents=True, exist_ok=True)
-    logs = [open(out / f"log-{args[args.index('--phase') + 1]}-r{r}.txt", "w") for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.unit.dist_worker", "--rank", str(r), "--world", str(world),
-                               "--port", str(port), "--out", str(out), "--items", str(ITEMS), "--batch", str(BATCH),
-                               *args], cwd=REPO, env=env, stdout=logs[r], stderr=subprocess.STDOUT)
-             for r in range(world)]
+    logs = [out / f"log-{args[args.index('--phase') + 1]}-r{r}.txt" for r in range(world)]
+    for log in logs:
+        log.write_text("")
+    procs = [Child(["-m", "tests.unit.dist_worker", "--rank", str(r), "--world", str(world), "--port", str(port),
+                    "--out", str(out), "--items", str(ITEMS), "--batch", str(BATCH), *args],
+                   cwd=REPO, env=env, output=logs[r]) for r in range(world)]
     try:
         deadline = time.monotonic() + timeout_s
         for p in procs:
@@ -73,9 +74,7 @@ def run_world(out: Path, world: int, *args: str, expect: int | None = 0, hang_ok
         for p in procs:
             if p.poll() is None:
                 p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
+                p.wait(60)
     codes = [p.returncode for p in procs]
     if expect is not None:
         assert codes == [expect] * world, f"exit codes {codes}:\n" + _logs(out, world, args)

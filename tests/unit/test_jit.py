@@ -28,6 +28,7 @@ from hpcckpt.ledger import Ledger
 from hpcckpt.store import catalog
 from tests.conftest import REPO
 from tests.helpers import built_once
+from tests.prefork import Child
 
 pytestmark = pytest.mark.native
 
@@ -55,26 +56,25 @@ def run_job(root: Path, **cfg: Any) -> tuple[list[int | None], list[str]]:
     cfg = {"world": WORLD, "total": TOTAL, "timeout": TIMEOUT_S, "every": None, **cfg}
     port = _free_port()
     world = int(cfg["world"])
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.unit.jit_worker", str(r), str(port), str(root),
-                               json.dumps(cfg)], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    logs = [root.parent / f"{root.name}-rank{r}.out" for r in range(world)]
+    procs = [Child(["-m", "tests.unit.jit_worker", str(r), str(port), str(root), json.dumps(cfg)], cwd=REPO,
+                   env=_env(), output=logs[r]) for r in range(world)]
     stopped = cfg["victim"] if cfg.get("how") == "stop" else None
-    outs: list[str] = [""] * world
     deadline = time.monotonic() + RUN_LIMIT_S
     try:
         for r, p in enumerate(procs):
             if r == stopped:
                 continue
             try:
-                outs[r] = p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pytest.fail(f"rank {r} did not end within {RUN_LIMIT_S}s")
     finally:
-        for r, p in enumerate(procs):
+        for p in procs:
             if p.poll() is None:
                 p.kill()
-            out = p.communicate()[0]
-            outs[r] = outs[r] or out
+                p.wait(60)
+    outs = [p.read_output() for p in procs]
     codes = [p.returncode for p in procs]
     if stopped is not None:
         codes[stopped] = None  # it was still stopped: the harness killed it

@@ -10,13 +10,13 @@ import json
 import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from hpcckpt.store import catalog
 from tests.conftest import REPO
+from tests.prefork import Child, wait_all
 
 pytestmark = pytest.mark.native
 
@@ -31,17 +31,13 @@ def test_failure_on_one_rank_fails_the_save_everywhere_and_the_next_commits(tmp_
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HPCCKPT_", "SLURM_"))}
     env["HPCCKPT_CLUSTER"] = "local"
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.unit.two_rank_worker", str(r), str(port), str(tmp_path)],
-                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=120)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("a rank hung in the commit exchange:\n" + "\n".join(q.communicate()[0] for q in procs))
+    procs = [Child(["-m", "tests.unit.two_rank_worker", str(r), str(port), str(tmp_path)], cwd=REPO, env=env,
+                   output=tmp_path / f"worker-r{r}.log") for r in range(2)]
+    try:
+        wait_all(procs, 120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a rank hung in the commit exchange:\n" + "\n".join(q.read_output() for q in procs))
+    outs = [p.read_output() for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)
     results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(2)]
 
@@ -66,17 +62,13 @@ def _run_ranks(tmp_path: Path, *args: str, timeout: float = 120) -> list[str]:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HPCCKPT_", "SLURM_"))}
     env["HPCCKPT_CLUSTER"] = "local"
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.unit.two_rank_worker", str(r), str(port), str(tmp_path),
-                               *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=timeout)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("the ranks hung (one saved alone?):\n" + "\n".join(q.communicate()[0] for q in procs))
+    procs = [Child(["-m", "tests.unit.two_rank_worker", str(r), str(port), str(tmp_path), *args], cwd=REPO, env=env,
+                   output=tmp_path / f"worker-{'-'.join(args)}-r{r}.log") for r in range(2)]
+    try:
+        wait_all(procs, timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the ranks hung (one saved alone?):\n" + "\n".join(q.read_output() for q in procs))
+    outs = [p.read_output() for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)
     return outs
 
