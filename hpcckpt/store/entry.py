@@ -7,12 +7,14 @@ module imports nothing of hpcckpt but its errors, so it sits below all of them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
-import torch
 
 from ..errors import ConfigError
+
+if TYPE_CHECKING:  # torch is imported by the code that holds tensors, not by readers of manifests
+    import torch
 
 ALIGN = 4096  # byte alignment of large tensors in a rank file (O_DIRECT, page size)
 
@@ -49,4 +51,6 @@ def raw_bytes(t: torch.Tensor) -> np.ndarray:
     t = t.contiguous().reshape(-1)
     if t.numel() == 0:
         return np.empty(0, dtype=np.uint8)
+    import torch  # already imported by whoever holds a tensor: a lookup
+
     return t.view(torch.uint8).numpy()

@@ -23,9 +23,7 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import PurePosixPath
-from typing import Any, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ..errors import CheckpointCorrupt
 
@@ -67,9 +65,22 @@ def safe_relpath(rel: Any, what: str) -> str:
     return rel
 
 
+if TYPE_CHECKING:
+    import torch
+
+# Bytes per element of the dtypes checkpoints hold (the names torch prints), so that reading a
+# manifest (``ls``, ``verify``, the epilog's ``scavenge``) does not import torch (2 CPU-seconds);
+# any other name is asked of torch. tests/unit/test_manifest_dtypes.py holds it to torch's.
+ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8,
+            "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1,
+            "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1}
+
+
 @functools.lru_cache(maxsize=None)
 def _plain_dtype(name: str) -> torch.dtype | None:
     """The torch dtype called ``name`` if raw bytes can be viewed as it (not quantized etc.)."""
+    import torch
+
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
         return None
@@ -80,17 +91,20 @@ def _plain_dtype(name: str) -> torch.dtype | None:
     return dt
 
 
-def _dtype(name: Any, what: str) -> torch.dtype:
+def _itemsize(name: Any, what: str) -> int:
+    """Bytes per element of the plain torch dtype called ``name``; ``Invalid`` for any other name."""
+    if isinstance(name, str) and name in ITEMSIZE:
+        return ITEMSIZE[name]
     dt = _plain_dtype(name) if isinstance(name, str) and name.isidentifier() else None
     if dt is None:
         raise Invalid(f"{what} has dtype {name!r}, which is not a plain torch dtype")
-    return dt
+    return int(dt.itemsize)
 
 
 def _tensor(name: str, e: Any, fmt: str, file_bytes: int, where: str) -> None:
     what = f"{where} tensor {name!r}"
     e = _dict(e, what)
-    itemsize = _dtype(e.get("dtype"), what).itemsize
+    itemsize = _itemsize(e.get("dtype"), what)
     shape = e.get("shape")
     if not isinstance(shape, list) or len(shape) > MAX_DIMS:
         raise Invalid(f"{what} has shape {shape!r}, not a list of at most {MAX_DIMS} dims")
@@ -125,7 +139,7 @@ def tensor_refs(meta: Any, out: set[str], depth: int = 0) -> set[str]:
                     raise Invalid(f"metadata refers to tensor {meta[key]!r}, not a name")
                 out.add(meta[key])
         if "__dtype__" in meta:
-            _dtype(meta["__dtype__"], "metadata value")
+            _itemsize(meta["__dtype__"], "metadata value")
         if "__dict__" in meta and not all(isinstance(kv, list) and len(kv) == 2 for kv in meta["__dict__"]):
             raise Invalid("metadata '__dict__' entry is not a list of [key, value] pairs")
         for v in meta.values():
@@ -262,7 +276,7 @@ def _shared(name: str, spec: Any, ranks: Mapping[str, Any], world: int) -> None:
     from .placement import KINDS, tiling_problem
     what = f"shared tensor {name!r}"
     spec = _dict(spec, what)
-    dtype = _dtype(spec.get("dtype"), what)
+    itemsize = _itemsize(spec.get("dtype"), what)
     shape = spec.get("shape")
     if not isinstance(shape, list) or len(shape) > MAX_DIMS:
         raise Invalid(f"{what} has shape {shape!r}, not a list of at most {MAX_DIMS} dims")
@@ -286,7 +300,7 @@ def _shared(name: str, spec: Any, ranks: Mapping[str, Any], world: int) -> None:
         if not isinstance(held, dict) or held.get("nbytes") != nbytes or held.get("dtype") != spec["dtype"]:
             raise Invalid(f"{what}: the piece at byte {start} names rank {r}, whose file holds no "
                           f"{nbytes}-byte {spec['dtype']} piece of it")
-        if start % dtype.itemsize:
+        if start % itemsize:
             raise Invalid(f"{what}: piece at byte {start} does not start on an element")
     problem = tiling_problem(spec)
     if problem:

@@ -197,6 +197,11 @@ def _scavenge(local: Path, lock_timeout_s: float) -> Result:
         return _incomplete(shared, staging, step, result, contributed, missing, problems, lock_timeout_s)
     ident = catalog.identity(staging)
     bad = catalog.verify_against(staging, manifest, full=True)
+    if bad and catalog.identity(staging) != ident:  # renamed away while read: another node's commit?
+        now = _shared_newest(shared)
+        if now is not None and now >= step:
+            return result(CURRENT, f"step {step} was committed to {shared} meanwhile (another node's scavenge); "
+                                   "nothing to do", step=step, contributed=contributed, problems=problems)
     if bad:
         raise _Stop(result(FAILED, f"step {step} gathered in {staging} fails verification ({bad[0]}"
                                    f"{f'; {len(bad) - 1} more' if len(bad) > 1 else ''}); nothing committed",

@@ -135,8 +135,33 @@ def test_two_nodes_scavenging_at_once_commit_the_step_once(killed: Path, tmp_pat
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for root in roots]
     outs = [p.communicate(timeout=300) for p in procs]
     docs = [json.loads(o) for o, _ in outs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o + e for o, e in outs)
     assert sorted(d["status"] for d in docs) == [COMMITTED, CURRENT], docs  # whichever came first commits
+    assert _newest(shared) == KILLED_AT and _leftovers(shared) == []
+    info = catalog.inspect_step(shared, KILLED_AT, full=True)
+    assert info is not None and not info.problems
+
+
+def test_a_commit_by_another_node_while_this_one_verifies_is_current_not_a_failure(
+        killed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race the concurrent case above can lose: node 1's scavenge commits the gathered
+    step (renaming the staging directory into place) while node 0 reads it to verify."""
+    shared, (node0, node1) = _clone(killed, tmp_path)
+    (node1 / f"step-{KILLED_AT}" / "rank-0.pt").unlink()  # node 1 holds only its own rank's file
+    assert scavenge(node1).status == PARTIAL  # rank 1's file gathered; rank 0's still missing
+    real = catalog.verify_against
+    raced: list[object] = []
+
+    def verify_while_the_other_node_commits(path: Path, manifest: dict, full: bool = False) -> list[str]:
+        if not raced and ".tmp-scavenge" in Path(path).name:  # node 0 reads the gathered step
+            raced.append("node 1 runs")  # its own verification (inside) is not raced
+            raced[0] = scavenge(node1)  # node 1 again: the step is whole now, it commits
+        return real(path, manifest, full=full)
+
+    monkeypatch.setattr(catalog, "verify_against", verify_while_the_other_node_commits)
+    mine = scavenge(node0)
+    assert raced and getattr(raced[0], "status", None) == COMMITTED, raced
+    assert mine.status == CURRENT and mine.ok, mine.message
     assert _newest(shared) == KILLED_AT and _leftovers(shared) == []
     info = catalog.inspect_step(shared, KILLED_AT, full=True)
     assert info is not None and not info.problems
