@@ -37,14 +37,18 @@ def ledger(run_dir: Path, name: str) -> list[dict]:
 
 
 def kill_everything(proc: subprocess.Popen) -> None:
-    """SIGKILL the supervisor and every process under it at once: no signal to act on."""
+    """SIGKILL the supervisor and every process under it at once: no signal to act on. All are
+    stopped first, the supervisor before its job: killed one by one, the supervisor could see
+    its job die and record a stop before its own turn (seen on a loaded machine)."""
     from hpcckpt.proc import tree as proctree
 
-    for pid in reversed(proctree.tree(proc.pid)):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    pids = proctree.tree(proc.pid)  # the supervisor first
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
     proc.communicate(timeout=60)
 
 
