@@ -40,16 +40,22 @@ def _weight(item: pytest.Item) -> int:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist the longest tests start first (longest-first scheduling): each worker
-    begins with waits on Slurm and whole trainings, and the short unit tests fill the gaps,
-    instead of four workers finishing the unit tier together and then waiting on one cluster.
-    Order within a weight is kept, so a run without workers is unchanged but for this sort.
-    (Dealing the real-Slurm tests to every worker's front at once was tried: the time-limit
-    tests then ran side by side with each other's trainings, and their steps slowed enough
-    to need more allocations than they expected.)"""
+    """Under pytest-xdist every worker starts with its share of the longest tests: the list is
+    sorted long first (real-Slurm tests, then `slow` and `criu` ones, then the rest; order
+    within a weight kept) and dealt round-robin, because the work-stealing scheduler hands each
+    worker one contiguous quarter of it. Sorted but not dealt, one worker got every real-Slurm
+    test and waited on Slurm's clocks one test at a time while the others ran the CPU-bound
+    tiers; once those took a third of their old CPU (tests/prefork.py, one torch thread a
+    process), that one worker's waits were the run's length. Dealt, the waits of four clusters
+    overlap each other and the CPU-bound work.
+    A run without workers is unchanged but for the sort."""
     import os
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects, and sorts, the same way
-        items.sort(key=_weight)
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    items.sort(key=_weight)  # every worker collects, sorts and deals the same way
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        items[:] = [item for k in range(workers) for item in items[k::workers]]
 
 
 # Opt-in cost profile of the suite (TEST_CPU_PROFILE=dir): one JSON line per test with its
