@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO
+from tests import prefork
 from tests.prefork import Child, wait_all
 
 pytestmark = pytest.mark.native
@@ -65,7 +66,9 @@ def _free_port() -> int:
 
 
 def cli(*args: str) -> tuple[int, str]:
-    p = subprocess.run([sys.executable, "-m", "hpcckpt.cli", *args], cwd=REPO, capture_output=True, text=True)
+    """``python -m hpcckpt.cli ARGS``, forked with torch imported (export and inspect read
+    tensors: each run would import it again, ~2 CPU-s)."""
+    p = prefork.run(["-m", "hpcckpt.cli", *args], cwd=REPO, timeout=300)
     return p.returncode, p.stdout + p.stderr
 
 
