@@ -63,8 +63,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for k in range(workers):
         mine_waits, mine_rest = waits[k::workers], rest[k::workers]
         # in the first 70% of the queue: the last part is short tests, which stealing evens out
-        placed = [(0.7 * j / len(mine_waits), 0, n) for j, n in enumerate(range(len(mine_waits)))]
-        placed += [(j / len(mine_rest), 1, n) for j, n in enumerate(range(len(mine_rest)))]
+        placed = [(0.7 * n / len(mine_waits), 0, n) for n in range(len(mine_waits))]
+        placed += [(n / len(mine_rest), 1, n) for n in range(len(mine_rest))]
         for _, kind, n in sorted(placed):
             order.append(mine_waits[n] if kind == 0 else mine_rest[n])
     items[:] = order

@@ -156,7 +156,7 @@ class Child:
         self.send_signal(signal.SIGKILL)
 
     def read_output(self) -> str:
-        return self.output.read_text(errors="replace") if self.output and self.output.exists() else ""
+        return _text(self.output) if self.output else ""
 
     def first_line(self, timeout: float) -> str:
         """The first whole line of output (the child's "ready"); ``AssertionError`` if the child
@@ -195,13 +195,8 @@ def run(argv: list[str], *, cwd: str | Path | None = None, env: dict[str, str] |
     ``TimeoutExpired`` raised."""
     with tempfile.TemporaryDirectory(prefix="prefork-") as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-        child = Child(argv, cwd=cwd, env=env, output=out, errors=err)
-        try:
+        with Child(argv, cwd=cwd, env=env, output=out, errors=err) as child:  # killed if it overruns
             code = child.wait(timeout)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait(30)
-            raise
         return subprocess.CompletedProcess(child.args, code, _text(out), _text(err))
 
 

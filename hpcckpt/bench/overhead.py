@@ -84,7 +84,8 @@ def _node_local(shared: Path, local: Path, interval: int) -> Levels:
     """One rank on one node: node-local checkpoints every ``interval`` steps in ``local``,
     the shared level ``shared`` only at a stop (none in a bench run), no partner."""
     local.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return Levels(shared=shared, local=local, topo=Topology(0, ("bench",)), shared_every=None, keep=2, local_keep=2, partner=False)
+    return Levels(shared=shared, local=local, topo=Topology(0, ("bench",)), shared_every=None, keep=2,
+                  local_keep=2, partner=False)
 
 
 def _loop(load: DemoLoad, engine_name: str | None, interval: int, root: Path,

@@ -62,8 +62,8 @@ class Levels:
         if topo.is_leader:
             _point(local, options.dir)
         ranks.max(0)  # every node's root exists before any rank writes in it
-        return Levels(shared=options.dir, local=local, topo=topo, shared_every=options.every_steps, keep=options.keep, local_keep=options.local_keep,
-                      partner=options.partner)
+        return Levels(shared=options.dir, local=local, topo=topo, shared_every=options.every_steps,
+                      keep=options.keep, local_keep=options.local_keep, partner=options.partner)
 
 
 def local_root(shared: Path, local_dir: str | None, node: str, staging: Path | None) -> Path:

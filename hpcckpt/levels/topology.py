@@ -55,10 +55,11 @@ class Topology:
         nodes = self.nodes
         if len(nodes) < 2:
             return (None,) * self.world
-        out: list[int | None] = []
-        for r, here in enumerate(self.node_of):
-            there = self._on[nodes[(nodes.index(here) + 1) % len(nodes)]]
-            out.append(there[self._on[here].index(r) % len(there)])
+        out: list[int | None] = [None] * self.world
+        for i, node in enumerate(nodes):
+            there = self._on[nodes[(i + 1) % len(nodes)]]
+            for place, r in enumerate(self._on[node]):
+                out[r] = there[place % len(there)]
         return tuple(out)
 
     def partner(self, rank: int) -> int | None:

@@ -200,8 +200,7 @@ def _scavenge(local: Path, lock_timeout_s: float) -> Result:
     if bad and catalog.identity(staging) != ident:  # renamed away while read: another node's commit?
         now = _shared_newest(shared)
         if now is not None and now >= step:
-            return result(CURRENT, f"step {step} was committed to {shared} meanwhile (another node's scavenge); "
-                                   "nothing to do", step=step, contributed=contributed, problems=problems)
+            return _committed_meanwhile(result, shared, step, contributed=contributed, problems=problems)
     if bad:
         raise _Stop(result(FAILED, f"step {step} gathered in {staging} fails verification ({bad[0]}"
                                    f"{f'; {len(bad) - 1} more' if len(bad) > 1 else ''}); nothing committed",
@@ -211,8 +210,7 @@ def _scavenge(local: Path, lock_timeout_s: float) -> Result:
         if catalog.identity(staging) != ident:  # committed (renamed away) by another node's scavenge
             now = _shared_newest(shared)
             if now is not None and now >= step:
-                raise _Stop(result(CURRENT, f"step {step} was committed to {shared} meanwhile (another node's "
-                                            "scavenge); nothing to do", step=step, contributed=contributed))
+                raise _Stop(_committed_meanwhile(result, shared, step, contributed=contributed))
             raise _Stop(result(FAILED, f"{staging} changed while it was verified; nothing committed", step=step,
                                contributed=contributed))
         now = _shared_newest(shared)
@@ -248,8 +246,7 @@ def _incomplete(shared: Path, staging: Path, step: int, result: Any, contributed
         with writer_lock(shared, timeout_s=lock_timeout_s):
             if catalog.identity(staging) is not None:
                 discard(shared, [staging])
-        return result(CURRENT, f"step {step} was committed to {shared} meanwhile (another node's scavenge); "
-                               "nothing to do", step=step, contributed=contributed, problems=problems)
+        return _committed_meanwhile(result, shared, step, contributed=contributed, problems=problems)
     held = f"added {len(contributed)} file(s)" if contributed else "added no file"
     if problems:
         return result(FAILED, f"step {step}: this node {held} to {staging}; its copy of {problems[0]}"
@@ -439,6 +436,12 @@ def _shared_newest(shared: Path) -> int | None:
     return None
 
 
+def _committed_meanwhile(result: Any, shared: Path, step: int, **kw: Any) -> Result:
+    """The outcome when another node's scavenge committed ``step`` while this one worked on it."""
+    return result(CURRENT, f"step {step} was committed to {shared} meanwhile (another node's scavenge); "
+                           "nothing to do", step=step, **kw)
+
+
 def _refuse_uncommitted(shared: Path, name: str, result: Any, step: int) -> None:
     """A ``step-N`` at the shared level that is not a committed checkpoint is evidence for a
     human (``catalog.prune`` keeps it too): the scavenge never replaces it."""
@@ -446,8 +449,7 @@ def _refuse_uncommitted(shared: Path, name: str, result: Any, step: int) -> None
     if os.path.lexists(path):
         info = catalog.inspect_step(shared, step)
         if info is not None and info.status == "committed":  # another node's scavenge, just now
-            raise _Stop(result(CURRENT, f"step {step} was committed to {shared} meanwhile (another node's "
-                                        "scavenge); nothing to do", step=step))
+            raise _Stop(_committed_meanwhile(result, shared, step))
         why = "; ".join(info.problems[:1]) if info is not None and info.problems else "it is not a committed checkpoint"
         raise _Stop(result(FAILED, f"{path} exists but does not verify ({why}); the scavenge never replaces it: "
                                    "look at it, remove it, and run the scavenge again", step=step))

@@ -28,17 +28,7 @@ def _free_port() -> int:
 
 
 def test_failure_on_one_rank_fails_the_save_everywhere_and_the_next_commits(tmp_path: Path) -> None:
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPCCKPT_", "SLURM_"))}
-    env["HPCCKPT_CLUSTER"] = "local"
-    procs = [Child(["-m", "tests.unit.two_rank_worker", str(r), str(port), str(tmp_path)], cwd=REPO, env=env,
-                   output=tmp_path / f"worker-r{r}.log") for r in range(2)]
-    try:
-        wait_all(procs, 120)
-    except subprocess.TimeoutExpired:
-        pytest.fail("a rank hung in the commit exchange:\n" + "\n".join(q.read_output() for q in procs))
-    outs = [p.read_output() for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)
+    outs = _run_ranks(tmp_path, hung="a rank hung in the commit exchange")
     results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(2)]
 
     root = tmp_path / "ckpt"
@@ -58,7 +48,9 @@ def test_failure_on_one_rank_fails_the_save_everywhere_and_the_next_commits(tmp_
         assert r["fallback"] == 6, r  # rank 1's damaged step 8 made both ranks skip it
 
 
-def _run_ranks(tmp_path: Path, *args: str, timeout: float = 120) -> list[str]:
+def _run_ranks(tmp_path: Path, *args: str, timeout: float = 120,
+               hung: str = "the ranks hung (one saved alone?)") -> list[str]:
+    """Both ranks of two_rank_worker with ``args``; their outputs once both exited 0."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HPCCKPT_", "SLURM_"))}
     env["HPCCKPT_CLUSTER"] = "local"
@@ -67,7 +59,7 @@ def _run_ranks(tmp_path: Path, *args: str, timeout: float = 120) -> list[str]:
     try:
         wait_all(procs, timeout)
     except subprocess.TimeoutExpired:
-        pytest.fail("the ranks hung (one saved alone?):\n" + "\n".join(q.read_output() for q in procs))
+        pytest.fail(f"{hung}:\n" + "\n".join(q.read_output() for q in procs))
     outs = [p.read_output() for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)
     return outs
