@@ -69,6 +69,18 @@ def read_items(path: str, items: list[tuple[Buffer, int] | tuple[Buffer, int, bo
     ``OSError(ENODATA)`` when the file ends before an item does."""
 
 
+def checksum_ranges(fd: int, offsets: Buffer, lengths: Buffer, path: str = "", threads: int = 0,
+                    chunk_bytes: int = 0, direct: bool = False) -> tuple[bytes, dict[str, int]]:
+    """crc32c of each byte range ``[offsets[i], offsets[i] + lengths[i])`` (uint64 arrays) of the
+    open regular file ``fd``: ranges taken in file order, gathered into spans of at most
+    ``chunk_bytes`` (0 = 8 MiB; gaps under 1 MiB read through), each span read once on one of
+    ``threads`` threads (0 = 4..8 from the usable CPUs; O_DIRECT with ``direct`` where allowed)
+    and every range checksummed from that thread's buffer. Returns the crcs as native uint32
+    bytes (``numpy.frombuffer(raw, numpy.uint32)``) and ``{"direct_bytes", "buffered_bytes",
+    "threads"}``. ``OSError(ENODATA)`` when the file ends before a range does; ``path`` only
+    names the file in errors."""
+
+
 def usable_cpus() -> int:
     """CPUs this process may run on (its affinity mask: a Slurm job's cpuset)."""
 

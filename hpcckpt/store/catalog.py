@@ -149,8 +149,7 @@ def verify_rank(path: Path, manifest: dict[str, Any], rank: int) -> list[str]:
         _, st = open_member(path, rec["file"])
         if st.st_size != manifest["files"][rec["file"]]["bytes"]:
             return []
-        fname, entries = rank_entries(manifest, rank)
-        return rankfile.verify(path / fname, rec, entries)
+        return rankfile.verify(path / rec["file"], rec)
     except CheckpointCorrupt:
         return []  # a symlink or special file: verify_files reported it
     except OSError as exc:

@@ -13,7 +13,7 @@ import errno
 import math
 import os
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Mapping
 
 import h5py
 import numpy as np
@@ -307,51 +307,35 @@ def _read_to_device(path: Path, fd: int, targets: list[tuple[TensorEntry, torch.
     return read_staged(path, targets, direct=direct, threads=threads, info=info, fd=fd)
 
 
-VERIFY_BATCH_BYTES = 64 << 20  # verify reads this much at a time: memory bounded, one open, one residency probe
+def verify_tensors(path: Path, table: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Every damaged tensor of a rank file; ``table``: the manifest's tensor records by name
+    (``offset``, ``nbytes``, ``crc32c``; validated by ``manifest.validate``).
 
-
-def verify_tensors(path: Path, entries: Mapping[str, TensorEntry]) -> list[str]:
-    """Every damaged tensor of a rank file: one descriptor, tensors read in batches of
-    ``VERIFY_BATCH_BYTES`` (a damaged batch is re-read one tensor at a time to name each)."""
+    One descriptor (``commit.open_checked``), one native call for all the tensors
+    (``checksum_ranges``: read in file order in large spans, each tensor checksummed from
+    its thread's buffer; memory bounded by the threads, not the file), then one vectorised
+    comparison: the cost is the bytes read plus well under a microsecond a tensor, however
+    many tensors the file holds. O_DIRECT unless half the file is already in the page cache.
+    """
+    names = [n for n, e in table.items() if int(e["nbytes"])]
+    offsets = np.fromiter((int(table[n].get("offset", 0)) for n in names), dtype=np.uint64, count=len(names))
+    lengths = np.fromiter((int(table[n]["nbytes"]) for n in names), dtype=np.uint64, count=len(names))
+    want = np.fromiter((int(table[n].get("crc32c", 0)) for n in names), dtype=np.uint32, count=len(names))
     try:
-        fd = open_checked(path, min_size=max((e.offset + e.nbytes for e in entries.values() if e.nbytes),
-                                             default=0))
+        fd = open_checked(path, min_size=int((offsets + lengths).max()) if names else 0)
     except CheckpointCorrupt as exc:
         return [str(exc)]
     except OSError as exc:
         return [f"{path}: cannot be read ({exc.strerror or exc})"]
-    problems: list[str] = []
     try:
-        for batch in _batches(entries, VERIFY_BATCH_BYTES):
-            found = _verify_batch(path, fd, batch)
-            if found and len(batch) > 1:
-                for name, e in batch.items():
-                    problems += _verify_batch(path, fd, {name: e})
-            else:
-                problems += found
+        raw, _ = native().checksum_ranges(fd, offsets, lengths, path=str(path), direct=_want_direct(path, fd, None))
+    except OSError as exc:
+        if exc.errno == errno.ENODATA:
+            return [f"{path}: file is shorter than its manifest says ({exc.strerror}); it was truncated after "
+                    "the checkpoint was committed"]
+        return [f"{path}: cannot be read ({exc.strerror or exc})"]
     finally:
         os.close(fd)
-    return problems
-
-
-def _batches(entries: Mapping[str, TensorEntry], limit: int) -> Iterator[dict[str, TensorEntry]]:
-    batch: dict[str, TensorEntry] = {}
-    size = 0
-    for name, e in entries.items():
-        if batch and size + e.nbytes > limit:
-            yield batch
-            batch, size = {}, 0
-        batch[name] = e
-        size += e.nbytes
-    if batch:
-        yield batch
-
-
-def _verify_batch(path: Path, fd: int, batch: Mapping[str, TensorEntry]) -> list[str]:
-    try:
-        _read_tensors(path, batch, fd, into=None, threads=2, verify=True, direct=False, stats=None)
-    except CheckpointCorrupt as exc:
-        return [str(exc)]
-    except OSError as exc:
-        return [f"{path}: cannot read tensors {', '.join(repr(n) for n in list(batch)[:3])}: {exc}"]
-    return []
+    got = np.frombuffer(raw, dtype=np.uint32)
+    return [f"{path}: tensor {names[i]!r} fails its checksum (crc32c {int(got[i]):#010x}, manifest "
+            f"{int(want[i]):#010x}); its bytes on disk are damaged" for i in np.flatnonzero(got != want)]

@@ -21,6 +21,7 @@ What it guarantees to the readers (``hdf5.read_tensors``, ``torchfile.read``,
 from __future__ import annotations
 
 import functools
+import math
 import re
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, Mapping
@@ -102,6 +103,23 @@ def _itemsize(name: Any, what: str) -> int:
 
 
 def _tensor(name: str, e: Any, fmt: str, file_bytes: int, where: str) -> None:
+    """One tensor record: checked inline first (a manifest may hold tens of thousands), and
+    only a record that fails the quick checks is looked at again to say what is wrong."""
+    if type(e) is dict:
+        shape, nbytes, crc, dtype = e.get("shape"), e.get("nbytes"), e.get("crc32c", 0), e.get("dtype")
+        itemsize = ITEMSIZE.get(dtype) if type(dtype) is str else None
+        if (itemsize is not None and type(shape) is list and len(shape) <= MAX_DIMS and type(nbytes) is int
+                and type(crc) is int and 0 <= crc <= _U32 and 0 <= nbytes <= file_bytes
+                and all(type(d) is int and d >= 0 for d in shape) and math.prod(shape) * itemsize == nbytes):
+            if fmt != "hdf5":
+                return
+            offset = e.get("offset")
+            if type(offset) is int and offset >= 0 and (not nbytes or offset + nbytes <= file_bytes):
+                return
+    _tensor_explained(name, e, fmt, file_bytes, where)
+
+
+def _tensor_explained(name: str, e: Any, fmt: str, file_bytes: int, where: str) -> None:
     what = f"{where} tensor {name!r}"
     e = _dict(e, what)
     itemsize = _itemsize(e.get("dtype"), what)
@@ -131,7 +149,8 @@ def tensor_refs(meta: Any, out: set[str], depth: int = 0) -> set[str]:
         raise Invalid("metadata tree is nested more than 200 levels deep")
     if isinstance(meta, list):
         for v in meta:
-            tensor_refs(v, out, depth + 1)
+            if isinstance(v, (dict, list)):
+                tensor_refs(v, out, depth + 1)
     elif isinstance(meta, dict):
         for key in _REF_KEYS:
             if key in meta:
@@ -143,7 +162,8 @@ def tensor_refs(meta: Any, out: set[str], depth: int = 0) -> set[str]:
         if "__dict__" in meta and not all(isinstance(kv, list) and len(kv) == 2 for kv in meta["__dict__"]):
             raise Invalid("metadata '__dict__' entry is not a list of [key, value] pairs")
         for v in meta.values():
-            tensor_refs(v, out, depth + 1)
+            if isinstance(v, (dict, list)):  # a scalar holds no reference: no call for it
+                tensor_refs(v, out, depth + 1)
     return out
 
 

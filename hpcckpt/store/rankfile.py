@@ -44,10 +44,11 @@ def read(path: Path, rec: Mapping[str, Any], entries: Mapping[str, TensorEntry],
     return hdf5.read_tensors(path, entries, into=into, stats=stats)
 
 
-def verify(path: Path, rec: Mapping[str, Any], entries: Mapping[str, TensorEntry]) -> list[str]:
-    """Every damaged tensor of one rank file (an empty list when it reads back intact)."""
-    from . import hdf5, torchfile
-
+def verify(path: Path, rec: Mapping[str, Any]) -> list[str]:
+    """Every damaged tensor of one rank file (an empty list when it reads back intact);
+    ``rec``: the rank's manifest record, already validated."""
     if _format(path, rec) == "torch":
+        from . import torchfile
         return torchfile.verify(path, rec)
-    return hdf5.verify_tensors(path, entries)
+    from . import hdf5
+    return hdf5.verify_tensors(path, rec.get("tensors", {}))

@@ -151,6 +151,33 @@ std::tuple<std::vector<uint32_t>, nb::dict> py_read_items(const std::string& pat
     return {crcs, d};
 }
 
+// checksum_ranges(fd, offsets, lengths) -> (bytes of uint32 crcs, {stats}); offsets and
+// lengths: buffers of native uint64 (NumPy uint64 arrays), one entry per range.
+std::tuple<nb::bytes, nb::dict> py_checksum_ranges(int fd, nb::handle offsets, nb::handle lengths,
+                                                   const std::string& path, unsigned threads, size_t chunk_bytes,
+                                                   bool direct) {
+    Buffer offs(offsets, false), lens(lengths, false);
+    if (offs.size() != lens.size() || offs.size() % sizeof(uint64_t) != 0)
+        throw nb::value_error("checksum_ranges: offsets and lengths must be uint64 arrays of the same length");
+    const size_t n = offs.size() / sizeof(uint64_t);
+    std::vector<uint32_t> crcs(n);
+    hpcckpt_status st;
+    hpcckpt_read_stats stats{};
+    int rc = 0;
+    {
+        nb::gil_scoped_release nogil;
+        rc = hpcckpt_checksum_ranges_fd(fd, path.c_str(), static_cast<const uint64_t*>(offs.data()),
+                                        static_cast<const uint64_t*>(lens.data()), crcs.data(), n, threads,
+                                        chunk_bytes, direct ? 1 : 0, &stats, &st);
+    }
+    if (rc != 0) raise_os_error(st.err, describe(st), st.path);
+    nb::dict d;
+    d["direct_bytes"] = stats.direct_bytes;
+    d["buffered_bytes"] = stats.buffered_bytes;
+    d["threads"] = stats.threads;
+    return {nb::bytes(reinterpret_cast<const char*>(crcs.data()), n * sizeof(uint32_t)), d};
+}
+
 // ---- StagingBuffer: aligned, prefaulted memory exporting a writable buffer.
 
 struct StagingBuffer {
@@ -363,6 +390,12 @@ NB_MODULE(_native, m) {
           "touched; populate: that many more threads fault fresh pages in ahead of the reads.\n"
           "Items in use are read first; unaligned ones go through O_DIRECT via bounce buffers.\n"
           "fd >= 0: read through that open descriptor, never by name (path only names it in errors).");
+    m.def("checksum_ranges", &py_checksum_ranges, nb::arg("fd"), nb::arg("offsets"), nb::arg("lengths"),
+          nb::arg("path") = "", nb::arg("threads") = 0, nb::arg("chunk_bytes") = 0, nb::arg("direct") = false,
+          "crc32c of each byte range (offsets[i], lengths[i]: uint64 arrays) of the open file fd, read\n"
+          "in file order, coalesced into chunk_bytes spans (0 = 8 MiB) on threads threads (0 = auto);\n"
+          "returns (bytes of native uint32 crcs, {direct_bytes, buffered_bytes, threads}). OSError\n"
+          "carries errno and path (ENODATA: the file ends before a range does).");
     m.def("usable_cpus", &hpcckpt_usable_cpus,
           "CPUs this process may run on (its affinity mask, e.g. a Slurm cpuset).");
     m.def("file_resident", [](const std::string& path, int fd) {

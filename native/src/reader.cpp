@@ -349,6 +349,207 @@ extern "C" int hpcckpt_read_items_fd(int fd, const char* path, hpcckpt_read_item
     return 0;
 }
 
+namespace {
+
+// hpcckpt_checksum_ranges_fd: one piece of one range (a range longer than a chunk has several).
+struct RangePiece {
+    std::size_t range;
+    std::uint64_t off;  // file offset
+    std::uint64_t len;
+    std::uint32_t crc = 0;
+};
+
+// Consecutive pieces (in file order) read with one pread: [lo, hi) of the file.
+struct RangeSpan {
+    std::uint64_t lo, hi;
+    std::size_t first, last;  // pieces [first, last)
+};
+
+// Ranges closer than this are read through, gap included: one larger read beats two.
+constexpr std::uint64_t kSpanGap = 1u << 20;
+constexpr std::size_t kChecksumChunk = 8u << 20;
+
+class RangeChecker {
+public:
+    RangeChecker(const char* path, int fd, int direct_fd, std::uint64_t chunk)
+        : path_(path), fd_(fd), direct_fd_(direct_fd), chunk_(chunk) {}
+
+    std::vector<RangePiece> pieces;
+    std::vector<RangeSpan> spans;
+    std::atomic<std::size_t> next{0};
+    std::atomic<bool> failed{false};
+    std::atomic<std::uint64_t> direct_bytes{0};
+    std::atomic<std::uint64_t> buffered_bytes{0};
+
+    void run() {
+        // The span plus the alignment slack of an O_DIRECT read on each side.
+        unsigned char* buf = nullptr;
+        const std::uint64_t cap = chunk_ + 2 * kDirectAlign;
+        hpcckpt_status ignored;
+        buf = static_cast<unsigned char*>(hpcckpt_aligned_alloc(static_cast<std::size_t>(cap), kDirectAlign, 0,
+                                                                &ignored));
+        if (buf == nullptr) {
+            fail(ENOMEM, "checksum buffer", 0);
+            return;
+        }
+        for (;;) {
+            if (failed.load(std::memory_order_relaxed)) break;
+            std::size_t i = next.fetch_add(1, std::memory_order_relaxed);
+            if (i >= spans.size()) break;
+            const RangeSpan& sp = spans[i];
+            std::uint64_t base = 0;
+            if (!read_span(buf, sp, &base)) break;
+            for (std::size_t k = sp.first; k < sp.last; ++k) {
+                RangePiece& p = pieces[k];
+                p.crc = hpcckpt_crc32c(0, buf + (p.off - base), static_cast<std::size_t>(p.len));
+            }
+        }
+        hpcckpt_aligned_free(buf);
+    }
+
+    void first_error(hpcckpt_status* out) {
+        std::lock_guard<std::mutex> g(m_);
+        *out = status_;
+    }
+
+private:
+    void fail(int err, const char* op, std::uint64_t offset) {
+        std::lock_guard<std::mutex> g(m_);
+        if (!failed.exchange(true)) hpcckpt_status_set(&status_, err, op, path_, static_cast<std::int64_t>(offset));
+    }
+
+    // Bytes read from `off` into dst, up to len (short only at end of file), or -1 (failed),
+    // or -2 (O_DIRECT refused for this file: read it through the page cache).
+    std::int64_t pread_upto(int fd, unsigned char* dst, std::uint64_t off, std::uint64_t len, bool direct) {
+        std::uint64_t got = 0;
+        while (got < len) {
+            ssize_t r = ::pread(fd, dst + got, static_cast<std::size_t>(len - got), static_cast<off_t>(off + got));
+            if (r < 0) {
+                if (errno == EINTR) continue;
+                if (direct && errno == EINVAL && got == 0) return -2;
+                fail(errno, direct ? "pread (O_DIRECT)" : "pread", off + got);
+                return -1;
+            }
+            if (r == 0) break;
+            got += static_cast<std::uint64_t>(r);
+            if (direct && !aligned(got)) break;  // end of file
+        }
+        return static_cast<std::int64_t>(got);
+    }
+
+    // The span's bytes into buf; *base: the file offset of buf[0].
+    bool read_span(unsigned char* buf, const RangeSpan& sp, std::uint64_t* base) {
+        if (direct_fd_ >= 0 && direct_ok_.load(std::memory_order_relaxed)) {
+            const std::uint64_t lo = sp.lo & ~(kDirectAlign - 1);
+            const std::uint64_t hi = (sp.hi + kDirectAlign - 1) & ~(kDirectAlign - 1);
+            std::int64_t r = pread_upto(direct_fd_, buf, lo, hi - lo, true);
+            if (r == -1) return false;
+            if (r >= 0) {
+                *base = lo;
+                direct_bytes.fetch_add(static_cast<std::uint64_t>(r), std::memory_order_relaxed);
+                if (lo + static_cast<std::uint64_t>(r) >= sp.hi) return true;
+                fail(ENODATA, "pread (unexpected end of file)", lo + static_cast<std::uint64_t>(r));
+                return false;
+            }
+            direct_ok_.store(false, std::memory_order_relaxed);
+        }
+        std::int64_t r = pread_upto(fd_, buf, sp.lo, sp.hi - sp.lo, false);
+        if (r < 0) return false;
+        *base = sp.lo;
+        buffered_bytes.fetch_add(static_cast<std::uint64_t>(r), std::memory_order_relaxed);
+        if (sp.lo + static_cast<std::uint64_t>(r) >= sp.hi) return true;
+        fail(ENODATA, "pread (unexpected end of file)", sp.lo + static_cast<std::uint64_t>(r));
+        return false;
+    }
+
+    const char* path_;
+    int fd_;
+    int direct_fd_;
+    std::uint64_t chunk_;
+    std::atomic<bool> direct_ok_{true};
+    std::mutex m_;
+    hpcckpt_status status_{};
+};
+
+}  // namespace
+
+extern "C" int hpcckpt_checksum_ranges_fd(int fd, const char* path, const uint64_t* offsets, const uint64_t* lens,
+                                          uint32_t* crcs, size_t n, unsigned threads, size_t chunk_bytes,
+                                          int direct, hpcckpt_read_stats* stats, hpcckpt_status* st) {
+    hpcckpt_status_clear(st);
+    if (stats != nullptr) *stats = hpcckpt_read_stats{0, 0, 0, 0, 0};
+    std::uint64_t chunk = chunk_bytes == 0 ? kChecksumChunk : chunk_bytes;
+    chunk = (chunk + kDirectAlign - 1) & ~(kDirectAlign - 1);
+    struct stat sb;
+    if (::fstat(fd, &sb) != 0) {
+        hpcckpt_status_set(st, errno, "fstat", path, -1);
+        return -1;
+    }
+    if (!S_ISREG(sb.st_mode)) {
+        hpcckpt_status_set(st, EINVAL, "open (not a regular file)", path, -1);
+        return -1;
+    }
+    for (std::size_t i = 0; i < n; ++i) {
+        crcs[i] = 0;
+        if (lens[i] > UINT64_MAX - offsets[i]) {
+            hpcckpt_status_set(st, EINVAL, "checksum range (offset + length overflows)", path,
+                               static_cast<std::int64_t>(offsets[i]));
+            return -1;
+        }
+    }
+    std::vector<std::size_t> order(n);
+    for (std::size_t i = 0; i < n; ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](std::size_t a, std::size_t b) { return offsets[a] < offsets[b]; });
+    const int direct_fd = direct != 0 ? reopen_direct(fd) : -1;
+    RangeChecker rc(path, fd, direct_fd, chunk);
+    rc.pieces.reserve(n);
+    for (std::size_t i : order) {
+        for (std::uint64_t s = 0; s < lens[i]; s += chunk)
+            rc.pieces.push_back(RangePiece{i, offsets[i] + s, std::min<std::uint64_t>(chunk, lens[i] - s)});
+    }
+    // Spans: pieces in file order while the span stays within a chunk (alignment slack aside)
+    // and the gap from the span's end is small. Overlapping ranges share the bytes read.
+    for (std::size_t k = 0; k < rc.pieces.size(); ++k) {
+        const RangePiece& p = rc.pieces[k];
+        if (!rc.spans.empty()) {
+            RangeSpan& sp = rc.spans.back();
+            const std::uint64_t end = std::max(sp.hi, p.off + p.len);
+            if (p.off >= sp.lo && p.off <= sp.hi + kSpanGap && end - sp.lo <= chunk) {
+                sp.hi = end;
+                sp.last = k + 1;
+                continue;
+            }
+        }
+        rc.spans.push_back(RangeSpan{p.off, p.off + p.len, k, k + 1});
+    }
+    if (threads == 0) threads = std::min<unsigned>(std::max(4u, 2 * hpcckpt_usable_cpus()), 8u);
+    threads = static_cast<unsigned>(std::max<std::size_t>(1, std::min<std::size_t>(threads, rc.spans.size())));
+    std::vector<std::thread> pool;
+    try {
+        for (unsigned t = 1; t < threads; ++t) pool.emplace_back([&rc] { rc.run(); });
+    } catch (const std::system_error&) {
+        // Fewer threads than asked is still correct; the caller's thread reads too.
+    }
+    rc.run();
+    for (auto& th : pool) th.join();
+    if (direct_fd >= 0) ::close(direct_fd);
+    if (stats != nullptr)
+        *stats = hpcckpt_read_stats{rc.direct_bytes.load(), rc.buffered_bytes.load(),
+                                    static_cast<unsigned>(pool.size() + 1), 0, 0};
+    if (rc.failed.load()) {
+        rc.first_error(st);
+        return -1;
+    }
+    // A range's pieces are consecutive and in order: combine their crcs.
+    for (std::size_t k = 0; k < rc.pieces.size(); ++k) {
+        const RangePiece& p = rc.pieces[k];
+        const bool first = k == 0 || rc.pieces[k - 1].range != p.range;
+        crcs[p.range] = first ? p.crc : hpcckpt_crc32c_combine(crcs[p.range], p.crc, p.len);
+    }
+    return 0;
+}
+
 extern "C" int hpcckpt_file_resident(const char* path, uint64_t* resident, uint64_t* size, hpcckpt_status* st) {
     hpcckpt_status_clear(st);
     *resident = 0;

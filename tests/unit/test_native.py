@@ -371,3 +371,49 @@ def test_read_items_through_a_checked_descriptor(tmp_path: Path) -> None:
     with pytest.raises(OSError) as special:
         _native().read_items(str(fifo), [(np.empty(8, dtype=np.uint8), 0)])
     assert special.value.errno == errno.EINVAL
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_checksum_ranges_matches_each_range_in_any_order(tmp_path: Path, direct: bool) -> None:
+    """Many small ranges, gaps, one range longer than a chunk, an empty one, overlaps and an
+    unsorted order: every crc is the crc32c of exactly its bytes."""
+    rng = random.Random(5)
+    data = rng.randbytes(3 << 20)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    ranges = [(rng.randrange(0, len(data) - 5000), rng.randrange(0, 5000)) for _ in range(3000)]
+    ranges += [(4096, 2 << 20), (100, 0), (len(data) - 7, 7), (0, 1), (200_000, 300), (200_100, 300)]
+    rng.shuffle(ranges)
+    offsets = np.array([o for o, _ in ranges], dtype=np.uint64)
+    lengths = np.array([n for _, n in ranges], dtype=np.uint64)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for chunk in (0, 64 << 10):  # the default, and small chunks (the long range in 32 pieces)
+            raw, stats = _native.checksum_ranges(fd, offsets, lengths, path=str(path), threads=3,
+                                                 chunk_bytes=chunk, direct=direct)
+            got = np.frombuffer(raw, dtype=np.uint32)
+            want = [_native.crc32c(data[o:o + n]) if n else 0 for o, n in ranges]
+            assert got.tolist() == want
+            assert 2 << 20 <= stats["direct_bytes"] + stats["buffered_bytes"] <= 2 * len(data)  # bytes read once
+    finally:
+        os.close(fd)
+
+
+def test_checksum_ranges_names_a_short_file_and_refuses_bad_arguments(tmp_path: Path) -> None:
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"x" * 10_000)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as short:
+            _native.checksum_ranges(fd, np.array([9_000], dtype=np.uint64), np.array([2_000], dtype=np.uint64),
+                                    path="named.h5")
+        assert short.value.errno == errno.ENODATA and short.value.filename == "named.h5"
+        with pytest.raises(ValueError, match="same length"):
+            _native.checksum_ranges(fd, np.zeros(2, dtype=np.uint64), np.zeros(3, dtype=np.uint64))
+        with pytest.raises(OSError) as wraps:
+            _native.checksum_ranges(fd, np.array([2**64 - 10], dtype=np.uint64), np.array([20], dtype=np.uint64))
+        assert wraps.value.errno == errno.EINVAL
+        raw, _ = _native.checksum_ranges(fd, np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint64))
+        assert raw == b""
+    finally:
+        os.close(fd)

@@ -114,7 +114,7 @@ def test_hdf5_bit_flip_names_the_tensor(tmp_path: Path) -> None:
         b = f.read(1)
         f.seek(e.offset + 3)
         f.write(bytes([b[0] ^ 0x10]))
-    problems = hdf5.verify_tensors(path, entries)
+    problems = hdf5.verify_tensors(path, {n: x.to_json() for n, x in entries.items()})
     assert len(problems) == 1 and "'extra/i64'" in problems[0]
     with pytest.raises(CheckpointCorrupt, match="extra/i64"):
         hdf5.read_tensors(path, entries)
@@ -223,6 +223,35 @@ def test_manifest_is_readable_json_that_round_trips(ckdir: Path) -> None:
     with Transaction(ckdir, "step-7") as txn:
         txn.commit(dict(body))
     assert read_manifest(ckdir / "step-7")["ranks"] == body["ranks"]
+
+
+def test_manifest_seal_covers_its_bytes_and_older_canonical_seals_still_read(ckdir: Path) -> None:
+    from hpcckpt._core import crc32c
+    from hpcckpt.store.commit import readable_json, seal_manifest
+
+    body = {"step": 3, "world_size": 1, "ranks": {"0": {}}, "files": {}, "user": {"k": [1, 2.5, "x"]}}
+    sealed = seal_manifest(body)
+    assert sealed.endswith(b'"manifest_crc32c": %d\n}\n' % json.loads(sealed)["manifest_crc32c"])
+    step = ckdir / "step-3"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_bytes(sealed)
+    assert {k: v for k, v in read_manifest(step).items() if k != "manifest_crc32c"} == body
+    # one byte changed anywhere before the seal (here inside a value that still parses) fails it
+    step4 = ckdir / "step-4"
+    step4.mkdir()
+    (step4 / "manifest.json").write_bytes(sealed.replace(b'"x"', b'"y"'))
+    with pytest.raises(CheckpointCorrupt, match="fails its own checksum"):
+        read_manifest(step4)
+    # a manifest sealed the earlier way (crc32c of its canonical JSON) still reads
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    old = readable_json({**body, "manifest_crc32c": crc32c(canonical)}).encode()
+    step5 = ckdir / "step-5"
+    step5.mkdir()
+    (step5 / "manifest.json").write_bytes(old)
+    assert read_manifest(step5)["user"] == body["user"]
+    (step5 / "manifest.json").write_bytes(old.replace(b'"x"', b'"y"'))
+    with pytest.raises(CheckpointCorrupt, match="fails its own checksum"):
+        read_manifest(step5)
 
 
 @pytest.mark.parametrize("direct", [True, False])
