@@ -7,6 +7,7 @@ Restoring the table and tree into the same objects reproduces the run bit for bi
 """
 from __future__ import annotations
 
+import json
 import math
 import random
 from dataclasses import dataclass, field
@@ -45,15 +46,30 @@ class Flat:
 
 def _escape(key: str) -> str:
     # HDF5 uses '/' as the group separator; keep names round-trippable.
+    if key and "%" not in key and "/" not in key:
+        return key
     return key.replace("%", "%25").replace("/", "%2F") or "%00"
 
 
+def _plain_keys(obj: dict[Any, Any]) -> bool:
+    """Whether every key is a string that does not start with ``__`` (kept as a JSON object)."""
+    for k in obj:
+        if type(k) is not str or k.startswith("__"):
+            return False
+    return True
+
+
 def flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> Any:
-    """Replace every tensor in a nested structure by a reference into ``out``."""
+    """Replace every tensor in a nested structure by a reference into ``out``.
+
+    Plain dicts and tensors are tested first: a state of tens of thousands of tensors is
+    mostly those (an optimizer's state: a dict of tensors per parameter)."""
+    if type(obj) is dict and _plain_keys(obj):
+        return {k: flatten(v, f"{prefix}/{_escape(k)}", out) for k, v in obj.items()}
     if isinstance(obj, torch.Tensor):
         if prefix in out:
             raise ConfigError(f"two tensors map to the state name {prefix!r}")
-        out[prefix] = obj.detach()
+        out[prefix] = obj.detach() if obj.requires_grad else obj  # state_dict()'s are detached already
         ref: dict[str, Any] = {"__tensor__": prefix}
         if _permuted(obj):
             ref["__stride__"] = list(obj.stride())  # a transposed or channels_last layout comes back as saved
@@ -85,6 +101,15 @@ def flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> Any:
     raise ConfigError(
         f"state at {prefix!r} holds a {type(obj).__name__}, which hpcckpt cannot save without "
         "pickling; convert it to tensors, numbers, strings, lists or dicts in state_dict()")
+
+
+def _json_copy(value: Any, what: str) -> Any:
+    """A deep copy of JSON data; ConfigError naming ``what`` when it is not JSON."""
+    try:
+        return json.loads(json.dumps(value, allow_nan=True))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{what} must hold only JSON values (numbers, strings, lists, dicts with string "
+                          f"keys): {exc}; convert the value, e.g. to a float or a string") from None
 
 
 def _permuted(t: torch.Tensor) -> bool:
@@ -254,7 +279,9 @@ class TrainState:
         targets of a restore.
         """
         flat = Flat()
-        tree: dict[str, Any] = {"step": step, "user": dict(self.user_meta)}
+        # The tree is the save's own: the engine may write it after training has changed the
+        # objects (flatten builds new containers; user_meta is copied, and checked, here).
+        tree: dict[str, Any] = {"step": step, "user": _json_copy(self.user_meta, "user_meta")}
         tree["objects"] = {name: flatten(obj.state_dict(), f"objects/{name}", flat.tensors)
                            for name, obj in self.objects.items()}
         tree["rng"] = flatten(rng_state(), "rng", flat.tensors)

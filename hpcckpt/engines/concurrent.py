@@ -37,7 +37,6 @@ untouched; its handle carries the error and raises it once.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -47,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from .._core import native
@@ -54,7 +54,7 @@ from ..config import CHUNK_BYTES, check_on_busy
 from ..errors import CheckpointFailed, ConfigError
 from ..state import Flat, TrainState
 from ..ranks import Ranks
-from ..store.entry import TensorEntry, raw_bytes
+from ..store.entry import raw_bytes
 from ..store.hostmem import one_cuda_device
 from .base import Engine, SaveContext, SaveHandle
 from ..store.layout import Layout
@@ -86,6 +86,8 @@ class _Job:
     sources: dict[str, Any] | None = None  # ring: source byte views; CUDA slot: device clones; until copied
     error: BaseException | None = None  # failed before persisting: only the commit exchange is left
     placement: dict[str, Any] = field(default_factory=dict)  # the record's distributed-tensor fields
+    # Items added in bulk (``_stage_host``): (first item id, indices into layout.names), in order.
+    groups: list[tuple[int, np.ndarray]] = field(default_factory=list)
 
 
 def _specs(tensors: dict[str, torch.Tensor]) -> Key:
@@ -178,6 +180,7 @@ class ConcurrentEngine(Engine):
         self._optimizers: list[torch.optim.Optimizer] = []
         self._safe: set[str] = set()
         self._safe_prefixes: tuple[str, ...] = ()
+        self._safe_masks: dict[int, tuple[Layout, np.ndarray]] = {}
         self._stream: Any = None
         self._closed = False
         self._finisher = threading.Thread(target=self._finish_loop, name="hpcckpt-finisher", daemon=True)
@@ -209,6 +212,7 @@ class ConcurrentEngine(Engine):
         self._state = state
         self._safe = state.background_safe()
         self._safe_prefixes = tuple(s for s in self._safe if s.endswith("/"))
+        self._safe_masks.clear()
         for obj in state.objects.values():
             if isinstance(obj, torch.optim.Optimizer) and id(obj) not in self._hooks:
                 self._hooks[id(obj)] = [obj.register_step_pre_hook(self._before_step),
@@ -361,8 +365,9 @@ class ConcurrentEngine(Engine):
         slot: Slot | None = None
         try:
             tmp.mkdir(mode=0o700, parents=True, exist_ok=True)
-            staging = self._ensure_staging(tmp / fname, _specs(tensors))
+            staging = self._staging_for(tensors)
             if staging.ring is not None:
+                staging.layout.materialise(tmp / fname)
                 job = self._stage_ring(flat, step, handle, tmp, fname, staging, tensors, started)
             else:
                 slot = self._take_slot()
@@ -387,13 +392,17 @@ class ConcurrentEngine(Engine):
         self.stats.saves += 1
         self._queue.put(job)
 
-    def _ensure_staging(self, path: Path, key: Key) -> Staging:
-        """The staging for these shapes, prepared in the background if possible; main thread."""
+    def _staging_for(self, tensors: dict[str, torch.Tensor]) -> Staging:
+        """The staging for these tensors' names, dtypes and shapes, prepared in the background
+        if possible; main thread. The current one is recognised by comparing lists (C loops),
+        not by building the layout key of tens of thousands of tensors at every save."""
         st = self._staging
+        if st is not None and st.key[1] is None and st.matches(tensors):
+            return st
+        key = _specs(tensors)
         if st is None or st.key != key:
             st = self._preparer.take(key) or self._build_staging(key)
             self._install(st)
-        st.layout.materialise(path)
         return st
 
     def _build_staging(self, key: Key) -> Staging:
@@ -451,6 +460,17 @@ class ConcurrentEngine(Engine):
 
     def _stage(self, flat: Flat, step: int, handle: SaveHandle, tmp: Path, fname: str, layout: Layout,
                slot: Slot, tensors: dict[str, torch.Tensor], started: float) -> _Job:
+        """Make the rank file and stage the save into ``slot``: all at once when nothing is on a
+        GPU (``_stage_host``), else tensor by tensor by route (``_stage_each``)."""
+        assert self._staging is not None
+        if self._staging.key[1] is None and layout.template is not None:
+            layout.create(tmp / fname)  # its metadata is written by the save's writers
+            return self._stage_host(flat, step, handle, tmp, fname, layout, slot, tensors, started)
+        layout.materialise(tmp / fname)
+        return self._stage_each(flat, step, handle, tmp, fname, layout, slot, tensors, started)
+
+    def _stage_each(self, flat: Flat, step: int, handle: SaveHandle, tmp: Path, fname: str, layout: Layout,
+                    slot: Slot, tensors: dict[str, torch.Tensor], started: float) -> _Job:
         batch = native().Batch(self._pool, self.direct)
         path = str(tmp / fname)
         items: dict[str, int] = {}
@@ -478,7 +498,7 @@ class ConcurrentEngine(Engine):
                 # HOST_NOW: mutated outside optimizer.step(), not contiguous, or a D2H is pending.
                 slot.tensor[off:off + e.nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
                 items[name] = batch.add(path, e.offset, dst)
-        job = _Job(handle, step, tmp, fname, json.loads(json.dumps(flat.meta)), layout, slot, batch, items, started,
+        job = _Job(handle, step, tmp, fname, flat.meta, layout, slot, batch, items, started,
                    staging=self._staging, sources=clones or None,  # clones live until their copy is done
                    placement=self.placement_fields(flat))
         if gpu:
@@ -487,6 +507,58 @@ class ConcurrentEngine(Engine):
         else:
             batch.start()
         return job
+
+    def _stage_host(self, flat: Flat, step: int, handle: SaveHandle, tmp: Path, fname: str, layout: Layout,
+                    slot: Slot, tensors: dict[str, torch.Tensor], started: float) -> _Job:
+        """``_stage`` when nothing is on a GPU, in a few native calls whatever the tensor count.
+
+        A tensor that only ``optimizer.step()`` mutates and is contiguous is copied into the
+        slot by the writers from its address (the job holds the tensor until its bytes are
+        copied; the optimizer pre-hook waits for that); any other is copied now (HOST_NOW).
+        The HDF5 metadata (the layout's template) is written by the same writers.
+        """
+        batch = native().Batch(self._pool, self.direct)
+        path = str(tmp / fname)
+        names = layout.names
+        sources = [tensors[n] for n in names]
+        addresses = np.fromiter((t.data_ptr() if t.is_contiguous() else 0 for t in sources), dtype=np.uint64,
+                                count=len(names))
+        later = self._safe_mask(layout) & (addresses != 0)
+        if layout.complex_names:  # a conjugate or negative view's bytes are not its values: copy now
+            for name in layout.complex_names:
+                t = tensors[name]
+                if t.is_conj() or t.is_neg():
+                    later[layout.index[name]] = False
+        groups: list[tuple[int, np.ndarray]] = []
+        if later.all():
+            idx = np.arange(len(names))
+        else:
+            now = np.flatnonzero(~later)
+            for i in now.tolist():
+                off, n = int(layout.slot_offsets[i]), int(layout.lengths[i])
+                t = sources[i].detach().resolve_conj().resolve_neg().contiguous()
+                slot.tensor[off:off + n].copy_(t.reshape(-1).view(torch.uint8))
+            groups.append((batch.add_many(path, slot.bytes, layout.file_offsets[now], layout.slot_offsets[now],
+                                          layout.lengths[now]), now))
+            idx = np.flatnonzero(later)
+        if len(idx):
+            groups.append((batch.add_many(path, slot.bytes, layout.file_offsets[idx], layout.slot_offsets[idx],
+                                          layout.lengths[idx], addresses[idx]), idx))
+        template = layout.template_items()
+        assert template is not None
+        batch.add_many(path, *template)
+        job = _Job(handle, step, tmp, fname, flat.meta, layout, slot, batch, {}, started, staging=self._staging,
+                   sources={"tensors": sources}, placement=self.placement_fields(flat), groups=groups)
+        batch.start()
+        return job
+
+    def _safe_mask(self, layout: Layout) -> np.ndarray:
+        """Which of ``layout.names`` only ``optimizer.step()`` mutates (cached per layout)."""
+        cached = self._safe_masks.get(id(layout))
+        if cached is None or cached[0] is not layout:
+            cached = self._safe_masks[id(layout)] = (layout, np.array([self._is_safe(n) for n in layout.names],
+                                                                      dtype=bool))
+        return cached[1]
 
     def _stage_ring(self, flat: Flat, step: int, handle: SaveHandle, tmp: Path, fname: str, staging: Staging,
                     tensors: dict[str, torch.Tensor], started: float) -> _Job:
@@ -509,7 +581,7 @@ class ConcurrentEngine(Engine):
             stream = self._side_stream(cuda_device)
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(cuda_device))
-        job = _Job(handle, step, tmp, fname, json.loads(json.dumps(flat.meta)), staging.layout, None, None, {},
+        job = _Job(handle, step, tmp, fname, flat.meta, staging.layout, None, None, {},
                    started, staging=staging, sources=sources, placement=self.placement_fields(flat),
                    ring=RingStream(staging.ring, self._pool, direct=self.direct, stream=stream, ready=ready))
         return job
@@ -580,7 +652,13 @@ class ConcurrentEngine(Engine):
                 self.stats.d2h_s += begin.elapsed_time(end) / 1000.0
         job.batch.wait()
         job.copied.set()
-        return {name: job.batch.crc(i) for name, i in job.items.items()}
+        crcs = {name: job.batch.crc(i) for name, i in job.items.items()}
+        assert job.layout is not None
+        names = job.layout.names
+        for first, idx in job.groups:
+            got = np.frombuffer(job.batch.crcs(first, len(idx)), dtype=np.uint32).tolist()
+            crcs.update(zip(names, got) if len(idx) == len(names) else ((names[i], c) for i, c in zip(idx.tolist(), got)))
+        return crcs
 
     def _persist_ring(self, job: _Job) -> dict[str, int]:
         """Finisher thread: stream the sources through the ring; crcs by name."""
@@ -600,10 +678,8 @@ class ConcurrentEngine(Engine):
 
     def _record(self, job: _Job, crcs: dict[str, int]) -> dict[str, Any]:
         assert job.layout is not None
-        tensors: dict[str, Any] = {}
-        for name, e in job.layout.entries.items():
-            tensors[name] = TensorEntry(e.name, e.dtype, e.shape, e.offset, e.nbytes, crcs.get(name, 0)).to_json()
-        return {"file": job.fname, "format": "hdf5", "meta": job.meta, "tensors": tensors, **job.placement}
+        return {"file": job.fname, "format": "hdf5", "meta": job.meta, "tensors": job.layout.record(crcs),
+                **job.placement}
 
     # -- lifecycle ---------------------------------------------------------------
 

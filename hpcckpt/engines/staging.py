@@ -252,6 +252,10 @@ class Staging:
     def nbytes(self) -> int:
         return self.ring.nbytes if self.ring else sum(s.nbytes for s in self.slots)
 
+    def matches(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Whether ``tensors`` are what this staging was laid out for (all on the host)."""
+        return self.key[1] is None and self.layout.matches(tensors) and not any(t.is_cuda for t in tensors.values())
+
     @property
     def pinned(self) -> bool:
         return self.ring.pinned if self.ring else any(s.pinned for s in self.slots)

@@ -64,6 +64,8 @@ class Plan:
 
 
 def _is_dtensor(t: Any) -> bool:
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:  # nearly every tensor: no lookup
+        return False
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without the distributed package

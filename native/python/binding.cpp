@@ -303,6 +303,62 @@ struct Batch {
         return id;
     }
 
+    // Many items of one file in one call: item i writes lengths[i] bytes of `data` at
+    // data_offsets[i] to file offset file_offsets[i]; with `sources` (addresses, one per
+    // item, 0 for none) the writers first copy lengths[i] bytes from that address into
+    // data (the caller keeps every source alive and unchanged until wait_copied()).
+    // All index arrays are native uint64. Returns the first item's id; the others follow
+    // in order (-1 when there are none).
+    int64_t add_many(const std::string& path, nb::handle data, nb::handle file_offsets, nb::handle data_offsets,
+                     nb::handle lengths, nb::object sources) {
+        const bool copy = !sources.is_none();
+        auto d = std::make_unique<Buffer>(data, copy);
+        Buffer fo(file_offsets, false), dof(data_offsets, false), len(lengths, false);
+        std::unique_ptr<Buffer> src;
+        if (copy) src = std::make_unique<Buffer>(sources, false);
+        const size_t bytes = fo.size();
+        if (bytes % sizeof(uint64_t) != 0 || dof.size() != bytes || len.size() != bytes || (src && src->size() != bytes))
+            throw nb::value_error(("Batch.add_many('" + path + "'): file_offsets, data_offsets, lengths (and "
+                                   "sources) must be uint64 arrays of the same length").c_str());
+        const size_t n = bytes / sizeof(uint64_t);
+        const auto* F = static_cast<const uint64_t*>(fo.data());
+        const auto* D = static_cast<const uint64_t*>(dof.data());
+        const auto* L = static_cast<const uint64_t*>(len.data());
+        const uint64_t* S = src ? static_cast<const uint64_t*>(src->data()) : nullptr;
+        for (size_t i = 0; i < n; ++i) {
+            if (D[i] > d->size() || L[i] > d->size() - D[i])
+                throw nb::value_error(("Batch.add_many('" + path + "'): item " + std::to_string(i) + " (" +
+                                       std::to_string(L[i]) + " bytes at " + std::to_string(D[i]) +
+                                       ") lies outside the " + std::to_string(d->size()) + "-byte buffer")
+                                          .c_str());
+            if (S != nullptr && S[i] == 0 && L[i] != 0)
+                throw nb::value_error(("Batch.add_many('" + path + "'): item " + std::to_string(i) +
+                                       " has no source address").c_str());
+        }
+        auto* base = static_cast<unsigned char*>(d->data());
+        int64_t first = -1;
+        hpcckpt_status st;
+        for (size_t i = 0; i < n; ++i) {
+            const void* from = S != nullptr ? reinterpret_cast<const void*>(static_cast<uintptr_t>(S[i])) : nullptr;
+            int64_t id = hpcckpt_batch_add(batch, path.c_str(), F[i], base + D[i], from, static_cast<size_t>(L[i]), &st);
+            if (id < 0) throw std::runtime_error("Batch.add_many('" + path + "') after start(); use a new Batch");
+            if (first < 0) first = id;
+        }
+        held.push_back(std::move(d));
+        return first;
+    }
+
+    // The crcs of items [first, first + count) as native uint32 bytes (after wait()).
+    nb::bytes crcs(int64_t first, int64_t count) const {
+        if (first < 0 || count < 0 || static_cast<size_t>(first + count) > hpcckpt_batch_items(batch))
+            throw nb::index_error(("Batch.crcs: no items " + std::to_string(first) + ".." +
+                                   std::to_string(first + count)).c_str());
+        if (!finished) throw std::runtime_error("Batch.crcs() before wait() returned True");
+        std::vector<uint32_t> out(static_cast<size_t>(count));
+        for (int64_t i = 0; i < count; ++i) out[static_cast<size_t>(i)] = hpcckpt_batch_crc(batch, static_cast<size_t>(first + i));
+        return nb::bytes(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(uint32_t));
+    }
+
     void start() {
         hpcckpt_status st;
         if (hpcckpt_batch_start(batch, &st) != 0)
@@ -444,6 +500,9 @@ NB_MODULE(_native, m) {
         .def("wait_copied", &Batch::wait_copied, nb::arg("timeout") = nb::none())
         .def("wait", &Batch::wait, nb::arg("timeout") = nb::none())
         .def("crc", &Batch::crc, nb::arg("item"))
+        .def("add_many", &Batch::add_many, nb::arg("path"), nb::arg("data"), nb::arg("file_offsets"),
+             nb::arg("data_offsets"), nb::arg("lengths"), nb::arg("sources") = nb::none())
+        .def("crcs", &Batch::crcs, nb::arg("first"), nb::arg("count"))
         .def_prop_ro("bytes_total", [](const Batch& b) { return hpcckpt_batch_bytes_total(b.batch); })
         .def_prop_ro("bytes_copied", [](const Batch& b) { return hpcckpt_batch_bytes_copied(b.batch); })
         .def_prop_ro("bytes_written",

@@ -184,14 +184,14 @@ def _fail_final_saves(engine: str, monkeypatch: pytest.MonkeyPatch, times: int) 
     calls: list[int] = []
     if engine == "concurrent":
         from hpcckpt.engines.concurrent import ConcurrentEngine
-        real = ConcurrentEngine._ensure_staging
+        real = ConcurrentEngine._staging_for
 
         def staging(self: Any, *a: Any, **k: Any) -> Any:
             calls.append(1)
             if len(calls) <= times:
                 raise OSError(errno.ENOSPC, "No space left on device (injected)")
             return real(self, *a, **k)
-        monkeypatch.setattr(ConcurrentEngine, "_ensure_staging", staging)
+        monkeypatch.setattr(ConcurrentEngine, "_staging_for", staging)
     else:
         from hpcckpt.engines import sync
         real_write = sync.torchfile.write

@@ -191,7 +191,9 @@ def test_write_error_is_raised_once_and_previous_checkpoint_survives(rig: Rig, m
     want = rig.snapshot(1)
     rig.engine.save(rig.state.capture(step=1), 1).wait(timeout=60)
     rig.train_step()
+    # the rank file is made by create (host state, metadata written by the writers) or materialise
     monkeypatch.setattr(Layout, "materialise", lambda self, path: _fifo_instead_of_rank_file(path))
+    monkeypatch.setattr(Layout, "create", lambda self, path: _fifo_instead_of_rank_file(path))
     handle = rig.engine.save(rig.state.capture(step=2), 2)
     with pytest.raises(CheckpointFailed) as info:
         handle.wait(timeout=60)
