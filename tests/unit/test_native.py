@@ -417,3 +417,47 @@ def test_checksum_ranges_names_a_short_file_and_refuses_bad_arguments(tmp_path: 
         assert raw == b""
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_batch_add_many_copies_from_addresses_and_writes_at_offsets(tmp_path: Path, direct: bool) -> None:
+    """Many items in one call: some copied by the writers from source addresses into the staging
+    buffer, some written from it as they are; every byte lands at its file offset, crcs in order."""
+    rng = np.random.default_rng(3)
+    sources = [rng.integers(0, 256, size=int(n), dtype=np.uint8) for n in rng.integers(1, 20_000, size=300)]
+    sources.append(rng.integers(0, 256, size=(1 << 20) + 5, dtype=np.uint8))  # several writer chunks
+    lengths = np.array([s.nbytes for s in sources], dtype=np.uint64)
+    slot_offsets = np.concatenate([[0], np.cumsum(lengths[:-1] + 7)]).astype(np.uint64)  # gaps in the slot
+    file_offsets = np.zeros(len(sources), dtype=np.uint64)  # another order in the file: last item first
+    pos = 4096
+    for i in reversed(range(len(sources))):
+        file_offsets[i] = pos
+        pos += int(lengths[i]) + 3
+    staging = _native.aligned_buffer(int(slot_offsets[-1] + lengths[-1]))
+    view = np.frombuffer(staging, dtype=np.uint8)
+    half = len(sources) // 2
+    for i in range(half, len(sources)):  # the second half is staged by the caller
+        view[int(slot_offsets[i]):int(slot_offsets[i] + lengths[i])] = sources[i]
+    addresses = np.array([s.ctypes.data for s in sources[:half]], dtype=np.uint64)
+    path = tmp_path / "rank-0.h5"
+    with _native.WriterPool(threads=3, chunk_bytes=256 << 10) as pool:
+        batch = _native.Batch(pool, direct=direct)
+        first = batch.add_many(str(path), staging, file_offsets[:half], slot_offsets[:half], lengths[:half],
+                               addresses)
+        second = batch.add_many(str(path), staging, file_offsets[half:], slot_offsets[half:], lengths[half:])
+        assert (first, second) == (0, half)
+        assert batch.add_many(str(path), staging, *(np.zeros(0, dtype=np.uint64),) * 3) == -1
+        with pytest.raises(ValueError, match="outside"):
+            batch.add_many(str(path), staging, np.array([0], dtype=np.uint64),
+                           np.array([staging.nbytes - 4], dtype=np.uint64), np.array([8], dtype=np.uint64))
+        with pytest.raises(ValueError, match="same length"):
+            batch.add_many(str(path), staging, file_offsets[:2], slot_offsets[:3], lengths[:2])
+        batch.start()
+        assert batch.wait() is True
+        raw = path.read_bytes()
+        for i, s in enumerate(sources):
+            assert raw[int(file_offsets[i]):int(file_offsets[i] + lengths[i])] == s.tobytes(), i
+        crcs = np.frombuffer(batch.crcs(0, len(sources)), dtype=np.uint32).tolist()
+        assert crcs == [_native.crc32c(s) for s in sources] == [batch.crc(i) for i in range(len(sources))]
+        with pytest.raises(IndexError):
+            batch.crcs(1, len(sources))
