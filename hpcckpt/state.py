@@ -51,6 +51,17 @@ def _escape(key: str) -> str:
     return key.replace("%", "%25").replace("/", "%2F") or "%00"
 
 
+_SCALAR_TYPES = frozenset((int, str, bool, type(None)))
+
+
+def _scalars(seq: list[Any] | tuple[Any, ...]) -> bool:
+    """Whether every item is an int, str, bool or None (kept as they are, no call for each)."""
+    for v in seq:
+        if type(v) not in _SCALAR_TYPES:
+            return False
+    return True
+
+
 def _plain_keys(obj: dict[Any, Any]) -> bool:
     """Whether every key is a string that does not start with ``__`` (kept as a JSON object)."""
     for k in obj:
@@ -93,8 +104,12 @@ def flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> Any:
             items.append([k, flatten(v, f"{prefix}/{_escape(str(k))}", out)])
         return {"__dict__": items}
     if isinstance(obj, tuple):
+        if _scalars(obj):  # e.g. Python's RNG state: 625 ints, saved at every checkpoint
+            return {"__tuple__": list(obj)}
         return {"__tuple__": [flatten(v, f"{prefix}/{i}", out) for i, v in enumerate(obj)]}
     if isinstance(obj, list):
+        if _scalars(obj):
+            return list(obj)
         return [flatten(v, f"{prefix}/{i}", out) for i, v in enumerate(obj)]
     if isinstance(obj, torch.dtype):
         return {"__dtype__": str(obj).removeprefix("torch.")}

@@ -31,7 +31,7 @@ from ..levels import save as level_save
 from ..ranks import Ranks
 from ..state import Flat, TrainState
 from ..store import catalog, placement
-from ..store.commit import Transaction, discard
+from ..store.commit import Transaction, discard, remove_trash
 from ..store.manifest import build as build_manifest
 from ..store.publish import commit_and_prune, record_failures
 
@@ -112,6 +112,10 @@ class Engine(ABC):
     def __init__(self, ctx: SaveContext, ranks: Ranks) -> None:
         self.ctx = ctx
         self.ranks = ranks
+        # Checkpoints retention renamed aside (invisible) at a commit, deleted once that
+        # save's handle is finished (``empty_trash``): a save is reported durable without
+        # waiting for old files to be unlinked. Only the committing thread touches it.
+        self._trash: list[Path] = []
 
     @abstractmethod
     def save(self, flat: Flat, step: int, *, final: bool = False) -> SaveHandle:
@@ -127,6 +131,12 @@ class Engine(ABC):
         """Wait for saves in flight (their errors are reported by their handles)."""
 
     # -- shared by all engines ------------------------------------------------
+
+    def empty_trash(self) -> None:
+        """Delete what retention renamed aside at the last commits (the committing thread)."""
+        if self._trash:
+            doomed, self._trash[:] = list(self._trash), []
+            remove_trash(doomed)
 
     def temp_path(self, step: int) -> Path:
         """The shared temporary directory of this save (same name on every rank; collective)."""
@@ -198,7 +208,7 @@ class Engine(ABC):
         pruning) go to ``warnings``: the step is committed, a failed save would be a lie."""
         manifest = build_manifest(step=step, engine=self.name, job=self.ctx.job, user=self.ctx.user, records=records)
         txn = Transaction(self.ctx.root, catalog.step_name(step), temp=tmp)
-        path, faults, removed = commit_and_prune(txn, manifest, keep=self.ctx.keep)
+        path, faults, removed = commit_and_prune(txn, manifest, keep=self.ctx.keep, trash=self._trash)
         if warnings is not None:
             warnings += faults
         for p in removed:

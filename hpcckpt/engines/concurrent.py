@@ -640,6 +640,10 @@ class ConcurrentEngine(Engine):
         with self._cond:
             self._inflight.remove(job)
             self._cond.notify_all()
+        try:
+            self.empty_trash()  # after the handle: a save is durable without old files unlinked
+        except Exception as exc:  # noqa: BLE001 - never the finisher's end; a later discard sweeps
+            log.warning("hpcckpt: could not delete pruned checkpoints: %s", exc)
 
     def _persist_slot(self, job: _Job) -> dict[str, int]:
         """Finisher thread: wait for the D2H (if any), then for the batch; crcs by name."""

@@ -36,6 +36,7 @@ class SyncEngine(Engine):
             handle.finish(error=exc)
         else:
             handle.finish(path=path, save_s=time.monotonic() - started)
+        self.empty_trash()
         return handle
 
     def _write(self, flat: Flat, step: int, tmp: Path) -> tuple[dict[str, Any] | None, Exception | None]:

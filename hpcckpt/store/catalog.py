@@ -358,7 +358,7 @@ def newest_committed(root: Path) -> tuple[list[CheckpointInfo], list[Entry]]:
         return inspected, []
 
 
-def prune(root: Path, keep: int, *, protect: set[Path] | None = None) -> list[Path]:
+def prune(root: Path, keep: int, *, protect: set[Path] | None = None, trash: list[Path] | None = None) -> list[Path]:
     """Delete old checkpoints beyond the newest ``keep`` committed ones; call under the writer lock.
 
     The newest checkpoint that verifies (manifest checksum and file sizes; the
@@ -366,7 +366,9 @@ def prune(root: Path, keep: int, *, protect: set[Path] | None = None) -> list[Pa
     ones newer than it (evidence for a human); stale temporary directories go too.
     ``protect``: what the caller has just committed (counted as committed, never deleted).
     Deletion renames aside first (``commit.discard``): a kill mid-way never leaves a
-    half-deleted directory under a checkpoint's name.
+    half-deleted directory under a checkpoint's name. ``trash``: the renamed-aside trees
+    are appended there for the caller to delete later (``commit.remove_trash``, e.g. once
+    the save that pruned them has been reported durable) instead of being deleted here.
 
     The cost does not grow with how many are kept: the directory is listed once, step
     directories this process already knows to be committed (same inode) are not opened
@@ -406,7 +408,7 @@ def prune(root: Path, keep: int, *, protect: set[Path] | None = None) -> list[Pa
         if e.name == latest or (status == "corrupt" and not seen_good):
             continue  # corrupt and newer than every good one: evidence for a human
         victims.append(e.path)
-    discard(root, victims)
+    discard(root, victims, trash=trash)
     return victims
 
 

@@ -376,13 +376,15 @@ def read_latest(root: Path) -> str | None:
     return name
 
 
-def discard(root: Path, paths: list[Path]) -> None:
+def discard(root: Path, paths: list[Path], *, trash: list[Path] | None = None) -> None:
     """Delete directories of ``root`` so that none is ever seen half-deleted.
 
     Each is first renamed aside to a hidden ``.trash-`` name that the catalog never
     lists (atomic), the renames are made durable, then the trees are deleted. A kill
     at any instant leaves either the whole directory or an invisible leftover, which
     the next ``discard`` (``sweep_trash``) removes. Call under the writer lock.
+    ``trash``: the trees are appended there instead, for ``remove_trash`` (no lock needed:
+    they are invisible and each is deleted whole or left for a later sweep).
     """
     aside: list[Path] = []
     for path in paths:
@@ -394,7 +396,16 @@ def discard(root: Path, paths: list[Path]) -> None:
         aside.append(target)
     if aside:
         fsync_path(root)
-    for target in aside + sweep_candidates(root, exclude=set(aside)):
+    doomed = aside + sweep_candidates(root, exclude=set(aside) | set(trash or ()))
+    if trash is not None:
+        trash += doomed
+        return
+    remove_trash(doomed)
+
+
+def remove_trash(paths: list[Path]) -> None:
+    """Delete trees ``discard`` renamed aside (another process may be deleting them too)."""
+    for target in paths:
         _remove_tree(target)
 
 

@@ -25,8 +25,8 @@ def record_failures(everyone: list[dict[str, Any]], step: int) -> dict[int, str]
 
 
 def commit_and_prune(txn: Transaction, manifest: dict[str, Any], *, keep: int | None,
-                     lock_timeout_s: float = -1, precheck: Callable[[], None] | None = None
-                     ) -> tuple[Path, list[str], list[Path]]:
+                     lock_timeout_s: float = -1, precheck: Callable[[], None] | None = None,
+                     trash: list[Path] | None = None) -> tuple[Path, list[str], list[Path]]:
     """Under the writer lock: commit ``txn`` with ``manifest``, then keep the newest ``keep``.
 
     Returns ``(path, warnings, removed)``. Faults after the rename (root fsync, LATEST,
@@ -34,7 +34,8 @@ def commit_and_prune(txn: Transaction, manifest: dict[str, Any], *, keep: int | 
     save would be a lie. ``lock_timeout_s``: how long to wait for the lock (-1: for ever).
     ``keep=None``: no retention (nothing is removed). ``precheck``: runs under the lock
     before the commit; what it raises leaves the lock and commits nothing (the scavenge
-    checks there that no other node committed the step first).
+    checks there that no other node committed the step first). ``trash``: pruned trees are
+    renamed aside here and appended there for the caller to delete later (``catalog.prune``).
     """
     warnings: list[str] = []
     with writer_lock(txn.root, timeout_s=lock_timeout_s):
@@ -45,7 +46,7 @@ def commit_and_prune(txn: Transaction, manifest: dict[str, Any], *, keep: int | 
         if keep is None:
             return path, warnings, []
         try:
-            removed = catalog.prune(txn.root, keep, protect={path})
+            removed = catalog.prune(txn.root, keep, protect={path}, trash=trash)
         except OSError as exc:
             warnings.append(f"{txn.name} is committed, but retention could not prune older checkpoints: {exc}")
             removed = []

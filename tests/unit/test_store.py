@@ -320,6 +320,47 @@ def test_prune_renames_aside_and_sweeps_leftovers(ckdir: Path) -> None:
     assert sorted(p.name for p in ckdir.iterdir() if p.is_dir()) == ["step-3"]
 
 
+def test_prune_can_leave_the_deletion_to_its_caller(ckdir: Path) -> None:
+    """With ``trash``, pruned checkpoints are renamed aside (gone from every listing) at once and
+    deleted only by remove_trash: what lets an engine report a save durable before old files
+    are unlinked. A leftover of an earlier kill joins them; the engine empties it after each save."""
+    from hpcckpt.store.commit import remove_trash
+    for s in range(1, 4):
+        with Transaction(ckdir, f"step-{s}") as txn:
+            (txn.path / "f").write_bytes(b"x")
+            txn.commit(minimal(s))
+    (ckdir / ".trash-step-0-dead").mkdir()
+    trash: list[Path] = []
+    removed = catalog.prune(ckdir, keep=1, trash=trash)
+    assert sorted(p.name for p in removed) == ["step-1", "step-2"]
+    assert [i.step for i in catalog.scan(ckdir)] == [3]
+    assert len(trash) == 3 and all(p.name.startswith(".trash-") and p.is_dir() for p in trash)
+    remove_trash(trash)
+    assert sorted(p.name for p in ckdir.iterdir() if p.is_dir()) == ["step-3"]
+
+
+def test_an_engine_deletes_what_retention_pruned_once_the_save_is_reported(ckdir: Path) -> None:
+    from hpcckpt.engines import SaveContext, make_engine
+    from hpcckpt.ranks import Ranks
+    from hpcckpt.state import TrainState
+
+    for kind in ("sync", "concurrent"):
+        root = ckdir / kind
+        engine = make_engine(kind, SaveContext(root=root, keep=1, job={}, user={}), Ranks())
+        state = TrainState()
+        state.register("model", torch.nn.Linear(4, 4))
+        engine.bind(state)
+        try:
+            for step in (1, 2, 3):
+                assert engine.save(state.capture(step=step), step).wait(timeout=60)
+                if hasattr(engine, "drain"):
+                    engine.drain()
+        finally:
+            engine.close()
+        assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step-3"], kind
+        assert not engine._trash, kind
+
+
 @pytest.mark.parametrize("raw", [b"\xff\xfestep-3\n", b"../../etc\n", b"step-3/x\n", b"", b"step-\x003\n"])
 def test_latest_that_is_not_a_plain_utf8_name_is_ignored(ckdir: Path, raw: bytes) -> None:
     ckdir.mkdir(parents=True)
