@@ -21,7 +21,7 @@ import torch
 
 from ..errors import ConfigError
 from .limits import GB, fresh_memory_gbps, memcpy_gbps, write_read_gbps
-from .isolate import children_cpu_s, held_vs_state, run_isolated
+from .isolate import children_cpu_s, held_vs_state, peak_bytes, reset_peak, rss_bytes, run_isolated
 from .measure import STAGING_FRACTIONS, measure_engine, measure_loads, measure_staging, supports_staging_budget
 from .overhead import DemoLoad, measure_overhead
 from .smallstate import measure_small_state
@@ -129,8 +129,12 @@ def _targets(top: dict[str, Any], limits: dict[str, Any], over: dict[str, Any], 
         ceiling = statistics.median(t / r for t, r in zip(torch_load, conc["raw_read_all_s"]))
     torch_target = 2.0 if cuda else 3.0
     model = over["overhead_detail"]
+    quarter = (top.get("staging") or {}).get("fractions", {}).get("0.25", {})
     return {
         "device": device,
+        # what the Checkpointer adds to the process at its peak with staging_bytes = 25% of the state
+        "staging_25_engine_held_vs_state": quarter.get("engine_held_vs_state"),
+        "staging_25_engine_held_vs_state_target": 1.4,
         "stall_vs_sync": conc["stall_s"] / sync["stall_s"], "stall_vs_sync_target": 0.02 if cuda else 0.1,
         "stall_vs_copy_bound": conc["stall_s"] / copy_bound_s, "copy_bound_s": copy_bound_s,
         "snapshot_vs_copy_limit": conc.get("snapshot_gbps", 0.0) / copy_gbps,
@@ -220,10 +224,17 @@ def child_engine(name: str, size: int, device: str, root: str, repeats: int,
 
 def child_staging(size: int, device: str, root: str, repeats: int, options: dict[str, Any],
                   fraction: float) -> dict[str, Any]:
-    """``measure_staging`` at one budget, in an isolated process of its own."""
+    """``measure_staging`` at one budget, in an isolated process of its own; with
+    ``engine_held_vs_state``: the peak RSS beyond the RSS once the model and optimizer are
+    built, per byte of state (what the Checkpointer adds, staging included)."""
     rig = SyntheticRig(size, device=device)
-    return {**measure_staging(rig, Path(root), repeats=repeats, options=options, fractions=(fraction,)),
-            "state_bytes": rig.state_bytes}
+    how = reset_peak()
+    before = rss_bytes()
+    got = measure_staging(rig, Path(root), repeats=repeats, options=options, fractions=(fraction,))
+    held = (peak_bytes(how) - before) / max(1, rig.state_bytes)
+    for v in got.get("fractions", {}).values():
+        v["engine_held_vs_state"] = held
+    return {**got, "state_bytes": rig.state_bytes}
 
 
 def _isolated(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
@@ -289,7 +300,8 @@ def run_bench(o: BenchOptions, progress: Callable[[str], None] = lambda s: None)
     (ratios), ``phases_s``/``phases_cpu_s`` (wall and CPU seconds per phase, children's included).
     Peak RSS per byte of state: ``save_held_vs_state`` per engine (its saves run in a child of
     their own), ``load_held_vs_state``/``torch_load_held_vs_state`` (each resume's process),
-    ``held_vs_state`` per staging budget.
+    ``held_vs_state`` per staging budget, and ``engine_held_vs_state`` (beyond the RSS once
+    the model and optimizer are built: what the Checkpointer adds, staging included).
     """
     base = Path(tempfile.mkdtemp(prefix="hpcckpt-bench-", dir=o.dir))
     sizes = o.sizes()
