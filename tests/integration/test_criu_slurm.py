@@ -80,3 +80,55 @@ def test_slurm_job_dumped_requeued_restored_identically(
     outs = sorted((run_dir / "criu" / "stdio").glob(f"{job}-r*.out"))
     assert len(outs) == len(dump_steps) + 1
     assert f"done {STEPS}" in job_output(run_dir)
+
+
+# An unmodified torchrun job: torchrun's agent holds an io_uring instance (its TCPStore's
+# libuv loop), which criu 4 refuses to dump.
+TORCHRUN_SCRIPT = """
+import os, sys, time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+print("training under torchrun, rank", dist.get_rank(), flush=True)
+deadline = time.time() + 600
+while not os.path.exists(sys.argv[1]) and time.time() < deadline:
+    time.sleep(0.2)
+dist.destroy_process_group()
+print("torchrun job finished", flush=True)
+"""
+
+
+def test_torchrun_under_the_criu_template_is_named_undumpable_and_runs_to_its_end(
+        slurm_cluster: SlurmCluster, criu_ok: None, tmp_path: Path) -> None:  # noqa: F811
+    """Real torchrun through the rendered criu template on the local Slurm cluster: the
+    supervisor's start-up checks (5 s and 45 s into the run) name the io_uring and the
+    in-process alternative, on the job's Slurm output and in the ledger; the job is never
+    touched and ends with its own status."""
+    run_dir, script, flag = tmp_path / "run", tmp_path / "ddp_job.py", tmp_path / "finish"
+    script.write_text(TORCHRUN_SCRIPT)
+    run_dir.mkdir()
+    args = ["sbatch", "--parsable", "--time=10:00", f"--output={run_dir}/slurm-%j.out",
+            f"--export=ALL,HPCCKPT_RUN_DIR={run_dir}", str(TEMPLATE),
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+            str(script), str(flag)]
+    job = slurm_cluster.run(args).strip().split(";")[0]
+    slurm_out = run_dir / f"slurm-{job}.out"
+    try:
+        slurm_cluster.wait_until(lambda: bool(events(slurm_cluster, run_dir, "criu_check")), 300,
+                                 f"the dumpability check of job {job}")
+        [check] = events(slurm_cluster, run_dir, "criu_check")
+        assert check["ok"] is False, check
+        assert any("io_uring" in p["what"] and "torch" in p["command"] for p in check["problems"]), check
+        assert "hpcckpt template torchrun" in check["fix"]
+        assert slurm_cluster.job(job)["JobState"] == "RUNNING"  # looked at, never touched
+        slurm_cluster.wait_until(lambda: "THIS JOB CANNOT BE DUMPED BY CRIU" in slurm_out.read_text(), 60,
+                                 "the message in the job's Slurm output")
+    finally:
+        flag.touch()
+    try:
+        assert slurm_cluster.wait_done(job, 300, slurm_out) == "COMPLETED"
+    finally:
+        slurm_cluster.cancel(job)
+    text = slurm_out.read_text()
+    assert "io_uring" in text and "hpcckpt template torchrun" in text, text[-3000:]
+    assert "torchrun job finished" in job_output(run_dir)
+    assert not events(slurm_cluster, run_dir, "criu_dump")
