@@ -23,6 +23,7 @@ from hpcckpt.cuda import CudaCheckpoint, CudaDriverMissing, CudaDriverTooOld, Cu
 from hpcckpt.cuda import driver
 
 FAKE_SRC = r"""
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -59,9 +60,54 @@ int cuCheckpointProcessCheckpoint(int pid, void *args) {
     (void)args; if (block("Checkpoint", pid)) return 999;
     if (STATE_RC == 0) *slot(pid) = 2; return STATE_RC;
 }
+/* cuda.h's CUcheckpointRestoreArgs (64 bytes): the pairs are written, one line each
+   ("<old uuid hex> <new uuid hex>"), to FAKE_RESTORE_LOG when that is set. */
+typedef struct { unsigned char old_uuid[16], new_uuid[16]; } gpu_pair;
+typedef struct { gpu_pair *pairs; unsigned int count; char reserved[52 - sizeof(void *)];
+                 unsigned long long reserved1; } restore_args;
 int cuCheckpointProcessRestore(int pid, void *args) {
-    (void)args; if (block("Restore", pid)) return 999;
+    const restore_args *a = args; const char *log = getenv("FAKE_RESTORE_LOG");
+    unsigned i, k;
+    if (block("Restore", pid)) return 999;
+    if (log) {
+        FILE *f = fopen(log, "a");
+        fprintf(f, "count %u\n", a->count);
+        for (i = 0; i < a->count; i++) {
+            for (k = 0; k < 16; k++) fprintf(f, "%02x", a->pairs[i].old_uuid[k]);
+            fputc(' ', f);
+            for (k = 0; k < 16; k++) fprintf(f, "%02x", a->pairs[i].new_uuid[k]);
+            fputc('\n', f);
+        }
+        fclose(f);
+    }
     if (STATE_RC == 0) *slot(pid) = 1; return STATE_RC;
+}
+/* The GPUs this process sees, from FAKE_GPUS: "<uuid hex32>=<name>;..." in CUDA's order (what
+   CUDA_VISIBLE_DEVICES and the job's cgroup leave it). */
+static int gpu_field(int i, char *uuid_hex, char *name, int len) {
+    const char *s = getenv("FAKE_GPUS"); int n = 0;
+    while (s && *s) {
+        const char *eq = strchr(s, '='), *end = strchr(s, ';');
+        if (!eq) return 0;
+        if (!end) end = s + strlen(s);
+        if (n == i) {
+            if (uuid_hex) { memcpy(uuid_hex, s, 32); uuid_hex[32] = 0; }
+            if (name) { int m = (int)(end - eq - 1) < len - 1 ? (int)(end - eq - 1) : len - 1;
+                        memcpy(name, eq + 1, m); name[m] = 0; }
+            return 1;
+        }
+        n++; s = *end ? end + 1 : end;
+    }
+    return 0;
+}
+int cuDeviceGetCount(int *count) { int n = 0; while (gpu_field(n, 0, 0, 0)) n++; *count = n; return 0; }
+int cuDeviceGet(int *dev, int ordinal) { *dev = ordinal; return gpu_field(ordinal, 0, 0, 0) ? 0 : 101; }
+int cuDeviceGetName(char *name, int len, int dev) { return gpu_field(dev, 0, name, len) ? 0 : 101; }
+int cuDeviceGetUuid_v2(unsigned char *uuid, int dev) {
+    char hex[33]; int k; unsigned v;
+    if (!gpu_field(dev, hex, 0, 0)) return 101;
+    for (k = 0; k < 16; k++) { sscanf(hex + 2 * k, "%2x", &v); uuid[k] = (unsigned char)v; }
+    return 0;
 }
 int cuCheckpointProcessUnlock(int pid, void *args) {
     (void)args; if (block("Unlock", pid)) return 999;
@@ -239,6 +285,34 @@ def test_gpu_plan_same_gpus_remap_and_refusals() -> None:
         plan(rec, [Gpu(index=0, uuid=c, name="NVIDIA A100-SXM4-80GB")], can_remap=True)
     with pytest.raises(CudaCheckpointError, match="same GPU count"):
         plan(rec, [], can_remap=True)
+
+
+def test_restore_onto_other_gpus_passes_uuid_pairs_to_the_driver(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a requeue the job's cgroup shows another H100 (and CUDA_VISIBLE_DEVICES renumbers):
+    the stand-in driver enumerates what is visible, and cuCheckpointProcessRestore receives
+    the pairs by UUID, never by index; where the job's GPU is still here under another
+    index, nothing is remapped."""
+    from hpcckpt.cuda.gpumap import plan
+
+    a, b, c = "a1" * 16, "b2" * 16, "c3" * 16
+    text = {h: driver.uuid_text(bytes.fromhex(h)) for h in (a, b, c)}
+    h100 = "NVIDIA H100 80GB HBM3"
+    log = tmp_path / "restore.log"
+    monkeypatch.setenv("FAKE_RESTORE_LOG", str(log))
+    lib = build_fake(tmp_path / "d", version=13000, checkpoint=True)
+    with _mapper(build_fake(tmp_path / "m", version=13000, checkpoint=True, name="libcuda.so.1")) as pid:
+        saved = [{"index": 1, "uuid": text[a], "name": h100}]  # the job's cuda:0 was the node's second GPU
+        # the next allocation: one H100, another one, the only one the job sees
+        monkeypatch.setenv("FAKE_GPUS", f"{b}={h100}")
+        cu = CudaCheckpoint(str(lib))
+        visible = cu.gpus()
+        assert visible == [driver.Gpu(index=0, uuid=text[b], name=h100)]
+        cu.restore(pid, plan(saved, visible, can_remap=cu.can_remap))
+        # the same GPU, now shown second after another one
+        monkeypatch.setenv("FAKE_GPUS", f"{c}={h100};{a}={h100}")
+        cu.restore(pid, plan(saved, cu.gpus(), can_remap=cu.can_remap))
+    assert log.read_text().splitlines() == ["count 1", f"{a} {b}", "count 0"]
 
 
 def test_uuid_round_trip() -> None:
