@@ -55,3 +55,45 @@ def test_an_undumpable_job_is_named_within_seconds_and_runs_on(criu_ok: None, tm
     assert check["ok"] is False and check["problems"][0]["inner_pid"] == 2, check
     assert "io_uring" in check["problems"][0]["what"] and "hpcckpt template torchrun" in check["fix"]
     assert "THIS JOB CANNOT BE DUMPED BY CRIU" in stderr and "io_uring" in stderr
+
+
+WAIT_JOB = """
+import os, sys, time
+print("job started", flush=True)
+deadline = time.time() + 300
+while not os.path.exists(sys.argv[1]) and time.time() < deadline:
+    time.sleep(0.1)
+"""
+
+
+def test_a_second_supervisor_on_the_same_images_never_runs_the_job(criu_ok: None, tmp_path: Path) -> None:  # noqa: F811
+    """The images have one writer, as in-process checkpoints do: a duplicate of a Slurm job
+    (a successor and a requeued original both started) records that it is superseded and
+    leaves with status 0 without starting or restoring anything; outside Slurm the second
+    supervisor is refused with a message naming the holder and the fix."""
+    script, run_dir, flag = tmp_path / "wait.py", tmp_path / "run", tmp_path / "finish"
+    script.write_text(WAIT_JOB)
+    cmd = ["run", "--mode", "criu", "--dir", str(run_dir), "--", sys.executable, str(script), str(flag)]
+    first = subprocess.Popen(hpcckpt(*cmd[:5], "--json", *cmd[5:]), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=local_env())
+    try:
+        from .conftest import SlurmCluster
+
+        SlurmCluster.wait_until(lambda: (run_dir / "criu" / ".hpcckpt.writer").exists()
+                                and any(p.read_text() for p in (run_dir / "criu" / "stdio").glob("*.out")),
+                                120, "the first supervisor's job")
+        dup = subprocess.run(hpcckpt(*cmd), capture_output=True, text=True, timeout=120,
+                             env=local_env({"SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "0"}))
+        assert dup.returncode == 0, dup.stderr
+        assert "superseded" in dup.stderr and f"PID {first.pid}" in dup.stderr, dup.stderr
+        local = subprocess.run(hpcckpt(*cmd), capture_output=True, text=True, timeout=120, env=local_env())
+        assert local.returncode != 0 and "another live job is writing checkpoints" in local.stderr, local.stderr
+        assert first.poll() is None
+    finally:
+        flag.touch()
+    code, _summary, stderr = finish(first)
+    assert code == 0, stderr
+    events = [json.loads(line)["event"] for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    assert events.count("superseded") == 1
+    outs = list((run_dir / "criu" / "stdio").glob("*.out"))
+    assert len(outs) == 1 and "job started" in outs[0].read_text()  # the job ran once
