@@ -38,6 +38,18 @@ def _overrides(pairs: list[str]) -> dict[str, str]:
     return out
 
 
+def _expedite_here() -> bool:
+    """Whether the Slurm whose client tools are here has ``--requeue=expedite`` (25.11+)."""
+    from hpcckpt.cluster.scontrol import slurm_version
+
+    version = slurm_version()
+    parts = (version or "").split(".")
+    try:
+        return (int(parts[0]), int(parts[1])) >= render.EXPEDITE_SINCE
+    except (ValueError, IndexError):
+        return False
+
+
 def _list(args: argparse.Namespace) -> int:
     rows = [{"name": t.name, "file": t.output_name, "description": t.description,
              "parameters": t.defaults} for t in render.TEMPLATES.values()]
@@ -52,7 +64,12 @@ def run(args: argparse.Namespace) -> int:
         if not args.list:
             raise ConfigError("name a template (hpcckpt template --list shows them)")
         return _list(args)
-    text = render.render(args.name, _overrides(args.set))
+    overrides = _overrides(args.set)
+    if "REQUEUE" in render.get(args.name).defaults and "REQUEUE" not in overrides and _expedite_here():
+        overrides["REQUEUE"] = "expedite"
+        print("hpcckpt template: this Slurm has --requeue=expedite (>= 25.11): rendered with it "
+              "(--set REQUEUE=plain for --requeue)", file=sys.stderr)
+    text = render.render(args.name, overrides)
     if args.out is None:
         if args.json:
             emit(args, {"name": args.name, "text": text}, text)

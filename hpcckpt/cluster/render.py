@@ -20,7 +20,12 @@ _COMMON = {
     "CPUS_PER_TASK": "1",
     "OUTPUT": "hpcckpt-%x-%j.out",
     "RUN_DIR": "$PWD/hpcckpt-run",
+    # "plain": #SBATCH --requeue; "expedite": --requeue=expedite (Slurm >= 25.11: a requeued job
+    # starts again first). `hpcckpt template` picks expedite where the local Slurm has it.
+    "REQUEUE": "plain",
 }
+REQUEUE_MODES = {"plain": "--requeue", "expedite": "--requeue=expedite"}
+EXPEDITE_SINCE = (25, 11)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,11 +125,16 @@ def _check_value(key: str, value: str) -> None:
     elif key in ("RESTARTS", "MAX_RESTARTS") and not value.isdigit():
         raise ConfigError(f"template parameter {key}={value!r}: a whole number >= 0 of restarts of the ranks "
                           f"inside one allocation (0: none), e.g. {key}=3")
+    elif key == "REQUEUE" and value not in REQUEUE_MODES:
+        raise ConfigError(f"template parameter REQUEUE={value!r}: plain (#SBATCH --requeue) or expedite "
+                          "(--requeue=expedite, Slurm >= 25.11), e.g. REQUEUE=expedite")
     elif key == "DUMP_EVERY_S" and not re.fullmatch(r"\d+(\.\d+)?", value):
         raise ConfigError(f"template parameter DUMP_EVERY_S={value!r}: seconds >= 0 (0: off), e.g. 600")
 
 
 def _quote(key: str, value: str) -> str:
+    if key == "REQUEUE":
+        return REQUEUE_MODES[value]
     if key in _SBATCH_VALUES:
         if '"' in value:
             raise ConfigError(f"template parameter {key}={value!r}: sbatch directives cannot hold a "

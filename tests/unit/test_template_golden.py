@@ -108,3 +108,25 @@ def test_cli_lists_and_writes(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "hpcckpt.cli", "template", "ddp", "--set", "X"],
                          capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and "KEY=VALUE" in bad.stderr
+
+
+def test_requeue_expedite_is_rendered_where_slurm_has_it(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    for name in ("single", "ddp", "lightning", "torchrun", "criu"):
+        assert "#SBATCH --requeue\n" in render.render(name)
+        assert "#SBATCH --requeue=expedite\n" in render.render(name, {"REQUEUE": "expedite"})
+    with pytest.raises(ConfigError, match="REQUEUE='soon'.*plain.*expedite"):
+        render.render("criu", {"REQUEUE": "soon"})
+    from hpcckpt.cli.main import main
+    from hpcckpt.cluster import scontrol
+
+    # `hpcckpt template` asks the local Slurm (scontrol --version): the seam is that answer
+    for version, line in (("25.11.0", "#SBATCH --requeue=expedite\n"), ("24.05.4", "#SBATCH --requeue\n"),
+                          (None, "#SBATCH --requeue\n")):
+        monkeypatch.setattr(scontrol, "slurm_version", lambda v=version: v)
+        assert main(["template", "criu"]) == 0
+        out, err = capsys.readouterr()
+        assert line in out and ("expedite" in err) == (version == "25.11.0"), (version, err)
+    monkeypatch.setattr(scontrol, "slurm_version", lambda: "25.11.0")
+    assert main(["template", "criu", "--set", "REQUEUE=plain"]) == 0  # asked for: kept
+    assert "#SBATCH --requeue\n" in capsys.readouterr().out
