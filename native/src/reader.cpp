@@ -39,10 +39,56 @@ struct Chunk {
 
 bool aligned(std::uint64_t v) { return (v & (kDirectAlign - 1)) == 0; }
 
-class Reader {
+// What the reading threads of one call share: the first failure (kept for the caller) and
+// the pread loop that records it.
+class ReadingThreads {
+public:
+    explicit ReadingThreads(const char* path) : path_(path) {}
+
+    std::atomic<bool> failed{false};
+
+    void first_error(hpcckpt_status* out) {
+        std::lock_guard<std::mutex> g(m_);
+        *out = status_;
+    }
+
+protected:
+    void fail(int err, const char* op, std::uint64_t offset) {
+        std::lock_guard<std::mutex> g(m_);
+        if (!failed.exchange(true)) hpcckpt_status_set(&status_, err, op, path_, static_cast<std::int64_t>(offset));
+    }
+
+    // pread until `len` bytes arrived; returns the bytes read (short only at end of file), or
+    // -1 (failed, recorded), or -2 (O_DIRECT refused here: this file system wants other alignment).
+    std::int64_t pread_full(int fd, unsigned char* dst, std::uint64_t off, std::uint64_t len, bool direct) {
+        std::uint64_t got = 0;
+        while (got < len) {
+            ssize_t r = ::pread(fd, dst + got, static_cast<std::size_t>(len - got), static_cast<off_t>(off + got));
+            if (r < 0) {
+                if (errno == EINTR) continue;
+                if (direct && errno == EINVAL && got == 0) return -2;
+                fail(errno, direct ? "pread (O_DIRECT)" : "pread", off + got);
+                return -1;
+            }
+            if (r == 0) break;
+            got += static_cast<std::uint64_t>(r);
+            // O_DIRECT reads of whole blocks stop early only at end of file.
+            if (direct && !aligned(got)) break;
+        }
+        return static_cast<std::int64_t>(got);
+    }
+
+    const char* path_;
+
+private:
+    std::mutex m_;
+    hpcckpt_status status_{};
+};
+
+class Reader : public ReadingThreads {
 public:
     Reader(const char* path, hpcckpt_read_item* items, int fd, int direct_fd)
-        : path_(path), items_(items), fd_(fd), direct_fd_(direct_fd) {}
+        : ReadingThreads(path), items_(items), fd_(fd), direct_fd_(direct_fd) {}
 
     std::vector<Chunk> chunks;  // items in use first, then fresh ones (fresh_begin..)
     std::size_t fresh_begin = 0;
@@ -51,7 +97,6 @@ public:
     std::vector<char> ready;  // per chunk, when populating: its pages are in (guarded by pm_)
     std::atomic<std::size_t> pnext{0};
     bool populate = false;
-    std::atomic<bool> failed{false};
     std::atomic<bool> direct_ok{true};
     std::atomic<std::uint64_t> direct_bytes{0};
     std::atomic<std::uint64_t> buffered_bytes{0};
@@ -89,11 +134,6 @@ public:
             }
             pcv_.notify_all();
         }
-    }
-
-    void first_error(hpcckpt_status* out) {
-        std::lock_guard<std::mutex> g(m_);
-        *out = status_;
     }
 
 private:
@@ -146,30 +186,6 @@ private:
         }
     }
 
-    void fail(int err, const char* op, std::uint64_t offset) {
-        std::lock_guard<std::mutex> g(m_);
-        if (!failed.exchange(true)) hpcckpt_status_set(&status_, err, op, path_, static_cast<std::int64_t>(offset));
-    }
-
-    // pread until `len` bytes arrived; returns the bytes read (short only at EOF), or -1.
-    std::int64_t pread_full(int fd, unsigned char* dst, std::uint64_t off, std::uint64_t len, bool direct) {
-        std::uint64_t got = 0;
-        while (got < len) {
-            ssize_t r = ::pread(fd, dst + got, static_cast<std::size_t>(len - got), static_cast<off_t>(off + got));
-            if (r < 0) {
-                if (errno == EINTR) continue;
-                if (direct && errno == EINVAL && got == 0) return -2;  // this file system wants other alignment
-                fail(errno, direct ? "pread (O_DIRECT)" : "pread", off + got);
-                return -1;
-            }
-            if (r == 0) break;
-            got += static_cast<std::uint64_t>(r);
-            // O_DIRECT reads of whole blocks stop early only at end of file.
-            if (direct && !aligned(got)) break;
-        }
-        return static_cast<std::int64_t>(got);
-    }
-
     // Reads one chunk into dst and leaves its crc32c in *crc. The aligned body goes
     // through O_DIRECT when allowed (straight into dst, or via the thread's bounce
     // buffer when dst is not aligned), the rest through the page cache.
@@ -216,12 +232,9 @@ private:
         return true;
     }
 
-    const char* path_;
     hpcckpt_read_item* items_;
     int fd_;
     int direct_fd_;
-    std::mutex m_;
-    hpcckpt_status status_{};
     std::mutex pm_;
     std::condition_variable pcv_;
     std::atomic<bool> madvise_ok_{true};
@@ -369,15 +382,14 @@ struct RangeSpan {
 constexpr std::uint64_t kSpanGap = 1u << 20;
 constexpr std::size_t kChecksumChunk = 8u << 20;
 
-class RangeChecker {
+class RangeChecker : public ReadingThreads {
 public:
     RangeChecker(const char* path, int fd, int direct_fd, std::uint64_t chunk)
-        : path_(path), fd_(fd), direct_fd_(direct_fd), chunk_(chunk) {}
+        : ReadingThreads(path), fd_(fd), direct_fd_(direct_fd), chunk_(chunk) {}
 
     std::vector<RangePiece> pieces;
     std::vector<RangeSpan> spans;
     std::atomic<std::size_t> next{0};
-    std::atomic<bool> failed{false};
     std::atomic<std::uint64_t> direct_bytes{0};
     std::atomic<std::uint64_t> buffered_bytes{0};
 
@@ -407,42 +419,13 @@ public:
         hpcckpt_aligned_free(buf);
     }
 
-    void first_error(hpcckpt_status* out) {
-        std::lock_guard<std::mutex> g(m_);
-        *out = status_;
-    }
-
 private:
-    void fail(int err, const char* op, std::uint64_t offset) {
-        std::lock_guard<std::mutex> g(m_);
-        if (!failed.exchange(true)) hpcckpt_status_set(&status_, err, op, path_, static_cast<std::int64_t>(offset));
-    }
-
-    // Bytes read from `off` into dst, up to len (short only at end of file), or -1 (failed),
-    // or -2 (O_DIRECT refused for this file: read it through the page cache).
-    std::int64_t pread_upto(int fd, unsigned char* dst, std::uint64_t off, std::uint64_t len, bool direct) {
-        std::uint64_t got = 0;
-        while (got < len) {
-            ssize_t r = ::pread(fd, dst + got, static_cast<std::size_t>(len - got), static_cast<off_t>(off + got));
-            if (r < 0) {
-                if (errno == EINTR) continue;
-                if (direct && errno == EINVAL && got == 0) return -2;
-                fail(errno, direct ? "pread (O_DIRECT)" : "pread", off + got);
-                return -1;
-            }
-            if (r == 0) break;
-            got += static_cast<std::uint64_t>(r);
-            if (direct && !aligned(got)) break;  // end of file
-        }
-        return static_cast<std::int64_t>(got);
-    }
-
     // The span's bytes into buf; *base: the file offset of buf[0].
     bool read_span(unsigned char* buf, const RangeSpan& sp, std::uint64_t* base) {
         if (direct_fd_ >= 0 && direct_ok_.load(std::memory_order_relaxed)) {
             const std::uint64_t lo = sp.lo & ~(kDirectAlign - 1);
             const std::uint64_t hi = (sp.hi + kDirectAlign - 1) & ~(kDirectAlign - 1);
-            std::int64_t r = pread_upto(direct_fd_, buf, lo, hi - lo, true);
+            std::int64_t r = pread_full(direct_fd_, buf, lo, hi - lo, true);
             if (r == -1) return false;
             if (r >= 0) {
                 *base = lo;
@@ -453,7 +436,7 @@ private:
             }
             direct_ok_.store(false, std::memory_order_relaxed);
         }
-        std::int64_t r = pread_upto(fd_, buf, sp.lo, sp.hi - sp.lo, false);
+        std::int64_t r = pread_full(fd_, buf, sp.lo, sp.hi - sp.lo, false);
         if (r < 0) return false;
         *base = sp.lo;
         buffered_bytes.fetch_add(static_cast<std::uint64_t>(r), std::memory_order_relaxed);
@@ -462,13 +445,10 @@ private:
         return false;
     }
 
-    const char* path_;
     int fd_;
     int direct_fd_;
     std::uint64_t chunk_;
     std::atomic<bool> direct_ok_{true};
-    std::mutex m_;
-    hpcckpt_status status_{};
 };
 
 }  // namespace
