@@ -39,6 +39,27 @@ struct Chunk {
 
 bool aligned(std::uint64_t v) { return (v & (kDirectAlign - 1)) == 0; }
 
+// The start of every read call on a caller's descriptor: status and stats cleared, the chunk
+// size (0: `fallback`) rounded up to 4 KiB, and anything but a regular file refused (a FIFO
+// or device would block or never end).
+bool start_call(int fd, const char* path, std::size_t chunk_bytes, std::size_t fallback, std::uint64_t* chunk,
+                hpcckpt_read_stats* stats, hpcckpt_status* st) {
+    hpcckpt_status_clear(st);
+    if (stats != nullptr) *stats = hpcckpt_read_stats{0, 0, 0, 0, 0};
+    const std::uint64_t c = chunk_bytes == 0 ? fallback : chunk_bytes;
+    *chunk = (c + kDirectAlign - 1) & ~(kDirectAlign - 1);
+    struct stat sb;
+    if (::fstat(fd, &sb) != 0) {
+        hpcckpt_status_set(st, errno, "fstat", path, -1);
+        return false;
+    }
+    if (!S_ISREG(sb.st_mode)) {
+        hpcckpt_status_set(st, EINVAL, "open (not a regular file)", path, -1);
+        return false;
+    }
+    return true;
+}
+
 // What the reading threads of one call share: the first failure (kept for the caller) and
 // the pread loop that records it.
 class ReadingThreads {
@@ -283,19 +304,8 @@ extern "C" int hpcckpt_read_items(const char* path, hpcckpt_read_item* items, si
 extern "C" int hpcckpt_read_items_fd(int fd, const char* path, hpcckpt_read_item* items, size_t n,
                                      unsigned threads, size_t chunk_bytes, int direct, unsigned populate,
                                      hpcckpt_read_stats* stats, hpcckpt_status* st) {
-    hpcckpt_status_clear(st);
-    if (stats != nullptr) *stats = hpcckpt_read_stats{0, 0, 0, 0, 0};
-    std::uint64_t chunk = chunk_bytes == 0 ? kDefaultChunk : chunk_bytes;
-    chunk = (chunk + kDirectAlign - 1) & ~(kDirectAlign - 1);
-    struct stat sb;
-    if (::fstat(fd, &sb) != 0) {
-        hpcckpt_status_set(st, errno, "fstat", path, -1);
-        return -1;
-    }
-    if (!S_ISREG(sb.st_mode)) {  // a FIFO or device would block or never end
-        hpcckpt_status_set(st, EINVAL, "open (not a regular file)", path, -1);
-        return -1;
-    }
+    std::uint64_t chunk = 0;
+    if (!start_call(fd, path, chunk_bytes, kDefaultChunk, &chunk, stats, st)) return -1;
     const int direct_fd = direct != 0 ? reopen_direct(fd) : -1;
     Reader r(path, items, fd, direct_fd);
     r.chunk_bytes = chunk;
@@ -456,19 +466,8 @@ private:
 extern "C" int hpcckpt_checksum_ranges_fd(int fd, const char* path, const uint64_t* offsets, const uint64_t* lens,
                                           uint32_t* crcs, size_t n, unsigned threads, size_t chunk_bytes,
                                           int direct, hpcckpt_read_stats* stats, hpcckpt_status* st) {
-    hpcckpt_status_clear(st);
-    if (stats != nullptr) *stats = hpcckpt_read_stats{0, 0, 0, 0, 0};
-    std::uint64_t chunk = chunk_bytes == 0 ? kChecksumChunk : chunk_bytes;
-    chunk = (chunk + kDirectAlign - 1) & ~(kDirectAlign - 1);
-    struct stat sb;
-    if (::fstat(fd, &sb) != 0) {
-        hpcckpt_status_set(st, errno, "fstat", path, -1);
-        return -1;
-    }
-    if (!S_ISREG(sb.st_mode)) {
-        hpcckpt_status_set(st, EINVAL, "open (not a regular file)", path, -1);
-        return -1;
-    }
+    std::uint64_t chunk = 0;
+    if (!start_call(fd, path, chunk_bytes, kChecksumChunk, &chunk, stats, st)) return -1;
     for (std::size_t i = 0; i < n; ++i) {
         crcs[i] = 0;
         if (lens[i] > UINT64_MAX - offsets[i]) {
