@@ -115,6 +115,7 @@ def preempt_at(cluster: SlurmCluster, job: str, run_dir: Path, run: int, *, step
     cluster.wait_until(lambda: len(events(cluster, run_dir, "criu_dump")) > run, 120, f"dump of run {run}")
 
 
+@pytest.mark.long(150)
 def test_preempted_twice_and_timed_out_resumes_each_time_from_that_stop(
         slurm_cluster: SlurmCluster, criu_ok: None, train: Path, reference: dict,  # noqa: F811
         tmp_path: Path) -> None:
@@ -152,6 +153,7 @@ def test_preempted_twice_and_timed_out_resumes_each_time_from_that_stop(
     assert f"done {STEPS}" in text and "step 1 " in text
 
 
+@pytest.mark.long(120)
 def test_preemption_without_grace_loses_at_most_one_dump_interval(
         slurm_cluster: SlurmCluster, criu_ok: None, train: Path, reference: dict,  # noqa: F811
         tmp_path: Path) -> None:

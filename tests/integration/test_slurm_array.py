@@ -52,6 +52,7 @@ def test_array_task_with_refused_requeue_comes_back_as_the_same_task(
     assert f" {task} " in slurm_cluster.hpcckpt("history", str(run_dir / "ckpt")).stdout
 
 
+@pytest.mark.long(210)
 def test_history_of_an_array_task_names_it_and_each_cause(
         slurm_cluster: SlurmCluster, tmp_path: Path, reference_digest: Callable[[int], str]) -> None:
     # Task 1 of an array in `low`: first an operator's `scontrol requeue`, then a preemption.
@@ -88,6 +89,7 @@ def test_history_of_an_array_task_names_it_and_each_cause(
     assert history["finished"] and history["lost_steps_total"] == 0
 
 
+@pytest.mark.long(250)
 def test_a_duplicate_of_an_array_task_is_superseded_in_history(
         slurm_cluster: SlurmCluster, tmp_path: Path, reference_digest: Callable[[int], str]) -> None:
     # A second job on the directory of a running array task (as a successor and a requeued

@@ -56,6 +56,7 @@ def _wait_progress(cluster: SlurmCluster, job: str, run_dir: Path, steps: int) -
                        f"{steps} more DDP steps")
 
 
+@pytest.mark.long(115)
 def test_two_node_ddp_signalled_and_preempted_resumes_identically(
         slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     engine = "concurrent"

@@ -97,6 +97,7 @@ def _assert_like_reference(run_dir: Path, reference: Path) -> None:
                             f"rank {r} final state")
 
 
+@pytest.mark.long(120)
 def test_rank_killed_restarts_in_the_allocation_from_the_partner_copy_then_preempted_resumes_from_shared(
         slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     reference, run_dir, job, out = _submit(slurm_cluster, tmp_path, "torchrun", TOTAL, "--step-sleep 0.3",

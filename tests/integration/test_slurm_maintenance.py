@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 
+@pytest.mark.long(145)
 def test_maintenance_reservation_triggers_checkpoint_and_requeue(
         slurm_cluster: SlurmCluster, tmp_path: Path, reference_digest: Callable[[int], str]) -> None:
     steps = 150

@@ -55,6 +55,7 @@ def test_preempted_by_high_priority_job_resumes_identically(
     _check_run(slurm_cluster, job, run_dir, reference_digest(steps), 1)
 
 
+@pytest.mark.long(160)
 def test_three_preemptions_in_one_run(
         slurm_cluster: SlurmCluster, tmp_path: Path, reference_digest: Callable[[int], str]) -> None:
     # Training goes on while a preemption is on its way (up to a poll interval plus

@@ -24,6 +24,7 @@ STEPS = 70
 assert STEPS * STEP_SLEEP_S > TIME_LIMIT_S, "the job must not fit in one allocation"
 
 
+@pytest.mark.long(105)
 def test_time_limit_warning_checkpoints_requeues_and_resumes_identically(
         slurm_cluster: SlurmCluster, tmp_path: Path, reference_digest: Callable[[int], str]) -> None:
     steps = STEPS

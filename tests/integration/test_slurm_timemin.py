@@ -76,6 +76,7 @@ def _allocations(cluster: SlurmCluster, job: str, timeout_s: float, out: Path) -
     raise AssertionError(f"job {job} did not end within {timeout_s:.0f}s; seen {runs}\n{tail}")
 
 
+@pytest.mark.long(150)
 def test_time_min_shorter_than_lead_trains_most_of_every_allocation(
         slurm_cluster: SlurmCluster, tmp_path: Path, reference_digest: Callable[[int], str]) -> None:
     run_dir = tmp_path / "run"

@@ -74,6 +74,7 @@ def _finished(cluster: SlurmCluster, run_dir: Path) -> bool:
     return any(e["event"] == "stop" and e["reason"] == "done" for e in cluster.read_ledger(run_dir / "ckpt"))
 
 
+@pytest.mark.long(115)
 def test_slurm_timeout_kill_comes_back(
         slurm_cluster: SlurmCluster, tmp_path: Path, reference_digest: Callable[[int], str]) -> None:
     run_dir = tmp_path / "run"

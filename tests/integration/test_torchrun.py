@@ -38,6 +38,7 @@ def _reference(out: Path) -> Path:
     return out
 
 
+@pytest.mark.long(130)
 def test_torchrun_two_nodes_preempted_resumes_identically(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     reference = _reference(tmp_path / "reference")
     run_dir = tmp_path / "run"
