@@ -59,8 +59,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if workers < 2:
         return
     # The longest Slurm tests (``long(seconds)``) first, longest first: each worker gets its
-    # share of them, started early and staggered (worker k's j-th at 5k + 25j % of its queue),
-    # so that none of them is what the run waits for at its end.
+    # share of them, started early and staggered (worker k's j-th of L at 4k + 50j/L % of its
+    # queue), so that none of them is what the run waits for at its end.
     waits = sorted((item for item in items if _weight(item) == 0), key=lambda i: -_long_s(i))
     rest = [item for item in items if _weight(item) != 0]
     order: list[pytest.Item] = []
@@ -68,7 +68,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         mine_waits, mine_rest = waits[k::workers], rest[k::workers]
         longs = sum(1 for item in mine_waits if _long_s(item))
         # in the first 70% of the queue: the last part is short tests, which stealing evens out
-        placed = [((0.05 * k + 0.25 * n) if n < longs else 0.7 * n / len(mine_waits), 0, n)
+        placed = [((0.04 * k + 0.5 * n / longs) if n < longs else 0.7 * n / len(mine_waits), 0, n)
                   for n in range(len(mine_waits))]
         placed += [(n / len(mine_rest), 1, n) for n in range(len(mine_rest))]
         for _, kind, n in sorted(placed):

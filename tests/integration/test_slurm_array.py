@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 
+@pytest.mark.long(80)
 def test_array_task_with_refused_requeue_comes_back_as_the_same_task(
         slurm_cluster: SlurmCluster, tmp_path: Path, reference_digest: Callable[[int], str]) -> None:
     steps = 40

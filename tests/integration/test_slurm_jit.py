@@ -58,6 +58,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return built_once(tmp_path_factory, "slurm-jit-reference", build)
 
 
+@pytest.mark.long(85)
 @pytest.mark.parametrize(("how", "victim", "at"), [("kill", 2, 6), ("kill", 0, 4), ("stop", 3, 5)])
 def test_failed_rank_jit_requeue_and_identical_resume(slurm_cluster: SlurmCluster, tmp_path: Path, reference: Path,
                                                       how: str, victim: int, at: int) -> None:

@@ -133,6 +133,7 @@ def test_rank_killed_restarts_in_the_allocation_from_the_partner_copy_then_preem
     _assert_like_reference(run_dir, reference)
 
 
+@pytest.mark.long(75)
 def test_killed_without_grace_the_epilog_scavenges_the_node_local_step_and_the_next_allocation_resumes_it(
         slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     """The ranks ignore TERM as a stop signal (HPCCKPT_SIGNALS=SIGUSR2), so the requeue kills

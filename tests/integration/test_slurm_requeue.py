@@ -45,6 +45,7 @@ def _finished_after_comeback(cluster: SlurmCluster, job: str, run_dir: Path,
     return last, requeue
 
 
+@pytest.mark.long(88)
 def test_cancel_mode_preemption_comes_back(
         slurm_cluster: SlurmCluster, tmp_path: Path, reference_digest: Callable[[int], str]) -> None:
     _ensure_cancel_partition(slurm_cluster)

@@ -24,6 +24,7 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 HERE = Path(__file__).resolve().parent
 
 
+@pytest.mark.long(70)
 def test_time_limit_too_short_for_a_slow_save_is_refused_with_figures(
         slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"

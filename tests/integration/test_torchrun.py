@@ -76,6 +76,7 @@ def test_torchrun_two_nodes_preempted_resumes_identically(slurm_cluster: SlurmCl
     assert slurm_cluster.job(job)["Restarts"] == "1", "exactly one requeue for one preemption"
 
 
+@pytest.mark.long(95)
 def test_torchrun_preemptible_demo_two_nodes_preempted_resumes_identically(
         slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     """The @preemptible path (hpcckpt.demo.train) with ranks from torchrun's environment."""
