@@ -104,12 +104,11 @@ from ..cluster import detect
 from ..errors import CheckpointCorrupt, CriuError, CudaCheckpointError, HpcckptError, NoCheckpoint
 from ..exitcodes import EXIT_REQUEUE
 from ..lifecycle import identity, requeue
-from ..lifecycle.history import record_superseded
 from ..lifecycle.ledger import Ledger, process_start_time
 from ..policy import bounded_lead_s, warning_wait_s
 from ..proc import tree as proctree
 from ..store.commit import Transaction, atomic_write
-from ..store.lock import WriterBusy, WriterLease, writer_lock
+from ..store.lock import writer_lock
 from ..store.manifest import build_image
 from . import images, ops
 from .locate import Criu, find_criu
@@ -175,7 +174,7 @@ class RunOptions:
 @dataclass(kw_only=True)
 class CriuOutcome:
     exit_code: int
-    action: str  # "exited" | "requeue" | "restore-failed" | "superseded"
+    action: str  # "exited" | "requeue" | "restore-failed"
     restored_from: str | None = None
     images: list[str] = field(default_factory=list)
     detail: str = ""
@@ -258,37 +257,13 @@ class Supervisor:
 
     def _run(self) -> CriuOutcome:
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._install_signals()
         if self.opts.mode == "app":
-            self._install_signals()
-            return self._run_app()
-        # One writer of the images at a time, as in-process mode: a duplicate of this job
-        # (a successor and a requeued original both started) would restore the same image
-        # twice and run on beside it. Under Slurm the one without the lease leaves (status 0).
-        me = identity.current()
-        lease = WriterLease(self.root, job_id=me.raw_job_id, restart=me.restart, job=me.job_id)
-        try:
-            lease.acquire()
-        except WriterBusy as exc:
-            if not me.in_slurm:
-                raise
-            record_superseded(self.ledger, holder=str(exc), holder_job_id=exc.holder_job_id)
-            self.log(f"superseded: {exc}; this run leaves without starting the job (status 0)")
-            self.outcome = CriuOutcome(exit_code=0, action="superseded", detail=str(exc))
+            proc = subprocess.Popen(list(self.opts.cmd))
+            job = ops.Job(init_pid=proc.pid, app_pid=proc.pid, wait_pid=proc.pid, stdout=Path("/dev/stdout"),
+                          stderr=Path("/dev/stderr"), proc=proc)
+            self.outcome.exit_code = self._loop(job, dumps=False)
             return self.outcome
-        try:
-            self._install_signals()
-            return self._run_criu()
-        finally:
-            lease.release()
-
-    def _run_app(self) -> CriuOutcome:
-        proc = subprocess.Popen(list(self.opts.cmd))
-        job = ops.Job(init_pid=proc.pid, app_pid=proc.pid, wait_pid=proc.pid, stdout=Path("/dev/stdout"),
-                      stderr=Path("/dev/stderr"), proc=proc)
-        self.outcome.exit_code = self._loop(job, dumps=False)
-        return self.outcome
-
-    def _run_criu(self) -> CriuOutcome:
         try:
             restored = self._restore_or_start()
         except ops.JobExited as done:  # a job that ends at once is over, never started again
