@@ -462,12 +462,15 @@ class ConcurrentEngine(Engine):
                slot: Slot, tensors: dict[str, torch.Tensor], started: float) -> _Job:
         """Make the rank file and stage the save into ``slot``: all at once when nothing is on a
         GPU (``_stage_host``), else tensor by tensor by route (``_stage_each``)."""
-        assert self._staging is not None
-        if self._staging.key[1] is None and layout.template is not None:
+        if self._all_at_once(layout):
             layout.create(tmp / fname)  # its metadata is written by the save's writers
             return self._stage_host(flat, step, handle, tmp, fname, layout, slot, tensors, started)
         layout.materialise(tmp / fname)
         return self._stage_each(flat, step, handle, tmp, fname, layout, slot, tensors, started)
+
+    def _all_at_once(self, layout: Layout) -> bool:
+        """Whether this save is staged by ``_stage_host`` (nothing on a GPU, a metadata template)."""
+        return self._staging is not None and self._staging.key[1] is None and layout.template is not None
 
     def _stage_each(self, flat: Flat, step: int, handle: SaveHandle, tmp: Path, fname: str, layout: Layout,
                     slot: Slot, tensors: dict[str, torch.Tensor], started: float) -> _Job:

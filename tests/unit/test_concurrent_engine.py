@@ -309,6 +309,8 @@ def test_cpu_sources_are_staged_by_save_when_a_device_copy_is_pending(
     rig.engine.wait_prepared(timeout=60)
     want = rig.snapshot(1)
     monkeypatch.setattr(concurrent, "_routes", functools.partial(concurrent._routes, gpu_pending=True))
+    # staged tensor by tensor, by those routes (a host state is otherwise staged all at once)
+    monkeypatch.setattr(concurrent.ConcurrentEngine, "_all_at_once", lambda self, layout: False)
     handle = rig.engine.save(rig.state.capture(step=1), 1)
     # What optimizer.step() does on the host while a GPU job's pre-hook returns at once.
     with torch.no_grad():
