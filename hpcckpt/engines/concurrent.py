@@ -397,7 +397,7 @@ class ConcurrentEngine(Engine):
         if possible; main thread. The current one is recognised by comparing lists (C loops),
         not by building the layout key of tens of thousands of tensors at every save."""
         st = self._staging
-        if st is not None and st.key[1] is None and st.matches(tensors):
+        if st is not None and st.matches(tensors):  # matches() also requires a host-only staging
             return st
         key = _specs(tensors)
         if st is None or st.key != key:
