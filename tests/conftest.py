@@ -33,6 +33,26 @@ def _isolated_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
+_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGCONT")
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored() -> Iterator[None]:
+    """Each test starts with the stop signals' handlers the worker started with: one that left
+    a recorder installed (it raised before its Checkpointer closed) must not change what a
+    later test on the same worker finds."""
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {name: signal.getsignal(getattr(signal, name)) for name in _STOP_SIGNALS}
+    yield
+    for name, handler in before.items():
+        if signal.getsignal(getattr(signal, name)) is not handler and handler is not None:
+            signal.signal(getattr(signal, name), handler)
+
+
 def _weight(item: pytest.Item) -> int:
     """Long first: real-Slurm tests wait on Slurm's clocks, `slow` ones run whole trainings."""
     marks = {m.name for m in item.iter_markers()}

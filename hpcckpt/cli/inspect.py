@@ -72,6 +72,7 @@ def _tensor_line(name: str, dtype: str, shape: Any, nbytes: int, tail: str) -> s
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..store.manifest import as_records
     info = _info(directory(args.dir, option="DIR"), args.step)
     m = info.manifest
     if m is None or info.status != "committed":
@@ -110,5 +111,5 @@ def run(args: argparse.Namespace) -> int:
     lines.append(f"  written: {per_rank}; in all {human_bytes(view['written_total'])}; state "
                  f"{human_bytes(view['state_bytes'])}; written/state "
                  + (f"{ratio:.2f}" if ratio is not None else "n/a"))
-    emit(args, {"step": m["step"], "path": str(info.path), "manifest": m, **view}, "\n".join(lines))
+    emit(args, {"step": m["step"], "path": str(info.path), "manifest": as_records(m), **view}, "\n".join(lines))
     return 0

@@ -44,6 +44,7 @@ from ..errors import ConfigError
 from ..exitcodes import EXIT_REQUEUE
 from ..lifecycle import current, requeue
 from ..store import catalog, torchfile
+from ..store.manifest import record_in, record_out
 from . import rendezvous, writer
 from .capture import (Boundary, CudaWaitTimeout, StepGate, capture_boundary, capture_replicated, finish,
                       fingerprint, replication_problem, to_host)
@@ -323,7 +324,7 @@ class JitGuard:
                        state_bytes=sum(t.numel() * t.element_size() for t in (*replicated.values(),
                                                                               *b.tensors.values())),
                        fp=fp,
-                       local=rec, trees={k: v for k, v in b.trees.items() if k != "wall"},
+                       local=record_out(rec), trees={k: v for k, v in b.trees.items() if k != "wall"},
                        boundary_at=b.trees.get("wall"))
         rendezvous.write_json(d / f"alive-{self.rank}.json", doc)
         grace = self.timeout_s + self.interval_s + 3.0
@@ -406,7 +407,7 @@ class JitGuard:
                 for r in decision["holders"]:
                     if r != self.rank:
                         x = docs[r]
-                        sources[r] = (torchfile.read(d / f"local-{r}.pt", x["local"]), x["trees"])
+                        sources[r] = (torchfile.read(d / f"local-{r}.pt", record_in(x["local"])), x["trees"])
                 source_of = {int(r): int(s) for r, s in decision["source_of"].items()}
                 assert self.gate is not None
                 replicated = to_host(replicated, list(self.gate.events.values()) + b.events)

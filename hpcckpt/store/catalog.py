@@ -17,6 +17,7 @@ from . import rankfile
 from .entry import TensorEntry
 from .lock import reader_lock
 from .manifest import validate
+from .tensortable import TensorTable
 
 # Exactly the names ``step_name`` writes: ASCII digits, no leading zero, nothing after
 # (``\Z``, not ``$``, which also matches before a trailing newline). Any other name
@@ -88,7 +89,12 @@ def vanished(info: CheckpointInfo) -> bool:
 
 def rank_entries(manifest: dict[str, Any], rank: int) -> tuple[str, dict[str, TensorEntry]]:
     rec = manifest["ranks"][str(rank)]
-    return rec["file"], {n: TensorEntry.from_json(n, e) for n, e in rec.get("tensors", {}).items()}
+    tensors = rec.get("tensors", {})
+    if isinstance(tensors, TensorTable):
+        offsets = tensors.offsets or [0] * len(tensors.names)
+        return rec["file"], {n: TensorEntry(n, d, tuple(s), o, b, c) for n, d, s, o, b, c in zip(
+            tensors.names, tensors.dtypes, tensors.shapes, offsets, tensors.nbytes, tensors.crcs)}
+    return rec["file"], {n: TensorEntry.from_json(n, e) for n, e in tensors.items()}
 
 
 def _dir_step(path: Path) -> int | None:

@@ -10,8 +10,10 @@ A directory without a manifest, or whose checksums fail, does not exist for load
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import gc
 import json
 import os
 import re
@@ -27,7 +29,7 @@ from typing import Any, Iterator
 from .._core import crc32c
 from ..errors import CheckpointCorrupt
 from ..fsio import write_all
-from .manifest import safe_relpath
+from .manifest import decode, encode, safe_relpath
 
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
@@ -148,7 +150,7 @@ def seal_manifest(manifest: dict[str, Any]) -> bytes:
     of 65,536 tensors that re-encoding cost as much as parsing it). Manifests written before
     this seal carry the crc32c of their canonical JSON (sorted keys, no spaces) instead, which
     ``read_manifest`` still checks."""
-    body = {k: v for k, v in manifest.items() if k != SEAL_KEY}
+    body = encode({k: v for k, v in manifest.items() if k != SEAL_KEY})
     if not body:
         raise ValueError("a manifest has members besides its seal")
     head = readable_json(body).encode()
@@ -176,6 +178,21 @@ def readable_json(obj: dict[str, Any]) -> str:
         else:
             lines.append(f" {json.dumps(key)}: {compact(value)}")
     return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector held off while a large acyclic tree is built (a manifest
+    of 65,536 tensors is ~400,000 objects: parsing it with the collector on took 0.20 s, 0.13 s
+    without, the difference being full passes over objects that cannot form a cycle). Left
+    as it was when it was already off."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
@@ -208,13 +225,18 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
     if cached is not None:
         return cached
     try:
-        data = json.loads(raw)
+        with collector_paused():
+            data = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, absurd nesting or numbers
         raise CheckpointCorrupt(f"{path} is not valid JSON ({str(exc)[:200]}); the manifest is damaged") from None
     if not isinstance(data, dict) or SEAL_KEY not in data:
         raise CheckpointCorrupt(f"{path} has no manifest_crc32c field; not an hpcckpt manifest")
     if not _sealed_ok(raw, data):
         raise CheckpointCorrupt(f"{path} fails its own checksum: the manifest is damaged")
+    try:
+        decode(data)
+    except CheckpointCorrupt as exc:
+        raise CheckpointCorrupt(f"{path}: {exc}") from None
     _remember(key, data)
     return data
 

@@ -24,6 +24,7 @@ from ..errors import CheckpointCorrupt, ConfigError
 from .commit import open_checked
 from .entry import ALIGN, TensorEntry, dtype_name, raw_bytes
 from .staged_read import read_staged
+from .tensortable import TensorTable
 
 ALIGN_THRESHOLD = 64 << 10
 
@@ -317,10 +318,7 @@ def verify_tensors(path: Path, table: Mapping[str, Mapping[str, Any]]) -> list[s
     comparison: the cost is the bytes read plus well under a microsecond a tensor, however
     many tensors the file holds. O_DIRECT unless half the file is already in the page cache.
     """
-    names = [n for n, e in table.items() if int(e["nbytes"])]
-    offsets = np.fromiter((int(table[n].get("offset", 0)) for n in names), dtype=np.uint64, count=len(names))
-    lengths = np.fromiter((int(table[n]["nbytes"]) for n in names), dtype=np.uint64, count=len(names))
-    want = np.fromiter((int(table[n].get("crc32c", 0)) for n in names), dtype=np.uint32, count=len(names))
+    names, offsets, lengths, want = TensorTable.from_records(table).arrays()
     try:
         fd = open_checked(path, min_size=int((offsets + lengths).max()) if names else 0)
     except CheckpointCorrupt as exc:

@@ -16,6 +16,7 @@ import torch
 from ..errors import ConfigError
 from .entry import ALIGN, TensorEntry
 from .hdf5 import plan_file
+from .tensortable import TensorTable
 
 # HDF5 metadata is ~0.5-1 KB a dataset: 256 MiB is far beyond any model's state (and held
 # in memory for the run); a file with more is planned afresh at each save.
@@ -106,8 +107,10 @@ class Layout:
         self._spec_names = [n for n, _, _ in self.specs]
         self._spec_dtypes = [d for _, d, _ in self.specs]
         self._spec_shapes = [s for _, _, s in self.specs]
-        # Each tensor's manifest record but for its crc32c (``record``).
-        self._records = [(n, self.entries[n].to_json()) for n, _, _ in self.specs]
+        # The manifest's tensor table but for the crc32c column (``record``); never changed.
+        rows = [self.entries[n] for n, _, _ in self.specs]
+        self._table = (self._spec_names, [e.dtype for e in rows], [list(e.shape) for e in rows],
+                       [e.nbytes for e in rows], [e.offset for e in rows])
         # The template's segments as one buffer and its index arrays (``template_items``).
         self._template_items: tuple[bytes, np.ndarray, np.ndarray, np.ndarray] | None = None
         if self.template is not None:
@@ -135,9 +138,11 @@ class Layout:
         write beside the tensors (``create`` made the file); None when there is no template."""
         return self._template_items
 
-    def record(self, crcs: Mapping[str, int]) -> dict[str, dict[str, object]]:
-        """Every tensor's manifest record with its crc32c (0 for a tensor without bytes)."""
-        return {n: {**rec, "crc32c": crcs.get(n, 0)} for n, rec in self._records}
+    def record(self, crcs: Mapping[str, int]) -> TensorTable:
+        """The manifest's tensor table with these crc32c (0 for a tensor without bytes); its
+        other columns are this layout's own lists, shared by every save's table."""
+        names, dtypes, shapes, nbytes, offsets = self._table
+        return TensorTable(names, dtypes, shapes, nbytes, list(map(crcs.get, names, [0] * len(names))), offsets)
 
     def create(self, path: Path) -> None:
         """Create ``path`` at this layout's size, all holes: its metadata is then written by

@@ -22,14 +22,19 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import re
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, Mapping
 
 from ..errors import CheckpointCorrupt
+from .tensortable import TableError, TensorTable
 
 FORMATS = ("hdf5", "torch")
-FORMAT_V1, FORMAT_V2 = "hpcckpt/1", "hpcckpt/2"  # manifest formats (v2: distributed tensors, ``placement``)
+# Manifest formats. v2: distributed tensors (``placement``); v3: v2 with each rank's tensor
+# records as columns (``tensor_table``, ``store.tensortable``).
+FORMAT_V1, FORMAT_V2, FORMAT_V3 = "hpcckpt/1", "hpcckpt/2", "hpcckpt/3"
+DISTRIBUTED_FORMATS = (FORMAT_V2, FORMAT_V3)  # those that record the distributed layout
 MAX_WORLD_SIZE = 1 << 20
 MAX_DIMS = 64
 _U32 = 0xFFFFFFFF
@@ -143,27 +148,46 @@ def _tensor_explained(name: str, e: Any, fmt: str, file_bytes: int, where: str) 
                           f"{file_bytes}-byte file")
 
 
-def tensor_refs(meta: Any, out: set[str], depth: int = 0) -> set[str]:
-    """Every tensor name the metadata tree refers to (``{"__tensor__": name}``)."""
-    if depth > 200:
-        raise Invalid("metadata tree is nested more than 200 levels deep")
-    if isinstance(meta, list):
-        for v in meta:
-            if isinstance(v, (dict, list)):
-                tensor_refs(v, out, depth + 1)
-    elif isinstance(meta, dict):
-        for key in _REF_KEYS:
-            if key in meta:
-                if not isinstance(meta[key], str):
-                    raise Invalid(f"metadata refers to tensor {meta[key]!r}, not a name")
-                out.add(meta[key])
-        if "__dtype__" in meta:
-            _itemsize(meta["__dtype__"], "metadata value")
-        if "__dict__" in meta and not all(isinstance(kv, list) and len(kv) == 2 for kv in meta["__dict__"]):
-            raise Invalid("metadata '__dict__' entry is not a list of [key, value] pairs")
-        for v in meta.values():
-            if isinstance(v, (dict, list)):  # a scalar holds no reference: no call for it
-                tensor_refs(v, out, depth + 1)
+def tensor_refs(meta: Any, out: set[str]) -> set[str]:
+    """Every tensor name the metadata tree refers to (``{"__tensor__": name}``), added to ``out``.
+
+    Level by level, without recursion (a tree of 65,536 tensors is ~100,000 nodes); a tensor's
+    own node, by far the most common, is taken in one look."""
+    level = [meta]
+    depth = 0
+    while level:
+        if depth > 200:
+            raise Invalid("metadata tree is nested more than 200 levels deep")
+        below: list[Any] = []
+        push = below.append
+        for node in level:
+            if type(node) is list:
+                for v in node:
+                    if type(v) is dict or type(v) is list:
+                        push(v)
+                continue
+            if type(node) is not dict:
+                continue
+            if len(node) == 1 and "__tensor__" in node:
+                ref = node["__tensor__"]
+                if type(ref) is not str:
+                    raise Invalid(f"metadata refers to tensor {ref!r}, not a name")
+                out.add(ref)
+                continue
+            for key in _REF_KEYS:
+                if key in node:
+                    if not isinstance(node[key], str):
+                        raise Invalid(f"metadata refers to tensor {node[key]!r}, not a name")
+                    out.add(node[key])
+            if "__dtype__" in node:
+                _itemsize(node["__dtype__"], "metadata value")
+            if "__dict__" in node and not all(isinstance(kv, list) and len(kv) == 2 for kv in node["__dict__"]):
+                raise Invalid("metadata '__dict__' entry is not a list of [key, value] pairs")
+            for v in node.values():
+                if type(v) is dict or type(v) is list:  # a scalar holds no reference: not queued
+                    push(v)
+        level = below
+        depth += 1
     return out
 
 
@@ -188,13 +212,36 @@ def _rank(rank: int, rec: Any, step: int, files: Mapping[str, Any], shared: Mapp
     fmt = rec.get("format")
     if fmt not in FORMATS:
         raise Invalid(f"{where} has format {fmt!r}; known formats: {', '.join(FORMATS)}")
-    tensors = _dict(rec.get("tensors"), f"{where} tensors")
     file_bytes = files[fname]["bytes"]
-    for name, e in tensors.items():
-        _tensor(name, e, fmt, file_bytes, where)
+    tensors = rec.get("tensors")
+    if isinstance(tensors, TensorTable):
+        _table(tensors, fmt, file_bytes, where)
+    else:
+        tensors = _dict(tensors, f"{where} tensors")
+        for name, e in tensors.items():
+            _tensor(name, e, fmt, file_bytes, where)
     if fmt == "torch" or "crc32c" in files[fname]:  # a file read whole: no bigger than what it holds
         _bounded(fname, file_bytes, tensors, fmt, where)
     _meta(rec.get("meta"), step, tensors, where, shared)
+
+
+def _table(t: TensorTable, fmt: str, file_bytes: int, where: str) -> None:
+    """A rank's tensor table: names, then every row in a few passes (``TensorTable.sound``);
+    a table that fails them is checked row by row to name the first bad one (a dtype torch
+    knows but ``ITEMSIZE`` does not passes there)."""
+    if not all(type(n) is str for n in t.names):
+        bad = next(n for n in t.names if type(n) is not str)
+        raise Invalid(f"{where} tensor table names a tensor {bad!r}, not a string")
+    if len(set(t.names)) != len(t.names):
+        seen: set[str] = set()
+        twice = next(n for n in t.names if n in seen or seen.add(n))  # type: ignore[func-returns-value]
+        raise Invalid(f"{where} tensor table lists tensor {twice!r} twice")
+    if t.sound(ITEMSIZE, file_bytes=file_bytes, offsets=fmt == "hdf5", max_dims=MAX_DIMS, u32=_U32):
+        return
+    if fmt == "hdf5" and t.offsets is None and t.names:
+        raise Invalid(f"{where} tensor table of an HDF5 file has no offsets")
+    for i, name in enumerate(t.names):
+        _tensor(name, t.record(i), fmt, file_bytes, where)
 
 
 ARCHIVE_SLACK_BYTES = 1 << 20  # a rank file's bytes beyond its tensors': headers, pickle, alignment
@@ -205,7 +252,11 @@ def _bounded(fname: str, file_bytes: int, tensors: Mapping[str, Any], fmt: str, 
     """A rank file that is read whole (whole-file crc32c) is at most its tensors' bytes plus
     bounded overhead: verify and a resume stay proportional to the bytes the manifest lists,
     whatever size a crafted manifest gives a (sparse) file."""
-    if fmt == "torch":
+    if isinstance(tensors, TensorTable):
+        offsets = tensors.offsets or [0] * len(tensors.nbytes)
+        held = (sum(tensors.nbytes) if fmt == "torch"
+                else max(map(operator.add, offsets, tensors.nbytes), default=0))
+    elif fmt == "torch":
         held = sum(int(e["nbytes"]) for e in tensors.values())
     else:
         held = max((int(e["offset"]) + int(e["nbytes"]) for e in tensors.values()), default=0)
@@ -244,7 +295,7 @@ def build(*, step: int, engine: str, job: Mapping[str, Any], user: Mapping[str, 
     if files is None:
         files = {rec["file"]: rec["file_info"] for rec in records if "file_info" in rec}
     return {
-        "format": FORMAT_V2,
+        "format": FORMAT_V3,
         "step": step,
         "world_size": len(records),
         "engine": engine,
@@ -281,10 +332,11 @@ def validate(manifest: Mapping[str, Any], *, step: int | None) -> None:
         detail = (f" (missing {missing[:5]})" if missing else "") + (f" (unexpected {extra[:5]})" if extra else "")
         raise Invalid(f"manifest for {world} ranks has records for {sorted(ranks, key=str)[:5]}{detail}")
     fmt = manifest.get("format", FORMAT_V1)
-    if fmt not in (FORMAT_V1, FORMAT_V2):
-        raise Invalid(f"manifest format {fmt!r} is not one this version reads ({FORMAT_V1}, {FORMAT_V2}); "
+    if fmt not in (FORMAT_V1, *DISTRIBUTED_FORMATS):
+        raise Invalid(f"manifest format {fmt!r} is not one this version reads "
+                      f"({', '.join((FORMAT_V1, *DISTRIBUTED_FORMATS))}); "
                       "upgrade hpcckpt")
-    shared = _dict(manifest.get("shared", {}), "manifest shared") if fmt == FORMAT_V2 else {}
+    shared = _dict(manifest.get("shared", {}), "manifest shared") if fmt in DISTRIBUTED_FORMATS else {}
     for r in range(world):
         _rank(r, ranks[str(r)], m_step, files, shared)
     for name, spec in shared.items():
@@ -325,3 +377,61 @@ def _shared(name: str, spec: Any, ranks: Mapping[str, Any], world: int) -> None:
     problem = tiling_problem(spec)
     if problem:
         raise Invalid(f"{what}: {problem}")
+
+
+def record_out(rec: dict[str, Any]) -> dict[str, Any]:
+    """A rank record as JSON carries it (on disk, and between ranks at a commit): its
+    ``tensors`` (records or a ``TensorTable``) as the ``tensor_table`` columns. A copy."""
+    if "tensors" not in rec:
+        return rec
+    out = {k: v for k, v in rec.items() if k != "tensors"}
+    out["tensor_table"] = TensorTable.from_records(rec["tensors"]).columns()
+    return out
+
+
+def record_in(rec: dict[str, Any], where: str = "rank record") -> dict[str, Any]:
+    """``record_out`` undone, in place: ``tensor_table`` becomes ``tensors``, a ``TensorTable``;
+    ``Invalid`` when the table is not columns of one length."""
+    if isinstance(rec, dict) and "tensor_table" in rec:
+        if "tensors" in rec:
+            raise Invalid(f"{where} has both 'tensors' and 'tensor_table'")
+        try:
+            rec["tensors"] = TensorTable.from_columns(rec.pop("tensor_table"))
+        except TableError as exc:
+            raise Invalid(f"{where} tensor table {exc}") from None
+    return rec
+
+
+def decode(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A parsed manifest as the code reads it (``record_in`` of every rank record). In place;
+    what the columns hold is ``validate``'s to check."""
+    ranks = manifest.get("ranks")
+    if isinstance(ranks, dict):
+        for r, rec in ranks.items():
+            record_in(rec, f"rank {r}")
+    return manifest
+
+
+def encode(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """``manifest`` as it is written (``commit.seal_manifest``): in a distributed-format manifest
+    every rank record through ``record_out`` and the format hpcckpt/3. A shallow copy:
+    ``manifest`` itself is left as it is. A format-1 manifest is written as it was read."""
+    out = dict(manifest)
+    ranks = out.get("ranks")
+    if out.get("format") not in DISTRIBUTED_FORMATS or not isinstance(ranks, dict):
+        return out
+    out["ranks"] = {r: record_out(rec) if isinstance(rec, dict) else rec for r, rec in ranks.items()}
+    out["format"] = FORMAT_V3
+    return out
+
+
+def as_records(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a read manifest whose rank records list their tensors one object per name
+    (``hpcckpt inspect --json``: what a person, or jq, looks a tensor up in)."""
+    out = dict(manifest)
+    ranks = out.get("ranks")
+    if isinstance(ranks, dict):
+        out["ranks"] = {r: {**rec, "tensors": dict(rec["tensors"].items())}
+                        if isinstance(rec, dict) and isinstance(rec.get("tensors"), TensorTable) else rec
+                        for r, rec in ranks.items()}
+    return out

@@ -23,7 +23,7 @@ from ..state import Flat
 from . import catalog, hdf5, rankfile
 from .hdf5 import TensorEntry
 from .hostmem import one_cuda_device
-from .manifest import FORMAT_V2
+from .manifest import DISTRIBUTED_FORMATS
 from .placement import _is_dtensor, dtensor_range, source_rank
 
 
@@ -43,7 +43,7 @@ def load_rank(info: catalog.CheckpointInfo, rank: int, world: int, *, into: Mapp
     if manifest is None:
         raise CheckpointCorrupt(f"{info.path} has no readable manifest")
     saved = int(manifest["world_size"])
-    v2 = manifest.get("format") == FORMAT_V2
+    v2 = manifest.get("format") in DISTRIBUTED_FORMATS
     if saved != world and not v2:
         raise ConfigError(
             f"{info.path} was saved by {saved} ranks in format {manifest.get('format', 'hpcckpt/1')}, "

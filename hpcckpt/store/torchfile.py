@@ -20,6 +20,7 @@ from ..errors import CheckpointCorrupt
 from ..fsio import write_all
 from .commit import TMP_MARK, explain_os_error, fd_crc32c, open_checked
 from .entry import dtype_name, raw_bytes
+from .tensortable import TensorTable
 
 
 class _CrcWriter:
@@ -75,8 +76,10 @@ def write(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     return {
         "format": "torch",
         "file_info": {"bytes": w.size, "crc32c": w.crc},
-        "tensors": {n: {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "nbytes": t.numel() * t.element_size(),
-                        "crc32c": crc32c(raw_bytes(t))} for n, t in cpu.items()},
+        "tensors": TensorTable(list(cpu), [dtype_name(t.dtype) for t in cpu.values()],
+                               [list(t.shape) for t in cpu.values()],
+                               [t.numel() * t.element_size() for t in cpu.values()],
+                               [crc32c(raw_bytes(t)) for t in cpu.values()]),
     }
 
 

@@ -51,6 +51,7 @@ def test_signal_stops_at_boundary_with_durable_checkpoint_and_exact_resume(ckdir
 
 def test_signal_storm_takes_one_final_checkpoint(ckdir: Path) -> None:
     objs = tiny_state(0)
+    before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(RequeueExit):
         with Checkpointer(ckdir, every_steps=None, signals=("USR1", "USR2", "TERM")) as ck:
             ck.register(**objs)
@@ -65,7 +66,7 @@ def test_signal_storm_takes_one_final_checkpoint(ckdir: Path) -> None:
     led = Ledger(ckdir).read()
     assert [e["signame"] for e in led if e["event"] == "signal"] == ["SIGTERM", "SIGTERM", "SIGUSR1", "SIGUSR2"]
     assert [e["step"] for e in led if e["event"] == "commit"] == [4]
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers uninstalled
+    assert signal.getsignal(signal.SIGTERM) is before  # handlers uninstalled: the one found is back
 
 
 def test_corrupt_latest_falls_back_to_previous(ckdir: Path) -> None:

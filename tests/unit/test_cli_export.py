@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpcckpt.store.manifest import decode
 from tests.conftest import REPO
 from tests import prefork
 from tests.prefork import Child, wait_all
@@ -109,7 +110,7 @@ def test_inspect_shows_the_global_view(ddp_run: Path) -> None:
     assert code == 0, out
     view = json.loads(out)
     m = view["manifest"]
-    assert view["format"] == m["format"] == "hpcckpt/2" and m["world_size"] == WORLD
+    assert view["format"] == m["format"] == "hpcckpt/3" and m["world_size"] == WORLD
     shared = {s["name"]: s for s in view["shared"]}
     assert "objects/model/module.0.weight" in shared and "objects/optimizer/state/0/exp_avg" in shared
     assert {s["kind"] for s in shared.values()} == {"replicated"}
@@ -196,7 +197,7 @@ def test_export_errors_are_one_clear_line(ddp_run: Path, tmp_path: Path) -> None
 
 def _piece_position(ckdir: Path, rank: int, name: str) -> tuple[Path, int]:
     """(file, a byte offset inside ``name``'s piece in rank ``rank``'s file)."""
-    m = json.loads((ckdir / "manifest.json").read_text())
+    m = decode(json.loads((ckdir / "manifest.json").read_text()))
     rec = m["ranks"][str(rank)]
     path = ckdir / rec["file"]
     entry = rec["tensors"][name]

@@ -20,6 +20,7 @@ import pytest
 from hpcckpt.api import Checkpointer
 from hpcckpt.store import catalog
 from hpcckpt.store.commit import MANIFEST, seal_manifest
+from hpcckpt.store.tensortable import TensorTable
 from tests.conftest import REPO
 from tests.helpers import tiny_state, train_step
 
@@ -52,9 +53,20 @@ def copy(pristine: dict[str, Path], engine: str, dest: Path) -> Path:
 
 
 def craft(step_dir: Path, change: Callable[[Manifest, Path], None]) -> None:
-    """Apply ``change`` to the manifest, then reseal it so its self-checksum is valid again."""
+    """Apply ``change`` to the manifest, each rank's tensor table given as records (one
+    object per tensor, so a change names one field of one tensor), then reseal it so its
+    self-checksum is valid again; the records are written back as columns."""
     m = json.loads((step_dir / MANIFEST).read_text())
+    for rec in m["ranks"].values():
+        rec["tensors"] = dict(TensorTable.from_columns(rec.pop("tensor_table")).items())
     change(m, step_dir)
+    (step_dir / MANIFEST).write_bytes(seal_manifest(m))
+
+
+def craft_columns(step_dir: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    """Apply ``change`` to rank 0's tensor table as it is on disk (columns), then reseal."""
+    m = json.loads((step_dir / MANIFEST).read_text())
+    change(m["ranks"]["0"]["tensor_table"])
     (step_dir / MANIFEST).write_bytes(seal_manifest(m))
 
 
@@ -151,11 +163,48 @@ def test_crafted_manifest_is_corrupt_and_resume_falls_back(
         problem: str) -> None:
     root = copy(pristine, engine, tmp_path / "ck")
     craft(root / "step-6", change)
+    _corrupt_and_falls_back(root, engine, problem)
+
+
+def _corrupt_and_falls_back(root: Path, engine: str, problem: str) -> None:
+    """Step 6 is corrupt with ``problem`` among its problems; a resume falls back to step 3."""
     infos = {i.step: i for i in catalog.scan(root)}
     assert infos[6].status == "corrupt" and infos[3].status == "committed"
     assert any(re.search(problem, p) for p in infos[6].problems), infos[6].problems
     with Checkpointer(root, engine=engine, every_steps=None) as ck:
         assert ck.register(**tiny_state(1)) == 3
+
+
+def _swap(col: str, i: int, value: Any) -> Callable[[dict[str, Any]], None]:
+    def change(t: dict[str, Any]) -> None:
+        t[col][i] = value
+    return change
+
+
+# (case, change of the on-disk columns, what the problem must say)
+COLUMN_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
+    ("a column shorter than the others", lambda t: t["nbytes"].pop(), r"columns of different lengths"),
+    ("a column not a list", lambda t: t.update(crc32c={"0": 1}), r"column 'crc32c' is dict, not a list"),
+    ("a column missing", lambda t: t.pop("dtype"), r"column 'dtype' is NoneType"),
+    ("an unknown column", lambda t: t.update(pickle=[]), r"unknown columns \['pickle'\]"),
+    ("a tensor listed twice", lambda t: t["name"].__setitem__(1, t["name"][0]), r"lists tensor .* twice"),
+    ("a name not a string", _swap("name", 0, 7), r"names a tensor 7, not a string"),
+    ("a size given as a float", lambda t: t["nbytes"].__setitem__(0, float(t["nbytes"][0])),
+     r"nbytes is \d+\.0, not a whole number"),
+    ("a crc32c given as a boolean", _swap("crc32c", 0, True), r"crc32c is True, not a whole number"),
+    ("only unknown columns", lambda t: (t.clear(), t.update(x=1)), r"unknown columns"),
+]
+
+
+@pytest.mark.parametrize("engine,change,problem", [pytest.param(e, c, p, id=f"{e}-{name}")
+                                                    for name, c, p in COLUMN_CASES for e in BOTH])
+def test_crafted_tensor_table_is_corrupt_and_resume_falls_back(
+        pristine: dict[str, Path], tmp_path: Path, engine: str, change: Callable[[dict[str, Any]], None],
+        problem: str) -> None:
+    """The columns themselves (format hpcckpt/3) are input too: ragged, mistyped, duplicated."""
+    root = copy(pristine, engine, tmp_path / "ck")
+    craft_columns(root / "step-6", change)
+    _corrupt_and_falls_back(root, engine, problem)
 
 
 @pytest.mark.parametrize("raw", [b"[" * 200_000, b'{"step": 1' + b"9" * 5000 + b"}", b"\xff\xfe{}",
