@@ -8,18 +8,23 @@ checks both before it uses anything (``read``): it trusts exactly what ``verify`
 """
 from __future__ import annotations
 
+import functools
+import io
 import os
+import pickle
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
-from .._core import crc32c
+from .._core import crc32c, native
 from ..errors import CheckpointCorrupt
 from ..fsio import write_all
-from .commit import TMP_MARK, explain_os_error, fd_crc32c, open_checked
-from .entry import dtype_name, raw_bytes
+from .commit import TMP_MARK, collector_paused, explain_os_error, fd_crc32c, open_checked
+from .entry import TensorEntry, dtype_name, raw_bytes
 from .tensortable import TensorTable
 
 
@@ -84,42 +89,82 @@ def write(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
 
 
 def read(path: Path, rec: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """The archive's tensors, trusted exactly as ``verify`` trusts them (``_load``)."""
-    return _load(path, rec, whole_file=True)
+    """The archive's tensors, trusted exactly as ``verify`` trusts them.
 
-
-def _load(path: Path, rec: Mapping[str, Any], *, whole_file: bool) -> dict[str, torch.Tensor]:
-    """The archive's tensors, every check passed.
-
-    The file is opened once (``commit.open_checked``: no symlink, no FIFO, a regular file
-    of the manifest's size) and everything is read through that descriptor. Before
-    anything of it is used, its whole-file crc32c must match the manifest's (it covers
-    the pickle, which the per-tensor checksums do not; ``whole_file=False`` for ``verify``,
-    whose ``commit.verify_files`` checks it and which goes on to name the tensor), its zip directory must list only
-    stored (uncompressed) members that fit in the file, and every listed tensor must be a
-    dense tensor of the manifest's dtype and shape over a storage of exactly its bytes
-    (a stride-0 view cannot make a checksum allocate); then each tensor's crc32c.
-    """
-    info = rec.get("file_info") or {}
-    size = info.get("bytes")
+    The archive's pickle is read by ``_index`` (no tensor built, no storage read), each
+    tensor is read from its record into memory of its own by the parallel reader
+    (``hdf5.read_tensors``: its crc32c checked as it lands, through the page cache), then
+    the whole file's crc32c is checked from the page cache before anything is returned. An
+    archive ``_index`` does not recognise is read by ``torch.load(weights_only=True)``."""
+    from .hdf5 import read_tensors
+    size = _size(rec)
+    fd = _open(path, size)
     try:
-        fd = open_checked(path, size=size if isinstance(size, int) else None)
+        found = _index(fd, rec, os.fstat(fd).st_size)
+        if found is None:
+            return _load_fd(path, fd, rec, whole_file=True)
+        table = rec["tensors"]
+        entries = {n: TensorEntry(n, table[n]["dtype"], shape, offset, nbytes, table[n]["crc32c"])
+                   for n, (offset, nbytes, _dtype, shape) in found.items()}
+        out = read_tensors(path, entries, fd=fd, direct=False)
+        _check_whole_file(path, fd, rec.get("file_info") or {})
+    finally:
+        os.close(fd)
+    return out
+
+
+def _size(rec: Mapping[str, Any]) -> int | None:
+    size = (rec.get("file_info") or {}).get("bytes")
+    return size if isinstance(size, int) else None
+
+
+def _open(path: Path, size: int | None) -> int:
+    """The archive opened once (``commit.open_checked``: no symlink, no FIFO, a regular file
+    of the manifest's size); everything is read through this descriptor."""
+    try:
+        return open_checked(path, size=size)
     except OSError as exc:
         raise CheckpointCorrupt(f"{path}: cannot be opened ({exc.strerror or exc}); hpcckpt writes it as a "
                                 "plain file") from None
+
+
+def _check_crc32c(path: Path, name: str, got: int, want: Any) -> None:
+    if got != want:
+        raise CheckpointCorrupt(
+            f"{path}: tensor {name!r} fails its checksum (crc32c {got:#010x}, manifest "
+            f"{want:#010x}); its bytes on disk are damaged")
+
+
+def _load(path: Path, rec: Mapping[str, Any], *, whole_file: bool) -> dict[str, torch.Tensor]:
+    fd = _open(path, _size(rec))
     try:
-        if whole_file:
-            _check_whole_file(path, fd, info)
-        with os.fdopen(os.dup(fd), "rb") as f:
-            _check_zip(path, f, os.fstat(fd).st_size)
-            f.seek(0)
-            try:
-                data = torch.load(f, map_location="cpu", weights_only=True)
-            except Exception as exc:  # the zip reader raises RuntimeError/others on damage
-                raise CheckpointCorrupt(f"{path}: cannot be read as a torch archive ({exc}); the file is "
-                                        "damaged") from None
+        return _load_fd(path, fd, rec, whole_file=whole_file)
     finally:
         os.close(fd)
+
+
+def _load_fd(path: Path, fd: int, rec: Mapping[str, Any], *, whole_file: bool) -> dict[str, torch.Tensor]:
+    """The archive's tensors through ``torch.load(weights_only=True)``, every check passed.
+
+    Before anything of the file is used, its whole-file crc32c must match the manifest's
+    (it covers the pickle, which the per-tensor checksums do not; ``whole_file=False`` for
+    ``verify``, whose ``commit.verify_files`` checks it and which goes on to name the
+    tensor), its zip directory must list only stored (uncompressed) members that fit in the
+    file, and every listed tensor must be a dense tensor of the manifest's dtype and shape
+    over a storage of exactly its bytes (a stride-0 view cannot make a checksum allocate);
+    then each tensor's crc32c.
+    """
+    info = rec.get("file_info") or {}
+    if whole_file:
+        _check_whole_file(path, fd, info)
+    with os.fdopen(os.dup(fd), "rb") as f:
+        _check_zip(path, f, os.fstat(fd).st_size)
+        f.seek(0)
+        try:
+            data = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as exc:  # the zip reader raises RuntimeError/others on damage
+            raise CheckpointCorrupt(f"{path}: cannot be read as a torch archive ({exc}); the file is "
+                                    "damaged") from None
     tensors = data.get("tensors") if isinstance(data, dict) else None
     if not isinstance(tensors, dict):
         raise CheckpointCorrupt(f"{path}: archive has no 'tensors' table")
@@ -171,9 +216,176 @@ def _check_tensor(path: Path, name: str, t: Any, entry: Mapping[str, Any]) -> No
 
 
 def verify(path: Path, rec: Mapping[str, Any]) -> list[str]:
-    """The damaged tensor, named (the whole-file crc32c is ``commit.verify_files``'s to report)."""
+    """Every damaged tensor, named (the whole-file crc32c is ``commit.verify_files``'s to
+    report): the tensors ``_index`` finds checksummed in one native call (coalesced reads in
+    file order), or, for an archive it does not recognise, ``torch.load`` and each tensor."""
     try:
-        _load(path, rec, whole_file=False)
+        fd = _open(path, _size(rec))
+        try:
+            found = _index(fd, rec, os.fstat(fd).st_size)
+            if found is None:
+                _load_fd(path, fd, rec, whole_file=False)
+                return []
+            names = [n for n, f in found.items() if f[1]]
+            offsets = np.array([found[n][0] for n in names], dtype=np.uint64)
+            lengths = np.array([found[n][1] for n in names], dtype=np.uint64)
+            raw, _ = native().checksum_ranges(fd, offsets, lengths, path=str(path))
+        finally:
+            os.close(fd)
     except CheckpointCorrupt as exc:
         return [str(exc)]
-    return []
+    except OSError as exc:
+        return [f"{path}: cannot be read ({exc.strerror or exc})"]
+    got = np.frombuffer(raw, dtype=np.uint32).tolist()
+    table = rec["tensors"]
+    out = []
+    for name, crc in zip(names, got):
+        try:
+            _check_crc32c(path, name, crc, table[name]["crc32c"])
+        except CheckpointCorrupt as exc:
+            out.append(str(exc))
+    return out
+
+
+# -- the archive's pickle, read without building a tensor ---------------------------------
+
+class _Unrecognised(Exception):
+    """Something torch.save does not write for ``{"tensors": {name: tensor}}``."""
+
+
+class _StorageType:
+    __slots__ = ("dtype",)
+
+    def __init__(self, dtype: torch.dtype | None) -> None:
+        self.dtype = dtype  # None: an untyped storage (its tensor's dtype comes from the rebuild)
+
+
+class _Storage:
+    __slots__ = ("key", "nbytes", "dtype")
+
+    def __init__(self, key: str, nbytes: int, dtype: torch.dtype | None) -> None:
+        self.key, self.nbytes, self.dtype = key, nbytes, dtype
+
+
+class _Ref:
+    """One tensor of the pickle: its storage, offset, size and stride (as the pickle gave them:
+    ``_index`` compares them with the manifest's ints) and dtype."""
+    __slots__ = ("storage", "offset", "size", "stride", "dtype")
+
+    def __init__(self, storage: _Storage, offset: int, size: Any, stride: Any, dtype: torch.dtype) -> None:
+        self.storage, self.offset, self.size, self.stride, self.dtype = storage, offset, size, stride, dtype
+
+
+def _rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any,
+                metadata: Any = None) -> _Ref:
+    if type(storage) is not _Storage or storage.dtype is None or type(offset) is not int:
+        raise _Unrecognised
+    return _Ref(storage, offset, size, stride, storage.dtype)
+
+
+def _rebuild_v3(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, dtype: Any,
+                metadata: Any = None) -> _Ref:
+    if type(storage) is not _Storage or not isinstance(dtype, torch.dtype) or type(offset) is not int:
+        raise _Unrecognised
+    return _Ref(storage, offset, size, stride, dtype)
+
+
+class _Pickle(pickle.Unpickler):
+    """The archive's ``data.pkl`` through the C unpickler with only what ``torch.save`` writes
+    for a dict of plain CPU tensors allowed (``find_class`` refuses every other global, as
+    the pickle documentation's "restricting globals" shows): a tensor becomes a ``_Ref``
+    naming its storage's record, offset, size and stride. Nothing is called but these."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
+            return _rebuild_v2 if name == "_rebuild_tensor_v2" else _rebuild_v3
+        if module == "collections" and name == "OrderedDict":
+            return _empty_hooks
+        if module == "torch.storage" and name == "UntypedStorage":
+            return _StorageType(None)
+        if module == "torch":
+            if name in _storage_dtypes():
+                return _StorageType(_storage_dtypes()[name])
+            found = getattr(torch, name, None)
+            if isinstance(found, torch.dtype):
+                return found
+        raise _Unrecognised
+
+    def persistent_load(self, pid: Any) -> _Storage:
+        if (type(pid) is not tuple or len(pid) != 5 or pid[0] != "storage" or type(pid[1]) is not _StorageType
+                or type(pid[2]) is not str or type(pid[4]) is not int or pid[4] < 0):
+            raise _Unrecognised
+        dtype = pid[1].dtype
+        return _Storage(pid[2], pid[4] * (dtype.itemsize if dtype is not None else 1), dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _storage_dtypes() -> dict[str, torch.dtype]:
+    """Legacy typed storage class names as torch.save pickles them (``FloatStorage``...) -> dtype;
+    empty where this torch does not say (every typed storage then goes to ``torch.load``)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return {str(v): k for k, v in torch.storage._dtype_to_storage_type_map().items()}
+    except (AttributeError, TypeError):
+        return {}
+
+
+def _empty_hooks(*args: Any) -> dict[str, Any]:
+    if args:
+        raise _Unrecognised
+    return {}
+
+
+def _index(fd: int, rec: Mapping[str, Any], size: int) -> dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]] | None:
+    """Where each of the manifest's tensors lies in the archive: ``name -> (file offset,
+    nbytes, dtype, shape)``, or None when the archive is not exactly what ``write`` makes of
+    the manifest's tensors (a dense tensor of the manifest's dtype and shape over a stored
+    record of exactly its bytes, inside the file); the caller then reads it with
+    ``torch.load``, which names what is wrong. The pickle is read from the zip directory
+    (``torch``'s own reader), never more of it than the file holds."""
+    try:
+        with os.fdopen(os.dup(fd), "rb") as f:
+            zf: Any = torch._C.PyTorchFileReader(f)
+            if not zf.has_record("data.pkl") or not 0 < zf.get_record_size("data.pkl") <= size:
+                return None
+            with collector_paused():  # ~65,000 small objects that cannot form a cycle
+                data = _Pickle(io.BytesIO(zf.get_record("data.pkl"))).load()
+            tensors = data.get("tensors") if type(data) is dict else None
+            if type(tensors) is not dict:
+                return None
+            out = {}
+            places: dict[str, tuple[int, int]] = {}
+            table = TensorTable.from_records(rec["tensors"])
+            names: dict[torch.dtype, str] = {}
+            for name, dtype, dims, nbytes in zip(table.names, table.dtypes, table.shapes, table.nbytes):
+                ref = tensors.get(name)
+                if type(ref) is not _Ref:
+                    return None
+                shape = tuple(dims)  # validated ints (manifest.validate); the pickle's are compared with them
+                have = names.get(ref.dtype) or names.setdefault(ref.dtype, dtype_name(ref.dtype))
+                if (have != dtype or ref.size != shape or ref.offset != 0 or ref.storage.nbytes != nbytes
+                        or ref.stride != _contiguous(shape)):
+                    return None
+                key = ref.storage.key
+                if key not in places:
+                    record = f"data/{key}"
+                    if not zf.has_record(record) or zf.get_record_size(record) != nbytes:
+                        return None
+                    places[key] = (int(zf.get_record_offset(record)), nbytes)
+                offset = places[key][0]
+                if offset + nbytes > size:
+                    return None
+                out[name] = (offset, nbytes, ref.dtype, shape)
+            return out
+    except (_Unrecognised, pickle.UnpicklingError, RuntimeError, ValueError, TypeError, EOFError, KeyError,
+            AttributeError, IndexError, OverflowError, MemoryError, RecursionError):
+        return None
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(stride))
