@@ -17,6 +17,7 @@ Call sequence (every rank, collective)::
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import time
@@ -36,7 +37,8 @@ from .store import catalog
 log = logging.getLogger("hpcckpt")
 
 OK, CORRUPT, VANISHED = 0, 1, 2
-MAX_ROUNDS = 200  # each extra round needs a checkpoint to vanish: the writer must have committed again
+OLDER_WINDOW = 32  # older step directories offered per round, newest first
+MAX_ROUNDS = 200  # an extra round: a checkpoint vanished (the writer committed again), or a window was used up
 
 
 class CheckpointsVanishing(HpcckptError):
@@ -71,8 +73,11 @@ def _candidates(root: Path, ranks: Ranks, tried: set[str]) -> tuple[list[dict[st
         inspected, older = catalog.newest_committed(root)
         doc["candidates"] = [{"step": i.step, "key": _key(i)} for i in inspected
                              if i.status == "committed" and _key(i) not in tried]
-        doc["candidates"] += [{"step": e.step, "key": f"{e.step}:{e.inode}"} for e in older
-                              if f"{e.step}:{e.inode}" not in tried]
+        # The next OLDER_WINDOW by name: a round that tries them all without success lists
+        # again (``resume`` loops), so keeping thousands costs a start-up nothing.
+        untried = (e for e in older if f"{e.step}:{e.inode}" not in tried)
+        doc["candidates"] += [{"step": e.step, "key": f"{e.step}:{e.inode}"}
+                              for e in itertools.islice(untried, OLDER_WINDOW)]
         doc["unusable"] = [[i.step, (i.problems or [i.status])[0]] for i in inspected if i.status != "committed"]
     doc = ranks.broadcast_json(doc)
     return doc["candidates"], [(int(s), str(p)) for s, p in doc["unusable"]]

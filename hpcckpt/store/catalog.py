@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import CheckpointCorrupt, NoCheckpoint
-from .commit import LATEST, MANIFEST, discard, open_member, read_latest, read_manifest, verify_files
+from .commit import LATEST, MANIFEST, TRASH_PREFIX, discard, open_member, read_latest, read_manifest, verify_files
 from . import rankfile
 from .entry import TensorEntry
 from .lock import reader_lock
@@ -286,17 +286,30 @@ def _stale_tmp(path: Path) -> bool:
 # with the inode the entry had then: retention counts them as committed from a directory
 # listing, without reading their manifests again (retention trusts nothing it restores).
 # Plain strings, not Paths: a prune looks up every kept name (thousands with a large keep).
-_KNOWN_COMMITTED: dict[tuple[str, str], int] = {}
+# By root, then by name (a prune looks names up in its root's dict, one lookup a checkpoint).
+_KNOWN_COMMITTED: dict[str, dict[str, int]] = {}
 _KNOWN_LOCK = threading.Lock()
+_KNOWN_MAX_ROOTS, _KNOWN_MAX_NAMES = 64, 65536
+
+
+def _known(root: str) -> dict[str, int]:
+    """This root's known committed names -> inode (empty when none is known); read without
+    the lock (a dict lookup is atomic), changed only under it."""
+    return _KNOWN_COMMITTED.get(root) or {}
 
 
 def _learn(root: str, name: str, inode: int | None) -> None:
     if inode is None:
         return
     with _KNOWN_LOCK:
-        _KNOWN_COMMITTED[(root, name)] = inode
-        while len(_KNOWN_COMMITTED) > 65536:
-            del _KNOWN_COMMITTED[next(iter(_KNOWN_COMMITTED))]
+        names = _KNOWN_COMMITTED.get(root)
+        if names is None:
+            while len(_KNOWN_COMMITTED) >= _KNOWN_MAX_ROOTS:
+                del _KNOWN_COMMITTED[next(iter(_KNOWN_COMMITTED))]
+            names = _KNOWN_COMMITTED[root] = {}
+        names[name] = inode
+        while len(names) > _KNOWN_MAX_NAMES:
+            del names[next(iter(names))]
 
 
 class Entry:
@@ -315,7 +328,12 @@ class Entry:
 def entries(root: Path) -> list[Entry]:
     """Step and temporary directories under ``root``, newest step first, from one listing
     (names and inodes only: nothing is opened)."""
-    out: list[Entry] = []
+    return [Entry(step, root, name, inode, not final) for step, final, name, inode in _listing(root)]
+
+
+def _listing(root: Path) -> list[tuple[int, bool, str, int]]:
+    """``entries`` as tuples ``(step, is the step directory, name, inode)``, newest first."""
+    found: list[tuple[int, bool, str, int]] = []  # (step, committed name, name, inode): sorted as tuples
     step_re, tmp_re = STEP_RE.match, STEP_TMP_RE.match
     try:
         with os.scandir(root) as it:
@@ -324,18 +342,18 @@ def entries(root: Path) -> list[Entry]:
                 if not name.startswith("step-"):
                     continue
                 if m := step_re(name):
-                    out.append(Entry(int(m.group(1)), root, name, e.inode(), False))
+                    found.append((int(m.group(1)), True, name, e.inode()))
                 elif m := tmp_re(name):
-                    out.append(Entry(int(m.group(1)), root, name, e.inode(), True))
+                    found.append((int(m.group(1)), False, name, e.inode()))
     except (FileNotFoundError, NotADirectoryError):
         return []
-    out.sort(key=lambda e: (e.step, not e.tmp), reverse=True)
-    return out
+    found.sort(reverse=True)  # newest step first; its step directory before its temporary ones
+    return found
 
 
-def _committed(entry: Entry, known: dict[tuple[str, str], int], root: str) -> tuple[bool, str | None]:
+def _committed(entry: Entry, known: dict[str, int]) -> tuple[bool, str | None]:
     """(committed, status) of one step directory: known from earlier, or checked cheaply now."""
-    if known.get((root, entry.name)) == entry.inode:
+    if known.get(entry.name) == entry.inode:
         return True, "committed"
     info = _inspect(entry.path, entry.step, full=False)
     if info is None:
@@ -343,25 +361,60 @@ def _committed(entry: Entry, known: dict[tuple[str, str], int], root: str) -> tu
     return info.status == "committed", info.status
 
 
-def newest_committed(root: Path) -> tuple[list[CheckpointInfo], list[Entry]]:
+def newest_committed(root: Path) -> tuple[list[CheckpointInfo], Iterator[Entry]]:
     """(inspected, older): step directories checked newest first up to and including the
-    newest committed one, and the older step directories, not yet opened.
+    newest committed one, and the older step directories, not yet opened (made into
+    ``Entry`` objects as they are taken: a resume takes a few of thousands).
 
     A resume needs the newest checkpoint every rank can read: there is no reason to read
     hundreds of retained manifests to find it. Taken under the commit lock's shared side,
     like ``snapshot``.
     """
     with reader_lock(root):
-        listing = [e for e in entries(root) if not e.tmp]
+        listing = [t for t in _listing(root) if t[1]]
         inspected: list[CheckpointInfo] = []
-        for i, e in enumerate(listing):
-            info = _inspect(e.path, e.step, full=False)
+        for i, (step, _final, name, _inode) in enumerate(listing):
+            info = _inspect(root / name, step, full=False)
             if info is None:
                 continue  # vanished meanwhile
             inspected.append(info)
             if info.status == "committed":
-                return inspected, listing[i + 1:]
-        return inspected, []
+                return inspected, (Entry(s, root, n, ino, False) for s, _f, n, ino in listing[i + 1:])
+        return inspected, iter(())
+
+
+def _nothing_to_prune(root: Path, keep: int, protected: set[str], key: str) -> bool:
+    """Whether one listing shows nothing ``prune`` would remove: at most ``keep`` step
+    directories, each just committed (``protected``) or known committed by this process
+    with the same inode, no stale temporary directory and no leftover of a discard. The
+    common case with a large ``keep``: a name and a dict lookup per checkpoint, no object,
+    no sort, no second listing."""
+    known = _known(key)
+    committed = 0
+    step_re = STEP_RE.match
+    try:
+        with os.scandir(root) as it:
+            for e in it:
+                name = e.name
+                ino = known.get(name)
+                if ino is not None and ino == e.inode():
+                    committed += 1  # the common case: one lookup
+                    continue
+                if name.startswith(TRASH_PREFIX):
+                    return False  # a leftover to sweep
+                if not name.startswith("step-"):
+                    continue
+                if not step_re(name):
+                    if STEP_TMP_RE.match(name) and _stale_tmp(root / name):
+                        return False
+                    continue  # a save in flight, or not a name the catalog lists
+                if name not in protected:
+                    return False  # not known committed: the full pass looks at it
+                committed += 1
+                _learn(key, name, e.inode())
+    except OSError:
+        return False
+    return committed <= keep
 
 
 def prune(root: Path, keep: int, *, protect: set[Path] | None = None, trash: list[Path] | None = None) -> list[Path]:
@@ -382,9 +435,11 @@ def prune(root: Path, keep: int, *, protect: set[Path] | None = None, trash: lis
     """
     protect = protect or set()
     protected = {p.name for p in protect if p.parent == root}
-    latest = read_latest(root)
     key = str(root)
-    known = _KNOWN_COMMITTED  # reads need no lock (a dict lookup is atomic); writes take it
+    if _nothing_to_prune(root, keep, protected, key):
+        return []
+    latest = read_latest(root)
+    known = _known(key)
     victims: list[Path] = []
     committed = 0
     seen_good = False
@@ -402,11 +457,11 @@ def prune(root: Path, keep: int, *, protect: set[Path] | None = None, trash: lis
             if e.name != latest:
                 victims.append(e.path)
             continue
-        ok, status = _committed(e, known, key)
+        ok, status = _committed(e, known)
         if status is None:
             continue
         if ok:
-            if known.get((key, e.name)) != e.inode:
+            if known.get(e.name) != e.inode:
                 _learn(key, e.name, e.inode)
             committed += 1
             seen_good = True

@@ -601,6 +601,16 @@ def test_driver_gpus_parses_the_proc_information_files(tmp_path: Path) -> None:
     assert driver_gpus(tmp_path) == {3: {"uuid": _uuid(9), "name": H100, "bus": "0000:05:00.0"}}
 
 
+def _exec_done(pid: int, argv0: bytes, timeout_s: float = 30.0) -> None:
+    """Wait until ``pid`` has exec'd ``argv0`` (Popen returns after the fork; until the exec,
+    /proc/PID/cmdline is the parent's, or empty)."""
+    import time
+    deadline = time.monotonic() + timeout_s
+    while Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] != argv0:
+        assert time.monotonic() < deadline, f"PID {pid} never exec'd {argv0!r}"
+        time.sleep(0.01)
+
+
 def test_process_holding_gpu_files_without_libcuda_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # An NVML-only process (nvidia-smi, a pynvml monitor) holds /dev/nvidiactl without libcuda.
     # The seam: what /proc says it holds (no GPU here to open /dev/nvidiactl for real).
@@ -609,6 +619,7 @@ def test_process_holding_gpu_files_without_libcuda_is_named(tmp_path: Path, monk
 
     with subprocess.Popen(["sleep", "30"]) as proc:
         try:
+            _exec_done(proc.pid, b"sleep")  # named by its command line: not the forked parent's, not empty
             monkeypatch.setattr(group.proctree, "nvidia_handles",
                                 lambda pid: ["/dev/nvidiactl"] if pid == proc.pid else [])
 

@@ -402,3 +402,64 @@ def test_an_unusable_checkpoint_directory_is_a_clear_error_not_a_hang(where: str
         Checkpointer(where)
     with pytest.raises(ConfigError, match="cannot be used"):  # made under it: no raw OSError from mkdir
         Checkpointer(f"{where}/run/ckpt")
+
+
+def test_a_prune_with_nothing_to_do_reads_one_listing_and_still_removes_what_it_must(ckdir: Path) -> None:
+    """With every step directory known committed and no more than ``keep``, a prune is one
+    listing; a directory this process does not know (an incomplete one, a replaced one), a
+    stale temporary directory or a discard's leftover sends it to the full pass."""
+    for s in range(1, 6):
+        with Transaction(ckdir, f"step-{s}") as txn:
+            (txn.path / "f").write_bytes(b"x" * s)
+            txn.commit(minimal(s))
+        assert catalog.prune(ckdir, keep=10, protect={ckdir / f"step-{s}"}) == []
+    assert catalog._nothing_to_prune(ckdir, 10, set(), str(ckdir))
+    assert not catalog._nothing_to_prune(ckdir, 4, set(), str(ckdir))  # one too many
+    (ckdir / "step-0").mkdir()  # no manifest: not known, and older than the newest good one
+    assert not catalog._nothing_to_prune(ckdir, 10, set(), str(ckdir))
+    assert catalog.prune(ckdir, keep=10) == [ckdir / "step-0"]
+    assert catalog._nothing_to_prune(ckdir, 10, set(), str(ckdir))
+    leftover = ckdir / ".trash-step-9-0123abcd"
+    leftover.mkdir()
+    assert not catalog._nothing_to_prune(ckdir, 10, set(), str(ckdir))
+    catalog.prune(ckdir, keep=10)
+    assert not leftover.exists()
+    replaced = ckdir / "step-3"  # another writer's step-3 in its place: another inode
+    (ckdir / "elsewhere").mkdir()  # made while the old one exists: its inode cannot be the old one's
+    shutil.rmtree(replaced)
+    (ckdir / "elsewhere").rename(replaced)
+    assert not catalog._nothing_to_prune(ckdir, 10, set(), str(ckdir))
+    assert catalog.prune(ckdir, keep=10) == [replaced]
+    assert sorted(i.step for i in catalog.scan(ckdir)) == [1, 2, 4, 5]
+
+
+@pytest.mark.native
+def test_a_resume_passes_over_more_damaged_checkpoints_than_one_round_offers(ckdir: Path) -> None:
+    """The newest 36 checkpoints fail their checksums only when read whole (their sizes and
+    manifests are fine): a resume offers older ones by name a window at a time
+    (``resume.OLDER_WINDOW``), lists again when a window is used up, and lands on step 4."""
+    from hpcckpt import resume
+    from hpcckpt.api import Checkpointer
+    from hpcckpt.store import torchfile
+    from tests.helpers import tiny_state, train_step
+    assert resume.OLDER_WINDOW < 36
+    objs = tiny_state(0)
+    with Checkpointer(ckdir, engine="sync", every_steps=1, keep=100) as ck:
+        ck.register(**objs)
+        for _ in ck.steps(40):
+            train_step(objs)
+    for step in range(5, 41):
+        d = ckdir / f"step-{step}"
+        rec = read_manifest(d)["ranks"]["0"]
+        fd = os.open(d / rec["file"], os.O_RDONLY)
+        try:
+            found = torchfile._index(fd, rec, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        assert found is not None
+        offset = found["objects/model/0.weight"][0]
+        raw = bytearray((d / rec["file"]).read_bytes())
+        raw[offset + 3] ^= 0x40
+        (d / rec["file"]).write_bytes(bytes(raw))
+    with Checkpointer(ckdir, engine="sync", every_steps=None, keep=100) as ck:
+        assert ck.register(**tiny_state(1)) == 4
