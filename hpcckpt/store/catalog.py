@@ -91,9 +91,7 @@ def rank_entries(manifest: dict[str, Any], rank: int) -> tuple[str, dict[str, Te
     rec = manifest["ranks"][str(rank)]
     tensors = rec.get("tensors", {})
     if isinstance(tensors, TensorTable):
-        offsets = tensors.offsets or [0] * len(tensors.names)
-        return rec["file"], {n: TensorEntry(n, d, tuple(s), o, b, c) for n, d, s, o, b, c in zip(
-            tensors.names, tensors.dtypes, tensors.shapes, offsets, tensors.nbytes, tensors.crcs)}
+        return rec["file"], tensors.entries()
     return rec["file"], {n: TensorEntry.from_json(n, e) for n, e in tensors.items()}
 
 

@@ -326,14 +326,24 @@ def verify_tensors(path: Path, table: Mapping[str, Mapping[str, Any]]) -> list[s
     except OSError as exc:
         return [f"{path}: cannot be read ({exc.strerror or exc})"]
     try:
+        return checksum_problems(path, fd, names, offsets, lengths, want)
+    finally:
+        os.close(fd)
+
+
+def checksum_problems(path: Path, fd: int, names: list[str], offsets: np.ndarray, lengths: np.ndarray,
+                      want: np.ndarray) -> list[str]:
+    """Every range of the open file ``fd`` whose crc32c is not ``want``'s, named after its tensor
+    (``names``; ``offsets``, ``lengths``: uint64 arrays, ``want``: uint32): one native call
+    (``checksum_ranges``, O_DIRECT unless half the file is cached), one vectorised comparison.
+    A file too short or unreadable is one problem saying so."""
+    try:
         raw, _ = native().checksum_ranges(fd, offsets, lengths, path=str(path), direct=_want_direct(path, fd, None))
     except OSError as exc:
         if exc.errno == errno.ENODATA:
             return [f"{path}: file is shorter than its manifest says ({exc.strerror}); it was truncated after "
                     "the checkpoint was committed"]
         return [f"{path}: cannot be read ({exc.strerror or exc})"]
-    finally:
-        os.close(fd)
     got = np.frombuffer(raw, dtype=np.uint32)
     return [f"{path}: tensor {names[i]!r} fails its checksum (crc32c {int(got[i]):#010x}, manifest "
             f"{int(want[i]):#010x}); its bytes on disk are damaged" for i in np.flatnonzero(got != want)]

@@ -23,6 +23,8 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
+from .entry import TensorEntry
+
 COLUMNS = ("name", "dtype", "shape", "nbytes", "crc32c")
 OFFSET = "offset"
 
@@ -128,6 +130,12 @@ class TensorTable(Mapping[str, dict[str, Any]]):
         return f"TensorTable({len(self.names)} tensors)"
 
     # -- arrays ----------------------------------------------------------------------
+
+    def entries(self) -> dict[str, TensorEntry]:
+        """Name -> ``TensorEntry`` of every row (offset 0 where the table has none)."""
+        offsets = self.offsets or [0] * len(self.names)
+        return {n: TensorEntry(n, d, tuple(s), o, b, c) for n, d, s, o, b, c in zip(
+            self.names, self.dtypes, self.shapes, offsets, self.nbytes, self.crcs)}
 
     def arrays(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
         """``(names, offsets, nbytes, crc32c)`` of the tensors that hold bytes, as uint64/uint32

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from .._core import crc32c, native
+from .._core import crc32c
 from ..errors import CheckpointCorrupt
 from ..fsio import write_all
 from .commit import TMP_MARK, collector_paused, explain_os_error, fd_crc32c, open_checked
@@ -97,16 +97,12 @@ def read(path: Path, rec: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     the whole file's crc32c is checked from the page cache before anything is returned. An
     archive ``_index`` does not recognise is read by ``torch.load(weights_only=True)``."""
     from .hdf5 import read_tensors
-    size = _size(rec)
-    fd = _open(path, size)
+    fd = _open(path, _size(rec))
     try:
         found = _index(fd, rec, os.fstat(fd).st_size)
         if found is None:
             return _load_fd(path, fd, rec, whole_file=True)
-        table = rec["tensors"]
-        entries = {n: TensorEntry(n, table[n]["dtype"], shape, offset, nbytes, table[n]["crc32c"])
-                   for n, (offset, nbytes, _dtype, shape) in found.items()}
-        out = read_tensors(path, entries, fd=fd, direct=False)
+        out = read_tensors(path, found, fd=fd, direct=False)
         _check_whole_file(path, fd, rec.get("file_info") or {})
     finally:
         os.close(fd)
@@ -126,21 +122,6 @@ def _open(path: Path, size: int | None) -> int:
     except OSError as exc:
         raise CheckpointCorrupt(f"{path}: cannot be opened ({exc.strerror or exc}); hpcckpt writes it as a "
                                 "plain file") from None
-
-
-def _check_crc32c(path: Path, name: str, got: int, want: Any) -> None:
-    if got != want:
-        raise CheckpointCorrupt(
-            f"{path}: tensor {name!r} fails its checksum (crc32c {got:#010x}, manifest "
-            f"{want:#010x}); its bytes on disk are damaged")
-
-
-def _load(path: Path, rec: Mapping[str, Any], *, whole_file: bool) -> dict[str, torch.Tensor]:
-    fd = _open(path, _size(rec))
-    try:
-        return _load_fd(path, fd, rec, whole_file=whole_file)
-    finally:
-        os.close(fd)
 
 
 def _load_fd(path: Path, fd: int, rec: Mapping[str, Any], *, whole_file: bool) -> dict[str, torch.Tensor]:
@@ -218,7 +199,9 @@ def _check_tensor(path: Path, name: str, t: Any, entry: Mapping[str, Any]) -> No
 def verify(path: Path, rec: Mapping[str, Any]) -> list[str]:
     """Every damaged tensor, named (the whole-file crc32c is ``commit.verify_files``'s to
     report): the tensors ``_index`` finds checksummed in one native call (coalesced reads in
-    file order), or, for an archive it does not recognise, ``torch.load`` and each tensor."""
+    file order, ``hdf5.checksum_problems``), or, for an archive it does not recognise,
+    ``torch.load`` and each tensor."""
+    from .hdf5 import checksum_problems
     try:
         fd = _open(path, _size(rec))
         try:
@@ -226,25 +209,17 @@ def verify(path: Path, rec: Mapping[str, Any]) -> list[str]:
             if found is None:
                 _load_fd(path, fd, rec, whole_file=False)
                 return []
-            names = [n for n, f in found.items() if f[1]]
-            offsets = np.array([found[n][0] for n in names], dtype=np.uint64)
-            lengths = np.array([found[n][1] for n in names], dtype=np.uint64)
-            raw, _ = native().checksum_ranges(fd, offsets, lengths, path=str(path))
+            held = [e for e in found.values() if e.nbytes]
+            return checksum_problems(path, fd, [e.name for e in held],
+                                     np.array([e.offset for e in held], dtype=np.uint64),
+                                     np.array([e.nbytes for e in held], dtype=np.uint64),
+                                     np.array([e.crc32c for e in held], dtype=np.uint32))
         finally:
             os.close(fd)
     except CheckpointCorrupt as exc:
         return [str(exc)]
     except OSError as exc:
         return [f"{path}: cannot be read ({exc.strerror or exc})"]
-    got = np.frombuffer(raw, dtype=np.uint32).tolist()
-    table = rec["tensors"]
-    out = []
-    for name, crc in zip(names, got):
-        try:
-            _check_crc32c(path, name, crc, table[name]["crc32c"])
-        except CheckpointCorrupt as exc:
-            out.append(str(exc))
-    return out
 
 
 # -- the archive's pickle, read without building a tensor ---------------------------------
@@ -337,12 +312,12 @@ def _empty_hooks(*args: Any) -> dict[str, Any]:
     return {}
 
 
-def _index(fd: int, rec: Mapping[str, Any], size: int) -> dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]] | None:
-    """Where each of the manifest's tensors lies in the archive: ``name -> (file offset,
-    nbytes, dtype, shape)``, or None when the archive is not exactly what ``write`` makes of
-    the manifest's tensors (a dense tensor of the manifest's dtype and shape over a stored
-    record of exactly its bytes, inside the file); the caller then reads it with
-    ``torch.load``, which names what is wrong. The pickle is read from the zip directory
+def _index(fd: int, rec: Mapping[str, Any], size: int) -> dict[str, TensorEntry] | None:
+    """Where each of the manifest's tensors lies in the archive: ``name -> TensorEntry`` (its
+    record's file offset, the manifest's dtype, shape, size and crc32c), or None when the
+    archive is not exactly what ``write`` makes of the manifest's tensors (a dense tensor of
+    the manifest's dtype and shape over a stored record of exactly its bytes, inside the
+    file); the caller then reads it with ``torch.load``, which names what is wrong. The pickle is read from the zip directory
     (``torch``'s own reader), never more of it than the file holds."""
     try:
         with os.fdopen(os.dup(fd), "rb") as f:
@@ -358,7 +333,8 @@ def _index(fd: int, rec: Mapping[str, Any], size: int) -> dict[str, tuple[int, i
             places: dict[str, tuple[int, int]] = {}
             table = TensorTable.from_records(rec["tensors"])
             names: dict[torch.dtype, str] = {}
-            for name, dtype, dims, nbytes in zip(table.names, table.dtypes, table.shapes, table.nbytes):
+            for name, dtype, dims, nbytes, crc in zip(table.names, table.dtypes, table.shapes, table.nbytes,
+                                                      table.crcs):
                 ref = tensors.get(name)
                 if type(ref) is not _Ref:
                     return None
@@ -376,7 +352,7 @@ def _index(fd: int, rec: Mapping[str, Any], size: int) -> dict[str, tuple[int, i
                 offset = places[key][0]
                 if offset + nbytes > size:
                     return None
-                out[name] = (offset, nbytes, ref.dtype, shape)
+                out[name] = TensorEntry(name, dtype, shape, offset, nbytes, crc)
             return out
     except (_Unrecognised, pickle.UnpicklingError, RuntimeError, ValueError, TypeError, EOFError, KeyError,
             AttributeError, IndexError, OverflowError, MemoryError, RecursionError):

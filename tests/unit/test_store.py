@@ -457,7 +457,7 @@ def test_a_resume_passes_over_more_damaged_checkpoints_than_one_round_offers(ckd
         finally:
             os.close(fd)
         assert found is not None
-        offset = found["objects/model/0.weight"][0]
+        offset = found["objects/model/0.weight"].offset
         raw = bytearray((d / rec["file"]).read_bytes())
         raw[offset + 3] ^= 0x40
         (d / rec["file"]).write_bytes(bytes(raw))

@@ -13,6 +13,7 @@ import torch
 
 from hpcckpt.errors import CheckpointCorrupt
 from hpcckpt.store import torchfile
+from hpcckpt.store.entry import dtype_name
 
 pytestmark = pytest.mark.native
 
@@ -42,10 +43,10 @@ def test_the_index_finds_every_tensor_and_the_read_never_calls_torch_load(tmp_pa
         os.close(fd)
     assert found is not None and set(found) == set(TENSORS)
     raw = path.read_bytes()
-    for name, (offset, nbytes, dtype, shape) in found.items():
+    for name, e in found.items():
         t = TENSORS[name]
-        assert (dtype, shape, nbytes) == (t.dtype, tuple(t.shape), t.numel() * t.element_size())
-        assert raw[offset:offset + nbytes] == t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), name
+        assert (e.dtype, e.shape, e.nbytes) == (dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size())
+        assert raw[e.offset:e.offset + e.nbytes] == t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), name
 
     def no_torch_load(*args: object, **kwargs: object) -> None:
         raise AssertionError("torch.load was called for an archive the index reads")
@@ -61,7 +62,7 @@ def test_the_index_finds_every_tensor_and_the_read_never_calls_torch_load(tmp_pa
 def test_a_flipped_byte_is_named_by_verify_and_refused_by_read(tmp_path: Path) -> None:
     path, rec = _written(tmp_path)
     fd = os.open(path, os.O_RDONLY)
-    offset = torchfile._index(fd, rec, os.fstat(fd).st_size)["objects/model/w"][0]  # type: ignore[index]
+    offset = torchfile._index(fd, rec, os.fstat(fd).st_size)["objects/model/w"].offset  # type: ignore[index]
     os.close(fd)
     raw = bytearray(path.read_bytes())
     raw[offset + 9] ^= 0x10
