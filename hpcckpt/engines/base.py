@@ -33,8 +33,7 @@ from ..state import Flat, TrainState
 from ..store import catalog, placement
 from ..store.commit import Transaction, discard, remove_trash
 from ..store.manifest import build as build_manifest
-from ..store.manifest import record_in, record_out
-from ..store.publish import commit_and_prune, record_failures
+from ..store.publish import commit_and_prune, gather_records, record_failures
 
 log = logging.getLogger("hpcckpt.engines")
 
@@ -166,12 +165,9 @@ class Engine(ABC):
                 log.warning("hpcckpt: %s", warning)
             log.info("hpcckpt: committed step %d in %.3fs (%s)", step, time.monotonic() - started, path)
             return path
-        mine = {"ok": error is None, "record": record_out(record) if record else None, "step": step,
-                "tmp": str(tmp), "error": f"{type(error).__name__}: {error}" if error else None}
-        everyone = ranks.gather_json(mine)
-        for m in everyone:
-            if m["record"]:
-                record_in(m["record"])
+        mine = {"ok": error is None, "record": record, "step": step, "tmp": str(tmp),
+                "error": f"{type(error).__name__}: {error}" if error else None}
+        everyone = gather_records(ranks, mine)
         outcome: dict[str, Any]
         if ranks.is_coordinator:
             failed = record_failures(everyone, step)  # never commit a mix of steps

@@ -30,8 +30,7 @@ from ..store import catalog
 from ..store.commit import Transaction, discard
 from ..store.copy import copy_verified
 from ..store.manifest import build as build_manifest
-from ..store.manifest import record_in, record_out
-from ..store.publish import commit_and_prune, record_failures
+from ..store.publish import commit_and_prune, gather_records, record_failures
 from . import Levels
 
 log = logging.getLogger("hpcckpt.levels")
@@ -50,12 +49,9 @@ def commit(levels: Levels, ranks: Ranks, *, engine: str, job: dict[str, Any], us
             size = os.stat(tmp / record["file"]).st_size
         except OSError as exc:
             error = exc
-    mine = {"ok": error is None, "record": record_out(record) if record else None, "step": step, "bytes": size,
-            "now": time.time(), "error": f"{type(error).__name__}: {error}" if error else None}
-    everyone = ranks.gather_json(mine)
-    for m in everyone:
-        if m["record"]:
-            record_in(m["record"])
+    mine = {"ok": error is None, "record": record, "step": step, "bytes": size, "now": time.time(),
+            "error": f"{type(error).__name__}: {error}" if error else None}
+    everyone = gather_records(ranks, mine)
     failed = record_failures(everyone, step)
     if not failed and levels.with_partner:
         problem = _partner_copies(levels, ranks, tmp, everyone)

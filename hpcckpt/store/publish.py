@@ -7,11 +7,29 @@ write and fsync their rank files before the commit, so the commit re-reads sizes
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import catalog
 from .commit import Transaction
+from .manifest import record_in, record_out
 from .lock import writer_lock
+
+if TYPE_CHECKING:
+    from ..ranks import Ranks
+
+
+def gather_records(ranks: Ranks, mine: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's ``mine`` (``{"ok", "record", "step", ...}``), on every rank: the commit
+    exchange. The rank record crosses as JSON carries it (``manifest.record_out``: its tensor
+    table as columns) and comes back as the code reads it (``record_in``)."""
+    out = dict(mine)
+    if out.get("record"):
+        out["record"] = record_out(out["record"])
+    everyone = ranks.gather_json(out)
+    for m in everyone:
+        if m.get("record"):
+            record_in(m["record"])
+    return everyone
 
 
 def record_failures(everyone: list[dict[str, Any]], step: int) -> dict[int, str]:
