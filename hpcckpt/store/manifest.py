@@ -252,14 +252,9 @@ def _bounded(fname: str, file_bytes: int, tensors: Mapping[str, Any], fmt: str, 
     """A rank file that is read whole (whole-file crc32c) is at most its tensors' bytes plus
     bounded overhead: verify and a resume stay proportional to the bytes the manifest lists,
     whatever size a crafted manifest gives a (sparse) file."""
-    if isinstance(tensors, TensorTable):
-        offsets = tensors.offsets or [0] * len(tensors.nbytes)
-        held = (sum(tensors.nbytes) if fmt == "torch"
-                else max(map(operator.add, offsets, tensors.nbytes), default=0))
-    elif fmt == "torch":
-        held = sum(int(e["nbytes"]) for e in tensors.values())
-    else:
-        held = max((int(e["offset"]) + int(e["nbytes"]) for e in tensors.values()), default=0)
+    t = TensorTable.from_records(tensors)  # records already checked one by one, or a checked table
+    held = (sum(t.nbytes) if fmt == "torch"
+            else max(map(operator.add, t.offsets or [0] * len(t.nbytes), t.nbytes), default=0))
     limit = held + ARCHIVE_SLACK_BYTES + TENSOR_SLACK_BYTES * len(tensors)
     if file_bytes > limit:
         raise Invalid(f"{where} file {fname!r} is listed as {file_bytes} bytes, but its tensors account for "
