@@ -293,8 +293,8 @@ def protected_symlinks(ctx: DoctorContext, proc: Path = Path("/proc/sys/fs")) ->
 
 
 def slurm_version(ctx: DoctorContext) -> tuple[int, int] | None:
-    match = re.match(r"(\d+)\.(\d+)", (ctx.slurm_config or {}).get("SLURM_VERSION", ""))
-    return (int(match.group(1)), int(match.group(2))) if match else None
+    from .cluster.scontrol import major_minor
+    return major_minor((ctx.slurm_config or {}).get("SLURM_VERSION"))
 
 
 def sends_user_signal(config: dict[str, str]) -> bool:

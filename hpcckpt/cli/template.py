@@ -40,14 +40,10 @@ def _overrides(pairs: list[str]) -> dict[str, str]:
 
 def _expedite_here() -> bool:
     """Whether the Slurm whose client tools are here has ``--requeue=expedite`` (25.11+)."""
-    from hpcckpt.cluster.scontrol import slurm_version
+    from hpcckpt.cluster.scontrol import major_minor, slurm_version
 
-    version = slurm_version()
-    parts = (version or "").split(".")
-    try:
-        return (int(parts[0]), int(parts[1])) >= render.EXPEDITE_SINCE
-    except (ValueError, IndexError):
-        return False
+    version = major_minor(slurm_version())
+    return version is not None and version >= render.EXPEDITE_SINCE
 
 
 def _list(args: argparse.Namespace) -> int:

@@ -148,6 +148,12 @@ def slurm_version() -> str | None:
     return match.group(1) if match else None
 
 
+def major_minor(version: str | None) -> tuple[int, int] | None:
+    """``(major, minor)`` of a Slurm version string ("25.11.2" -> (25, 11)); None when it says none."""
+    match = re.match(r"(\d+)\.(\d+)", version or "")
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
 def successor_environment(environ: Mapping[str, str], predecessor: str) -> dict[str, str]:
     """The environment a successor job is submitted with.
 
