@@ -7,6 +7,7 @@ import stat
 import threading
 import time
 from collections import OrderedDict
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -17,6 +18,7 @@ from . import rankfile
 from .entry import TensorEntry
 from .lock import reader_lock
 from .manifest import validate
+from .prefetch import Prefetch
 from .tensortable import TensorTable
 
 # Exactly the names ``step_name`` writes: ASCII digits, no leading zero, nothing after
@@ -126,13 +128,18 @@ def check(path: Path, *, full: bool) -> tuple[dict[str, Any] | None, list[str]]:
     (``manifest.validate``: before anything reads a byte or sizes memory from it) and
     the files' sizes; full mode also re-reads every byte (whole-file and per-tensor crc32c).
     """
-    try:
-        manifest = read_manifest(path)
-        _validate_once(manifest, _dir_step(path))
-    except CheckpointCorrupt as exc:
-        text = str(exc)
-        return None, [text if str(path) in text else f"{path / MANIFEST}: {text}"]
-    return manifest, verify_against(path, manifest, full=full)
+    # Full: the disk reads the files while the manifest is checked, and goes on while the
+    # checksums start on what is already cached (``prefetch``).
+    with Prefetch(path) if full else nullcontext() as warm:
+        try:
+            manifest = read_manifest(path)
+            _validate_once(manifest, _dir_step(path))
+        except CheckpointCorrupt as exc:
+            if warm is not None:
+                warm.wait(stop=True)  # nothing of it will be read
+            text = str(exc)
+            return None, [text if str(path) in text else f"{path / MANIFEST}: {text}"]
+        return manifest, verify_against(path, manifest, full=full)
 
 
 def verify_against(path: Path, manifest: dict[str, Any], *, full: bool) -> list[str]:

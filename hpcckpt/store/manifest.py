@@ -229,7 +229,7 @@ def _table(t: TensorTable, fmt: str, file_bytes: int, where: str) -> None:
     """A rank's tensor table: names, then every row in a few passes (``TensorTable.sound``);
     a table that fails them is checked row by row to name the first bad one (a dtype torch
     knows but ``ITEMSIZE`` does not passes there)."""
-    if not all(type(n) is str for n in t.names):
+    if not set(map(type, t.names)) <= {str}:
         bad = next(n for n in t.names if type(n) is not str)
         raise Invalid(f"{where} tensor table names a tensor {bad!r}, not a string")
     if len(set(t.names)) != len(t.names):

@@ -160,10 +160,10 @@ class TensorTable(Mapping[str, dict[str, Any]]):
         but the table does not, or a damaged row): the caller checks row by row then."""
         if not self.names:
             return not offsets or not self.offsets
-        if not all(type(d) is str for d in self.dtypes):
+        if not _all_type(self.dtypes, str):
             return False
         sizes = list(map(itemsize.get, self.dtypes))
-        if None in sizes or not all(type(s) is list for s in self.shapes) or max(map(len, self.shapes)) > max_dims:
+        if None in sizes or not _all_type(self.shapes, list) or max(map(len, self.shapes)) > max_dims:
             return False
         dims = [d for s in self.shapes for d in s]
         if not (_whole(self.nbytes) and _whole(self.crcs) and _whole(dims)):
@@ -179,9 +179,15 @@ class TensorTable(Mapping[str, dict[str, Any]]):
         offs = self.offsets
         if offs is None or not _whole(offs) or min(offs) < 0:
             return False
-        return max((o + b for o, b in zip(offs, self.nbytes) if b), default=0) <= file_bytes
+        # The end of each range that holds bytes (an empty tensor's offset is not read): C loops.
+        return max(map(operator.mul, map(operator.add, offs, self.nbytes), map(bool, self.nbytes))) <= file_bytes
+
+
+def _all_type(col: list[Any], kind: type) -> bool:
+    """Every item exactly of type ``kind`` (a subclass does not count)."""
+    return set(map(type, col)) <= {kind}
 
 
 def _whole(col: list[Any]) -> bool:
     """Every item a plain int (``type`` is int: no bool, no float)."""
-    return set(map(type, col)) <= {int}
+    return _all_type(col, int)
