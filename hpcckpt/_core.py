@@ -28,3 +28,8 @@ def native() -> ModuleType:
 def crc32c(data: object, crc: int = 0) -> int:
     """CRC-32C of a buffer (hardware accelerated in the native core)."""
     return int(native().crc32c(data, crc))
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32C of A followed by B, from crc32c(A), crc32c(B) and B's length."""
+    return int(native().crc32c_combine(crc1, crc2, len2))

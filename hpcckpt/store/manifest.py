@@ -116,7 +116,7 @@ def _tensor(name: str, e: Any, fmt: str, file_bytes: int, where: str) -> None:
         if (itemsize is not None and type(shape) is list and len(shape) <= MAX_DIMS and type(nbytes) is int
                 and type(crc) is int and 0 <= crc <= _U32 and 0 <= nbytes <= file_bytes
                 and all(type(d) is int and d >= 0 for d in shape) and math.prod(shape) * itemsize == nbytes):
-            if fmt != "hdf5":
+            if fmt != "hdf5" and "offset" not in e:  # the sync format's offsets are optional
                 return
             offset = e.get("offset")
             if type(offset) is int and offset >= 0 and (not nbytes or offset + nbytes <= file_bytes):
@@ -141,7 +141,7 @@ def _tensor_explained(name: str, e: Any, fmt: str, file_bytes: int, where: str) 
     if nbytes > file_bytes:
         raise Invalid(f"{what} claims {nbytes} bytes, more than its {file_bytes}-byte file holds")
     _int(e.get("crc32c", 0), f"{what} crc32c", hi=_U32)
-    if fmt == "hdf5":
+    if fmt == "hdf5" or "offset" in e:
         offset = _int(e.get("offset"), f"{what} offset")
         if nbytes and offset + nbytes > file_bytes:
             raise Invalid(f"{what} spans bytes {offset}..{offset + nbytes}, past the end of its "
@@ -236,7 +236,8 @@ def _table(t: TensorTable, fmt: str, file_bytes: int, where: str) -> None:
         seen: set[str] = set()
         twice = next(n for n in t.names if n in seen or seen.add(n))  # type: ignore[func-returns-value]
         raise Invalid(f"{where} tensor table lists tensor {twice!r} twice")
-    if t.sound(ITEMSIZE, file_bytes=file_bytes, offsets=fmt == "hdf5", max_dims=MAX_DIMS, u32=_U32):
+    if t.sound(ITEMSIZE, file_bytes=file_bytes, offsets=fmt == "hdf5" or t.offsets is not None, max_dims=MAX_DIMS,
+               u32=_U32):
         return
     if fmt == "hdf5" and t.offsets is None and t.names:
         raise Invalid(f"{where} tensor table of an HDF5 file has no offsets")

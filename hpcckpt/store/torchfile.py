@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from .._core import crc32c
+from .._core import crc32c, crc32c_combine
 from ..errors import CheckpointCorrupt
 from ..fsio import write_all
 from .commit import TMP_MARK, collector_paused, explain_os_error, fd_crc32c, open_checked
@@ -29,18 +29,30 @@ from .tensortable import TensorTable
 
 
 class _CrcWriter:
-    """A write-only file object that checksums what passes through it."""
+    """A write-only file object that checksums what passes through it.
 
-    def __init__(self, fd: int) -> None:
+    ``sizes``: the byte counts of the tensors being saved. A write of one of those sizes
+    is checksummed on its own (and folded into the file's crc32c): ``places`` maps its
+    ``(size, crc32c)`` to its file offset, so each tensor's record can be found by its
+    bytes (``_offsets``) without reading the archive again."""
+
+    def __init__(self, fd: int, sizes: frozenset[int] = frozenset()) -> None:
         self.fd = fd
         self.crc = 0
         self.size = 0
+        self.sizes = sizes
+        self.places: dict[tuple[int, int], int] = {}
         self.error: OSError | None = None  # torch's zip writer hides it behind "unexpected pos"
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self.crc = crc32c(view, self.crc)
         n = len(view)
+        if n in self.sizes:
+            crc = crc32c(view)
+            self.places.setdefault((n, crc), self.size)
+            self.crc = crc32c_combine(self.crc, crc, n)
+        else:
+            self.crc = crc32c(view, self.crc)
         try:
             write_all(self.fd, view)
         except OSError as exc:
@@ -66,7 +78,8 @@ def write(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     cpu = {n: _own_storage(t.detach().cpu().contiguous()) for n, t in tensors.items()}
     root = path.parent.parent if TMP_MARK in path.parent.name else path.parent
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    w = _CrcWriter(fd)
+    nbytes = [t.numel() * t.element_size() for t in cpu.values()]
+    w = _CrcWriter(fd, frozenset(b for b in nbytes if b))
     try:
         torch.save({"tensors": cpu}, w)  # type: ignore[arg-type]  # torch stubs want IO[bytes]; w has write/flush
         os.fsync(fd)
@@ -78,14 +91,30 @@ def write(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         raise explain_os_error(w.error, root, path) from None
     finally:
         os.close(fd)
+    crcs = [crc32c(raw_bytes(t)) for t in cpu.values()]
     return {
         "format": "torch",
         "file_info": {"bytes": w.size, "crc32c": w.crc},
         "tensors": TensorTable(list(cpu), [dtype_name(t.dtype) for t in cpu.values()],
-                               [list(t.shape) for t in cpu.values()],
-                               [t.numel() * t.element_size() for t in cpu.values()],
-                               [crc32c(raw_bytes(t)) for t in cpu.values()]),
+                               [list(t.shape) for t in cpu.values()], nbytes, crcs, _offsets(w.places, nbytes, crcs)),
     }
+
+
+def _offsets(places: dict[tuple[int, int], int], nbytes: list[int], crcs: list[int]) -> list[int] | None:
+    """Each tensor's file offset: where a write of exactly its bytes (its size and crc32c)
+    went, or None for all when one is not found (torch wrote a record in pieces; readers
+    then find the records in the archive, ``_index``). Two tensors of identical bytes may
+    share an offset: the bytes there are both of theirs. Empty tensors: 0 (nothing read)."""
+    out = []
+    for b, c in zip(nbytes, crcs):
+        if not b:
+            out.append(0)
+            continue
+        at = places.get((b, c))
+        if at is None:
+            return None
+        out.append(at)
+    return out
 
 
 def read(path: Path, rec: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -99,7 +128,7 @@ def read(path: Path, rec: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     from .hdf5 import read_tensors
     fd = _open(path, _size(rec))
     try:
-        found = _index(fd, rec, os.fstat(fd).st_size)
+        found = _places(fd, rec)
         if found is None:
             return _load_fd(path, fd, rec, whole_file=True)
         out = read_tensors(path, found, fd=fd, direct=False)
@@ -107,6 +136,16 @@ def read(path: Path, rec: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     finally:
         os.close(fd)
     return out
+
+
+def _places(fd: int, rec: Mapping[str, Any]) -> dict[str, TensorEntry] | None:
+    """Where each tensor's bytes lie: the manifest's offsets, recorded as the archive was
+    written (validated: inside the file; each tensor's crc32c is checked where it is read),
+    or, for a manifest without them, the archive's own index (``_index``)."""
+    table = TensorTable.from_records(rec["tensors"])
+    if table.offsets is not None:
+        return table.entries()
+    return _index(fd, rec, os.fstat(fd).st_size)
 
 
 def _size(rec: Mapping[str, Any]) -> int | None:
@@ -205,7 +244,7 @@ def verify(path: Path, rec: Mapping[str, Any]) -> list[str]:
     try:
         fd = _open(path, _size(rec))
         try:
-            found = _index(fd, rec, os.fstat(fd).st_size)
+            found = _places(fd, rec)
             if found is None:
                 _load_fd(path, fd, rec, whole_file=False)
                 return []

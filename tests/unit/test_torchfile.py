@@ -14,6 +14,7 @@ import torch
 from hpcckpt.errors import CheckpointCorrupt
 from hpcckpt.store import torchfile
 from hpcckpt.store.entry import dtype_name
+from hpcckpt.store.tensortable import TensorTable
 
 pytestmark = pytest.mark.native
 
@@ -27,10 +28,17 @@ TENSORS = {
 }
 
 
-def _written(tmp_path: Path) -> tuple[Path, dict[str, object]]:
+def _written(tmp_path: Path, tensors: dict[str, torch.Tensor] = TENSORS) -> tuple[Path, dict[str, object]]:
     path = tmp_path / "rank-0.pt"
-    rec = torchfile.write(path, TENSORS)
+    rec = torchfile.write(path, tensors)
     return path, rec
+
+
+def _without_offsets(rec: dict[str, object]) -> dict[str, object]:
+    """``rec`` as a manifest written before the sync format recorded offsets has it."""
+    t = rec["tensors"]
+    assert isinstance(t, TensorTable)
+    return {**rec, "tensors": TensorTable(t.names, t.dtypes, t.shapes, t.nbytes, t.crcs)}
 
 
 def test_the_index_finds_every_tensor_and_the_read_never_calls_torch_load(tmp_path: Path,
@@ -51,11 +59,65 @@ def test_the_index_finds_every_tensor_and_the_read_never_calls_torch_load(tmp_pa
     def no_torch_load(*args: object, **kwargs: object) -> None:
         raise AssertionError("torch.load was called for an archive the index reads")
     monkeypatch.setattr(torchfile.torch, "load", no_torch_load)
+    for r in (rec, _without_offsets(rec)):  # the recorded offsets, and the archive's own index
+        got = torchfile.read(path, r)
+        assert set(got) == set(TENSORS)
+        for name, t in TENSORS.items():
+            assert got[name].dtype == t.dtype and got[name].shape == t.shape and torch.equal(got[name], t), name
+            assert got[name].untyped_storage().nbytes() == t.numel() * t.element_size()  # its own memory
+        assert torchfile.verify(path, r) == []
+
+
+def test_the_writer_records_where_each_tensor_landed(tmp_path: Path) -> None:
+    """The offsets found from torch.save's writes are the archive's own (``_index``), for
+    tied tensors (one storage), tensors of identical bytes and empty ones too."""
+    w = torch.randn(4, 4)
+    tensors = {**TENSORS, "objects/model/tied": TENSORS["objects/model/w"], "objects/a": torch.zeros(8),
+               "objects/b": torch.zeros(8), "objects/e2": torch.empty(0), "objects/big": w}
+    path, rec = _written(tmp_path, tensors)
+    table = rec["tensors"]
+    assert isinstance(table, TensorTable) and table.offsets is not None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        found = torchfile._index(fd, _without_offsets(rec), os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    assert found is not None
+    raw = path.read_bytes()
+    for name, off, nbytes in zip(table.names, table.offsets, table.nbytes):
+        if not nbytes:
+            continue
+        # The archive's own record, or (identical bytes) another record holding the same bytes.
+        assert raw[off:off + nbytes] == raw[found[name].offset:found[name].offset + nbytes], name
+        if name not in ("objects/a", "objects/b"):
+            assert off == found[name].offset, name
     got = torchfile.read(path, rec)
-    assert set(got) == set(TENSORS)
-    for name, t in TENSORS.items():
-        assert got[name].dtype == t.dtype and got[name].shape == t.shape and torch.equal(got[name], t), name
-        assert got[name].untyped_storage().nbytes() == t.numel() * t.element_size()  # its own memory
+    for name, t in tensors.items():
+        assert torch.equal(got[name], t), name
+
+
+def test_offsets_are_left_out_when_a_record_was_not_one_write() -> None:
+    """``_offsets`` gives every tensor's place or none (readers then use the archive's index)."""
+    places = {(40, 7): 960, (24, 9): 1088}
+    assert torchfile._offsets(places, [40, 0, 24], [7, 0, 9]) == [960, 0, 1088]
+    assert torchfile._offsets(places, [40, 24, 12], [7, 9, 5]) is None
+    assert torchfile._offsets(places, [40], [8]) is None  # same size, other bytes
+
+
+def test_offsets_that_point_elsewhere_are_caught_by_the_checksums(tmp_path: Path) -> None:
+    """A manifest whose offsets (sealed, but say mistaken) name other bytes: verify names the
+    tensors and read refuses; nothing wrong is returned."""
+    path, rec = _written(tmp_path)
+    t = rec["tensors"]
+    assert isinstance(t, TensorTable) and t.offsets is not None
+    i, j = t.names.index("objects/model/w"), t.names.index("rng/torch")
+    offsets = list(t.offsets)
+    offsets[i] = offsets[j]
+    bad = {**rec, "tensors": TensorTable(t.names, t.dtypes, t.shapes, t.nbytes, t.crcs, offsets)}
+    problems = torchfile.verify(path, bad)
+    assert len(problems) == 1 and "objects/model/w" in problems[0] and "fails its checksum" in problems[0]
+    with pytest.raises(CheckpointCorrupt, match="objects/model/w"):
+        torchfile.read(path, bad)
     assert torchfile.verify(path, rec) == []
 
 
@@ -95,6 +157,7 @@ def test_an_archive_the_index_does_not_recognise_is_read_by_torch_load(tmp_path:
     view = base[10:45].view(7, 5)  # 35 floats of a 100-float storage
     with open(path, "wb") as f:
         torch.save({"tensors": {**TENSORS, "objects/model/w": view}}, f)
+    rec = _without_offsets(rec)  # a manifest that does not say where the tensors are
     fd = os.open(path, os.O_RDONLY)
     try:
         assert torchfile._index(fd, rec, os.fstat(fd).st_size) is None
