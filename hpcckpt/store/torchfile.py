@@ -237,14 +237,18 @@ def _check_tensor(path: Path, name: str, t: Any, entry: Mapping[str, Any]) -> No
 
 def verify(path: Path, rec: Mapping[str, Any]) -> list[str]:
     """Every damaged tensor, named (the whole-file crc32c is ``commit.verify_files``'s to
-    report): the tensors ``_index`` finds checksummed in one native call (coalesced reads in
-    file order, ``hdf5.checksum_problems``), or, for an archive it does not recognise,
+    report): the tensors at the manifest's offsets (as arrays, no object per tensor) or where
+    ``_index`` finds them, checksummed in one native call (coalesced reads in file order,
+    ``hdf5.checksum_problems``), or, for an archive ``_index`` does not recognise,
     ``torch.load`` and each tensor."""
     from .hdf5 import checksum_problems
     try:
         fd = _open(path, _size(rec))
         try:
-            found = _places(fd, rec)
+            table = TensorTable.from_records(rec["tensors"])
+            if table.offsets is not None:
+                return checksum_problems(path, fd, *table.arrays())
+            found = _index(fd, rec, os.fstat(fd).st_size)
             if found is None:
                 _load_fd(path, fd, rec, whole_file=False)
                 return []
