@@ -76,15 +76,14 @@ def flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> Any:
     Plain dicts and tensors are tested first: a state of tens of thousands of tensors is
     mostly those (an optimizer's state: a dict of tensors per parameter)."""
     if type(obj) is dict and _plain_keys(obj):
-        return {k: flatten(v, f"{prefix}/{_escape(k)}", out) for k, v in obj.items()}
+        tree = {}
+        for k, v in obj.items():
+            name = f"{prefix}/{_escape(k)}"
+            # A plain tensor leaf, by far the most common value, without a call of its own.
+            tree[k] = _tensor_ref(v, name, out) if type(v) in _PLAIN_TENSORS else flatten(v, name, out)
+        return tree
     if isinstance(obj, torch.Tensor):
-        if prefix in out:
-            raise ConfigError(f"two tensors map to the state name {prefix!r}")
-        out[prefix] = obj.detach() if obj.requires_grad else obj  # state_dict()'s are detached already
-        ref: dict[str, Any] = {"__tensor__": prefix}
-        if _permuted(obj):
-            ref["__stride__"] = list(obj.stride())  # a transposed or channels_last layout comes back as saved
-        return ref
+        return _tensor_ref(obj, prefix, out)
     if isinstance(obj, np.ndarray):
         out[prefix] = torch.from_numpy(np.ascontiguousarray(obj))
         return {"__ndarray__": prefix}
@@ -116,6 +115,20 @@ def flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> Any:
     raise ConfigError(
         f"state at {prefix!r} holds a {type(obj).__name__}, which hpcckpt cannot save without "
         "pickling; convert it to tensors, numbers, strings, lists or dicts in state_dict()")
+
+
+_PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))
+
+
+def _tensor_ref(t: torch.Tensor, name: str, out: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """``t`` put in ``out`` as ``name``; its reference in the metadata tree."""
+    if name in out:
+        raise ConfigError(f"two tensors map to the state name {name!r}")
+    out[name] = t.detach() if t.requires_grad else t  # state_dict()'s are detached already
+    ref: dict[str, Any] = {"__tensor__": name}
+    if not t.is_contiguous() and _permuted(t):
+        ref["__stride__"] = list(t.stride())  # a transposed or channels_last layout comes back as saved
+    return ref
 
 
 def _json_copy(value: Any, what: str) -> Any:

@@ -523,9 +523,10 @@ class ConcurrentEngine(Engine):
         batch = native().Batch(self._pool, self.direct)
         path = str(tmp / fname)
         names = layout.names
-        sources = [tensors[n] for n in names]
-        addresses = np.fromiter((t.data_ptr() if t.is_contiguous() else 0 for t in sources), dtype=np.uint64,
-                                count=len(names))
+        sources = list(map(tensors.__getitem__, names))
+        # Each source's address, 0 where it is not contiguous: two C-level passes, no Python per tensor.
+        addresses = np.fromiter(map(torch.Tensor.data_ptr, sources), dtype=np.uint64, count=len(names))
+        addresses[~np.fromiter(map(torch.Tensor.is_contiguous, sources), dtype=bool, count=len(names))] = 0
         later = self._safe_mask(layout) & (addresses != 0)
         if layout.complex_names:  # a conjugate or negative view's bytes are not its values: copy now
             for name in layout.complex_names:

@@ -26,6 +26,7 @@ the chunk as in the file, so the writers can use O_DIRECT without a bounce buffe
 from __future__ import annotations
 
 import logging
+import operator
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
@@ -254,7 +255,8 @@ class Staging:
 
     def matches(self, tensors: Mapping[str, torch.Tensor]) -> bool:
         """Whether ``tensors`` are what this staging was laid out for (all on the host)."""
-        return self.key[1] is None and self.layout.matches(tensors) and not any(t.is_cuda for t in tensors.values())
+        return (self.key[1] is None and self.layout.matches(tensors)
+                and not any(map(operator.attrgetter("is_cuda"), tensors.values())))
 
     @property
     def pinned(self) -> bool:

@@ -5,6 +5,7 @@ so each later save rewrites a few KiB instead of re-creating the HDF5 structure.
 """
 from __future__ import annotations
 
+import operator
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,8 @@ from ..errors import ConfigError
 from .entry import ALIGN, TensorEntry
 from .hdf5 import plan_file
 from .tensortable import TensorTable
+
+_DTYPE, _SHAPE = operator.attrgetter("dtype"), operator.attrgetter("shape")
 
 # HDF5 metadata is ~0.5-1 KB a dataset: 256 MiB is far beyond any model's state (and held
 # in memory for the run); a file with more is planned afresh at each save.
@@ -131,7 +134,8 @@ class Layout:
         if list(tensors) != self._spec_names:
             return False
         values = list(tensors.values())
-        return [t.dtype for t in values] == self._spec_dtypes and [t.shape for t in values] == self._spec_shapes
+        return (list(map(_DTYPE, values)) == self._spec_dtypes
+                and list(map(_SHAPE, values)) == self._spec_shapes)
 
     def template_items(self) -> tuple[bytes, np.ndarray, np.ndarray, np.ndarray] | None:
         """The HDF5 metadata as ``(buffer, file offsets, buffer offsets, lengths)``, for writers to

@@ -63,6 +63,9 @@ class Plan:
     fingerprints: dict[str, int] = field(default_factory=dict)  # replicated name -> crc32c (check_replicas)
 
 
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
+
+
 def _is_dtensor(t: Any) -> bool:
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:  # nearly every tensor: no lookup
         return False
@@ -107,6 +110,9 @@ def plan(tensors: Mapping[str, torch.Tensor], where: Placement, *, fingerprint: 
     commit then refuses a checkpoint whose "replicas" differ between ranks).
     """
     out = Plan()
+    if where.world == 1 and set(map(type, tensors.values())) <= _PLAIN:  # one rank, no DTensor: all of it
+        out.tensors = dict(tensors)
+        return out
     replicated: list[tuple[str, torch.Tensor]] = []
     for name, t in tensors.items():
         if _is_dtensor(t):
