@@ -54,11 +54,14 @@ from ..config import CHUNK_BYTES, check_on_busy
 from ..errors import CheckpointFailed, ConfigError
 from ..state import Flat, TrainState
 from ..ranks import Ranks
+from ..store import catalog
+from ..store.commit import remove_trash
 from ..store.entry import raw_bytes
 from ..store.hostmem import one_cuda_device
 from .base import Engine, SaveContext, SaveHandle
 from ..store.layout import Layout
 from .prepare import Prep, Preparer, build_staging
+from .recycle import Recycler
 from .staging import EngineStats, Key, RingStream, Slot, Staging, flat_bytes
 
 __all__ = ["ConcurrentEngine", "EngineStats", "Layout", "Slot"]
@@ -183,6 +186,9 @@ class ConcurrentEngine(Engine):
         self._safe_masks: dict[int, tuple[Layout, np.ndarray]] = {}
         self._stream: Any = None
         self._closed = False
+        # A pruned checkpoint's rank file reused by the next save (one rank, no levels).
+        self._recycler = (Recycler(ctx.root, f"rank-{ranks.rank}.h5")
+                          if ranks.world == 1 and ctx.levels is None and ctx.keep is not None else None)
         self._finisher = threading.Thread(target=self._finish_loop, name="hpcckpt-finisher", daemon=True)
         self._finisher.start()
 
@@ -364,14 +370,18 @@ class ConcurrentEngine(Engine):
         fname = f"rank-{self.ranks.rank}.h5"
         slot: Slot | None = None
         try:
-            tmp.mkdir(mode=0o700, parents=True, exist_ok=True)
             staging = self._staging_for(tensors)
+            reused = (self._recycler is not None and staging.ring is None and self._all_at_once(staging.layout)
+                      and self._recycler.take(tmp, staging.layout))  # tmp and its rank file, from a pruned step
+            if not reused:
+                tmp.mkdir(mode=0o700, parents=True, exist_ok=True)
             if staging.ring is not None:
                 staging.layout.materialise(tmp / fname)
                 job = self._stage_ring(flat, step, handle, tmp, fname, staging, tensors, started)
             else:
                 slot = self._take_slot()
-                job = self._stage(flat, step, handle, tmp, fname, staging.layout, slot, tensors, started)
+                job = self._stage(flat, step, handle, tmp, fname, staging.layout, slot, tensors, started,
+                                  reused=reused)
         except Exception as exc:
             if slot is not None:
                 self._free_slot(slot)
@@ -459,11 +469,15 @@ class ConcurrentEngine(Engine):
             self._cond.notify_all()
 
     def _stage(self, flat: Flat, step: int, handle: SaveHandle, tmp: Path, fname: str, layout: Layout,
-               slot: Slot, tensors: dict[str, torch.Tensor], started: float) -> _Job:
-        """Make the rank file and stage the save into ``slot``: all at once when nothing is on a
-        GPU (``_stage_host``), else tensor by tensor by route (``_stage_each``)."""
+               slot: Slot, tensors: dict[str, torch.Tensor], started: float, *, reused: bool = False) -> _Job:
+        """Make the rank file (``reused``: it is there, of this layout) and stage the save into
+        ``slot``: all at once when nothing is on a GPU (``_stage_host``), else tensor by tensor
+        by route (``_stage_each``)."""
         if self._all_at_once(layout):
-            layout.create(tmp / fname)  # its metadata is written by the save's writers
+            if not reused:
+                layout.create(tmp / fname)  # its metadata is written by the save's writers
+            if self._recycler is not None:
+                self._recycler.written(catalog.step_name(step), layout)
             return self._stage_host(flat, step, handle, tmp, fname, layout, slot, tensors, started)
         layout.materialise(tmp / fname)
         return self._stage_each(flat, step, handle, tmp, fname, layout, slot, tensors, started)
@@ -689,6 +703,17 @@ class ConcurrentEngine(Engine):
         return {"file": job.fname, "format": "hdf5", "meta": job.meta, "tensors": job.layout.record(crcs),
                 **job.placement}
 
+    def empty_trash(self) -> None:
+        """Delete what the last commit pruned, keeping one rank file for the next save
+        (``recycle``) when it has the current layout."""
+        if self._recycler is None or not self._trash:
+            super().empty_trash()
+            return
+        doomed, self._trash[:] = list(self._trash), []
+        staging = self._staging
+        current = staging.layout if staging is not None and staging.ring is None else None
+        remove_trash(self._recycler.keep(doomed, current))
+
     # -- lifecycle ---------------------------------------------------------------
 
     def pending(self) -> list[SaveHandle]:
@@ -718,6 +743,8 @@ class ConcurrentEngine(Engine):
         self._optimizers.clear()
         self._pool.close()
         self._preparer.close()  # nothing of this engine keeps running, or pinned, after close
+        if self._recycler is not None:
+            self._recycler.close()
         if self._staging is not None:
             self._staging.release()
             self._staging = None

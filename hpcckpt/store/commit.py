@@ -21,6 +21,7 @@ import secrets
 import shutil
 import stat
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 from types import TracebackType
@@ -37,6 +38,10 @@ MANIFEST = "manifest.json"
 LATEST = "LATEST"
 TMP_MARK = ".tmp-"
 TRASH_PREFIX = ".trash-"  # directories being deleted: never listed (see ``discard``)
+# A pruned step directory a live engine keeps to write its next save into
+# (``engines/recycle``); never listed, swept once a crash left it this old.
+SPARE_PREFIX = ".spare-"
+STALE_SPARE_AGE_S = 600.0
 # ~250 bytes a tensor: 64 MiB is some 250,000 tensors, far beyond any model's state; a
 # larger "manifest" is refused before it is parsed (parsing is the cost of every listing).
 MAX_MANIFEST_BYTES = 64 << 20
@@ -436,13 +441,22 @@ def remove_trash(paths: list[Path]) -> None:
 
 
 def sweep_candidates(root: Path, *, exclude: set[Path]) -> list[Path]:
-    """Leftovers of earlier discards that a kill interrupted."""
+    """Leftovers of earlier discards that a kill interrupted, and spares (``SPARE_PREFIX``)
+    no live engine has touched for ``STALE_SPARE_AGE_S``."""
     names = {p.name for p in exclude}
     try:
         with os.scandir(root) as it:
-            return [root / e.name for e in it if e.name.startswith(TRASH_PREFIX) and e.name not in names]
+            return [root / e.name for e in it if e.name not in names and (
+                e.name.startswith(TRASH_PREFIX) or (e.name.startswith(SPARE_PREFIX) and _stale(e)))]
     except OSError:
         return []
+
+
+def _stale(entry: os.DirEntry[str]) -> bool:
+    try:
+        return time.time() - entry.stat(follow_symlinks=False).st_mtime >= STALE_SPARE_AGE_S
+    except OSError:
+        return False
 
 
 def _remove_tree(path: Path) -> None:
