@@ -31,17 +31,18 @@ from .tensortable import TensorTable
 class _CrcWriter:
     """A write-only file object that checksums what passes through it.
 
-    ``sizes``: the byte counts of the tensors being saved. A write of one of those sizes
-    is checksummed on its own (and folded into the file's crc32c): ``places`` maps its
-    ``(size, crc32c)`` to its file offset, so each tensor's record can be found by its
-    bytes (``_offsets``) without reading the archive again."""
+    ``sizes``: the byte counts of the tensors being saved. torch.save hands each storage
+    record to ``write`` as a view of the tensor's own memory; a write of one of those sizes
+    is checksummed on its own (and folded into the file's crc32c) and ``places`` maps the
+    address of its memory to ``(file offset, size, crc32c)``, so that each tensor's record
+    is found by its ``data_ptr()`` (``_offsets``) without reading the archive again."""
 
     def __init__(self, fd: int, sizes: frozenset[int] = frozenset()) -> None:
         self.fd = fd
         self.crc = 0
         self.size = 0
         self.sizes = sizes
-        self.places: dict[tuple[int, int], int] = {}
+        self.places: dict[int, tuple[int, int, int]] = {}
         self.error: OSError | None = None  # torch's zip writer hides it behind "unexpected pos"
 
     def write(self, data: Any) -> int:
@@ -49,7 +50,7 @@ class _CrcWriter:
         n = len(view)
         if n in self.sizes:
             crc = crc32c(view)
-            self.places.setdefault((n, crc), self.size)
+            self.places.setdefault(np.frombuffer(view, dtype=np.uint8).ctypes.data, (self.size, n, crc))
             self.crc = crc32c_combine(self.crc, crc, n)
         else:
             self.crc = crc32c(view, self.crc)
@@ -92,28 +93,31 @@ def write(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     finally:
         os.close(fd)
     crcs = [crc32c(raw_bytes(t)) for t in cpu.values()]
+    addresses = [t.data_ptr() for t in cpu.values()]
     return {
         "format": "torch",
         "file_info": {"bytes": w.size, "crc32c": w.crc},
         "tensors": TensorTable(list(cpu), [dtype_name(t.dtype) for t in cpu.values()],
-                               [list(t.shape) for t in cpu.values()], nbytes, crcs, _offsets(w.places, nbytes, crcs)),
+                               [list(t.shape) for t in cpu.values()], nbytes, crcs,
+                               _offsets(w.places, addresses, nbytes, crcs)),
     }
 
 
-def _offsets(places: dict[tuple[int, int], int], nbytes: list[int], crcs: list[int]) -> list[int] | None:
-    """Each tensor's file offset: where a write of exactly its bytes (its size and crc32c)
-    went, or None for all when one is not found (torch wrote a record in pieces; readers
-    then find the records in the archive, ``_index``). Two tensors of identical bytes may
-    share an offset: the bytes there are both of theirs. Empty tensors: 0 (nothing read)."""
+def _offsets(places: dict[int, tuple[int, int, int]], addresses: list[int], nbytes: list[int],
+             crcs: list[int]) -> list[int] | None:
+    """Each tensor's file offset: where the write of its own memory (its address, size and
+    crc32c) went, or None for all when one is not found (a torch that copies a record
+    before writing it, or writes it in pieces; readers then find the records in the
+    archive, ``_index``). Tensors sharing a storage share its record. Empty: 0."""
     out = []
-    for b, c in zip(nbytes, crcs):
+    for a, b, c in zip(addresses, nbytes, crcs):
         if not b:
             out.append(0)
             continue
-        at = places.get((b, c))
-        if at is None:
+        at = places.get(a)
+        if at is None or at[1] != b or at[2] != c:
             return None
-        out.append(at)
+        out.append(at[0])
     return out
 
 

@@ -70,7 +70,7 @@ def test_the_index_finds_every_tensor_and_the_read_never_calls_torch_load(tmp_pa
 
 def test_the_writer_records_where_each_tensor_landed(tmp_path: Path) -> None:
     """The offsets found from torch.save's writes are the archive's own (``_index``), for
-    tied tensors (one storage), tensors of identical bytes and empty ones too."""
+    tied tensors (one storage), tensors of identical bytes (each its own record) and empty ones too."""
     w = torch.randn(4, 4)
     tensors = {**TENSORS, "objects/model/tied": TENSORS["objects/model/w"], "objects/a": torch.zeros(8),
                "objects/b": torch.zeros(8), "objects/e2": torch.empty(0), "objects/big": w}
@@ -87,10 +87,9 @@ def test_the_writer_records_where_each_tensor_landed(tmp_path: Path) -> None:
     for name, off, nbytes in zip(table.names, table.offsets, table.nbytes):
         if not nbytes:
             continue
-        # The archive's own record, or (identical bytes) another record holding the same bytes.
-        assert raw[off:off + nbytes] == raw[found[name].offset:found[name].offset + nbytes], name
-        if name not in ("objects/a", "objects/b"):
-            assert off == found[name].offset, name
+        assert off == found[name].offset, name
+        want = tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert raw[off:off + nbytes] == want, name
     got = torchfile.read(path, rec)
     for name, t in tensors.items():
         assert torch.equal(got[name], t), name
@@ -98,10 +97,12 @@ def test_the_writer_records_where_each_tensor_landed(tmp_path: Path) -> None:
 
 def test_offsets_are_left_out_when_a_record_was_not_one_write() -> None:
     """``_offsets`` gives every tensor's place or none (readers then use the archive's index)."""
-    places = {(40, 7): 960, (24, 9): 1088}
-    assert torchfile._offsets(places, [40, 0, 24], [7, 0, 9]) == [960, 0, 1088]
-    assert torchfile._offsets(places, [40, 24, 12], [7, 9, 5]) is None
-    assert torchfile._offsets(places, [40], [8]) is None  # same size, other bytes
+    places = {0x1000: (960, 40, 7), 0x2000: (1088, 24, 9)}
+    assert torchfile._offsets(places, [0x1000, 0, 0x2000], [40, 0, 24], [7, 0, 9]) == [960, 0, 1088]
+    assert torchfile._offsets(places, [0x1000, 0x2000, 0x3000], [40, 24, 12], [7, 9, 5]) is None  # not written
+    assert torchfile._offsets(places, [0x1000], [40], [8]) is None  # its memory, other bytes than it holds now
+    assert torchfile._offsets(places, [0x1000], [24], [9]) is None  # another size at that address
+    assert torchfile._offsets(places, [0x1000, 0x1000], [40, 40], [7, 7]) == [960, 960]  # one storage, two names
 
 
 def test_offsets_that_point_elsewhere_are_caught_by_the_checksums(tmp_path: Path) -> None:
