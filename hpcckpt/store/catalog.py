@@ -17,7 +17,7 @@ from .commit import LATEST, MANIFEST, TRASH_PREFIX, discard, open_member, read_l
 from . import rankfile
 from .entry import TensorEntry
 from .lock import reader_lock
-from .manifest import validate
+from .manifest import validate, validate_meta
 from .prefetch import Prefetch
 from .tensortable import TensorTable
 
@@ -108,17 +108,54 @@ _VALIDATED: OrderedDict[tuple[int, int | None], dict[str, Any]] = OrderedDict()
 _VALIDATED_LOCK = threading.Lock()
 
 
-def _validate_once(manifest: dict[str, Any], step: int | None) -> None:
+def _validated(manifest: dict[str, Any], step: int | None) -> bool:
     key = (id(manifest), step)
     with _VALIDATED_LOCK:
         if _VALIDATED.get(key) is manifest:
             _VALIDATED.move_to_end(key)
-            return
-    validate(manifest, step=step)
+            return True
+    return False
+
+
+def _remember_valid(manifest: dict[str, Any], step: int | None) -> None:
     with _VALIDATED_LOCK:
-        _VALIDATED[key] = manifest
+        _VALIDATED[(id(manifest), step)] = manifest
         while len(_VALIDATED) > 256:
             _VALIDATED.popitem(last=False)
+
+
+def _validate_once(manifest: dict[str, Any], step: int | None) -> None:
+    if not _validated(manifest, step):
+        validate(manifest, step=step)
+        _remember_valid(manifest, step)
+
+
+def _validated_while_verifying(path: Path, manifest: dict[str, Any], step: int | None) -> list[str]:
+    """``validate`` and a full ``verify_against`` at once: once everything that says which
+    bytes to read is checked (``validate(meta=False)``), the checksums run on a thread of
+    their own (native reads, the GIL released) while this one checks the metadata trees
+    (``validate_meta``, Python over every tensor reference). CheckpointCorrupt from the
+    validation, after the checksums are done; their problems otherwise."""
+    if _validated(manifest, step):
+        return verify_against(path, manifest, full=True)
+    validate(manifest, step=step, meta=False)
+    found: list[list[str] | BaseException] = []
+
+    def checksums() -> None:
+        try:
+            found.append(verify_against(path, manifest, full=True))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            found.append(exc)
+    worker = threading.Thread(target=checksums, name="hpcckpt-verify", daemon=True)
+    worker.start()
+    try:
+        validate_meta(manifest)
+    finally:
+        worker.join()
+    _remember_valid(manifest, step)
+    if isinstance(found[0], BaseException):
+        raise found[0]
+    return found[0]
 
 
 def check(path: Path, *, full: bool) -> tuple[dict[str, Any] | None, list[str]]:
@@ -133,13 +170,15 @@ def check(path: Path, *, full: bool) -> tuple[dict[str, Any] | None, list[str]]:
     with Prefetch(path) if full else nullcontext() as warm:
         try:
             manifest = read_manifest(path)
+            if full:
+                return manifest, _validated_while_verifying(path, manifest, _dir_step(path))
             _validate_once(manifest, _dir_step(path))
         except CheckpointCorrupt as exc:
             if warm is not None:
-                warm.wait(stop=True)  # nothing of it will be read
+                warm.wait(stop=True)  # nothing more of it will be read
             text = str(exc)
             return None, [text if str(path) in text else f"{path / MANIFEST}: {text}"]
-        return manifest, verify_against(path, manifest, full=full)
+        return manifest, verify_against(path, manifest, full=False)
 
 
 def verify_against(path: Path, manifest: dict[str, Any], *, full: bool) -> list[str]:

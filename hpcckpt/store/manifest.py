@@ -203,7 +203,8 @@ def _meta(meta: Any, step: int, tensors: Mapping[str, Any], where: str,
                       f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
 
 
-def _rank(rank: int, rec: Any, step: int, files: Mapping[str, Any], shared: Mapping[str, Any]) -> None:
+def _rank(rank: int, rec: Any, step: int, files: Mapping[str, Any], shared: Mapping[str, Any], *,
+          meta: bool = True) -> None:
     where = f"rank {rank}"
     rec = _dict(rec, f"{where} record")
     fname = safe_relpath(rec.get("file"), f"{where} file")
@@ -222,7 +223,8 @@ def _rank(rank: int, rec: Any, step: int, files: Mapping[str, Any], shared: Mapp
             _tensor(name, e, fmt, file_bytes, where)
     if fmt == "torch" or "crc32c" in files[fname]:  # a file read whole: no bigger than what it holds
         _bounded(fname, file_bytes, tensors, fmt, where)
-    _meta(rec.get("meta"), step, tensors, where, shared)
+    if meta:
+        _meta(rec.get("meta"), step, tensors, where, shared)
 
 
 def _table(t: TensorTable, fmt: str, file_bytes: int, where: str) -> None:
@@ -305,10 +307,12 @@ def build(*, step: int, engine: str, job: Mapping[str, Any], user: Mapping[str, 
     }
 
 
-def validate(manifest: Mapping[str, Any], *, step: int | None) -> None:
+def validate(manifest: Mapping[str, Any], *, step: int | None, meta: bool = True) -> None:
     """Raise ``CheckpointCorrupt`` naming the first field that cannot be trusted.
 
     ``step``: the step in the directory's name (None for a directory not named step-N).
+    ``meta=False``: all but the ranks' metadata trees, which ``validate_meta`` checks
+    then (everything that says which bytes to read is checked without them).
     """
     m_step = _int(manifest.get("step"), "manifest step")
     if step is not None and m_step != step:
@@ -334,9 +338,18 @@ def validate(manifest: Mapping[str, Any], *, step: int | None) -> None:
                       "upgrade hpcckpt")
     shared = _dict(manifest.get("shared", {}), "manifest shared") if fmt in DISTRIBUTED_FORMATS else {}
     for r in range(world):
-        _rank(r, ranks[str(r)], m_step, files, shared)
+        _rank(r, ranks[str(r)], m_step, files, shared, meta=meta)
     for name, spec in shared.items():
         _shared(name, spec, ranks, world)
+
+
+def validate_meta(manifest: Mapping[str, Any]) -> None:
+    """The ranks' metadata trees of a manifest ``validate(meta=False)`` passed."""
+    fmt = manifest.get("format", FORMAT_V1)
+    shared = manifest.get("shared", {}) if fmt in DISTRIBUTED_FORMATS else {}
+    for r in range(manifest["world_size"]):
+        rec = manifest["ranks"][str(r)]
+        _meta(rec.get("meta"), manifest["step"], rec["tensors"], f"rank {r}", shared)
 
 
 def _shared(name: str, spec: Any, ranks: Mapping[str, Any], world: int) -> None:

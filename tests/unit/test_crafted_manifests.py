@@ -296,3 +296,23 @@ def test_an_oversized_manifest_is_refused_before_it_is_parsed(pristine: dict[str
     assert info.status == "corrupt" and "more than any manifest" in info.problems[0]
     with Checkpointer(root, every_steps=None) as ck:
         assert ck.register(**tiny_state(1)) == 3
+
+
+@pytest.mark.parametrize("engine", BOTH)
+@pytest.mark.parametrize("case", ["metadata", "table"])
+def test_a_full_check_reports_what_the_cheap_one_does(pristine: dict[str, Path], tmp_path: Path, engine: str,
+                                                      case: str) -> None:
+    """``hpcckpt verify`` validates the metadata trees while the checksums run (a thread of
+    their own): a crafted manifest is still corrupt with the same problem, whichever half of
+    the validation finds it, and nothing is left running."""
+    import threading
+    root = copy(pristine, engine, tmp_path / "ck")
+    change = _drop_named_tensor if case == "metadata" else _set("big.nbytes", 12)
+    craft(root / "step-6", change)
+    cheap = catalog.inspect_step(root, 6)
+    full = catalog.inspect_step(root, 6, full=True)
+    assert cheap is not None and full is not None
+    assert cheap.status == full.status == "corrupt" and full.problems == cheap.problems, full.problems
+    assert not [t for t in threading.enumerate() if t.name == "hpcckpt-verify" or t.name.startswith("hpcckpt-prefetch")]
+    good = catalog.inspect_step(root, 3, full=True)
+    assert good is not None and good.status == "committed", good.problems
