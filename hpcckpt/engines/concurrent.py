@@ -629,7 +629,10 @@ class ConcurrentEngine(Engine):
             job = self._queue.get()
             if job is None:
                 return
-            self._finish(job)
+            try:
+                self._finish(job)
+            finally:
+                self._queue.task_done()  # ``_queue.join()``: every queued save finished, its trash too
 
     def _finish(self, job: _Job) -> None:
         error: BaseException | None = job.error
