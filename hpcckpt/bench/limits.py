@@ -41,13 +41,18 @@ def drop_caches(paths: list[Path]) -> str:
         pass
     for path in paths:
         for p in ([path] if path.is_file() else [q for q in path.rglob("*") if q.is_file()]):
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            evict(p)
     return "fadvise"
+
+
+def evict(path: Path) -> None:
+    """Drop one file's pages from the page cache (fsync first: only clean pages go)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def _dd(args: list[str]) -> float:

@@ -8,19 +8,15 @@ from pathlib import Path
 import pytest
 
 from hpcckpt._core import native
+from hpcckpt.bench.limits import evict
 from hpcckpt.store import prefetch
 from hpcckpt.store.prefetch import Prefetch
 
 
 def _evict(path: Path) -> int:
     """Drop ``path``'s clean pages; returns how many bytes stay resident."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    return native().file_resident(str(path))[0]
+    evict(path)
+    return _resident(path)
 
 
 def _resident(path: Path) -> int:
