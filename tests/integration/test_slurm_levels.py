@@ -145,8 +145,11 @@ def test_killed_without_grace_the_epilog_scavenges_the_node_local_step_and_the_n
                                            f"--hold-at {hold} --hold-first-run-only",
                                            launcher=f"env HPCCKPT_SIGNALS=SIGUSR2 {PYTHON} ",
                                            JOB_NAME="hpcckpt-scavenge", TASKS_PER_NODE="2", CPUS_PER_TASK="1")
-    slurm_cluster.wait_until(lambda: all(_last_step(run_dir, r) == hold - 1 for r in range(4)), 400,
+    # Held, not just past step hold - 1: the node-local checkpoint before the held step has
+    # returned from its save on every rank (both nodes' leaders committed it) only then.
+    slurm_cluster.wait_until(lambda: all((run_dir / f"holding-run0-r{r}").exists() for r in range(4)), 400,
                              f"every rank to hold at step {hold}")
+    assert all(_last_step(run_dir, r) == hold - 1 for r in range(4))
     assert [i.step for i in catalog.committed_newest_first(run_dir / "ckpt")][0] == 20
     slurm_cluster.run(["scontrol", "requeue", job])  # TERM: the ranks die at once, no final checkpoint
     assert slurm_cluster.wait_done(job, 600, out) == "COMPLETED"

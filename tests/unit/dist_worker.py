@@ -294,9 +294,13 @@ def run(a: argparse.Namespace, rank: int, world: int) -> int:
                     os._exit(0)
                 if phase == "save" and a.stop == "signal" and rank == 0 and step == a.stop_at - 1:
                     os.kill(os.getpid(), signal.SIGUSR2)
-                while (a.hold_at is not None and step == a.hold_at and ck.signals.first() is None
-                       and not (a.hold_first_run_only and phase != "run0")):
-                    time.sleep(0.05)
+                if (a.hold_at is not None and step == a.hold_at and ck.signals.first() is None
+                        and not (a.hold_first_run_only and phase != "run0")):
+                    # Held: every checkpoint before this step has returned from its save (a test
+                    # that kills the job without a final checkpoint waits for this file).
+                    (a.out / f"holding-{phase}-r{rank}").write_text(str(step))
+                    while ck.signals.first() is None:
+                        time.sleep(0.05)
                 record(step, batch, train_step(model, opt, batch))
                 if a.step_sleep:
                     time.sleep(a.step_sleep)
