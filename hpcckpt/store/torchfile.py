@@ -249,18 +249,14 @@ def verify(path: Path, rec: Mapping[str, Any]) -> list[str]:
     try:
         fd = _open(path, _size(rec))
         try:
-            table = TensorTable.from_records(rec["tensors"])
-            if table.offsets is not None:
-                return checksum_problems(path, fd, *table.arrays())
-            found = _index(fd, rec, os.fstat(fd).st_size)
-            if found is None:
-                _load_fd(path, fd, rec, whole_file=False)
-                return []
-            held = [e for e in found.values() if e.nbytes]
-            return checksum_problems(path, fd, [e.name for e in held],
-                                     np.array([e.offset for e in held], dtype=np.uint64),
-                                     np.array([e.nbytes for e in held], dtype=np.uint64),
-                                     np.array([e.crc32c for e in held], dtype=np.uint32))
+            t = TensorTable.from_records(rec["tensors"])
+            if t.offsets is None:  # a manifest written before offsets were recorded
+                found = _index(fd, rec, os.fstat(fd).st_size)
+                if found is None:
+                    _load_fd(path, fd, rec, whole_file=False)
+                    return []
+                t = TensorTable(t.names, t.dtypes, t.shapes, t.nbytes, t.crcs, [found[n].offset for n in t.names])
+            return checksum_problems(path, fd, *t.arrays())
         finally:
             os.close(fd)
     except CheckpointCorrupt as exc:
