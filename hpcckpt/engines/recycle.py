@@ -28,7 +28,7 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from ..store.commit import MANIFEST, SPARE_PREFIX, TRASH_PREFIX, remove_trash
+from ..store.commit import MANIFEST, SPARE_PREFIX, remove_trash, trashed_name
 from ..store.layout import Layout
 
 _REMEMBERED = 64  # layouts of the most recent saves (retention prunes the oldest kept)
@@ -66,9 +66,9 @@ class Recycler:
         if held is not None or current is None or current.template is None:
             return doomed
         for i, tree in enumerate(doomed):
-            if not tree.name.startswith(TRASH_PREFIX):
+            name = trashed_name(tree.name)
+            if name is None:
                 continue
-            name = tree.name[len(TRASH_PREFIX):].rsplit("-", 1)[0]
             with self._lock:
                 layout = self._written.pop(name, None)
             if layout is not current:

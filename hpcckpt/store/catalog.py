@@ -5,7 +5,6 @@ import os
 import re
 import stat
 import threading
-import time
 from collections import OrderedDict
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -13,7 +12,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import CheckpointCorrupt, NoCheckpoint
-from .commit import LATEST, MANIFEST, TRASH_PREFIX, discard, open_member, read_latest, read_manifest, verify_files
+from .commit import (LATEST, MANIFEST, TRASH_PREFIX, discard, older_than, open_member, read_latest, read_manifest,
+                     verify_files)
 from . import rankfile
 from .entry import TensorEntry
 from .lock import reader_lock
@@ -320,10 +320,7 @@ def find(root: Path, step: int | None) -> CheckpointInfo:
 
 
 def _stale_tmp(path: Path) -> bool:
-    try:
-        return time.time() - os.lstat(path).st_mtime >= STALE_TMP_AGE_S
-    except FileNotFoundError:
-        return False
+    return older_than(path, STALE_TMP_AGE_S)
 
 
 # Step directories this process found committed (or committed itself), by (root, name),

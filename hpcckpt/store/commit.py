@@ -419,7 +419,7 @@ def discard(root: Path, paths: list[Path], *, trash: list[Path] | None = None) -
     """
     aside: list[Path] = []
     for path in paths:
-        target = root / f"{TRASH_PREFIX}{path.name}-{secrets.token_hex(4)}"
+        target = root / f"{TRASH_PREFIX}{path.name}-{secrets.token_hex(4)}"  # ``trashed_name`` reads it back
         try:
             os.rename(path, target)
         except FileNotFoundError:
@@ -432,6 +432,21 @@ def discard(root: Path, paths: list[Path], *, trash: list[Path] | None = None) -
         trash += doomed
         return
     remove_trash(doomed)
+
+
+def trashed_name(trash: str) -> str | None:
+    """The name a tree had before ``discard`` renamed it aside to ``trash`` (None for another name)."""
+    if not trash.startswith(TRASH_PREFIX):
+        return None
+    return trash[len(TRASH_PREFIX):].rsplit("-", 1)[0]
+
+
+def older_than(path: Path, age_s: float) -> bool:
+    """Whether ``path`` was last modified ``age_s`` seconds ago or more (False once it is gone)."""
+    try:
+        return time.time() - os.lstat(path).st_mtime >= age_s
+    except FileNotFoundError:
+        return False
 
 
 def remove_trash(paths: list[Path]) -> None:
@@ -447,16 +462,10 @@ def sweep_candidates(root: Path, *, exclude: set[Path]) -> list[Path]:
     try:
         with os.scandir(root) as it:
             return [root / e.name for e in it if e.name not in names and (
-                e.name.startswith(TRASH_PREFIX) or (e.name.startswith(SPARE_PREFIX) and _stale(e)))]
+                e.name.startswith(TRASH_PREFIX)
+                or (e.name.startswith(SPARE_PREFIX) and older_than(root / e.name, STALE_SPARE_AGE_S)))]
     except OSError:
         return []
-
-
-def _stale(entry: os.DirEntry[str]) -> bool:
-    try:
-        return time.time() - entry.stat(follow_symlinks=False).st_mtime >= STALE_SPARE_AGE_S
-    except OSError:
-        return False
 
 
 def _remove_tree(path: Path) -> None:
