@@ -80,7 +80,7 @@ def flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> Any:
         for k, v in obj.items():
             name = f"{prefix}/{_escape(k)}"
             # A plain tensor leaf, by far the most common value, without a call of its own.
-            tree[k] = _tensor_ref(v, name, out) if type(v) in PLAIN_TENSOR_TYPES else flatten(v, name, out)
+            tree[k] = _tensor_ref(v, name, out) if type(v) in _PLAIN_TENSORS else flatten(v, name, out)
         return tree
     if isinstance(obj, torch.Tensor):
         return _tensor_ref(obj, prefix, out)
@@ -117,9 +117,7 @@ def flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> Any:
         "pickling; convert it to tensors, numbers, strings, lists or dicts in state_dict()")
 
 
-# Tensors that are exactly a Tensor or a Parameter (no subclass: not a DTensor): by far the
-# most common values, taken by a type lookup before anything else is asked.
-PLAIN_TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
+_PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))
 
 
 def _tensor_ref(t: torch.Tensor, name: str, out: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -31,7 +31,6 @@ import torch
 
 from .._core import crc32c
 from ..errors import CheckpointFailed, ConfigError
-from ..state import PLAIN_TENSOR_TYPES
 from .entry import dtype_name, raw_bytes
 
 FORMAT_V1 = "hpcckpt/1"
@@ -64,8 +63,11 @@ class Plan:
     fingerprints: dict[str, int] = field(default_factory=dict)  # replicated name -> crc32c (check_replicas)
 
 
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
+
+
 def _is_dtensor(t: Any) -> bool:
-    if type(t) in PLAIN_TENSOR_TYPES:  # nearly every tensor: no import, no isinstance
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:  # nearly every tensor: no lookup
         return False
     try:
         from torch.distributed.tensor import DTensor
@@ -108,7 +110,7 @@ def plan(tensors: Mapping[str, torch.Tensor], where: Placement, *, fingerprint: 
     commit then refuses a checkpoint whose "replicas" differ between ranks).
     """
     out = Plan()
-    if where.world == 1 and set(map(type, tensors.values())) <= PLAIN_TENSOR_TYPES:  # one rank, no DTensor: all of it
+    if where.world == 1 and set(map(type, tensors.values())) <= _PLAIN:  # one rank, no DTensor: all of it
         out.tensors = dict(tensors)
         return out
     replicated: list[tuple[str, torch.Tensor]] = []
