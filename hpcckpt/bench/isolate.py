@@ -27,7 +27,7 @@ from ..errors import HpcckptError
 PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
            "torch.distributed.checkpoint.staging", "torch.distributed.checkpoint.state_dict_saver", "hpcckpt.bench.methods", "hpcckpt.bench.peers", "hpcckpt.bench.tensors", "hpcckpt.bench.smallstate",
            "hpcckpt.bench.loadproc", "hpcckpt.bench", "hpcckpt.bench.synthetic",
-           "hpcckpt.engines", "hpcckpt.store.read", "hpcckpt.store.catalog"]
+           "hpcckpt.engines", "hpcckpt.store.read", "hpcckpt.store.catalog", "hpcckpt._native"]
 _ctx: Any = None
 _children_cpu_s = [0.0]  # CPU seconds of every child so far (user + system, theirs and their own children's)
 

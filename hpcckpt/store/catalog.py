@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import CheckpointCorrupt, NoCheckpoint
+from .checksum import FileCrc
 from .commit import (LATEST, MANIFEST, TRASH_PREFIX, discard, older_than, open_member, read_latest, read_manifest,
                      verify_files)
 from . import rankfile
@@ -130,15 +131,26 @@ def _validate_once(manifest: dict[str, Any], step: int | None) -> None:
         _remember_valid(manifest, step)
 
 
-def _validated_while_verifying(path: Path, manifest: dict[str, Any], step: int | None) -> list[str]:
+def _validated_while_verifying(path: Path, manifest: dict[str, Any], step: int | None,
+                               warm: Prefetch | None) -> list[str]:
     """``validate`` and a full ``verify_against`` at once: once everything that says which
     bytes to read is checked (``validate(meta=False)``), the checksums run on a thread of
     their own (native reads, the GIL released) while this one checks the metadata trees
     (``validate_meta``, Python over every tensor reference). CheckpointCorrupt from the
-    validation, after the checksums are done; their problems otherwise."""
+    validation, after the checksums are done; their problems otherwise. ``warm``: the
+    prefetch, stopped as the checksums start (they read the rest themselves, O_DIRECT)."""
     if _validated(manifest, step):
+        if warm is not None:
+            warm.stop()
         return verify_against(path, manifest, full=True)
     validate(manifest, step=step, meta=False)
+    if warm is not None:
+        warm.stop()
+    for rec in manifest["ranks"].values():
+        if isinstance(rec.get("tensors"), TensorTable):
+            # The ranges the checksums read, built here: on the checksum thread they would wait
+            # for the interpreter while validate_meta holds it, and start that much later.
+            rec["tensors"].arrays()
     found: list[list[str] | BaseException] = []
 
     def checksums() -> None:
@@ -171,7 +183,7 @@ def check(path: Path, *, full: bool) -> tuple[dict[str, Any] | None, list[str]]:
         try:
             manifest = read_manifest(path)
             if full:
-                return manifest, _validated_while_verifying(path, manifest, _dir_step(path))
+                return manifest, _validated_while_verifying(path, manifest, _dir_step(path), warm)
             _validate_once(manifest, _dir_step(path))
         except CheckpointCorrupt as exc:
             if warm is not None:
@@ -185,21 +197,32 @@ def verify_against(path: Path, manifest: dict[str, Any], *, full: bool) -> list[
     """Problems of the files in ``path`` against ``manifest`` (already read and validated), as
     ``check`` finds them: sizes; with ``full``, every byte (whole-file and per-tensor crc32c).
     For a directory whose manifest is not (yet) inside it: the scavenge's staging directory."""
-    problems = verify_files(path, full=full, manifest=manifest)
-    if full:
-        for rank in range(int(manifest["world_size"])):
-            problems += verify_rank(path, manifest, rank)
-    return problems
+    if not full:
+        return verify_files(path, full=False, manifest=manifest)
+    # Each rank file's tensors first, its whole-file crc32c from the same reads; then the
+    # files (those crcs not read again), reported first as before.
+    crcs: dict[str, int] = {}
+    tensors: list[str] = []
+    for rank in range(int(manifest["world_size"])):
+        tensors += verify_rank(path, manifest, rank, crcs=crcs)
+    return verify_files(path, full=True, manifest=manifest, crcs=crcs) + tensors
 
 
-def verify_rank(path: Path, manifest: dict[str, Any], rank: int) -> list[str]:
-    """Every damaged tensor of one rank's file (a missing or resized file is reported by verify_files)."""
+def verify_rank(path: Path, manifest: dict[str, Any], rank: int, *, crcs: dict[str, int] | None = None) -> list[str]:
+    """Every damaged tensor of one rank's file (a missing or resized file is reported by
+    verify_files). ``crcs``: the file's whole crc32c is added to it (by name) when the
+    reader computed it in the same pass."""
     rec = manifest["ranks"][str(rank)]
     try:
         _, st = open_member(path, rec["file"])
-        if st.st_size != manifest["files"][rec["file"]]["bytes"]:
+        info = manifest["files"][rec["file"]]
+        if st.st_size != info["bytes"]:
             return []
-        return rankfile.verify(path / rec["file"], rec)
+        whole = FileCrc(info["bytes"]) if crcs is not None and "crc32c" in info else None
+        problems = rankfile.verify(path / rec["file"], rec, whole=whole)
+        if crcs is not None and whole is not None and whole.crc is not None:
+            crcs[rec["file"]] = whole.crc
+        return problems
     except CheckpointCorrupt:
         return []  # a symlink or special file: verify_files reported it
     except OSError as exc:

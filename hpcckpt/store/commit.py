@@ -27,11 +27,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Iterator
 
-import numpy as np
-
-from .._core import crc32c, native
+from .._core import crc32c
 from ..errors import CheckpointCorrupt
 from ..fsio import write_all
+from .checksum import fd_crc32c
 from .manifest import decode, encode, safe_relpath
 
 MANIFEST = "manifest.json"
@@ -124,21 +123,6 @@ def file_crc32c(path: Path) -> tuple[int, int]:
             crc = crc32c(view[:n], crc)
             size += n
     return size, crc
-
-
-def fd_crc32c(fd: int, size: int) -> int:
-    """crc32c of the first ``size`` bytes of an open file (pread: its offset is left alone):
-    one native call, pieces read and checksummed on parallel threads through the page cache
-    (a verify has usually just prefetched it) and combined."""
-    if not size:
-        return 0
-    try:
-        raw, _ = native().checksum_ranges(fd, np.zeros(1, dtype=np.uint64), np.array([size], dtype=np.uint64))
-    except OSError as exc:
-        if exc.errno == errno.ENODATA:
-            raise CheckpointCorrupt(f"file ends before the {size} bytes its manifest lists") from None
-        raise
-    return int(np.frombuffer(raw, dtype=np.uint32)[0])
 
 
 def iter_files(root: Path) -> Iterator[Path]:
@@ -343,11 +327,14 @@ def open_member(ckpt_dir: Path, rel: str) -> tuple[Path, os.stat_result]:
     return path, st
 
 
-def verify_files(ckpt_dir: Path, *, full: bool = True, manifest: dict[str, Any] | None = None) -> list[str]:
+def verify_files(ckpt_dir: Path, *, full: bool = True, manifest: dict[str, Any] | None = None,
+                 crcs: dict[str, int] | None = None) -> list[str]:
     """Problems with the files a manifest lists (empty list = fine).
 
     ``full=False`` checks sizes only; ``full=True`` also re-reads every file and
     compares its crc32c. ``manifest``: already read (and checked) by the caller.
+    ``crcs``: whole-file crc32cs the caller already computed (of exactly the bytes the
+    manifest lists, by file name): those files are not read again.
     """
     if manifest is None:
         try:
@@ -359,11 +346,11 @@ def verify_files(ckpt_dir: Path, *, full: bool = True, manifest: dict[str, Any] 
         return [f"{ckpt_dir / MANIFEST}: 'files' is not an object; the manifest is damaged"]
     problems: list[str] = []
     for rel, info in sorted(files.items()):
-        problems += _verify_one(ckpt_dir, rel, info, full=full)
+        problems += _verify_one(ckpt_dir, rel, info, full=full, known=(crcs or {}).get(rel))
     return problems
 
 
-def _verify_one(ckpt_dir: Path, rel: str, info: Any, *, full: bool) -> list[str]:
+def _verify_one(ckpt_dir: Path, rel: str, info: Any, *, full: bool, known: int | None = None) -> list[str]:
     try:
         safe_relpath(rel, "manifest file")
         want = info["bytes"]
@@ -377,16 +364,18 @@ def _verify_one(ckpt_dir: Path, rel: str, info: Any, *, full: bool) -> list[str]
     if st.st_size != want:
         return [f"{path}: size {st.st_size} bytes, manifest says {want} (truncated or extended)"]
     if full and "crc32c" in info:
-        try:
-            fd = open_checked(path, size=want)  # what is read is what was checked: no re-open by name
+        crc = known
+        if crc is None:
             try:
-                crc = fd_crc32c(fd, want)
-            finally:
-                os.close(fd)
-        except CheckpointCorrupt as exc:
-            return [str(exc)]
-        except OSError as exc:
-            return [f"{path}: cannot be read ({exc.strerror})"]
+                fd = open_checked(path, size=want)  # what is read is what was checked: no re-open by name
+                try:
+                    crc = fd_crc32c(fd, want)
+                finally:
+                    os.close(fd)
+            except CheckpointCorrupt as exc:
+                return [str(exc)]
+            except OSError as exc:
+                return [f"{path}: cannot be read ({exc.strerror})"]
         if crc != info["crc32c"]:
             return [f"{path}: crc32c {crc:#010x}, manifest says {info['crc32c']!r} (file content damaged)"]
     return []

@@ -21,6 +21,7 @@ import torch
 
 from .._core import crc32c, native
 from ..errors import CheckpointCorrupt, ConfigError
+from .checksum import FileCrc, checksum_problems
 from .commit import open_checked
 from .entry import ALIGN, TensorEntry, dtype_name, raw_bytes
 from .staged_read import read_staged
@@ -308,7 +309,7 @@ def _read_to_device(path: Path, fd: int, targets: list[tuple[TensorEntry, torch.
     return read_staged(path, targets, direct=direct, threads=threads, info=info, fd=fd)
 
 
-def verify_tensors(path: Path, table: Mapping[str, Mapping[str, Any]]) -> list[str]:
+def verify_tensors(path: Path, table: Mapping[str, Mapping[str, Any]], *, whole: FileCrc | None = None) -> list[str]:
     """Every damaged tensor of a rank file; ``table``: the manifest's tensor records by name
     (``offset``, ``nbytes``, ``crc32c``; validated by ``manifest.validate``).
 
@@ -317,6 +318,7 @@ def verify_tensors(path: Path, table: Mapping[str, Mapping[str, Any]]) -> list[s
     its thread's buffer; memory bounded by the threads, not the file), then one vectorised
     comparison: the cost is the bytes read plus well under a microsecond a tensor, however
     many tensors the file holds. O_DIRECT unless half the file is already in the page cache.
+    ``whole``: the whole file's crc32c too, from the same reads (``checksum_problems``).
     """
     names, offsets, lengths, want = TensorTable.from_records(table).arrays()
     try:
@@ -326,24 +328,6 @@ def verify_tensors(path: Path, table: Mapping[str, Mapping[str, Any]]) -> list[s
     except OSError as exc:
         return [f"{path}: cannot be read ({exc.strerror or exc})"]
     try:
-        return checksum_problems(path, fd, names, offsets, lengths, want)
+        return checksum_problems(path, fd, names, offsets, lengths, want, whole=whole)
     finally:
         os.close(fd)
-
-
-def checksum_problems(path: Path, fd: int, names: list[str], offsets: np.ndarray, lengths: np.ndarray,
-                      want: np.ndarray) -> list[str]:
-    """Every range of the open file ``fd`` whose crc32c is not ``want``'s, named after its tensor
-    (``names``; ``offsets``, ``lengths``: uint64 arrays, ``want``: uint32): one native call
-    (``checksum_ranges``, O_DIRECT unless half the file is cached), one vectorised comparison.
-    A file too short or unreadable is one problem saying so."""
-    try:
-        raw, _ = native().checksum_ranges(fd, offsets, lengths, path=str(path), direct=_want_direct(path, fd, None))
-    except OSError as exc:
-        if exc.errno == errno.ENODATA:
-            return [f"{path}: file is shorter than its manifest says ({exc.strerror}); it was truncated after "
-                    "the checkpoint was committed"]
-        return [f"{path}: cannot be read ({exc.strerror or exc})"]
-    got = np.frombuffer(raw, dtype=np.uint32)
-    return [f"{path}: tensor {names[i]!r} fails its checksum (crc32c {int(got[i]):#010x}, manifest "
-            f"{int(want[i]):#010x}); its bytes on disk are damaged" for i in np.flatnonzero(got != want)]

@@ -5,10 +5,12 @@ the manifest before it knows which byte ranges to checksum; at tens of thousands
 tensors that takes as long as reading the data itself. ``Prefetch`` starts reading the
 step directory's files at once, on threads of its own (``sendfile`` to ``/dev/null``:
 the kernel reads the pages, nothing is copied to user space), so the disk works while
-the manifest is parsed; the checksums then find the bytes cached (``hdf5._want_direct``
-picks buffered reads when most of a file is resident). It only warms the cache: what is
-trusted is still decided by the checksums that follow, and a file that cannot be read
-here is read again, and reported, there.
+the manifest is parsed. When the checksums start, the prefetch is stopped (``stop``) and
+they read what it cached through the page cache and the rest with O_DIRECT, span by span
+(``checksum_ranges(direct=2)``): the disk's full rate for what the prefetch did not reach,
+no second read of what it did. It only warms the cache: what is trusted is still decided
+by the checksums that follow, and a file that cannot be read here is read again, and
+reported, there.
 
 Nothing is prefetched when the files would not fit comfortably in the memory the kernel
 says is available (half of ``MemAvailable``): a cache that evicts its own first pages
@@ -69,6 +71,10 @@ class Prefetch:
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         self.wait(stop=et is not None)
+
+    def stop(self) -> None:
+        """Read no further (each thread finishes the piece it is reading); does not wait."""
+        self._stop = True
 
     def wait(self, *, stop: bool = False) -> None:
         """Wait for the reads (``stop``: after the piece each thread is reading)."""

@@ -25,6 +25,8 @@ from .manifest import FORMATS
 if TYPE_CHECKING:
     import torch
 
+    from .checksum import FileCrc
+
 
 def _format(path: Path, rec: Mapping[str, Any]) -> str:
     fmt = rec.get("format")
@@ -44,11 +46,12 @@ def read(path: Path, rec: Mapping[str, Any], entries: Mapping[str, TensorEntry],
     return hdf5.read_tensors(path, entries, into=into, stats=stats)
 
 
-def verify(path: Path, rec: Mapping[str, Any]) -> list[str]:
+def verify(path: Path, rec: Mapping[str, Any], *, whole: FileCrc | None = None) -> list[str]:
     """Every damaged tensor of one rank file (an empty list when it reads back intact);
-    ``rec``: the rank's manifest record, already validated."""
+    ``rec``: the rank's manifest record, already validated. ``whole``: the whole file's
+    crc32c as well, from the same reads (left None where the format's reader cannot)."""
     if _format(path, rec) == "torch":
         from . import torchfile
-        return torchfile.verify(path, rec)
+        return torchfile.verify(path, rec, whole=whole)
     from . import hdf5
-    return hdf5.verify_tensors(path, rec.get("tensors", {}))
+    return hdf5.verify_tensors(path, rec.get("tensors", {}), whole=whole)

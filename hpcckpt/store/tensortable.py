@@ -36,13 +36,15 @@ class TableError(ValueError):
 class TensorTable(Mapping[str, dict[str, Any]]):
     """Columns of one rank file's tensors; a ``Mapping`` of name -> record besides."""
 
-    __slots__ = ("names", "dtypes", "shapes", "nbytes", "crcs", "offsets", "_index")
+    __slots__ = ("names", "dtypes", "shapes", "nbytes", "crcs", "offsets", "_index", "_arrays", "_read_only")
 
     def __init__(self, names: list[str], dtypes: list[str], shapes: list[list[int]], nbytes: list[int],
                  crcs: list[int], offsets: list[int] | None = None) -> None:
         self.names, self.dtypes, self.shapes, self.nbytes, self.crcs = names, dtypes, shapes, nbytes, crcs
         self.offsets = offsets
         self._index: dict[str, int] | None = None
+        self._arrays: tuple[list[str], np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._read_only = False  # a manifest's table (``from_columns``): its arrays are kept
 
     # -- building ------------------------------------------------------------------
 
@@ -83,7 +85,9 @@ class TensorTable(Mapping[str, dict[str, Any]]):
         n = len(got[0])
         if any(len(c) != n for c in got) or (offsets is not None and len(offsets) != n):
             raise TableError("has columns of different lengths")
-        return cls(got[0], got[1], got[2], got[3], got[4], offsets)
+        table = cls(got[0], got[1], got[2], got[3], got[4], offsets)
+        table._read_only = True
+        return table
 
     def columns(self) -> dict[str, list[Any]]:
         """The on-disk form (``tensor_table``)."""
@@ -139,7 +143,16 @@ class TensorTable(Mapping[str, dict[str, Any]]):
 
     def arrays(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
         """``(names, offsets, nbytes, crc32c)`` of the tensors that hold bytes, as uint64/uint32
-        arrays (offsets 0 where the table has none); the table must have been validated."""
+        arrays (offsets 0 where the table has none); the table must have been validated. A
+        manifest's table (read-only) builds them once."""
+        if self._arrays is None:
+            got = self._build_arrays()
+            if not self._read_only:
+                return got
+            self._arrays = got
+        return self._arrays
+
+    def _build_arrays(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
         nb = np.array(self.nbytes, dtype=np.uint64)
         keep = np.flatnonzero(nb)
         offs = np.array(self.offsets, dtype=np.uint64) if self.offsets is not None else np.zeros(len(nb), np.uint64)

@@ -23,7 +23,8 @@ import torch
 from .._core import crc32c, crc32c_combine
 from ..errors import CheckpointCorrupt
 from ..fsio import write_all
-from .commit import TMP_MARK, collector_paused, explain_os_error, fd_crc32c, open_checked
+from .checksum import FileCrc, checksum_problems, fd_crc32c
+from .commit import TMP_MARK, collector_paused, explain_os_error, open_checked
 from .entry import TensorEntry, dtype_name, raw_bytes
 from .tensortable import TensorTable
 
@@ -239,13 +240,12 @@ def _check_tensor(path: Path, name: str, t: Any, entry: Mapping[str, Any]) -> No
             f"{entry['crc32c']:#010x}); its bytes on disk are damaged")
 
 
-def verify(path: Path, rec: Mapping[str, Any]) -> list[str]:
+def verify(path: Path, rec: Mapping[str, Any], *, whole: FileCrc | None = None) -> list[str]:
     """Every damaged tensor, named (the whole-file crc32c is ``commit.verify_files``'s to
-    report): the tensors at the manifest's offsets (as arrays, no object per tensor) or where
-    ``_index`` finds them, checksummed in one native call (coalesced reads in file order,
-    ``hdf5.checksum_problems``), or, for an archive ``_index`` does not recognise,
-    ``torch.load`` and each tensor."""
-    from .hdf5 import checksum_problems
+    report; ``whole`` gets it from the same reads when asked): the tensors at the manifest's
+    offsets (as arrays, no object per tensor) or where ``_index`` finds them, checksummed in
+    one native call (coalesced reads in file order, ``checksum.checksum_problems``), or, for an
+    archive ``_index`` does not recognise, ``torch.load`` and each tensor."""
     try:
         fd = _open(path, _size(rec))
         try:
@@ -256,7 +256,7 @@ def verify(path: Path, rec: Mapping[str, Any]) -> list[str]:
                     _load_fd(path, fd, rec, whole_file=False)
                     return []
                 t = TensorTable(t.names, t.dtypes, t.shapes, t.nbytes, t.crcs, [found[n].offset for n in t.names])
-            return checksum_problems(path, fd, *t.arrays())
+            return checksum_problems(path, fd, *t.arrays(), whole=whole)
         finally:
             os.close(fd)
     except CheckpointCorrupt as exc:

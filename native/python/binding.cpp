@@ -152,29 +152,32 @@ std::tuple<std::vector<uint32_t>, nb::dict> py_read_items(const std::string& pat
 }
 
 // checksum_ranges(fd, offsets, lengths) -> (bytes of uint32 crcs, {stats}); offsets and
-// lengths: buffers of native uint64 (NumPy uint64 arrays), one entry per range.
+// lengths: buffers of native uint64 (NumPy uint64 arrays), one entry per range. whole_len > 0:
+// stats["whole_crc32c"] is the crc32c of the file's first whole_len bytes, from the same reads.
 std::tuple<nb::bytes, nb::dict> py_checksum_ranges(int fd, nb::handle offsets, nb::handle lengths,
                                                    const std::string& path, unsigned threads, size_t chunk_bytes,
-                                                   bool direct) {
+                                                   int direct, uint64_t whole_len) {
     Buffer offs(offsets, false), lens(lengths, false);
     if (offs.size() != lens.size() || offs.size() % sizeof(uint64_t) != 0)
         throw nb::value_error("checksum_ranges: offsets and lengths must be uint64 arrays of the same length");
     const size_t n = offs.size() / sizeof(uint64_t);
     std::vector<uint32_t> crcs(n);
+    uint32_t whole = 0;
     hpcckpt_status st;
     hpcckpt_read_stats stats{};
     int rc = 0;
     {
         nb::gil_scoped_release nogil;
         rc = hpcckpt_checksum_ranges_fd(fd, path.c_str(), static_cast<const uint64_t*>(offs.data()),
-                                        static_cast<const uint64_t*>(lens.data()), crcs.data(), n, threads,
-                                        chunk_bytes, direct ? 1 : 0, &stats, &st);
+                                        static_cast<const uint64_t*>(lens.data()), crcs.data(), n, whole_len,
+                                        &whole, threads, chunk_bytes, direct, &stats, &st);
     }
     if (rc != 0) raise_os_error(st.err, describe(st), st.path);
     nb::dict d;
     d["direct_bytes"] = stats.direct_bytes;
     d["buffered_bytes"] = stats.buffered_bytes;
     d["threads"] = stats.threads;
+    if (whole_len != 0) d["whole_crc32c"] = whole;
     return {nb::bytes(reinterpret_cast<const char*>(crcs.data()), n * sizeof(uint32_t)), d};
 }
 
@@ -447,11 +450,14 @@ NB_MODULE(_native, m) {
           "Items in use are read first; unaligned ones go through O_DIRECT via bounce buffers.\n"
           "fd >= 0: read through that open descriptor, never by name (path only names it in errors).");
     m.def("checksum_ranges", &py_checksum_ranges, nb::arg("fd"), nb::arg("offsets"), nb::arg("lengths"),
-          nb::arg("path") = "", nb::arg("threads") = 0, nb::arg("chunk_bytes") = 0, nb::arg("direct") = false,
+          nb::arg("path") = "", nb::arg("threads") = 0, nb::arg("chunk_bytes") = 0, nb::arg("direct") = 0,
+          nb::arg("whole_len") = 0,
           "crc32c of each byte range (offsets[i], lengths[i]: uint64 arrays) of the open file fd, read\n"
           "in file order, coalesced into chunk_bytes spans (0 = 8 MiB) on threads threads (0 = auto);\n"
-          "returns (bytes of native uint32 crcs, {direct_bytes, buffered_bytes, threads}). OSError\n"
-          "carries errno and path (ENODATA: the file ends before a range does).");
+          "direct: 0 through the page cache, 1 O_DIRECT (where allowed), 2 O_DIRECT for the spans mostly\n"
+          "not cached; returns (bytes of native uint32 crcs, {direct_bytes, buffered_bytes, threads}). whole_len > 0:\n"
+          "also the crc32c of the file's first whole_len bytes (stats['whole_crc32c']), from the same\n"
+          "reads. OSError carries errno and path (ENODATA: the file ends before a range or whole_len does).");
     m.def("usable_cpus", &hpcckpt_usable_cpus,
           "CPUs this process may run on (its affinity mask, e.g. a Slurm cpuset).");
     m.def("file_resident", [](const std::string& path, int fd) {

@@ -374,6 +374,35 @@ extern "C" int hpcckpt_read_items_fd(int fd, const char* path, hpcckpt_read_item
 
 namespace {
 
+// One byte per page of the file's first len bytes, bit 0 set where the page is in the page
+// cache (mincore over a read-only mapping that touches nothing); errno-style code or 0.
+int resident_pages(int fd, std::size_t len, std::size_t page, std::vector<unsigned char>* vec, const char** what) {
+    vec->assign((len + page - 1) / page, 0);
+    if (len == 0) return 0;
+    void* m = ::mmap(nullptr, len, PROT_READ, MAP_SHARED, fd, 0);
+    if (m == MAP_FAILED) {
+        *what = "mmap";
+        return errno;
+    }
+    int rc = ::mincore(m, len, vec->data());
+    int err = errno;
+    ::munmap(m, len);
+    if (rc != 0) {
+        *what = "mincore";
+        return err;
+    }
+    return 0;
+}
+
+std::size_t page_bytes() {
+    const long pg = ::sysconf(_SC_PAGESIZE);
+    return pg > 0 ? static_cast<std::size_t>(pg) : 4096u;
+}
+
+}  // namespace
+
+namespace {
+
 // hpcckpt_checksum_ranges_fd: one piece of one range (a range longer than a chunk has several).
 struct RangePiece {
     std::size_t range;
@@ -382,10 +411,13 @@ struct RangePiece {
     std::uint32_t crc = 0;
 };
 
-// Consecutive pieces (in file order) read with one pread: [lo, hi) of the file.
+// Consecutive pieces (in file order) read with one pread: [lo, hi) of the file. A block of
+// the whole-file checksum (``whole``) is also checksummed itself, into crc.
 struct RangeSpan {
     std::uint64_t lo, hi;
     std::size_t first, last;  // pieces [first, last)
+    bool whole = false;
+    std::uint32_t crc = 0;
 };
 
 // Ranges closer than this are read through, gap included: one larger read beats two.
@@ -396,6 +428,22 @@ class RangeChecker : public ReadingThreads {
 public:
     RangeChecker(const char* path, int fd, int direct_fd, std::uint64_t chunk)
         : ReadingThreads(path), fd_(fd), direct_fd_(direct_fd), chunk_(chunk) {}
+    ~RangeChecker() {
+        if (map_ != nullptr) ::munmap(map_, map_len_);
+    }
+
+    // O_DIRECT only for spans mostly not in the page cache, asked just before each is read
+    // (a prefetch may still be finishing the pages ahead): through the cache otherwise. Where
+    // residency cannot be asked (mapping refused), every span goes O_DIRECT as usual.
+    void decide_by_residency() {
+        struct stat sb;
+        if (::fstat(fd_, &sb) != 0 || sb.st_size <= 0) return;
+        void* m = ::mmap(nullptr, static_cast<std::size_t>(sb.st_size), PROT_READ, MAP_SHARED, fd_, 0);
+        if (m == MAP_FAILED) return;
+        map_ = m;
+        map_len_ = static_cast<std::size_t>(sb.st_size);
+        page_ = page_bytes();
+    }
 
     std::vector<RangePiece> pieces;
     std::vector<RangeSpan> spans;
@@ -408,7 +456,7 @@ public:
         unsigned char* buf = nullptr;
         const std::uint64_t cap = chunk_ + 2 * kDirectAlign;
         hpcckpt_status ignored;
-        buf = static_cast<unsigned char*>(hpcckpt_aligned_alloc(static_cast<std::size_t>(cap), kDirectAlign, 0,
+        buf = static_cast<unsigned char*>(hpcckpt_aligned_alloc(static_cast<std::size_t>(cap), kDirectAlign, HPCCKPT_ALLOC_PREFAULT | HPCCKPT_ALLOC_HUGE,
                                                                 &ignored));
         if (buf == nullptr) {
             fail(ENOMEM, "checksum buffer", 0);
@@ -418,9 +466,10 @@ public:
             if (failed.load(std::memory_order_relaxed)) break;
             std::size_t i = next.fetch_add(1, std::memory_order_relaxed);
             if (i >= spans.size()) break;
-            const RangeSpan& sp = spans[i];
+            RangeSpan& sp = spans[i];
             std::uint64_t base = 0;
             if (!read_span(buf, sp, &base)) break;
+            if (sp.whole) sp.crc = hpcckpt_crc32c(0, buf + (sp.lo - base), static_cast<std::size_t>(sp.hi - sp.lo));
             for (std::size_t k = sp.first; k < sp.last; ++k) {
                 RangePiece& p = pieces[k];
                 p.crc = hpcckpt_crc32c(0, buf + (p.off - base), static_cast<std::size_t>(p.len));
@@ -432,7 +481,7 @@ public:
 private:
     // The span's bytes into buf; *base: the file offset of buf[0].
     bool read_span(unsigned char* buf, const RangeSpan& sp, std::uint64_t* base) {
-        if (direct_fd_ >= 0 && direct_ok_.load(std::memory_order_relaxed)) {
+        if (direct_fd_ >= 0 && direct_ok_.load(std::memory_order_relaxed) && !cached(sp)) {
             const std::uint64_t lo = sp.lo & ~(kDirectAlign - 1);
             const std::uint64_t hi = (sp.hi + kDirectAlign - 1) & ~(kDirectAlign - 1);
             std::int64_t r = pread_full(direct_fd_, buf, lo, hi - lo, true);
@@ -455,19 +504,47 @@ private:
         return false;
     }
 
+    // Whether most of the span's pages are in the page cache (only when deciding by residency).
+    bool cached(const RangeSpan& sp) const {
+        if (map_ == nullptr || sp.lo >= map_len_) return false;
+        const std::size_t lo = static_cast<std::size_t>(sp.lo) / page_ * page_;
+        const std::size_t hi = std::min<std::size_t>(map_len_, static_cast<std::size_t>(sp.hi));
+        unsigned char vec[1024];  // asked a piece at a time: no allocation per span
+        std::size_t pages = 0, in = 0;
+        for (std::size_t at = lo; at < hi;) {
+            const std::size_t len = std::min(hi - at, sizeof vec * page_);
+            if (::mincore(static_cast<unsigned char*>(map_) + at, len, vec) != 0) return false;
+            const std::size_t n = (len + page_ - 1) / page_;
+            for (std::size_t k = 0; k < n; ++k) in += vec[k] & 1u;
+            pages += n;
+            at += len;
+        }
+        return pages != 0 && 2 * in >= pages;
+    }
+
     int fd_;
     int direct_fd_;
     std::uint64_t chunk_;
     std::atomic<bool> direct_ok_{true};
+    void* map_ = nullptr;
+    std::size_t map_len_ = 0;
+    std::size_t page_ = 4096;
 };
 
 }  // namespace
 
+
 extern "C" int hpcckpt_checksum_ranges_fd(int fd, const char* path, const uint64_t* offsets, const uint64_t* lens,
-                                          uint32_t* crcs, size_t n, unsigned threads, size_t chunk_bytes,
-                                          int direct, hpcckpt_read_stats* stats, hpcckpt_status* st) {
+                                          uint32_t* crcs, size_t n, uint64_t whole_len, uint32_t* whole_crc,
+                                          unsigned threads, size_t chunk_bytes, int direct, hpcckpt_read_stats* stats,
+                                          hpcckpt_status* st) {
     std::uint64_t chunk = 0;
     if (!start_call(fd, path, chunk_bytes, kChecksumChunk, &chunk, stats, st)) return -1;
+    if (whole_len != 0 && whole_crc == nullptr) {
+        hpcckpt_status_set(st, EINVAL, "checksum of the whole file (no place for its crc)", path, -1);
+        return -1;
+    }
+    if (whole_crc != nullptr) *whole_crc = 0;
     for (std::size_t i = 0; i < n; ++i) {
         crcs[i] = 0;
         if (lens[i] > UINT64_MAX - offsets[i]) {
@@ -483,15 +560,43 @@ extern "C" int hpcckpt_checksum_ranges_fd(int fd, const char* path, const uint64
     const int direct_fd = direct != 0 ? reopen_direct(fd) : -1;
     RangeChecker rc(path, fd, direct_fd, chunk);
     rc.pieces.reserve(n);
+    // Pieces of at most a chunk; with the whole file, cut also where its blocks (chunk-sized,
+    // from offset 0) are cut, so that each piece inside [0, whole_len) lies in one block.
     for (std::size_t i : order) {
-        for (std::uint64_t s = 0; s < lens[i]; s += chunk)
-            rc.pieces.push_back(RangePiece{i, offsets[i] + s, std::min<std::uint64_t>(chunk, lens[i] - s)});
+        for (std::uint64_t s = 0; s < lens[i];) {
+            const std::uint64_t off = offsets[i] + s;
+            std::uint64_t len = std::min<std::uint64_t>(chunk, lens[i] - s);
+            if (whole_len != 0 && off < whole_len) len = std::min<std::uint64_t>(len, chunk - off % chunk);
+            rc.pieces.push_back(RangePiece{i, off, len});
+            s += len;
+        }
+    }
+    if (whole_len != 0) {
+        // Each block is one span, checksummed whole and for every piece inside it; pieces that
+        // reach past whole_len go after them, in spans of their own (below). Both stay in file
+        // order, and so does each range's own pieces (what the combine below relies on).
+        std::stable_sort(rc.pieces.begin(), rc.pieces.end(),
+                         [](const RangePiece& a, const RangePiece& b) { return a.off < b.off; });
+        auto inside = [whole_len](const RangePiece& p) { return p.off + p.len <= whole_len; };
+        auto tail = std::stable_partition(rc.pieces.begin(), rc.pieces.end(), inside);
+        const std::size_t n_inside = static_cast<std::size_t>(tail - rc.pieces.begin());
+        std::size_t k = 0;
+        for (std::uint64_t lo = 0; lo < whole_len; lo += chunk) {
+            const std::uint64_t hi = std::min<std::uint64_t>(whole_len, lo + chunk);
+            const std::size_t first = k;
+            while (k < n_inside && rc.pieces[k].off < hi) ++k;
+            RangeSpan sp{lo, hi, first, k};
+            sp.whole = true;
+            rc.spans.push_back(sp);
+        }
     }
     // Spans: pieces in file order while the span stays within a chunk (alignment slack aside)
     // and the gap from the span's end is small. Overlapping ranges share the bytes read.
-    for (std::size_t k = 0; k < rc.pieces.size(); ++k) {
+    const std::size_t blocks = rc.spans.size();
+    std::size_t k0 = blocks == 0 ? 0 : rc.spans.back().last;
+    for (std::size_t k = k0; k < rc.pieces.size(); ++k) {
         const RangePiece& p = rc.pieces[k];
-        if (!rc.spans.empty()) {
+        if (rc.spans.size() > blocks) {
             RangeSpan& sp = rc.spans.back();
             const std::uint64_t end = std::max(sp.hi, p.off + p.len);
             if (p.off >= sp.lo && p.off <= sp.hi + kSpanGap && end - sp.lo <= chunk) {
@@ -502,6 +607,7 @@ extern "C" int hpcckpt_checksum_ranges_fd(int fd, const char* path, const uint64
         }
         rc.spans.push_back(RangeSpan{p.off, p.off + p.len, k, k + 1});
     }
+    if (direct == 2 && direct_fd >= 0) rc.decide_by_residency();
     if (threads == 0) threads = std::min<unsigned>(std::max(4u, 2 * hpcckpt_usable_cpus()), 8u);
     threads = static_cast<unsigned>(std::max<std::size_t>(1, std::min<std::size_t>(threads, rc.spans.size())));
     std::vector<std::thread> pool;
@@ -520,11 +626,16 @@ extern "C" int hpcckpt_checksum_ranges_fd(int fd, const char* path, const uint64
         rc.first_error(st);
         return -1;
     }
-    // A range's pieces are consecutive and in order: combine their crcs.
-    for (std::size_t k = 0; k < rc.pieces.size(); ++k) {
-        const RangePiece& p = rc.pieces[k];
-        const bool first = k == 0 || rc.pieces[k - 1].range != p.range;
-        crcs[p.range] = first ? p.crc : hpcckpt_crc32c_combine(crcs[p.range], p.crc, p.len);
+    // Each range's pieces come in its own order (consecutive unless the whole file interleaved
+    // them): combine their crcs.
+    std::vector<bool> seen(n, false);
+    for (const RangePiece& p : rc.pieces) {
+        crcs[p.range] = seen[p.range] ? hpcckpt_crc32c_combine(crcs[p.range], p.crc, p.len) : p.crc;
+        seen[p.range] = true;
+    }
+    for (std::size_t b = 0; b < blocks; ++b) {
+        const RangeSpan& sp = rc.spans[b];
+        *whole_crc = b == 0 ? sp.crc : hpcckpt_crc32c_combine(*whole_crc, sp.crc, sp.hi - sp.lo);
     }
     return 0;
 }
@@ -559,20 +670,11 @@ extern "C" int hpcckpt_file_resident_fd(int fd, const char* path, uint64_t* resi
     }
     *size = static_cast<uint64_t>(sb.st_size);
     if (sb.st_size == 0) return 0;
-    const long pg = ::sysconf(_SC_PAGESIZE);
-    const std::size_t page = pg > 0 ? static_cast<std::size_t>(pg) : 4096u;
-    const std::size_t len = static_cast<std::size_t>(sb.st_size);
-    void* m = ::mmap(nullptr, len, PROT_READ, MAP_SHARED, fd, 0);
-    if (m == MAP_FAILED) {
-        hpcckpt_status_set(st, errno, "mmap", path, -1);
-        return -1;
-    }
-    std::vector<unsigned char> vec((len + page - 1) / page);
-    int rc = ::mincore(m, len, vec.data());
-    int err = errno;
-    ::munmap(m, len);
-    if (rc != 0) {
-        hpcckpt_status_set(st, err, "mincore", path, -1);
+    const std::size_t page = page_bytes();
+    std::vector<unsigned char> vec;
+    const char* what = "";
+    if (int err = resident_pages(fd, static_cast<std::size_t>(sb.st_size), page, &vec, &what); err != 0) {
+        hpcckpt_status_set(st, err, what, path, -1);
         return -1;
     }
     uint64_t pages = 0;

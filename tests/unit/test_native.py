@@ -373,8 +373,8 @@ def test_read_items_through_a_checked_descriptor(tmp_path: Path) -> None:
     assert special.value.errno == errno.EINVAL
 
 
-@pytest.mark.parametrize("direct", [False, True])
-def test_checksum_ranges_matches_each_range_in_any_order(tmp_path: Path, direct: bool) -> None:
+@pytest.mark.parametrize("direct", [0, 1, 2])
+def test_checksum_ranges_matches_each_range_in_any_order(tmp_path: Path, direct: int) -> None:
     """Many small ranges, gaps, one range longer than a chunk, an empty one, overlaps and an
     unsorted order: every crc is the crc32c of exactly its bytes."""
     rng = random.Random(5)
@@ -415,6 +415,76 @@ def test_checksum_ranges_names_a_short_file_and_refuses_bad_arguments(tmp_path: 
         assert wraps.value.errno == errno.EINVAL
         raw, _ = _native.checksum_ranges(fd, np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint64))
         assert raw == b""
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("direct", [0, 1, 2])
+def test_checksum_ranges_gives_the_whole_file_crc_from_the_same_reads(tmp_path: Path, direct: int) -> None:
+    """With whole_len, the crc32c of the file's first whole_len bytes comes with the ranges' own:
+    ranges straddling blocks, longer than a block, overlapping, empty, and reaching past
+    whole_len; every byte read once (no range is read again for the whole file)."""
+    rng = random.Random(11)
+    data = rng.randbytes((3 << 20) + 777)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    ranges = [(rng.randrange(0, len(data) - 5000), rng.randrange(0, 5000)) for _ in range(2000)]
+    ranges += [(4096, 2 << 20), (100, 0), (len(data) - 7, 7), (0, 1), (65_530, 20), (200_100, 300)]
+    rng.shuffle(ranges)
+    offsets = np.array([o for o, _ in ranges], dtype=np.uint64)
+    lengths = np.array([n for _, n in ranges], dtype=np.uint64)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for whole_len in (len(data), len(data) - 3000, 1):
+            for chunk in (0, 64 << 10):
+                raw, stats = _native.checksum_ranges(fd, offsets, lengths, path=str(path), threads=3,
+                                                     chunk_bytes=chunk, direct=direct, whole_len=whole_len)
+                assert np.frombuffer(raw, dtype=np.uint32).tolist() == [
+                    _native.crc32c(data[o:o + n]) if n else 0 for o, n in ranges]
+                assert stats["whole_crc32c"] == _native.crc32c(data[:whole_len])
+                if whole_len == len(data):
+                    assert stats["direct_bytes"] + stats["buffered_bytes"] <= len(data) + (64 << 10)
+        _, alone = _native.checksum_ranges(fd, np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint64),
+                                           whole_len=len(data), chunk_bytes=64 << 10, direct=direct)
+        assert alone["whole_crc32c"] == _native.crc32c(data)
+        _, none = _native.checksum_ranges(fd, np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint64))
+        assert "whole_crc32c" not in none
+        with pytest.raises(OSError) as short:
+            _native.checksum_ranges(fd, offsets[:3], lengths[:3], path="named.pt", whole_len=len(data) + 1,
+                                    direct=direct)
+        assert short.value.errno == errno.ENODATA and short.value.filename == "named.pt"
+    finally:
+        os.close(fd)
+
+
+def test_checksum_ranges_reads_what_is_cached_through_the_cache_and_the_rest_direct(tmp_path: Path) -> None:
+    """direct=2 (a verify after a prefetch): spans mostly in the page cache are read through
+    it, the others with O_DIRECT; the crcs are the same either way."""
+    data = random.Random(2).randbytes(8 << 20)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        try:
+            os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+        except OSError:
+            pytest.skip("this file system refuses O_DIRECT")
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        resident, _ = _native.file_resident(str(path), fd=fd)
+        if resident > (1 << 20):
+            pytest.skip("this file system keeps the pages cached after POSIX_FADV_DONTNEED")
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead past what is read
+        os.pread(fd, 4 << 20, 0)  # the first half cached, as a prefetch leaves it
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_NORMAL)
+        offsets = np.arange(0, 8 << 20, 1 << 20, dtype=np.uint64)
+        lengths = np.full(8, 1 << 20, dtype=np.uint64)
+        raw, stats = _native.checksum_ranges(fd, offsets, lengths, path=str(path), chunk_bytes=1 << 20,
+                                             direct=2, whole_len=len(data))
+        assert np.frombuffer(raw, dtype=np.uint32).tolist() == [
+            _native.crc32c(data[o:o + (1 << 20)]) for o in range(0, 8 << 20, 1 << 20)]
+        assert stats["whole_crc32c"] == _native.crc32c(data)
+        assert stats["buffered_bytes"] == 4 << 20 and stats["direct_bytes"] == 4 << 20
     finally:
         os.close(fd)
 

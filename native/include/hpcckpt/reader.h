@@ -75,14 +75,18 @@ int hpcckpt_read_items_fd(int fd, const char* path, hpcckpt_read_item* items, si
  * tens of thousands of small tensors. Ranges are taken in file order and gathered into
  * spans of at most chunk_bytes (0: 8 MiB; gaps under 1 MiB are read through), each span
  * is read once (O_DIRECT with `direct` where the file system allows, else through the
- * page cache) into its thread's buffer and every range in it is checksummed from there;
+ * page cache; direct == 2: O_DIRECT only for spans mostly not in the page cache, as a
+ * verify finds a file that a prefetch has partly read) into its thread's buffer and every range in it is checksummed from there;
  * a range longer than a chunk is read in pieces whose crcs are combined. Memory:
  * threads x chunk_bytes, whatever the file's size. threads == 0: from the usable CPUs
- * (4..8). Returns 0, or -1 with st filled (ENODATA: the file ends before a range does).
- * stats may be NULL. */
+ * (4..8). whole_len != 0: also the crc32c of the file's first whole_len bytes into *whole_crc,
+ * in the same pass (each byte read once: the file is read in chunk-sized blocks, each
+ * checksummed whole and for every range inside it; a verify checks both the whole file and
+ * its tensors). Returns 0, or -1 with st filled (ENODATA: the file ends before a range, or
+ * whole_len, does). stats may be NULL. */
 int hpcckpt_checksum_ranges_fd(int fd, const char* path, const uint64_t* offsets, const uint64_t* lens,
-                               uint32_t* crcs, size_t n, unsigned threads, size_t chunk_bytes, int direct,
-                               hpcckpt_read_stats* stats, hpcckpt_status* st);
+                               uint32_t* crcs, size_t n, uint64_t whole_len, uint32_t* whole_crc, unsigned threads,
+                               size_t chunk_bytes, int direct, hpcckpt_read_stats* stats, hpcckpt_status* st);
 
 /* How many bytes of `path` are in the page cache now (mincore over a
  * read-only mapping); *size gets the file size. Lets a loader skip O_DIRECT
