@@ -452,12 +452,15 @@ public:
     std::atomic<std::uint64_t> buffered_bytes{0};
 
     void run() {
-        // The span plus the alignment slack of an O_DIRECT read on each side.
-        unsigned char* buf = nullptr;
-        const std::uint64_t cap = chunk_ + 2 * kDirectAlign;
+        // The longest span plus the alignment slack of an O_DIRECT read on each side, touched
+        // once and on huge pages where the kernel gives them: O_DIRECT into fresh 4 KiB pages
+        // pins and faults each one and read at ~60% of the disk's rate on the development VM.
+        std::uint64_t longest = 0;
+        for (const RangeSpan& sp : spans) longest = std::max(longest, sp.hi - sp.lo);
+        const std::uint64_t cap = std::min(chunk_, longest) + 2 * kDirectAlign;
         hpcckpt_status ignored;
-        buf = static_cast<unsigned char*>(hpcckpt_aligned_alloc(static_cast<std::size_t>(cap), kDirectAlign, HPCCKPT_ALLOC_PREFAULT | HPCCKPT_ALLOC_HUGE,
-                                                                &ignored));
+        unsigned char* buf = static_cast<unsigned char*>(hpcckpt_aligned_alloc(
+            static_cast<std::size_t>(cap), kDirectAlign, HPCCKPT_ALLOC_PREFAULT | HPCCKPT_ALLOC_HUGE, &ignored));
         if (buf == nullptr) {
             fail(ENOMEM, "checksum buffer", 0);
             return;
