@@ -16,6 +16,7 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from ._gc import collector_paused
 from .errors import CheckpointCorrupt, ConfigError, StateRefused
 
 JSONScalar = (str, int, bool, type(None))
@@ -304,8 +305,13 @@ class TrainState:
         when and how to copy them. ``plan``: only what this rank writes
         (``store.placement.plan``: pieces of replicated tensors, local shards of
         DTensors); False: every live tensor as registered (DTensors included), the
-        targets of a restore.
+        targets of a restore. With the cyclic collector paused: a container per tensor, none
+        in a cycle (``collector_paused``).
         """
+        with collector_paused():
+            return self._capture(step, extra, plan)
+
+    def _capture(self, step: int, extra: Mapping[str, Any] | None, plan: bool) -> Flat:
         flat = Flat()
         # The tree is the save's own: the engine may write it after training has changed the
         # objects (flatten builds new containers; user_meta is copied, and checked, here).

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from .._core import native
+from .._gc import collector_paused
 from ..config import CHUNK_BYTES, check_on_busy
 from ..errors import CheckpointFailed, ConfigError
 from ..state import Flat, TrainState
@@ -363,8 +364,13 @@ class ConcurrentEngine(Engine):
         every rank must take part in each commit exchange, or a rank that failed would
         leave the others waiting in it, or pair their step with its next one. The
         failure then reaches every rank through the handle; a ConfigError is also
-        raised here, because the user has to fix it.
+        raised here, because the user has to fix it. With the cyclic collector paused: the
+        layout check and the staging make an object or more per tensor, none in a cycle.
         """
+        with collector_paused():
+            self._start_paused(flat, step, handle, started)
+
+    def _start_paused(self, flat: Flat, step: int, handle: SaveHandle, started: float) -> None:
         tensors = dict(flat.tensors)
         tmp = self.temp_path(step)
         fname = f"rank-{self.ranks.rank}.h5"

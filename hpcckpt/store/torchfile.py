@@ -24,7 +24,8 @@ from .._core import crc32c, crc32c_combine
 from ..errors import CheckpointCorrupt
 from ..fsio import write_all
 from .checksum import FileCrc, checksum_problems, fd_crc32c
-from .commit import TMP_MARK, collector_paused, explain_os_error, open_checked
+from .._gc import collector_paused
+from .commit import TMP_MARK, explain_os_error, open_checked
 from .entry import TensorEntry, dtype_name, raw_bytes
 from .tensortable import TensorTable
 
