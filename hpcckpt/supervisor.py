@@ -33,6 +33,7 @@ class LocalSupervisor:
     restarts: int = 0
     exit_codes: list[int] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _pending: list[int] = field(default_factory=list)
     current: subprocess.Popen[bytes] | None = None
 
     def run(self) -> int:
@@ -42,6 +43,8 @@ class LocalSupervisor:
             env[RESTART_ENV] = str(self.restarts)
             with self._lock:
                 self.current = subprocess.Popen(list(self.cmd), env=env)
+            while self._pending:  # signals that came while the command was being started
+                self.current.send_signal(self._pending.pop(0))
             if self.on_start:
                 self.on_start(self.current, self.restarts)
             code = self.current.wait()
@@ -62,9 +65,17 @@ class LocalSupervisor:
                         self.cmd[0], self.restarts, self.max_restarts)
 
     def signal(self, signum: int) -> bool:
-        """Send ``signum`` to the running command; False if none runs."""
-        with self._lock:
+        """Send ``signum`` to the running command; False if none runs. A handler that runs
+        while the command is being started (the lock held by the code it interrupted, on the
+        same thread: waiting for it would hang for ever) leaves the signal for ``run`` to
+        send once the command runs."""
+        if not self._lock.acquire(blocking=False):
+            self._pending.append(signum)
+            return True
+        try:
             proc = self.current
+        finally:
+            self._lock.release()
         if proc is None or proc.poll() is not None:
             return False
         proc.send_signal(signum)

@@ -44,3 +44,29 @@ def test_restarts_are_budgeted(tmp_path: Path) -> None:
     proc = supervise(tmp_path, "--max-restarts", "1")
     assert proc.returncode == 75 and (tmp_path / "runs").read_text() == "2"
     assert "giving up" in proc.stderr and "--max-restarts" in proc.stderr
+
+
+def test_a_signal_while_the_command_is_being_started_reaches_it_once_it_runs(monkeypatch) -> None:
+    """A forwarded signal whose handler runs while ``run`` is starting the command (the
+    supervisor's lock held by the code it interrupted, on the same thread) is sent once the
+    command runs; waiting for the lock there hung the supervisor for ever."""
+    import signal
+    import threading
+
+    from hpcckpt import supervisor as mod
+
+    real_popen = subprocess.Popen
+
+    def popen_interrupted(*args: object, **kwargs: object) -> subprocess.Popen:
+        proc = real_popen(*args, **kwargs)  # type: ignore[call-overload]
+        assert sup.signal(signal.SIGUSR2)  # as the handler would, inside run()'s lock
+        return proc
+
+    monkeypatch.setattr(mod.subprocess, "Popen", popen_interrupted)
+    sup = mod.LocalSupervisor([sys.executable, "-c", "import time; time.sleep(60)"], max_restarts=0)
+    got: list[int] = []
+    runner = threading.Thread(target=lambda: got.append(sup.run()), daemon=True)
+    runner.start()
+    runner.join(30)
+    assert not runner.is_alive(), "the supervisor hung on its own lock"
+    assert got == [-signal.SIGUSR2]  # the command got the signal (and died of it: no handler yet)
