@@ -31,7 +31,7 @@ import torch
 from .engines import load_rank
 from .errors import CheckpointCorrupt, ConfigError, HpcckptError, StateRefused
 from .ranks import Ranks
-from .state import Flat, unflatten
+from .state import Flat, python_rng, unflatten
 from .store import catalog
 
 log = logging.getLogger("hpcckpt")
@@ -128,8 +128,7 @@ def check_restorable(flat: Flat, live: Mapping[str, Any] | None) -> None:
     no global state touched) and the shape and dtype of every tensor the live state holds."""
     try:
         rng = unflatten(flat.meta["rng"], flat.tensors)
-        py = rng["python"]
-        random.Random().setstate((py[0], tuple(py[1]), py[2]))
+        random.Random().setstate(python_rng(rng["python"]))
         n = rng["numpy"]
         np.random.RandomState().set_state((n[0], n[1], int(n[2]), int(n[3]), float(n[4])))
         torch.Generator().set_state(rng["torch"])

@@ -32,6 +32,7 @@ from ..ranks import Ranks
 from ..state import Flat, TrainState
 from ..store import catalog, placement
 from ..store.commit import Transaction, discard, remove_trash
+from ..store.lock import CommitLock
 from ..store.manifest import build as build_manifest
 from ..store.publish import commit_and_prune, gather_records, record_failures
 
@@ -116,6 +117,7 @@ class Engine(ABC):
         # save's handle is finished (``empty_trash``): a save is reported durable without
         # waiting for old files to be unlinked. Only the committing thread touches it.
         self._trash: list[Path] = []
+        self._commit_lock: CommitLock | None = None  # made at the first commit, closed by close()
 
     @abstractmethod
     def save(self, flat: Flat, step: int, *, final: bool = False) -> SaveHandle:
@@ -129,8 +131,13 @@ class Engine(ABC):
 
     def close(self) -> None:
         """Wait for saves in flight (their errors are reported by their handles)."""
+        self.close_commit_lock()
 
     # -- shared by all engines ------------------------------------------------
+
+    def close_commit_lock(self) -> None:
+        if self._commit_lock is not None:
+            self._commit_lock.close()
 
     def empty_trash(self) -> None:
         """Delete what retention renamed aside at the last commits (the committing thread)."""
@@ -208,7 +215,10 @@ class Engine(ABC):
         pruning) go to ``warnings``: the step is committed, a failed save would be a lie."""
         manifest = build_manifest(step=step, engine=self.name, job=self.ctx.job, user=self.ctx.user, records=records)
         txn = Transaction(self.ctx.root, catalog.step_name(step), temp=tmp)
-        path, faults, removed = commit_and_prune(txn, manifest, keep=self.ctx.keep, trash=self._trash)
+        if self._commit_lock is None:
+            self._commit_lock = CommitLock(self.ctx.root)
+        path, faults, removed = commit_and_prune(txn, manifest, keep=self.ctx.keep, trash=self._trash,
+                                                 lock=self._commit_lock)
         if warnings is not None:
             warnings += faults
         for p in removed:

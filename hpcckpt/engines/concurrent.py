@@ -754,6 +754,7 @@ class ConcurrentEngine(Engine):
         self._preparer.close()  # nothing of this engine keeps running, or pinned, after close
         if self._recycler is not None:
             self._recycler.close()
+        self.close_commit_lock()
         if self._staging is not None:
             self._staging.release()
             self._staging = None

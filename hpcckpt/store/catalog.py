@@ -447,14 +447,15 @@ def newest_committed(root: Path) -> tuple[list[CheckpointInfo], Iterator[Entry]]
         return inspected, iter(())
 
 
-def _nothing_to_prune(root: Path, keep: int, protected: set[str], key: str) -> bool:
-    """Whether one listing shows nothing ``prune`` would remove: at most ``keep`` step
-    directories, each just committed (``protected``) or known committed by this process
-    with the same inode, no stale temporary directory and no leftover of a discard. The
-    common case with a large ``keep``: a name and a dict lookup per checkpoint, no object,
-    no sort, no second listing."""
+def _quick_victims(root: Path, keep: int, protected: set[str], key: str) -> list[Path] | None:
+    """What ``prune`` removes, from one listing, when it shows only step directories just
+    committed (``protected``) or known committed by this process with the same inode (and
+    saves in flight); None when anything else is there (a leftover of a discard, a stale
+    temporary directory, a step directory not known committed): then the full pass decides.
+    The common case: a name and a dict lookup per checkpoint, no object, no second listing;
+    the same victims as the full pass (every listed step is committed, newest kept first)."""
     known = _known(key)
-    committed = 0
+    committed: list[tuple[int, str]] = []
     step_re = STEP_RE.match
     try:
         with os.scandir(root) as it:
@@ -462,23 +463,39 @@ def _nothing_to_prune(root: Path, keep: int, protected: set[str], key: str) -> b
                 name = e.name
                 ino = known.get(name)
                 if ino is not None and ino == e.inode():
-                    committed += 1  # the common case: one lookup
+                    committed.append((int(name[5:]), name))  # the common case: one lookup
                     continue
                 if name.startswith(TRASH_PREFIX):
-                    return False  # a leftover to sweep
+                    return None  # a leftover to sweep
                 if not name.startswith("step-"):
                     continue
                 if not step_re(name):
                     if STEP_TMP_RE.match(name) and _stale_tmp(root / name):
-                        return False
+                        return None
                     continue  # a save in flight, or not a name the catalog lists
                 if name not in protected:
-                    return False  # not known committed: the full pass looks at it
-                committed += 1
+                    return None  # not known committed: the full pass looks at it
+                committed.append((int(name[5:]), name))
                 _learn(key, name, e.inode())
     except OSError:
-        return False
-    return committed <= keep
+        return None
+    if len(committed) <= keep:
+        return []
+    committed.sort(reverse=True)
+    latest: str | None = None
+    victims: list[Path] = []
+    count = 0
+    for _step, name in committed:
+        if name in protected:
+            count += 1
+        elif count < keep:
+            count += 1
+        else:
+            if latest is None:
+                latest = read_latest(root) or ""
+            if name != latest:
+                victims.append(root / name)
+    return victims
 
 
 def prune(root: Path, keep: int, *, protect: set[Path] | None = None, trash: list[Path] | None = None) -> list[Path]:
@@ -500,8 +517,11 @@ def prune(root: Path, keep: int, *, protect: set[Path] | None = None, trash: lis
     protect = protect or set()
     protected = {p.name for p in protect if p.parent == root}
     key = str(root)
-    if _nothing_to_prune(root, keep, protected, key):
-        return []
+    quick = _quick_victims(root, keep, protected, key)
+    if quick is not None:
+        if quick:
+            discard(root, quick, trash=trash)
+        return quick
     latest = read_latest(root)
     known = _known(key)
     victims: list[Path] = []

@@ -72,8 +72,8 @@ def _remember(key: tuple[str, int, int], data: dict[str, Any]) -> None:
 
 
 def fsync_path(path: Path) -> None:
-    """fsync a file or directory by path."""
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
+    """fsync a file or directory by path (O_RDONLY opens either: no stat to tell them apart)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
@@ -481,12 +481,12 @@ class Transaction:
         """``temp``: adopt a directory made by ``temp_dir`` (ranks of one save write into it first)."""
         self.root = Path(root)
         self.name = name
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if temp is not None:
+        if temp is not None:  # made inside the root, so the root exists
             if Path(temp).parent != self.root or not Path(temp).name.startswith(f"{name}{TMP_MARK}"):
                 raise ValueError(f"{temp} is not a temporary directory of {self.root / name}")
             self.path = Path(temp)
         else:
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             self.path = self.temp_path(self.root, name, unique or secrets.token_hex(6))
             self.path.mkdir(mode=0o700, exist_ok=unique is not None)
         self.final = self.root / name

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from . import catalog
 from .commit import Transaction
 from .manifest import record_in, record_out
-from .lock import writer_lock
+from .lock import CommitLock, writer_lock
 
 if TYPE_CHECKING:
     from ..ranks import Ranks
@@ -44,7 +44,8 @@ def record_failures(everyone: list[dict[str, Any]], step: int) -> dict[int, str]
 
 def commit_and_prune(txn: Transaction, manifest: dict[str, Any], *, keep: int | None,
                      lock_timeout_s: float = -1, precheck: Callable[[], None] | None = None,
-                     trash: list[Path] | None = None) -> tuple[Path, list[str], list[Path]]:
+                     trash: list[Path] | None = None, lock: CommitLock | None = None,
+                     ) -> tuple[Path, list[str], list[Path]]:
     """Under the writer lock: commit ``txn`` with ``manifest``, then keep the newest ``keep``.
 
     Returns ``(path, warnings, removed)``. Faults after the rename (root fsync, LATEST,
@@ -54,9 +55,11 @@ def commit_and_prune(txn: Transaction, manifest: dict[str, Any], *, keep: int | 
     before the commit; what it raises leaves the lock and commits nothing (the scavenge
     checks there that no other node committed the step first). ``trash``: pruned trees are
     renamed aside here and appended there for the caller to delete later (``catalog.prune``).
+    ``lock``: the caller's ``CommitLock`` on ``txn.root`` (a writer that commits often),
+    instead of a ``writer_lock`` made for this commit.
     """
     warnings: list[str] = []
-    with writer_lock(txn.root, timeout_s=lock_timeout_s):
+    with (lock(lock_timeout_s) if lock is not None else writer_lock(txn.root, timeout_s=lock_timeout_s)):
         if precheck is not None:
             precheck()
         path = txn.commit(manifest, checksum=False, fsync_files=False)

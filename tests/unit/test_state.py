@@ -155,3 +155,18 @@ def test_an_optimizer_that_gained_a_param_group_says_what_to_do(tmp_path: Path) 
     with Checkpointer(tmp_path, every_steps=None) as ck:
         with pytest.raises(ConfigError, match=r"2 parameter group\(s\).*now has 1.*add_param_group"):
             ck.register(head=head, body=body, optimizer=fresh)
+
+
+def test_python_rng_state_is_saved_as_an_array_and_the_older_list_still_restores() -> None:
+    """The Mersenne Twister's 625 words go in as an array (not 625 JSON numbers in every
+    manifest); a checkpoint written before, with a list, restores the same."""
+    from hpcckpt.state import python_rng, rng_state, set_rng_state
+    random.seed(1234)
+    state = rng_state()
+    words = state["python"][1]
+    assert isinstance(words, np.ndarray) and words.dtype == np.uint32 and words.shape == (625,)
+    want = [random.random() for _ in range(5)]
+    for saved in (state["python"], (state["python"][0], words.tolist(), state["python"][2])):
+        set_rng_state({**state, "python": saved})
+        assert [random.random() for _ in range(5)] == want
+        assert python_rng(saved) == python_rng(state["python"])

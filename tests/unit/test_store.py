@@ -404,33 +404,88 @@ def test_an_unusable_checkpoint_directory_is_a_clear_error_not_a_hang(where: str
         Checkpointer(f"{where}/run/ckpt")
 
 
-def test_a_prune_with_nothing_to_do_reads_one_listing_and_still_removes_what_it_must(ckdir: Path) -> None:
-    """With every step directory known committed and no more than ``keep``, a prune is one
-    listing; a directory this process does not know (an incomplete one, a replaced one), a
-    stale temporary directory or a discard's leftover sends it to the full pass."""
+def test_a_prune_of_known_checkpoints_reads_one_listing_and_still_removes_what_it_must(ckdir: Path) -> None:
+    """With every step directory known committed (or just committed), a prune is one listing
+    and names its victims from it (the oldest beyond ``keep``, never LATEST's); a directory
+    this process does not know (an incomplete one, a replaced one), a stale temporary
+    directory or a discard's leftover sends it to the full pass."""
+    def quick(keep: int, protected: set[str] | None = None) -> list[Path] | None:
+        return catalog._quick_victims(ckdir, keep, protected or set(), str(ckdir))
+
     for s in range(1, 6):
         with Transaction(ckdir, f"step-{s}") as txn:
             (txn.path / "f").write_bytes(b"x" * s)
             txn.commit(minimal(s))
         assert catalog.prune(ckdir, keep=10, protect={ckdir / f"step-{s}"}) == []
-    assert catalog._nothing_to_prune(ckdir, 10, set(), str(ckdir))
-    assert not catalog._nothing_to_prune(ckdir, 4, set(), str(ckdir))  # one too many
+    assert quick(10) == []
+    assert quick(4) == [ckdir / "step-1"]  # one too many: the oldest
+    assert quick(2, {"step-1"}) == [ckdir / "step-3", ckdir / "step-2"]  # never the protected
+    (ckdir / LATEST).write_text("step-2\n")
+    assert quick(2) == [ckdir / "step-3", ckdir / "step-1"]  # never LATEST's
+    (ckdir / LATEST).write_text("step-5\n")
     (ckdir / "step-0").mkdir()  # no manifest: not known, and older than the newest good one
-    assert not catalog._nothing_to_prune(ckdir, 10, set(), str(ckdir))
+    assert quick(10) is None
     assert catalog.prune(ckdir, keep=10) == [ckdir / "step-0"]
-    assert catalog._nothing_to_prune(ckdir, 10, set(), str(ckdir))
+    assert quick(10) == []
     leftover = ckdir / ".trash-step-9-0123abcd"
     leftover.mkdir()
-    assert not catalog._nothing_to_prune(ckdir, 10, set(), str(ckdir))
+    assert quick(10) is None
     catalog.prune(ckdir, keep=10)
     assert not leftover.exists()
     replaced = ckdir / "step-3"  # another writer's step-3 in its place: another inode
     (ckdir / "elsewhere").mkdir()  # made while the old one exists: its inode cannot be the old one's
     shutil.rmtree(replaced)
     (ckdir / "elsewhere").rename(replaced)
-    assert not catalog._nothing_to_prune(ckdir, 10, set(), str(ckdir))
+    assert quick(10) is None
     assert catalog.prune(ckdir, keep=10) == [replaced]
     assert sorted(i.step for i in catalog.scan(ckdir)) == [1, 2, 4, 5]
+    assert catalog.prune(ckdir, keep=2) == [ckdir / "step-2", ckdir / "step-1"]  # the quick pass, applied
+    assert sorted(i.step for i in catalog.scan(ckdir)) == [4, 5]
+
+
+def test_the_engines_commit_lock_excludes_filelock_readers_and_its_own_threads(ckdir: Path) -> None:
+    """``CommitLock`` (a descriptor kept open, one flock a commit) and ``writer_lock``
+    (filelock) exclude each other both ways, a listing's shared lock waits for it, threads
+    of one process take turns, and a lock file replaced meanwhile is the one locked next."""
+    import threading
+    from filelock import Timeout
+    from hpcckpt.store.lock import LOCK_NAME, CommitLock, reader_lock, writer_lock
+    lock = CommitLock(ckdir)
+    with lock():
+        with pytest.raises(Timeout):
+            with writer_lock(ckdir, timeout_s=0.1):
+                pass
+        with reader_lock(ckdir, timeout_s=0.1) as shared:
+            assert shared is False
+    with writer_lock(ckdir):
+        with pytest.raises(Timeout):
+            with lock(0.1):
+                pass
+    with reader_lock(ckdir, timeout_s=1) as shared:  # released: a listing gets it
+        assert shared is True
+    inside, overlaps = [0], [0]
+
+    def commits() -> None:
+        for _ in range(200):
+            with lock():
+                inside[0] += 1
+                overlaps[0] += inside[0] > 1
+                inside[0] -= 1
+    threads = [threading.Thread(target=commits) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert overlaps == [0]
+    (ckdir / LOCK_NAME).unlink()  # removed by hand while the engine runs; filelock makes a new one
+    with writer_lock(ckdir):
+        with pytest.raises(Timeout):
+            with lock(0.1):
+                pass
+    with lock():
+        assert (ckdir / LOCK_NAME).stat().st_ino == os.fstat(lock._fd).st_ino
+    lock.close()
+    lock.close()  # idempotent
 
 
 @pytest.mark.native
