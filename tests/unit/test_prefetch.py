@@ -70,3 +70,25 @@ def test_stop_ends_the_reads_early(tmp_path: Path) -> None:
     warm = Prefetch(tmp_path, block=4096).__enter__()
     warm.wait(stop=True)
     assert warm.files == [] and warm._workers == []
+
+
+def test_each_thread_starts_with_a_long_piece_then_the_files_go_in_short_ones(tmp_path: Path) -> None:
+    """The first piece of each thread is ``first_block`` long (a thread waits for the
+    interpreter between two pieces, and the manifest's parse holds it), the rest ``block``;
+    together they cover every file exactly once, in file order."""
+    (tmp_path / "rank-0.h5").write_bytes(b"a" * 10_000)
+    (tmp_path / "rank-1.h5").write_bytes(b"b" * 2_500)
+    warm = Prefetch(tmp_path, threads=2, block=1_000, first_block=4_000)
+    warm._open()
+    try:
+        pieces = warm._cut()
+        sizes = dict(warm.files)
+        assert [n for _fd, _off, n in pieces[:2]] == [4_000, 4_000]
+        assert all(n <= 1_000 for _fd, _off, n in pieces[2:])
+        for fd, size in sizes.items():
+            mine = [(off, n) for f, off, n in pieces if f == fd]
+            assert [off for off, _n in mine] == sorted(off for off, _n in mine)
+            assert sum(n for _off, n in mine) == size
+            assert all(a[0] + a[1] == b[0] for a, b in zip(mine, mine[1:]))
+    finally:
+        warm._close_files()
