@@ -361,8 +361,10 @@ class TrainState:
         return tree
 
     def background_safe(self) -> set[str]:
-        """Names of tensors that only ``optimizer.step()`` mutates (params + optimizer state)."""
-        safe: set[str] = set()
+        """Names (and prefixes, ending in ``/``) of captured tensors that nothing but
+        ``optimizer.step()`` mutates: parameters and optimizer state, and the RNG states,
+        which ``rng_state`` copies at every capture (nothing else holds those copies)."""
+        safe: set[str] = {"rng/"}
         for name, obj in self.objects.items():
             if isinstance(obj, torch.optim.Optimizer):
                 safe.add(f"objects/{name}/state/")
