@@ -2,15 +2,18 @@
 
 A ~3 MB model + AdamW (``PeerRig``) whose step is brought to ~6 ms by the batch's rows
 (calibrated here, one torch thread; the step actually measured is ``step_s``), trained
-``steps`` steps without checkpoints and with a checkpoint at every step, per engine,
-interleaved, ``rounds`` times, in one child process (``isolate``). Per engine:
-``overhead`` (median over rounds of steps time / that round's baseline - 1, the final
-drain apart in ``drain_s``), ``per_save_ms`` (the extra time per save: what a save
-costs beyond its bytes, since at this size the bytes cost almost nothing) and
-``blocked_per_save_ms`` (time the training thread itself was blocked per save).
+``steps`` steps without checkpoints and ``steps`` with a checkpoint at every step, per
+engine, in alternating blocks of ``BLOCK_STEPS`` steps with the engine alive throughout
+(``_blocks``), ``rounds`` times, in one child process (``isolate``). Per engine:
+``overhead`` (median over rounds of the steps with checkpoints / the steps without - 1;
+each block with checkpoints counts until its last save is durable), ``per_save_ms`` (the
+extra time per save: what a save costs beyond its bytes, since at this size the bytes
+cost almost nothing), ``blocked_per_save_ms`` (time the training thread itself was
+blocked per save) and ``drain_s`` (closing the engine).
 """
 from __future__ import annotations
 
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -18,13 +21,15 @@ from typing import Any
 
 import torch
 
-from .methods import HPCCKPT
+from .methods import HPCCKPT, make_method
 from .peers import _train
 from .synthetic import PeerRig
 
 SMALL_BYTES = 3_000_000
 STEP_S = 0.006
 MAX_ROWS = 1 << 16
+ROUNDS = 3
+BLOCK_STEPS = 50  # steps without and with checkpoints alternate in blocks of this many
 
 
 def _step_s(rig: PeerRig, n: int = 3) -> float:
@@ -52,6 +57,55 @@ def calibrate(rig: PeerRig, target_s: float) -> float:
     return took
 
 
+def _blocks(rig: PeerRig, name: str, steps: int, block: int, root: Path,
+            options: dict[str, Any]) -> tuple[float, float, float, float]:
+    """``steps`` steps without checkpoints and ``steps`` with one at every step, in blocks of
+    ``block`` steps taken in turn (ABBA: neither kind always goes first), one engine alive
+    throughout; returns (seconds without, seconds with, seconds of them blocked, final drain).
+    A block with checkpoints ends when its last save is durable (counted in it), so the
+    next block starts with the engine idle. Host noise that lasts a second or two (the
+    2-core VM's baseline varied 0.8-1.9 s for the same 200 steps from round to round)
+    then falls on both kinds alike."""
+    m = make_method(name, root, rig, options)
+    without = with_ = blocked = 0.0
+    try:
+        for b in range(-(-steps // block)):
+            n = min(block, steps - b * block)
+            for saving in ((False, True) if b % 2 == 0 else (True, False)):
+                rig.sync()
+                t0 = time.perf_counter()
+                pending: Any = None
+                for s in range(b * block + 1, b * block + n + 1):
+                    rig.forward_backward()
+                    if pending is not None:
+                        t1 = time.perf_counter()
+                        m.before_step(pending)
+                        blocked += time.perf_counter() - t1
+                    rig.opt.step()
+                    if saving:
+                        t1 = time.perf_counter()
+                        if pending is not None:
+                            m.persist_s(pending)  # one save in flight at a time
+                        pending = m.start(s)
+                        blocked += time.perf_counter() - t1
+                if pending is not None:
+                    t1 = time.perf_counter()
+                    m.persist_s(pending)
+                    blocked += time.perf_counter() - t1
+                rig.sync()
+                took = time.perf_counter() - t0
+                if saving:
+                    with_ += took
+                else:
+                    without += took
+        t1 = time.perf_counter()
+        blocked += m.hook_wait_s()
+    finally:
+        m.close()
+        shutil.rmtree(root, ignore_errors=True)
+    return without, with_, blocked, time.perf_counter() - t1
+
+
 def child_small_state(names: list[str], steps: int, rounds: int, state_bytes: int, target_step_s: float,
                       root: str, options: dict[str, Any]) -> dict[str, Any]:
     # One intra-op thread: for a model this small, a second OpenMP thread spins more than it
@@ -59,31 +113,30 @@ def child_small_state(names: list[str], steps: int, rounds: int, state_bytes: in
     torch.set_num_threads(1)
     rig = PeerRig(state_bytes)
     calibrate(rig, target_step_s)
-    base: list[float] = []
-    got: dict[str, dict[str, list[float]]] = {n: {"wall": [], "blocked": [], "drain": []} for n in names}
+    got: dict[str, dict[str, list[float]]] = {n: {"base": [], "wall": [], "blocked": [], "drain": []}
+                                              for n in names}
     _train(rig, names[-1], 1, min(steps, 5), Path(root) / "warm", options)  # warm-up, untimed
     for r in range(rounds):
-        base.append(_train(rig, None, 1, steps, Path(root), options)[0])
         for name in names[r % len(names):] + names[:r % len(names)]:
-            wall, blocked, drain = _train(rig, name, 1, steps, Path(root) / name, options)
-            got[name]["wall"].append(wall)
-            got[name]["blocked"].append(blocked)
-            got[name]["drain"].append(drain)
+            base, wall, blocked, drain = _blocks(rig, name, steps, BLOCK_STEPS, Path(root) / name, options)
+            for key, value in (("base", base), ("wall", wall), ("blocked", blocked), ("drain", drain)):
+                got[name][key].append(value)
     engines = {}
     for name, g in got.items():
         engines[HPCCKPT[name]] = {
-            "overhead": statistics.median(w / b - 1 for w, b in zip(g["wall"], base)),
-            "per_save_ms": 1e3 * statistics.median((w - b) / steps for w, b in zip(g["wall"], base)),
+            "overhead": statistics.median(w / b - 1 for w, b in zip(g["wall"], g["base"])),
+            "per_save_ms": 1e3 * statistics.median((w - b) / steps for w, b in zip(g["wall"], g["base"])),
             "blocked_per_save_ms": 1e3 * statistics.median(x / steps for x in g["blocked"]),
-            "drain_s": statistics.median(g["drain"]), "wall_all_s": g["wall"]}
-    return {"state_bytes": rig.state_bytes, "step_s": statistics.median(base) / steps, "rows": rig.rows,
-            "torch_threads": 1,
-            "steps": steps, "every": 1, "rounds": rounds, "baseline_all_s": base, "engines": engines}
+            "drain_s": statistics.median(g["drain"]), "wall_all_s": g["wall"], "baseline_all_s": g["base"]}
+    base_all = [b for g in got.values() for b in g["base"]]
+    return {"state_bytes": rig.state_bytes, "step_s": statistics.median(base_all) / steps, "rows": rig.rows,
+            "torch_threads": 1, "steps": steps, "every": 1, "rounds": rounds, "block_steps": BLOCK_STEPS,
+            "baseline_all_s": base_all, "engines": engines}
 
 
 def measure_small_state(root: Path, options: dict[str, Any], *, quick: bool) -> dict[str, Any]:
     """``child_small_state`` for both engines in a child of its own."""
     from .isolate import run_isolated
     names = ["hpcckpt_sync", "hpcckpt_concurrent"]
-    return run_isolated(child_small_state, names, 30 if quick else 200, 1 if quick else 3, SMALL_BYTES, STEP_S,
+    return run_isolated(child_small_state, names, 30 if quick else 200, 1 if quick else ROUNDS, SMALL_BYTES, STEP_S,
                         str(root), options)
