@@ -106,15 +106,17 @@ class CommitLock:
                 self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             fd = self._fd
             try:
-                if timeout_s < 0:
-                    fcntl.flock(fd, fcntl.LOCK_EX)
-                elif not _flock_within(fd, fcntl.LOCK_EX, timeout_s):
-                    raise Timeout(str(self.path))
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the common case: free
             except OSError as exc:
                 if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                     self.close()
                     return None
-                raise
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise
+                if timeout_s < 0:
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                elif not _flock_within(fd, fcntl.LOCK_EX, timeout_s):
+                    raise Timeout(str(self.path)) from None
             try:
                 now = os.stat(self.path, follow_symlinks=False)
                 mine = os.fstat(fd)

@@ -488,6 +488,34 @@ def test_the_engines_commit_lock_excludes_filelock_readers_and_its_own_threads(c
     lock.close()  # idempotent
 
 
+def test_the_commit_lock_goes_through_filelock_where_the_file_system_refuses_flock(
+        ckdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system without ``flock`` (ENOLCK, as NFS without lockd says it): every commit
+    then takes ``writer_lock``, whose own fallback applies; still exclusive."""
+    import errno
+    import fcntl as real_fcntl
+    import types
+
+    from filelock import Timeout
+    from hpcckpt.store import lock as lock_mod
+
+    def refused(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(lock_mod, "fcntl", types.SimpleNamespace(
+        flock=refused, LOCK_EX=real_fcntl.LOCK_EX, LOCK_NB=real_fcntl.LOCK_NB, LOCK_SH=real_fcntl.LOCK_SH,
+        LOCK_UN=real_fcntl.LOCK_UN))
+    lock = lock_mod.CommitLock(ckdir)
+    with lock():
+        assert lock._fallback and lock._fd is None
+        with pytest.raises(Timeout):
+            with lock_mod.writer_lock(ckdir, timeout_s=0.1):
+                pass
+    with lock():  # and every commit after it
+        pass
+    with lock_mod.writer_lock(ckdir, timeout_s=1):  # released
+        pass
+
+
 @pytest.mark.native
 def test_a_resume_passes_over_more_damaged_checkpoints_than_one_round_offers(ckdir: Path) -> None:
     """The newest 36 checkpoints fail their checksums only when read whole (their sizes and
