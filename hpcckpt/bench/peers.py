@@ -39,7 +39,7 @@ import torch
 
 from .isolate import held_vs_state, run_isolated
 from .limits import GB, drop_caches, write_read_gbps
-from .methods import available, import_for, make_method, restore, state_digest
+from .methods import Method, _Pending, available, import_for, make_method, restore, state_digest
 from .synthetic import PeerRig
 
 DEFAULT_GB, QUICK_GB = 0.5, 0.016
@@ -150,15 +150,16 @@ def child_restore(name: str, path: str, spec: dict[str, Any]) -> dict[str, Any]:
     return {"restore_s": restore_s, "digest": state_digest(rig)}
 
 
-def _train(rig: PeerRig, name: str | None, interval: int, steps: int, root: Path,
-           options: dict[str, Any]) -> tuple[float, float, float]:
-    """(seconds of ``steps`` steps, seconds of them blocked by checkpointing, final drain)."""
-    m = make_method(name, root, rig, options) if name else None
-    pending: Any = None
+def run_steps(rig: PeerRig, m: Method | None, first: int, last: int,
+              interval: int) -> tuple[float, float, _Pending | None]:
+    """Train steps ``first``..``last`` with ``m`` saving every ``interval`` steps (none when
+    ``m`` is None), one save in flight at a time: (seconds, seconds of them blocked by
+    checkpointing, the save still in flight)."""
+    pending: _Pending | None = None
     blocked = 0.0
     rig.sync()
     t0 = time.perf_counter()
-    for s in range(1, steps + 1):
+    for s in range(first, last + 1):
         rig.forward_backward()
         if pending is not None:
             t1 = time.perf_counter()
@@ -172,7 +173,14 @@ def _train(rig: PeerRig, name: str | None, interval: int, steps: int, root: Path
             pending = m.start(s)
             blocked += time.perf_counter() - t1
     rig.sync()
-    wall = time.perf_counter() - t0
+    return time.perf_counter() - t0, blocked, pending
+
+
+def _train(rig: PeerRig, name: str | None, interval: int, steps: int, root: Path,
+           options: dict[str, Any]) -> tuple[float, float, float]:
+    """(seconds of ``steps`` steps, seconds of them blocked by checkpointing, final drain)."""
+    m = make_method(name, root, rig, options) if name else None
+    wall, blocked, pending = run_steps(rig, m, 1, steps, interval)
     t1 = time.perf_counter()
     if m is not None:
         if pending is not None:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .methods import HPCCKPT, make_method
-from .peers import _train
+from .peers import _train, run_steps
 from .synthetic import PeerRig
 
 SMALL_BYTES = 3_000_000
@@ -86,30 +86,15 @@ def _blocks(rig: PeerRig, name: str, steps: int, block: int, root: Path,
     without = with_ = blocked = 0.0
     try:
         for b in range(-(-steps // block)):
-            n = min(block, steps - b * block)
+            first, last = b * block + 1, min((b + 1) * block, steps)
             for saving in ((False, True) if b % 2 == 0 else (True, False)):
-                rig.sync()
-                t0 = time.perf_counter()
-                pending: Any = None
-                for s in range(b * block + 1, b * block + n + 1):
-                    rig.forward_backward()
-                    if pending is not None:
-                        t1 = time.perf_counter()
-                        m.before_step(pending)
-                        blocked += time.perf_counter() - t1
-                    rig.opt.step()
-                    if saving:
-                        t1 = time.perf_counter()
-                        if pending is not None:
-                            m.persist_s(pending)  # one save in flight at a time
-                        pending = m.start(s)
-                        blocked += time.perf_counter() - t1
+                took, waited, pending = run_steps(rig, m if saving else None, first, last, 1)
                 if pending is not None:
                     t1 = time.perf_counter()
                     m.persist_s(pending)
-                    blocked += time.perf_counter() - t1
-                rig.sync()
-                took = time.perf_counter() - t0
+                    waited += time.perf_counter() - t1
+                    took += time.perf_counter() - t1
+                blocked += waited
                 if saving:
                     with_ += took
                 else:

@@ -318,7 +318,8 @@ def verify_tensors(path: Path, table: Mapping[str, Mapping[str, Any]], *, whole:
     its thread's buffer; memory bounded by the threads, not the file), then one vectorised
     comparison: the cost is the bytes read plus well under a microsecond a tensor, however
     many tensors the file holds. Spans mostly in the page cache are read through it, the rest
-    O_DIRECT (``checksum.DIRECT_WHERE_COLD``). ``whole``: the whole file's crc32c too, from the same reads (``checksum_problems``).
+    O_DIRECT (``checksum.DIRECT_WHERE_COLD``). ``whole``: the whole file's crc32c too, from
+    the same reads (``checksum_problems``).
     """
     names, offsets, lengths, want = TensorTable.from_records(table).arrays()
     try:
