@@ -318,7 +318,8 @@ def run_bench(o: BenchOptions, progress: Callable[[str], None] = lambda s: None)
                                                            options, rounds=o.overhead_rounds))
         tick("training overhead at intervals " + ", ".join(
             f"{n} {'/'.join(f'{100 * v:.0f}%' for v in per.values())}" for n, per in over["overhead"].items()))
-        small = phases("small_state", lambda: measure_small_state(base / "small", options, quick=o.quick))
+        small = phases("small_state", lambda: measure_small_state(base / "small", options, quick=o.quick,
+                                                                                device=o.device))
         tick(f"small state ({small['state_bytes'] / 1e6:.1f} MB, {1e3 * small['step_s']:.1f} ms steps) saved every "
              "step: " + ", ".join(f"{n} +{100 * e['overhead']:.0f}% ({e['per_save_ms']:.1f} ms per save)"
                                   for n, e in small["engines"].items()))

@@ -27,7 +27,7 @@ from .synthetic import PeerRig
 
 SMALL_BYTES = 3_000_000
 STEP_S = 0.006
-MAX_ROWS = 1 << 16
+MAX_ROWS = {"cpu": 1 << 16, "cuda": 1 << 20}  # a GPU needs far more rows for the same step time
 ROUNDS = 3
 BLOCK_STEPS = 50  # steps without and with checkpoints alternate in blocks of this many
 
@@ -50,7 +50,7 @@ def calibrate(rig: PeerRig, target_s: float) -> float:
     timings on either side; returns the step time reached."""
     took = _step_s(rig)
     below = (rig.rows, took)
-    while took < target_s and rig.rows < MAX_ROWS:
+    while took < target_s and rig.rows < MAX_ROWS[rig.device]:
         below = (rig.rows, took)
         rig.rows *= 2
         took = _step_s(rig)
@@ -108,11 +108,11 @@ def _blocks(rig: PeerRig, name: str, steps: int, block: int, root: Path,
 
 
 def child_small_state(names: list[str], steps: int, rounds: int, state_bytes: int, target_step_s: float,
-                      root: str, options: dict[str, Any]) -> dict[str, Any]:
+                      root: str, options: dict[str, Any], device: str = "cpu") -> dict[str, Any]:
     # One intra-op thread: for a model this small, a second OpenMP thread spins more than it
     # helps (as for the quick overhead model), and the engine's own threads need the cores.
     torch.set_num_threads(1)
-    rig = PeerRig(state_bytes)
+    rig = PeerRig(state_bytes, device=device)
     calibrate(rig, target_step_s)
     got: dict[str, dict[str, list[float]]] = {n: {"base": [], "wall": [], "blocked": [], "drain": []}
                                               for n in names}
@@ -130,14 +130,31 @@ def child_small_state(names: list[str], steps: int, rounds: int, state_bytes: in
             "blocked_per_save_ms": 1e3 * statistics.median(x / steps for x in g["blocked"]),
             "drain_s": statistics.median(g["drain"]), "wall_all_s": g["wall"], "baseline_all_s": g["base"]}
     base_all = [b for g in got.values() for b in g["base"]]
-    return {"state_bytes": rig.state_bytes, "step_s": statistics.median(base_all) / steps, "rows": rig.rows,
+    return {"state_bytes": rig.state_bytes, "device": device, "target_step_s": target_step_s,
+            "step_s": statistics.median(base_all) / steps, "rows": rig.rows,
             "torch_threads": 1, "steps": steps, "every": 1, "rounds": rounds, "block_steps": BLOCK_STEPS,
             "baseline_all_s": base_all, "engines": engines}
 
 
-def measure_small_state(root: Path, options: dict[str, Any], *, quick: bool) -> dict[str, Any]:
-    """``child_small_state`` for both engines in a child of its own."""
+def measure_small_state(root: Path, options: dict[str, Any], *, quick: bool, device: str = "cpu",
+                        state_bytes: int = SMALL_BYTES, step_s: float = STEP_S) -> dict[str, Any]:
+    """``child_small_state`` for both engines in a child of its own; the state on ``device``."""
     from .isolate import run_isolated
     names = ["hpcckpt_sync", "hpcckpt_concurrent"]
-    return run_isolated(child_small_state, names, 30 if quick else 200, 1 if quick else ROUNDS, SMALL_BYTES, STEP_S,
-                        str(root), options)
+    return run_isolated(child_small_state, names, 30 if quick else 200, 1 if quick else ROUNDS, state_bytes, step_s,
+                        str(root), options, device)
+
+
+def parse_small(raw: str) -> tuple[int, float]:
+    """``--small-state MB,MS``: the state's size in MB and the step time in ms (both above zero)."""
+    from ..errors import ConfigError
+    parts = [x.strip() for x in raw.split(",")]
+    try:
+        mb, ms = (float(x) for x in parts)
+    except ValueError:
+        raise ConfigError(f"--small-state {raw!r}: give the state in MB and the step in ms, e.g. "
+                          "--small-state 1.4,19 (or no value: 3 MB, 6 ms)") from None
+    if not (0.01 <= mb <= 1000) or not (0.1 <= ms <= 10_000):
+        raise ConfigError(f"--small-state {raw!r}: the state must be 0.01-1000 MB and the step 0.1-10000 ms "
+                          "(e.g. --small-state 1.4,19)")
+    return int(mb * 1e6), ms / 1e3

@@ -25,6 +25,12 @@ on --device (default state 0.5 GB, --quick 0.016 GB). With --tensors N[,N...]: t
 total state (default 0.256 GB, --quick 0.008) spread over N tensors, per count: stall,
 durable, restore, verify and peak RSS of torch.save/torch.load, DCP and both engines.
 
+With --small-state [MB,MS]: only the small-state figure of the default bench, on --device:
+a state of MB megabytes (default 3) whose step takes MS milliseconds (default 6; the
+batch is calibrated to it) saved at every step by both engines, in alternating blocks
+of steps with and without checkpoints: the overhead and the cost per save (what a save
+costs beyond its bytes). E.g. --small-state 1.4,19 for a nanoGPT-sized state.
+
 With --levels: each checkpoint level on this machine (hpcckpt.levels), side by side in
 one run: write+fsync and cold read of a checkpoint-sized file set (default 0.5 GB,
 --quick 0.016 GB) in MB/s on the node-local directory (--local-dir, else
@@ -96,6 +102,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--levels", action="store_true",
                    help="node-local, partner and shared level bandwidth side by side (MB/s), and the overhead of "
                         "a checkpoint at every step at the node-local level against the shared directory")
+    p.add_argument("--small-state", nargs="?", const="3,6", default=None, metavar="MB,MS",
+                   help="only the small-state figure: a state of MB megabytes with MS ms steps saved at every "
+                        "step by both engines (default 3,6)")
     p.add_argument("--local-dir", default=None, metavar="DIR",
                    help="with --levels: the node-local level's directory (default: as the levels resolve it, "
                         "$HPCCKPT_LOCAL_DIR, the job's staging directory or /dev/shm)")
@@ -142,10 +151,7 @@ def text(res: dict[str, Any]) -> str:
             f"{100 * float(f):.0f}% {_fmt(v.get('stall_s'), '.4f')}s" for f, v in staging["fractions"].items()))
     small = res.get("small_state")
     if small:
-        lines.append(f"small state {small['state_bytes'] / 1e6:.1f} MB, {1e3 * small['step_s']:.1f} ms steps, saved "
-                     "every step: " + ", ".join(f"{n} +{100 * e['overhead']:.0f}% ({e['per_save_ms']:.1f} ms per save, "
-                                                f"blocked {e['blocked_per_save_ms']:.1f} ms)"
-                                                for n, e in small["engines"].items()))
+        lines.append(small_text(small))
     lines.append("blocked fraction @10: " + ", ".join(f"{n} {100 * v:.1f}%" for n, v in t["overhead_blocked_at_10"].items())
                  + "; disk absorbs a checkpoint per interval: "
                  + ", ".join(f"@{i} {'yes' if ok else 'no'}" for i, ok in t["disk_absorbs"].items()))
@@ -185,7 +191,8 @@ def run_ranks(args: argparse.Namespace) -> int:
 def _one_mode(args: argparse.Namespace) -> None:
     from ..errors import ConfigError
     chosen = [f for f, on in (("--ranks", args.ranks is not None), ("--peers", args.peers),
-                              ("--tensors", args.tensors is not None), ("--levels", args.levels)) if on]
+                              ("--tensors", args.tensors is not None), ("--levels", args.levels),
+                              ("--small-state", args.small_state is not None)) if on]
     if len(chosen) > 1:
         raise ConfigError(f"{' and '.join(chosen)}: give one of them per run (each is a bench of its own)")
     if args.local_dir is not None and not args.levels:
@@ -255,8 +262,45 @@ def run_levels(args: argparse.Namespace) -> int:
     return 0
 
 
+def small_text(small: dict[str, Any]) -> str:
+    return (f"small state {small['state_bytes'] / 1e6:.1f} MB on {small.get('device', 'cpu')}, "
+            f"{1e3 * small['step_s']:.1f} ms steps, saved every step: "
+            + ", ".join(f"{n} +{100 * e['overhead']:.0f}% ({e['per_save_ms']:.1f} ms per save, "
+                        f"blocked {e['blocked_per_save_ms']:.1f} ms)" for n, e in small["engines"].items()))
+
+
+def run_small(args: argparse.Namespace) -> int:
+    """``--small-state [MB,MS]`` (``hpcckpt.bench.smallstate``)."""
+    import shutil
+    import tempfile
+
+    from ..bench.smallstate import measure_small_state, parse_small
+    from ..demo.runtime import resolve_device, work_dir
+    from ..errors import ConfigError
+
+    if args.plot is not None:
+        raise ConfigError("--plot draws --peers and the default bench; drop --plot with --small-state (a table)")
+    if args.size_gb is not None:
+        raise ConfigError(f"--size-gb {args.size_gb:g} with --small-state: the small state's size is the MB of "
+                          "--small-state MB,MS (e.g. --small-state 1.4,19)")
+    state_bytes, step_s = parse_small(args.small_state)
+    device = resolve_device(args.device)
+    directory = work_dir(args.dir) if args.dir is not None else None
+    base = Path(tempfile.mkdtemp(prefix="hpcckpt-bench-small-", dir=directory))
+    options = {"direct": args.direct}
+    try:
+        res = measure_small_state(base, options, quick=args.quick, device=device, state_bytes=state_bytes,
+                                  step_s=step_s)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    emit(args, res, small_text(res))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     _one_mode(args)
+    if args.small_state is not None:
+        return run_small(args)
     if args.ranks is not None:
         return run_ranks(args)
     if args.levels:

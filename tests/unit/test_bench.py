@@ -88,3 +88,19 @@ def test_bench_quick_json_has_every_key(tmp_path: Path) -> None:
     # The scratch files are gone: only the plot and the (now empty) work dir are left.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.png", "not"]
     assert list(work.iterdir()) == []
+
+
+def test_bench_small_state_alone_measures_the_size_and_step_asked(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "hpcckpt.cli", "bench", "--small-state", "0.5,3", "--quick", "--json",
+                          "--device", "cpu", "--dir", str(tmp_path / "work")],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    small = json.loads(out.stdout)
+    assert small["device"] == "cpu" and small["every"] == 1 and small["target_step_s"] == 0.003
+    assert 0.3e6 < small["state_bytes"] < 0.8e6  # about the 0.5 MB asked
+    assert finite_positive(small["step_s"]) and small["steps"] == 30
+    for name in ("sync", "concurrent"):
+        e = small["engines"][name]
+        assert math.isfinite(e["overhead"]) and math.isfinite(e["per_save_ms"]) and e["blocked_per_save_ms"] >= 0
+        assert len(e["wall_all_s"]) == len(e["baseline_all_s"]) == 1
+    assert list((tmp_path / "work").iterdir()) == []  # scratch removed

@@ -37,6 +37,13 @@ BENCH_BAD = [
     (["--tensors", "1000000", "--size-gb", "0.001", "--device", "cpu"], ["--tensors 1000000", "--size-gb"]),
     (["--tensors", "64", "--device", "cpu", "--plot", "t.png"], ["--plot", "--tensors"]),
     (["--peers", "--size-gb", "1e6", "--device", "cpu"], ["--size-gb", "--peers", "free"]),
+    (["--small-state", "1,x"], ["--small-state '1,x'", "e.g. --small-state 1.4,19"]),
+    (["--small-state", "3"], ["--small-state '3'", "MB", "ms"]),
+    (["--small-state", "nan,6"], ["--small-state 'nan,6'", "0.01-1000 MB"]),
+    (["--small-state", "3,0"], ["--small-state '3,0'", "0.1-10000 ms"]),
+    (["--small-state", "--peers"], ["--peers and --small-state", "one of them"]),
+    (["--small-state", "--size-gb", "1"], ["--size-gb 1", "--small-state MB,MS"]),
+    (["--small-state", "--plot", "s.png"], ["--plot", "--small-state"]),
 ]
 DEMO_BAD = [
     (["--every", "0"], ["--every 0", "e.g. --every 10"]),
