@@ -150,11 +150,14 @@ def child_restore(name: str, path: str, spec: dict[str, Any]) -> dict[str, Any]:
     return {"restore_s": restore_s, "digest": state_digest(rig)}
 
 
-def run_steps(rig: PeerRig, m: Method | None, first: int, last: int,
-              interval: int) -> tuple[float, float, _Pending | None]:
+def run_steps(rig: PeerRig, m: Method | None, first: int, last: int, interval: int, *,
+              own_admission: bool = False) -> tuple[float, float, _Pending | None]:
     """Train steps ``first``..``last`` with ``m`` saving every ``interval`` steps (none when
     ``m`` is None), one save in flight at a time: (seconds, seconds of them blocked by
-    checkpointing, the save still in flight)."""
+    checkpointing, the save still in flight). ``own_admission``: the method decides when a
+    save may start (an hpcckpt engine's ``save()`` waits for a place as in a user's loop),
+    instead of waiting here for the previous one to be durable; the save returned is the
+    newest (an engine's saves become durable in order)."""
     pending: _Pending | None = None
     blocked = 0.0
     rig.sync()
@@ -168,7 +171,7 @@ def run_steps(rig: PeerRig, m: Method | None, first: int, last: int,
         rig.opt.step()
         if m is not None and s % interval == 0:
             t1 = time.perf_counter()
-            if pending is not None:
+            if pending is not None and not own_admission:
                 m.persist_s(pending)  # one save in flight at a time
             pending = m.start(s)
             blocked += time.perf_counter() - t1

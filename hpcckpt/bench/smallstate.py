@@ -4,7 +4,8 @@ A ~3 MB model + AdamW (``PeerRig``) whose step is brought to ~6 ms by the batch'
 (calibrated here, one torch thread; the step actually measured is ``step_s``), trained
 ``steps`` steps without checkpoints and ``steps`` with a checkpoint at every step, per
 engine, in alternating blocks of ``BLOCK_STEPS`` steps with the engine alive throughout
-(``_blocks``), ``rounds`` times, in one child process (``isolate``). Per engine:
+(``_blocks``), ``rounds`` times, in one child process (``isolate``). Each save is
+admitted by the engine itself, as in a user's loop (``run_steps(own_admission=True)``). Per engine:
 ``overhead`` (median over rounds of the steps with checkpoints / the steps without - 1;
 each block with checkpoints counts until its last save is durable), ``per_save_ms`` (the
 extra time per save: what a save costs beyond its bytes, since at this size the bytes
@@ -88,7 +89,7 @@ def _blocks(rig: PeerRig, name: str, steps: int, block: int, root: Path,
         for b in range(-(-steps // block)):
             first, last = b * block + 1, min((b + 1) * block, steps)
             for saving in ((False, True) if b % 2 == 0 else (True, False)):
-                took, waited, pending = run_steps(rig, m if saving else None, first, last, 1)
+                took, waited, pending = run_steps(rig, m if saving else None, first, last, 1, own_admission=True)
                 if pending is not None:
                     t1 = time.perf_counter()
                     m.persist_s(pending)

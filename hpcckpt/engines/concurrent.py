@@ -3,7 +3,10 @@
 Life of one save (step S)::
 
     save()            main thread, at the boundary after step S
-      - waits for a free in-flight place (max_async) or skips (on_busy="skip")
+      - waits for a free in-flight place or skips (on_busy="skip"): at most
+        ``max_async`` saves writing their bytes, plus one whose bytes are durable
+        and that only commits (the commit pipeline: a small state saved at every
+        step does not wait for the previous save's commit, only for its bytes)
       - copies now every tensor that something other than optimizer.step() mutates
         (buffers, RNG, scheduler, sampler: small) into the save's staging slot
       - lays out rank-<r>.h5 in the temp dir (HDF5 metadata from a cached template)
@@ -92,6 +95,8 @@ class _Job:
     placement: dict[str, Any] = field(default_factory=dict)  # the record's distributed-tensor fields
     # Items added in bulk (``_stage_host``): (first item id, indices into layout.names), in order.
     groups: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    # Its slot's bytes are durable and the slot is free: only its commit is left (``_busy``).
+    persisted: bool = False
 
 
 def _specs(tensors: dict[str, torch.Tensor]) -> Key:
@@ -339,10 +344,19 @@ class ConcurrentEngine(Engine):
                 self.stats.first_save_call_s = dt
         return handle
 
+    def _busy(self) -> bool:
+        """No place for another save (under ``_cond``): ``max_async`` saves still writing their
+        bytes, or one more than that in flight. A save whose bytes are durable and whose slot
+        is free only waits for its commit on the finisher (commits go in step order), so the
+        next save may stage and write meanwhile; it never waits for a slot (that one is free)."""
+        if len(self._inflight) > self.max_async:
+            return True
+        return sum(1 for j in self._inflight if not j.persisted) >= self.max_async
+
     def _admit(self, step: int, final: bool) -> bool:
         """Wait for an in-flight place (or, with on_busy='skip', decide to skip)."""
         with self._cond:
-            busy = len(self._inflight) >= self.max_async
+            busy = self._busy()
         if self.on_busy == "skip" and not final:
             # Every rank must take the same decision, or the commit exchange would mismatch.
             if self.ranks.max(int(busy)):
@@ -354,7 +368,7 @@ class ConcurrentEngine(Engine):
             log.info("hpcckpt: checkpoint of step %d waits: %d saves in flight (max_async=%d)",
                      step, self.max_async, self.max_async)
         with self._cond:
-            self._cond.wait_for(lambda: len(self._inflight) < self.max_async)
+            self._cond.wait_for(lambda: not self._busy())
         return True
 
     def _start(self, flat: Flat, step: int, handle: SaveHandle, started: float) -> None:
@@ -656,7 +670,8 @@ class ConcurrentEngine(Engine):
                 job.copied.set()
                 job.sources = None
                 if job.slot is not None:
-                    self._free_slot(job.slot)
+                    job.persisted = error is None  # only its commit is left (``_busy``)
+                    self._free_slot(job.slot)  # notifies under _cond
         try:
             path = self.commit_step(job.step, job.tmp, record, error, job.started, ranks=self._bg_ranks,
                                     final=job.handle.final)

@@ -364,7 +364,14 @@ struct Batch {
 
     void start() {
         hpcckpt_status st;
-        if (hpcckpt_batch_start(batch, &st) != 0)
+        int rc;
+        {
+            // Opening the files and queueing the tasks touch no Python object: without the GIL,
+            // the finisher's commit of the previous save runs meanwhile.
+            nb::gil_scoped_release nogil;
+            rc = hpcckpt_batch_start(batch, &st);
+        }
+        if (rc != 0)
             throw std::runtime_error(std::string(st.op) + ": create a new Batch / WriterPool");
     }
 

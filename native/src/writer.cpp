@@ -72,6 +72,7 @@ struct hpcckpt_pool {
     std::size_t chunk_bytes = 8u << 20;
 
     void push(const Task& t);
+    void push_all(const std::vector<Task>& ts);
     void run();
     bool next(Task& t);
 };
@@ -128,6 +129,20 @@ void hpcckpt_pool::push(const Task& t) {
         (t.kind == Kind::copy ? copies : writes).push_back(t);
     }
     cv.notify_one();
+}
+
+// A batch's tasks in one locked section and one wake-up of every thread (a futex call
+// per task was most of start() for a small state saved at every step).
+void hpcckpt_pool::push_all(const std::vector<Task>& ts) {
+    if (ts.empty()) return;
+    {
+        std::lock_guard<std::mutex> g(m);
+        for (const Task& t : ts) (t.kind == Kind::copy ? copies : writes).push_back(t);
+    }
+    if (ts.size() == 1)
+        cv.notify_one();
+    else
+        cv.notify_all();
 }
 
 // Copies go first so that wait_copied() returns early and the trainer can
@@ -393,8 +408,8 @@ extern "C" int hpcckpt_batch_start(hpcckpt_batch* b, hpcckpt_status* st) {
         b->done = b->files.empty();
     }
     for (std::size_t i = 0; i < b->files.size(); ++i)
-        if (b->files[i].chunks_left.load() == 0) b->pool->push(Task{b, Kind::sync, i, 0});
-    for (const Task& t : tasks) b->pool->push(t);
+        if (b->files[i].chunks_left.load() == 0) tasks.push_back(Task{b, Kind::sync, i, 0});
+    b->pool->push_all(tasks);
     return 0;
 }
 

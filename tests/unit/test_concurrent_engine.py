@@ -207,19 +207,64 @@ def test_write_error_is_raised_once_and_previous_checkpoint_survives(rig: Rig, m
     assert catalog.find(rig.root, None).step == 3
 
 
+def wait_persisted(engine: ConcurrentEngine, n: int) -> None:
+    """Until ``n`` saves in flight have their bytes durable (only their commits left)."""
+    with engine._cond:
+        assert engine._cond.wait_for(lambda: sum(j.persisted for j in engine._inflight) >= n, timeout=60)
+
+
 def test_busy_engine_skips_when_asked_and_says_so(tmp_path: Path) -> None:
     rig = Rig(tmp_path / "ckpt", max_async=1, on_busy="skip")
     try:
         rig.train_step()
-        with writer_lock(rig.root):  # the first save cannot commit: it stays in flight
+        with writer_lock(rig.root):  # no save can commit: they stay in flight
             first = rig.engine.save(rig.state.capture(step=1), 1)
-            second = rig.engine.save(rig.state.capture(step=1), 2)
-            assert second.done()
+            wait_persisted(rig.engine, 1)
+            second = rig.engine.save(rig.state.capture(step=2), 2)  # the pipeline: first only commits
+            assert not second.done()
+            third = rig.engine.save(rig.state.capture(step=3), 3)  # one writing or durable, one committing
+            assert third.done()
             with pytest.raises(CheckpointFailed, match="skipped"):
-                second.wait()
+                third.wait()
             assert not first.done()
-        assert first.wait(timeout=60)
+        assert first.wait(timeout=60) and second.wait(timeout=60)
         assert rig.engine.stats.skipped == 1
+        assert catalog.find(rig.root, None).step == 2
+    finally:
+        rig.engine.close()
+
+
+def test_a_save_waits_for_the_previous_bytes_not_its_commit(tmp_path: Path) -> None:
+    """max_async=1: the commit pipeline admits the next save once the previous one's bytes are
+    durable (its commit still held here by the writer lock), never more than one beyond."""
+    import threading
+    rig = Rig(tmp_path / "ckpt", max_async=1)
+    try:
+        want = {}
+        with writer_lock(rig.root):
+            rig.train_step()
+            want[1] = rig.snapshot(1)
+            first = rig.engine.save(rig.state.capture(step=1), 1)
+            wait_persisted(rig.engine, 1)
+            rig.train_step()  # the pre-hook: the first save's sources were copied
+            want[2] = rig.snapshot(2)
+            with rig.engine._cond:
+                assert not rig.engine._busy()  # the first save only commits
+            second = rig.engine.save(rig.state.capture(step=2), 2)  # admitted at once
+            assert not first.done() and not second.done()
+            rig.train_step()
+            want[3] = rig.snapshot(3)
+            flat3 = rig.state.capture(step=3)
+            with rig.engine._cond:
+                assert rig.engine._busy()  # a third would wait: two in flight, one committing
+            third: list = []
+            t = threading.Thread(target=lambda: third.append(rig.engine.save(flat3, 3)))
+            t.start()
+        t.join(60)
+        assert third and third[0].wait(timeout=60) and first.wait(timeout=60) and second.wait(timeout=60)
+        assert [i.step for i in catalog.scan(rig.root)] == [1, 2, 3]
+        for step in (1, 2, 3):
+            assert_same(rig.load(step), want[step])
     finally:
         rig.engine.close()
 
