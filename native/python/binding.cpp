@@ -366,8 +366,8 @@ struct Batch {
         hpcckpt_status st;
         int rc;
         {
-            // Opening the files and queueing the tasks touch no Python object: without the GIL,
-            // the finisher's commit of the previous save runs meanwhile.
+            // Queueing the tasks touches no Python object: without the GIL, the finisher's
+            // commit of the previous save runs meanwhile (the writers open the files).
             nb::gil_scoped_release nogil;
             rc = hpcckpt_batch_start(batch, &st);
         }
