@@ -124,6 +124,24 @@ def file_crc32c(path: Path) -> tuple[int, int]:
     return size, crc
 
 
+def _relative_files(top: str, prefix: str = "") -> Iterator[tuple[str, str]]:
+    """(path relative to ``top``, path) of every file below ``top``, as ``iter_files`` finds
+    them (directories, symlinked ones included, are not files; those are not descended
+    into), with strings and one scandir per directory: a commit describes its files with
+    this at every save."""
+    with os.scandir(top) as it:
+        entries = list(it)
+    subdirs = []
+    for e in sorted(entries, key=lambda e: e.name):
+        if e.is_dir():
+            if not e.is_symlink():
+                subdirs.append(e)
+        else:
+            yield prefix + e.name, e.path
+    for d in subdirs:
+        yield from _relative_files(d.path, f"{prefix}{d.name}/")
+
+
 def iter_files(root: Path) -> Iterator[Path]:
     for dirpath, _dirs, files in os.walk(root):
         for name in sorted(files):
@@ -517,15 +535,14 @@ class Transaction:
 
     def describe_files(self, *, checksum: bool | set[str] = True) -> dict[str, dict[str, int]]:
         files: dict[str, dict[str, int]] = {}
-        for path in iter_files(self.path):
-            rel = str(path.relative_to(self.path))
+        for rel, path in _relative_files(str(self.path)):
             if rel == MANIFEST:
                 continue
             if checksum is True or (isinstance(checksum, set) and rel in checksum):
-                size, crc = file_crc32c(path)
+                size, crc = file_crc32c(Path(path))
                 files[rel] = {"bytes": size, "crc32c": crc}
             else:
-                files[rel] = {"bytes": path.stat().st_size}
+                files[rel] = {"bytes": os.stat(path).st_size}
         return files
 
     def commit(self, manifest: dict[str, Any], *, checksum: bool | set[str] = True,
@@ -544,18 +561,21 @@ class Transaction:
                 fsync_path(Path(dirpath))
         write_new_durable(self.path / MANIFEST, seal_manifest(manifest))
         fsync_path(self.path)
-        if self.final.exists():
+        replaced = False
+        try:
+            os.replace(self.path, self.final)  # no stat first: the common case is one rename
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                raise
             # The same step committed before (a restart re-reached it): swap atomically so
             # that a crash at any instant leaves one complete step directory in place.
             exchange_dirs(self.path, self.final)
-            self.committed = True
-        else:
-            os.replace(self.path, self.final)
-            self.committed = True
+            replaced = True
+        self.committed = True
         if update_latest:  # a hint: its rename is made durable by the one fsync of the root below
             self._after_rename("update LATEST", replace_hint, self.root / LATEST, (self.name + "\n").encode())
         self._after_rename("make the rename durable (fsync of the checkpoint root)", fsync_path, self.root)
-        if self.path.exists():
+        if replaced:
             self._after_rename("remove the replaced copy", discard, self.root, [self.path])
         return self.final
 
