@@ -24,7 +24,7 @@ from .limits import GB, fresh_memory_gbps, memcpy_gbps, write_read_gbps
 from .isolate import children_cpu_s, held_vs_state, peak_bytes, reset_peak, rss_bytes, run_isolated
 from .measure import STAGING_FRACTIONS, measure_engine, measure_loads, measure_staging, supports_staging_budget
 from .overhead import DemoLoad, measure_overhead
-from .smallstate import measure_small_state
+from .smallstate import measure_small_state, summary as small_summary
 from .synthetic import SyntheticRig
 
 ENGINES = ("sync", "concurrent")
@@ -320,9 +320,7 @@ def run_bench(o: BenchOptions, progress: Callable[[str], None] = lambda s: None)
             f"{n} {'/'.join(f'{100 * v:.0f}%' for v in per.values())}" for n, per in over["overhead"].items()))
         small = phases("small_state", lambda: measure_small_state(base / "small", options, quick=o.quick,
                                                                                 device=o.device))
-        tick(f"small state ({small['state_bytes'] / 1e6:.1f} MB, {1e3 * small['step_s']:.1f} ms steps) saved every "
-             "step: " + ", ".join(f"{n} +{100 * e['overhead']:.0f}% ({e['per_save_ms']:.1f} ms per save)"
-                                  for n, e in small["engines"].items()))
+        tick(small_summary(small))
     finally:
         shutil.rmtree(base, ignore_errors=True)
     top = per_size[-1]

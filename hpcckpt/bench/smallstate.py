@@ -146,6 +146,14 @@ def measure_small_state(root: Path, options: dict[str, Any], *, quick: bool, dev
                         str(root), options, device)
 
 
+def summary(small: dict[str, Any]) -> str:
+    """One line of ``child_small_state``'s result (the CLI's text and the bench's progress)."""
+    return (f"small state {small['state_bytes'] / 1e6:.1f} MB on {small.get('device', 'cpu')}, "
+            f"{1e3 * small['step_s']:.1f} ms steps, saved every step: "
+            + ", ".join(f"{n} +{100 * e['overhead']:.0f}% ({e['per_save_ms']:.1f} ms per save, "
+                        f"blocked {e['blocked_per_save_ms']:.1f} ms)" for n, e in small["engines"].items()))
+
+
 def parse_small(raw: str) -> tuple[int, float]:
     """``--small-state MB,MS``: the state's size in MB and the step time in ms (both above zero)."""
     from ..errors import ConfigError

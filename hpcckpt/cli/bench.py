@@ -151,7 +151,8 @@ def text(res: dict[str, Any]) -> str:
             f"{100 * float(f):.0f}% {_fmt(v.get('stall_s'), '.4f')}s" for f, v in staging["fractions"].items()))
     small = res.get("small_state")
     if small:
-        lines.append(small_text(small))
+        from ..bench.smallstate import summary
+        lines.append(summary(small))
     lines.append("blocked fraction @10: " + ", ".join(f"{n} {100 * v:.1f}%" for n, v in t["overhead_blocked_at_10"].items())
                  + "; disk absorbs a checkpoint per interval: "
                  + ", ".join(f"@{i} {'yes' if ok else 'no'}" for i, ok in t["disk_absorbs"].items()))
@@ -262,19 +263,12 @@ def run_levels(args: argparse.Namespace) -> int:
     return 0
 
 
-def small_text(small: dict[str, Any]) -> str:
-    return (f"small state {small['state_bytes'] / 1e6:.1f} MB on {small.get('device', 'cpu')}, "
-            f"{1e3 * small['step_s']:.1f} ms steps, saved every step: "
-            + ", ".join(f"{n} +{100 * e['overhead']:.0f}% ({e['per_save_ms']:.1f} ms per save, "
-                        f"blocked {e['blocked_per_save_ms']:.1f} ms)" for n, e in small["engines"].items()))
-
-
 def run_small(args: argparse.Namespace) -> int:
     """``--small-state [MB,MS]`` (``hpcckpt.bench.smallstate``)."""
     import shutil
     import tempfile
 
-    from ..bench.smallstate import measure_small_state, parse_small
+    from ..bench.smallstate import measure_small_state, parse_small, summary
     from ..demo.runtime import resolve_device, work_dir
     from ..errors import ConfigError
 
@@ -293,7 +287,7 @@ def run_small(args: argparse.Namespace) -> int:
                                   step_s=step_s)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    emit(args, res, small_text(res))
+    emit(args, res, summary(res))
     return 0
 
 

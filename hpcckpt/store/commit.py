@@ -125,10 +125,10 @@ def file_crc32c(path: Path) -> tuple[int, int]:
 
 
 def _relative_files(top: str, prefix: str = "") -> Iterator[tuple[str, str]]:
-    """(path relative to ``top``, path) of every file below ``top``, as ``iter_files`` finds
+    """(path relative to ``top``, path) of every file below ``top``, as ``os.walk`` finds
     them (directories, symlinked ones included, are not files; those are not descended
-    into), with strings and one scandir per directory: a commit describes its files with
-    this at every save."""
+    into), sorted by name in each directory, with strings and one scandir per directory:
+    a commit describes its files with this at every save."""
     with os.scandir(top) as it:
         entries = list(it)
     subdirs = []
@@ -140,12 +140,6 @@ def _relative_files(top: str, prefix: str = "") -> Iterator[tuple[str, str]]:
             yield prefix + e.name, e.path
     for d in subdirs:
         yield from _relative_files(d.path, f"{prefix}{d.name}/")
-
-
-def iter_files(root: Path) -> Iterator[Path]:
-    for dirpath, _dirs, files in os.walk(root):
-        for name in sorted(files):
-            yield Path(dirpath) / name
 
 
 SEAL_KEY = "manifest_crc32c"
@@ -555,8 +549,8 @@ class Transaction:
         files = self.describe_files(checksum=checksum)
         manifest["files"] = {**files, **manifest.get("files", {})}
         if fsync_files:
-            for path in iter_files(self.path):
-                fsync_path(path)
+            for rel in files:  # the files just described: the tree is not walked again
+                fsync_path(self.path / rel)
             for dirpath, _dirs, _files in os.walk(self.path):
                 fsync_path(Path(dirpath))
         write_new_durable(self.path / MANIFEST, seal_manifest(manifest))

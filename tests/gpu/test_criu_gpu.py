@@ -104,7 +104,6 @@ def test_job_signalled_twice_restored_twice_is_bit_identical(criu_ok: None, tmp_
     assert [d["cuda_pids"] for d in dumps] == [int(h) for h in held]
     if device == "cuda":
         assert held == [True, True]
-    if device == "cuda":
         manifest = json.loads((run_dir / "criu" / "image-000002" / "manifest.json").read_text())
         assert manifest["cuda_pids"] == [2] and manifest["gpus"] and manifest["gpus"][0]["uuid"].startswith("GPU-")
 
