@@ -10,7 +10,13 @@ With ``--device cuda`` the model, optimizer state and every step run on the GPU,
 deterministic kernels (``deterministic_cuda``), so a CUDA run restored from CRIU images
 can be compared bit for bit too.
 
+``--hold-file F`` makes a test's signal land deterministically: while F holds a step
+number S, the job parks after printing step S (it cannot run to its end before the
+signal arrives, however slow the test's own process is); a restored job reads F again,
+so writing a later step (or removing F) lets it go on. Absent F: no effect.
+
 usage: python criu_train.py --steps N --out FILE [--seed S] [--step-sleep-s T] [--device cpu|cuda]
+       [--hold-file F]
 """
 from __future__ import annotations
 
@@ -39,6 +45,23 @@ class TinyLM(nn.Module):
         h = self.tok(x) + self.pos[:, : x.shape[1]]
         h = self.body(h, mask=self.mask[: x.shape[1], : x.shape[1]], is_causal=True)
         return self.head(h)
+
+
+def held_at(hold_file: str | None) -> int | None:
+    """The step ``hold_file`` says to park after (None: absent, or not written whole yet)."""
+    if not hold_file:
+        return None
+    try:
+        with open(hold_file) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def park(hold_file: str | None, step: int) -> None:
+    """Wait here while the hold file names this step or a later one."""
+    while (limit := held_at(hold_file)) is not None and step >= limit:
+        time.sleep(0.01)
 
 
 def digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
@@ -77,6 +100,7 @@ def main() -> None:
     ap.add_argument("--step-sleep-s", type=float, default=0.0)
     ap.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--hold-file", help="park after the step this file names (see the module docstring)")
     args = ap.parse_args()
 
     if args.device == "cuda":
@@ -102,6 +126,7 @@ def main() -> None:
             step += 1
             losses.append(loss.item())
             print(f"step {step} loss {loss.item():.6f}", flush=True)
+            park(args.hold_file, step)
             if args.step_sleep_s:
                 time.sleep(args.step_sleep_s)
             if step >= args.steps:

@@ -54,9 +54,28 @@ def hpcckpt(*args: str) -> list[str]:
     return [sys.executable, "-m", "hpcckpt.cli", *args]
 
 
-def train_cmd(out: Path, *, steps: int = STEPS, seed: int = 1234, workers: int = 0) -> list[str]:
+def train_cmd(out: Path, *, steps: int = STEPS, seed: int = 1234, workers: int = 0,
+              hold: Path | None = None) -> list[str]:
     return [sys.executable, str(TRAIN), "--steps", str(steps), "--out", str(out), "--seed", str(seed),
-            "--workers", str(workers)]
+            "--workers", str(workers), *(["--hold-file", str(hold)] if hold else [])]
+
+
+def hold_file(run_dir: Path) -> Path:
+    """criu_train's ``--hold-file`` for the runs in ``run_dir`` (beside it, never dumped)."""
+    return run_dir.parent / f"{run_dir.name}.hold"
+
+
+def hold_at(run_dir: Path, step: int) -> None:
+    """The job in ``run_dir`` parks after printing ``step`` (a restored one too), so a signal
+    sent once that line is seen finds it running, however late the signal comes."""
+    tmp = hold_file(run_dir).with_suffix(".tmp")
+    tmp.write_text(str(step))
+    os.replace(tmp, hold_file(run_dir))  # never read half-written
+
+
+def release(run_dir: Path) -> None:
+    """Let the job in ``run_dir`` run to its end."""
+    hold_file(run_dir).unlink(missing_ok=True)
 
 
 def uninterrupted(out: Path, *, workers: int = 0) -> dict:
@@ -96,7 +115,7 @@ def local_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 def start(run_dir: Path, out: Path, *extra: str, cmd: list[str] | None = None, workers: int = 0,
           env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(hpcckpt("run", "--mode", "criu", "--dir", str(run_dir), "--json", *extra, "--",
-                                    *(cmd or train_cmd(out, workers=workers))),
+                                    *(cmd or train_cmd(out, workers=workers, hold=hold_file(run_dir)))),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=local_env(env))
 
 
@@ -127,6 +146,7 @@ def run_with_dumps(run_dir: Path, out: Path, at_steps: list[int], *extra: str, w
     """One supervised run per dump (signalled at each step), then a last one to the end."""
     summaries = []
     for step in at_steps:
+        hold_at(run_dir, step)
         proc = start(run_dir, out, *extra, workers=workers)
         try:
             wait_for_step(run_dir, step, proc)
@@ -136,6 +156,7 @@ def run_with_dumps(run_dir: Path, out: Path, at_steps: list[int], *extra: str, w
             kill_supervised(proc)
         assert code == EXIT_REQUEUE, f"expected exit 75 after the dump, got {code}: {stderr}"
         summaries.append(summary)
+    release(run_dir)
     code, summary, stderr = finish(start(run_dir, out, *extra, workers=workers))
     assert code == 0, f"final incarnation failed ({code}): {stderr}"
     summaries.append(summary)
@@ -160,6 +181,7 @@ def test_dump_restore_is_bit_identical(criu_ok: None, reference: dict, tmp_path:
     # The first incarnation's stdout stops at the dump; the restored job writes a new file.
     outs = sorted((tmp_path / "run" / "criu" / "stdio").glob("*.out"))
     assert len(outs) == 2 and "step 15 " in outs[0].read_text() and f"done {STEPS}" in outs[1].read_text()
+    assert "step 16 " not in outs[0].read_text()  # parked at the hold when signalled: never a race with its end
 
 
 def test_dataloader_worker_processes_are_dumped_too(criu_ok: None, tmp_path: Path) -> None:
@@ -199,10 +221,15 @@ def flip_byte(image: Path) -> Path:
 
 
 def dumped_once(run_dir: Path, out: Path, cmd: list[str] | None = None, step: int = 10) -> None:
+    hold_at(run_dir, step)  # criu_train's (cmd None); a probe command paces itself
     proc = start(run_dir, out, cmd=cmd)
-    wait_for_step(run_dir, step, proc)
-    proc.send_signal(signal.SIGUSR2)
-    code, _, stderr = finish(proc)
+    try:
+        wait_for_step(run_dir, step, proc)
+        proc.send_signal(signal.SIGUSR2)
+        code, _, stderr = finish(proc)
+    finally:
+        release(run_dir)
+        kill_supervised(proc)
     assert code == EXIT_REQUEUE, stderr
 
 
@@ -275,6 +302,7 @@ def _occupy_pid(pid: int) -> subprocess.Popen | None:
 
 def test_restore_while_pids_are_taken(criu_ok: None, reference: dict, tmp_path: Path) -> None:
     run_dir, out = tmp_path / "run", tmp_path / "out.json"
+    hold_at(run_dir, 10)
     proc = start(run_dir, out)
     try:
         wait_for_step(run_dir, 10, proc)
@@ -283,6 +311,7 @@ def test_restore_while_pids_are_taken(criu_ok: None, reference: dict, tmp_path: 
     finally:
         proc.send_signal(signal.SIGUSR2)
     code, _, stderr = finish(proc)
+    release(run_dir)
     assert code == EXIT_REQUEUE, stderr
 
     squatters = [p for p in (_occupy_pid(pid) for pid in outer) if p is not None]
