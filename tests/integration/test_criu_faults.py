@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ import pytest
 from hpcckpt.criu import find_criu
 
 from ..unit.test_cuda_driver import build_fake
-from .test_criu_local import EXIT_REQUEUE, criu_ok, finish, ledger, start, wait_for_step  # noqa: F401  (fixture)
+from .test_criu_local import EXIT_REQUEUE, criu_ok, dump_at, finish, ledger, start  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.criu, pytest.mark.fault, pytest.mark.slow]
 
@@ -63,10 +62,7 @@ def test_dump_that_cannot_be_written_leaves_the_job_running(criu_ok: None, small
     script.write_text(JOB)
     flag = tmp_path / "saved"
     run_dir = small_fs / "run"
-    proc = start(run_dir, flag, cmd=[sys.executable, str(script), str(flag)])
-    wait_for_step(run_dir, 5, proc)
-    proc.send_signal(signal.SIGUSR2)
-    code, summary, stderr = finish(proc)
+    code, summary, stderr = dump_at(run_dir, flag, 5, cmd=[sys.executable, str(script), str(flag)])
     assert code == 0, stderr
     assert flag.read_text() == "saved"
     assert summary["images"] == [] and summary["action"] == "exited"
@@ -116,17 +112,11 @@ def test_failed_dump_of_a_job_without_handler_never_kills_it(criu_ok: None, tmp_
     script.write_text(COUNTER)
     out, run_dir = tmp_path / "digest", tmp_path / "run"
     cmd = [sys.executable, str(script), str(out), str(COUNT_TO)]
-    proc = start(run_dir, out, cmd=cmd)
-    wait_for_step(run_dir, 5, proc)
-    proc.send_signal(signal.SIGUSR2)
-    code, _, stderr = finish(proc)
+    code, _, stderr = dump_at(run_dir, out, 5, cmd=cmd)
     assert code == EXIT_REQUEUE, stderr
 
     # Restored (real criu), then the next dump fails: the job does not catch USR2.
-    proc = start(run_dir, out, cmd=cmd, env={"HPCCKPT_CRIU": str(refusing_criu(tmp_path))})
-    wait_for_step(run_dir, 30, proc)
-    proc.send_signal(signal.SIGUSR2)
-    code, summary, stderr = finish(proc)
+    code, summary, stderr = dump_at(run_dir, out, 30, cmd=cmd, env={"HPCCKPT_CRIU": str(refusing_criu(tmp_path))})
     assert code == 0, stderr
     assert summary["restored_from"] == "image-000001" and summary["action"] == "exited"
     assert out.read_text() == expected_digest(COUNT_TO)
@@ -156,10 +146,7 @@ def test_cpu_job_mapping_libcuda_without_context_is_dumped_as_cpu(criu_ok: None,
     out, run_dir = tmp_path / "digest", tmp_path / "run"
     cmd = [sys.executable, str(script), str(out), str(COUNT_TO // 2), str(mapped)]
     env = {"HPCCKPT_LIBCUDA": str(no_context)}
-    proc = start(run_dir, out, cmd=cmd, env=env)
-    wait_for_step(run_dir, 5, proc)
-    proc.send_signal(signal.SIGUSR2)
-    code, summary, stderr = finish(proc)
+    code, summary, stderr = dump_at(run_dir, out, 5, cmd=cmd, env=env)
     assert code == EXIT_REQUEUE, stderr
     assert "maps libcuda but has no CUDA context" in stderr
     dump = [e for e in ledger(run_dir) if e["event"] == "criu_dump"]
@@ -189,24 +176,16 @@ def counter_cmd(tmp_path: Path, out: Path, n: int = COUNT_TO) -> list[str]:
     return [sys.executable, str(script), str(out), str(n)]
 
 
-def dump_at(run_dir: Path, out: Path, cmd: list[str], step: int, env: dict[str, str] | None = None
-            ) -> tuple[int, dict, str]:
-    proc = start(run_dir, out, cmd=cmd, env=env)
-    wait_for_step(run_dir, step, proc)
-    proc.send_signal(signal.SIGUSR2)
-    return finish(proc)
-
-
 def test_failed_commit_after_the_dump_never_rewinds_to_an_older_image(criu_ok: None,  # noqa: F811
                                                                       tmp_path: Path) -> None:
     out, run_dir = tmp_path / "digest", tmp_path / "run"
     cmd = counter_cmd(tmp_path, out)
-    code, _, stderr = dump_at(run_dir, out, cmd, 5)
+    code, _, stderr = dump_at(run_dir, out, 5, cmd=cmd)
     assert code == EXIT_REQUEUE, stderr
     # Restored from image 1, the job runs on to step 30; the next dump ends it, but its
     # commit fails (a directory planted where the manifest goes).
     planting = criu_wrapper(tmp_path, "criu-commit-fails", '[ $rc = 0 ] && mkdir "$D/manifest.json"')
-    code, summary, stderr = dump_at(run_dir, out, cmd, 30, env={"HPCCKPT_CRIU": str(planting)})
+    code, summary, stderr = dump_at(run_dir, out, 30, cmd=cmd, env={"HPCCKPT_CRIU": str(planting)})
     assert code == EXIT_REQUEUE, stderr
     assert summary["restored_from"] == "image-000001" and summary["images"] == []
     assert "THE JOB HAS ENDED" in stderr and "image-000001 are now stale" in stderr
@@ -225,7 +204,7 @@ def test_image_committed_while_latest_could_not_be_rewritten_is_the_one_restored
                                                                                  tmp_path: Path) -> None:
     out, run_dir = tmp_path / "digest", tmp_path / "run"
     cmd = counter_cmd(tmp_path, out)
-    code, _, stderr = dump_at(run_dir, out, cmd, 5)
+    code, _, stderr = dump_at(run_dir, out, 5, cmd=cmd)
     assert code == EXIT_REQUEUE, stderr
     latest = run_dir / "criu" / "LATEST"
     assert latest.read_text().strip() == "image-000001"
@@ -233,7 +212,7 @@ def test_image_committed_while_latest_could_not_be_rewritten_is_the_one_restored
         pytest.skip("cannot make LATEST immutable on this filesystem")
     try:
         # Image 2 is renamed into place, then replacing LATEST fails: it still names image 1.
-        code, summary, stderr = dump_at(run_dir, out, cmd, 30)
+        code, summary, stderr = dump_at(run_dir, out, 30, cmd=cmd)
         assert code == EXIT_REQUEUE, stderr
         assert summary["images"] == ["image-000002"] and "could not update LATEST" in stderr
         assert latest.read_text().strip() == "image-000001"
@@ -251,7 +230,7 @@ def test_dump_reported_failed_after_criu_ended_the_job_requeues(criu_ok: None, t
     out, run_dir = tmp_path / "digest", tmp_path / "run"
     cmd = counter_cmd(tmp_path, out)
     late = criu_wrapper(tmp_path, "criu-fails-late", 'echo "Error (injected): failed after the dump" >&2; rc=1')
-    code, summary, stderr = dump_at(run_dir, out, cmd, 5, env={"HPCCKPT_CRIU": str(late)})
+    code, summary, stderr = dump_at(run_dir, out, 5, cmd=cmd, env={"HPCCKPT_CRIU": str(late)})
     assert code == EXIT_REQUEUE, stderr
     assert "THE JOB HAS ENDED" in stderr and "criu dump failed (exit 1)" in stderr
     assert "keeps running" not in stderr and "forwarded" not in stderr
@@ -280,7 +259,7 @@ def test_restored_job_that_exits_at_once_is_not_run_again(criu_ok: None, tmp_pat
     script.write_text(QUICK_EXIT)
     flag, run_dir = tmp_path / "done", tmp_path / "run"
     cmd = [sys.executable, str(script), str(flag)]
-    code, _, stderr = dump_at(run_dir, flag, cmd, 5)
+    code, _, stderr = dump_at(run_dir, flag, 5, cmd=cmd)
     assert code == EXIT_REQUEUE, stderr
     flag.touch()  # the restored job sees it at its next step and exits 3 at once
     code, summary, stderr = finish(start(run_dir, flag, cmd=cmd))

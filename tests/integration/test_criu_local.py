@@ -142,21 +142,30 @@ def finish(proc: subprocess.Popen, *, timeout_s: float = 600) -> tuple[int, dict
     return proc.returncode, summary, stderr
 
 
+def dump_at(run_dir: Path, out: Path, step: int, *extra: str, cmd: list[str] | None = None, workers: int = 0,
+            env: dict[str, str] | None = None) -> tuple[int, dict, str]:
+    """One supervised run, signalled (SIGUSR2) once the job printed ``step``: (exit status,
+    summary, stderr). criu_train (``cmd`` None) is held at that step meanwhile (``hold_at``);
+    any other command paces itself."""
+    if cmd is None:
+        hold_at(run_dir, step)
+    proc = start(run_dir, out, *extra, cmd=cmd, workers=workers, env=env)
+    try:
+        wait_for_step(run_dir, step, proc)
+        proc.send_signal(signal.SIGUSR2)
+        return finish(proc)
+    finally:
+        release(run_dir)
+        kill_supervised(proc)
+
+
 def run_with_dumps(run_dir: Path, out: Path, at_steps: list[int], *extra: str, workers: int = 0) -> list[dict]:
     """One supervised run per dump (signalled at each step), then a last one to the end."""
     summaries = []
     for step in at_steps:
-        hold_at(run_dir, step)
-        proc = start(run_dir, out, *extra, workers=workers)
-        try:
-            wait_for_step(run_dir, step, proc)
-            proc.send_signal(signal.SIGUSR2)
-            code, summary, stderr = finish(proc)
-        finally:
-            kill_supervised(proc)
+        code, summary, stderr = dump_at(run_dir, out, step, *extra, workers=workers)
         assert code == EXIT_REQUEUE, f"expected exit 75 after the dump, got {code}: {stderr}"
         summaries.append(summary)
-    release(run_dir)
     code, summary, stderr = finish(start(run_dir, out, *extra, workers=workers))
     assert code == 0, f"final incarnation failed ({code}): {stderr}"
     summaries.append(summary)
@@ -221,15 +230,7 @@ def flip_byte(image: Path) -> Path:
 
 
 def dumped_once(run_dir: Path, out: Path, cmd: list[str] | None = None, step: int = 10) -> None:
-    hold_at(run_dir, step)  # criu_train's (cmd None); a probe command paces itself
-    proc = start(run_dir, out, cmd=cmd)
-    try:
-        wait_for_step(run_dir, step, proc)
-        proc.send_signal(signal.SIGUSR2)
-        code, _, stderr = finish(proc)
-    finally:
-        release(run_dir)
-        kill_supervised(proc)
+    code, _, stderr = dump_at(run_dir, out, step, cmd=cmd)
     assert code == EXIT_REQUEUE, stderr
 
 
