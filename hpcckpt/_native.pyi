@@ -6,6 +6,8 @@ from the file system arrive as ``OSError(errno, strerror, path)``.
 
 from __future__ import annotations
 
+from typing import Any
+
 from typing_extensions import Buffer
 
 def crc32c(data: Buffer, crc: int = 0) -> int:
@@ -68,6 +70,15 @@ def read_items(path: str, items: list[tuple[Buffer, int] | tuple[Buffer, int, bo
     ``{"direct_bytes", "buffered_bytes", "bounced_bytes", "threads"}``.
     ``OSError(ENODATA)`` when the file ends before an item does."""
 
+
+def table_check(dtypes: list[Any], shapes: list[Any], nbytes: list[Any], crcs: list[Any], offsets: list[Any] | None,
+                itemsize: dict[str, int], file_bytes: int, max_dims: int) -> tuple[bytes, bytes, bytes] | None:
+    """A manifest's tensor table checked in one pass (``store.tensortable``): the offsets, nbytes
+    and crc32c columns as native uint64, uint64 and uint32 bytes when every row passes the quick
+    checks (plain ints, a dtype in ``itemsize``, a shape of at most ``max_dims`` dims >= 0 whose
+    product times the dtype's size is ``nbytes``, at most ``file_bytes``, a crc within 32 bits,
+    and with ``offsets`` a range ending inside the file; ``offsets`` None: zeros); None when
+    some row needs a closer look (checked row by row then). Overflow anywhere counts as such a row."""
 
 def checksum_ranges(fd: int, offsets: Buffer, lengths: Buffer, path: str = "", threads: int = 0,
                     chunk_bytes: int = 0, direct: bool = False) -> tuple[bytes, dict[str, int]]:

@@ -238,8 +238,7 @@ def _table(t: TensorTable, fmt: str, file_bytes: int, where: str) -> None:
         seen: set[str] = set()
         twice = next(n for n in t.names if n in seen or seen.add(n))  # type: ignore[func-returns-value]
         raise Invalid(f"{where} tensor table lists tensor {twice!r} twice")
-    if t.sound(ITEMSIZE, file_bytes=file_bytes, offsets=fmt == "hdf5" or t.offsets is not None, max_dims=MAX_DIMS,
-               u32=_U32):
+    if t.sound(ITEMSIZE, file_bytes=file_bytes, offsets=fmt == "hdf5" or t.offsets is not None, max_dims=MAX_DIMS):
         return
     if fmt == "hdf5" and t.offsets is None and t.names:
         raise Invalid(f"{where} tensor table of an HDF5 file has no offsets")

@@ -17,12 +17,11 @@ asked), so code that looks one tensor up reads it as it read the old objects.
 """
 from __future__ import annotations
 
-import math
-import operator
 from typing import Any, Iterator, Mapping
 
 import numpy as np
 
+from .._core import native
 from .entry import TensorEntry
 
 COLUMNS = ("name", "dtype", "shape", "nbytes", "crc32c")
@@ -154,53 +153,37 @@ class TensorTable(Mapping[str, dict[str, Any]]):
 
     def _build_arrays(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
         nb = np.array(self.nbytes, dtype=np.uint64)
-        keep = np.flatnonzero(nb)
         offs = np.array(self.offsets, dtype=np.uint64) if self.offsets is not None else np.zeros(len(nb), np.uint64)
-        crcs = np.array(self.crcs, dtype=np.uint32)
-        if len(keep) == len(nb):
-            return self.names, offs, nb, crcs
-        return [self.names[i] for i in keep.tolist()], offs[keep], nb[keep], crcs[keep]
+        return _nonempty(self.names, offs, nb, np.array(self.crcs, dtype=np.uint32))
 
     # -- checking --------------------------------------------------------------------
 
-    def sound(self, itemsize: Mapping[str, int], *, file_bytes: int, offsets: bool, max_dims: int,
-              u32: int) -> bool:
+    def sound(self, itemsize: dict[str, int], *, file_bytes: int, offsets: bool, max_dims: int) -> bool:
         """Whether every row passes the quick checks: plain-int columns (no bool, no float), a
         dtype named in ``itemsize``, a shape of at most ``max_dims`` whole dims whose elements
         times the dtype's size are ``nbytes``, at most ``file_bytes``, a crc32c within 32 bits,
-        and with ``offsets`` a whole offset where the bytes end inside the file. A few passes
-        in C per column. False says only that some row needs a closer look (a dtype torch knows
-        but the table does not, or a damaged row): the caller checks row by row then."""
+        and with ``offsets`` a whole offset where the bytes end inside the file. One pass in the
+        native core (``table_check``), which also gives the columns ``arrays`` is made of. False
+        says only that some row needs a closer look (a dtype torch knows but ``itemsize`` does
+        not, an overflowing shape, or a damaged row): the caller checks row by row then."""
         if not self.names:
             return not offsets or not self.offsets
-        if not _all_type(self.dtypes, str):
+        if offsets and self.offsets is None:
             return False
-        sizes = list(map(itemsize.get, self.dtypes))
-        if None in sizes or not _all_type(self.shapes, list) or max(map(len, self.shapes)) > max_dims:
+        got = native().table_check(self.dtypes, self.shapes, self.nbytes, self.crcs,
+                                   self.offsets if offsets else None, itemsize, file_bytes, max_dims)
+        if got is None:
             return False
-        dims = [d for s in self.shapes for d in s]
-        if not (_whole(self.nbytes) and _whole(self.crcs) and _whole(dims)):
-            return False
-        if (dims and min(dims) < 0) or min(self.nbytes) < 0 or max(self.nbytes) > file_bytes:
-            return False
-        if min(self.crcs) < 0 or max(self.crcs) > u32:
-            return False
-        if list(map(operator.mul, map(math.prod, self.shapes), sizes)) != self.nbytes:
-            return False
-        if not offsets:
-            return True
-        offs = self.offsets
-        if offs is None or not _whole(offs) or min(offs) < 0:
-            return False
-        # The end of each range that holds bytes (an empty tensor's offset is not read): C loops.
-        return max(map(operator.mul, map(operator.add, offs, self.nbytes), map(bool, self.nbytes))) <= file_bytes
+        if self._read_only and self._arrays is None and (offsets or self.offsets is None):
+            offs, nb, crcs = (np.frombuffer(b, t) for b, t in zip(got, (np.uint64, np.uint64, np.uint32)))
+            self._arrays = _nonempty(self.names, offs, nb, crcs)
+        return True
 
 
-def _all_type(col: list[Any], kind: type) -> bool:
-    """Every item exactly of type ``kind`` (a subclass does not count)."""
-    return set(map(type, col)) <= {kind}
-
-
-def _whole(col: list[Any]) -> bool:
-    """Every item a plain int (``type`` is int: no bool, no float)."""
-    return _all_type(col, int)
+def _nonempty(names: list[str], offs: np.ndarray, nb: np.ndarray,
+              crcs: np.ndarray) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+    """The rows that hold bytes (``nbytes`` > 0)."""
+    keep = np.flatnonzero(nb)
+    if len(keep) == len(nb):
+        return names, offs, nb, crcs
+    return [names[i] for i in keep.tolist()], offs[keep], nb[keep], crcs[keep]

@@ -181,6 +181,85 @@ std::tuple<nb::bytes, nb::dict> py_checksum_ranges(int fd, nb::handle offsets, n
     return {nb::bytes(reinterpret_cast<const char*>(crcs.data()), n * sizeof(uint32_t)), d};
 }
 
+// ---- A manifest's tensor table (hpcckpt.store.tensortable), checked in one pass.
+
+// A plain int (not bool, not a subclass) in 0..hi, as *out; false for anything else.
+bool whole_u64(PyObject* o, uint64_t hi, uint64_t* out) {
+    if (!PyLong_CheckExact(o)) return false;
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (overflow != 0 || v < 0) return false;  // -1 with an error cannot happen for an exact int
+    if (static_cast<uint64_t>(v) > hi) return false;
+    *out = static_cast<uint64_t>(v);
+    return true;
+}
+
+// table_check(dtypes, shapes, nbytes, crcs, offsets, itemsize, file_bytes, max_dims) ->
+// (offsets, nbytes, crcs) as bytes of native uint64, uint64, uint32, or None. None says only
+// that some row needs a closer look (the caller checks row by row): a column not a list of the
+// table's length, a dtype not in itemsize, a shape not a list of at most max_dims plain ints >= 0
+// whose product times the itemsize is nbytes (any overflow counts), nbytes or a crc not a plain
+// int in 0..file_bytes / 0..2^32-1, or (offsets not None) an offset not a plain int >= 0 whose
+// range ends past file_bytes (an empty tensor's offset is not read). offsets None: zeros.
+nb::object py_table_check(nb::handle dtypes, nb::handle shapes, nb::handle nbytes, nb::handle crcs,
+                          nb::handle offsets, nb::handle itemsize, uint64_t file_bytes, size_t max_dims) {
+    PyObject* dt = dtypes.ptr();
+    PyObject* sh = shapes.ptr();
+    PyObject* nbs = nbytes.ptr();
+    PyObject* cr = crcs.ptr();
+    PyObject* of = offsets.is_none() ? nullptr : offsets.ptr();
+    if (!PyDict_Check(itemsize.ptr())) throw nb::type_error("table_check: itemsize must be a dict");
+    if (!PyList_CheckExact(dt) || !PyList_CheckExact(sh) || !PyList_CheckExact(nbs) || !PyList_CheckExact(cr) ||
+        (of != nullptr && !PyList_CheckExact(of)))
+        return nb::none();
+    const Py_ssize_t n = PyList_GET_SIZE(dt);
+    if (PyList_GET_SIZE(sh) != n || PyList_GET_SIZE(nbs) != n || PyList_GET_SIZE(cr) != n ||
+        (of != nullptr && PyList_GET_SIZE(of) != n))
+        return nb::none();
+    std::vector<uint64_t> out_off(static_cast<size_t>(n), 0), out_nb(static_cast<size_t>(n));
+    std::vector<uint32_t> out_crc(static_cast<size_t>(n));
+    PyObject* last_dtype = nullptr;  // rows mostly share a dtype: one lookup per run of them
+    uint64_t size = 0;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        PyObject* d = PyList_GET_ITEM(dt, i);
+        if (!PyUnicode_CheckExact(d)) return nb::none();
+        if (last_dtype == nullptr || (d != last_dtype && PyUnicode_Compare(d, last_dtype) != 0)) {
+            PyObject* got = PyDict_GetItemWithError(itemsize.ptr(), d);  // borrowed
+            if (got == nullptr) {
+                if (PyErr_Occurred()) throw nb::python_error();
+                return nb::none();
+            }
+            if (!whole_u64(got, UINT64_MAX, &size)) return nb::none();
+            last_dtype = d;
+        }
+        PyObject* s = PyList_GET_ITEM(sh, i);
+        if (!PyList_CheckExact(s) || static_cast<size_t>(PyList_GET_SIZE(s)) > max_dims) return nb::none();
+        uint64_t elems = 1;
+        for (Py_ssize_t k = 0; k < PyList_GET_SIZE(s); ++k) {
+            uint64_t dim = 0;
+            if (!whole_u64(PyList_GET_ITEM(s, k), INT64_MAX, &dim) || __builtin_mul_overflow(elems, dim, &elems))
+                return nb::none();
+        }
+        uint64_t nb_i = 0, crc = 0, bytes = 0;
+        if (!whole_u64(PyList_GET_ITEM(nbs, i), file_bytes, &nb_i) ||
+            !whole_u64(PyList_GET_ITEM(cr, i), UINT32_MAX, &crc) || __builtin_mul_overflow(elems, size, &bytes) ||
+            bytes != nb_i)
+            return nb::none();
+        if (of != nullptr) {
+            uint64_t off = 0, end = 0;
+            if (!whole_u64(PyList_GET_ITEM(of, i), INT64_MAX, &off)) return nb::none();
+            if (nb_i != 0 && (__builtin_add_overflow(off, nb_i, &end) || end > file_bytes)) return nb::none();
+            out_off[static_cast<size_t>(i)] = off;
+        }
+        out_nb[static_cast<size_t>(i)] = nb_i;
+        out_crc[static_cast<size_t>(i)] = static_cast<uint32_t>(crc);
+    }
+    const auto as_bytes = [](const auto& v) {
+        return nb::bytes(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(v[0]));
+    };
+    return nb::make_tuple(as_bytes(out_off), as_bytes(out_nb), as_bytes(out_crc));
+}
+
 // ---- StagingBuffer: aligned, prefaulted memory exporting a writable buffer.
 
 struct StagingBuffer {
@@ -465,6 +544,10 @@ NB_MODULE(_native, m) {
           "not cached; returns (bytes of native uint32 crcs, {direct_bytes, buffered_bytes, threads}). whole_len > 0:\n"
           "also the crc32c of the file's first whole_len bytes (stats['whole_crc32c']), from the same\n"
           "reads. OSError carries errno and path (ENODATA: the file ends before a range or whole_len does).");
+    m.def("table_check", &py_table_check, nb::arg("dtypes"), nb::arg("shapes"), nb::arg("nbytes"), nb::arg("crcs"),
+          nb::arg("offsets").none(), nb::arg("itemsize"), nb::arg("file_bytes"), nb::arg("max_dims"),
+          "A manifest's tensor table checked in one pass: (offsets, nbytes, crcs) as bytes of native\n"
+          "uint64, uint64, uint32 when every row passes the quick checks, else None (check row by row).");
     m.def("usable_cpus", &hpcckpt_usable_cpus,
           "CPUs this process may run on (its affinity mask, e.g. a Slurm cpuset).");
     m.def("file_resident", [](const std::string& path, int fd) {
