@@ -24,7 +24,7 @@ import pytest
 from hpcckpt.criu import find_criu
 
 from ..unit.test_cuda_driver import build_fake
-from .test_criu_local import EXIT_REQUEUE, criu_ok, dump_at, finish, ledger, start  # noqa: F401  (fixture)
+from .test_criu_local import PARK, EXIT_REQUEUE, criu_ok, dump_at, finish, job_output, ledger, start  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.criu, pytest.mark.fault, pytest.mark.slow]
 
@@ -76,12 +76,13 @@ def test_dump_that_cannot_be_written_leaves_the_job_running(criu_ok: None, small
 
 # Counts to STEPS and writes a digest of its own progress; no handler for anything.
 COUNTER = """
-import hashlib, sys, time
+import hashlib, sys
+""" + PARK + """
 h = hashlib.sha256()
 for i in range(1, int(sys.argv[2]) + 1):
     h.update(str(i).encode())
     print(f"step {i} ", flush=True)
-    time.sleep(0.05)
+    park(i)  # held at the step a test signals it at (dump_at)
 open(sys.argv[1], "w").write(h.hexdigest())
 """
 COUNT_TO = 120
@@ -114,6 +115,7 @@ def test_failed_dump_of_a_job_without_handler_never_kills_it(criu_ok: None, tmp_
     cmd = [sys.executable, str(script), str(out), str(COUNT_TO)]
     code, _, stderr = dump_at(run_dir, out, 5, cmd=cmd)
     assert code == EXIT_REQUEUE, stderr
+    assert "step 5 " in job_output(run_dir) and "step 6 " not in job_output(run_dir)  # held there, then dumped
 
     # Restored (real criu), then the next dump fails: the job does not catch USR2.
     code, summary, stderr = dump_at(run_dir, out, 30, cmd=cmd, env={"HPCCKPT_CRIU": str(refusing_criu(tmp_path))})

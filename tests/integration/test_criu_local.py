@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -112,11 +113,29 @@ def local_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**env, "HPCCKPT_CLUSTER": "local", **(extra or {})}
 
 
+# A test's own job script parks like criu_train when it calls this (``PARK``), with the hold
+# file in the environment (``start`` sets it for every command).
+HOLD_ENV = "CRIU_TEST_HOLD"
+PARK = f"""
+def park(step):
+    import os, time
+    def limit():
+        try:
+            with open(os.environ["{HOLD_ENV}"]) as f:
+                return int(f.read())
+        except (KeyError, OSError, ValueError):
+            return None
+    while (held := limit()) is not None and step >= held:
+        time.sleep(0.01)
+"""
+
+
 def start(run_dir: Path, out: Path, *extra: str, cmd: list[str] | None = None, workers: int = 0,
           env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(hpcckpt("run", "--mode", "criu", "--dir", str(run_dir), "--json", *extra, "--",
                                     *(cmd or train_cmd(out, workers=workers, hold=hold_file(run_dir)))),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=local_env(env))
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=local_env({HOLD_ENV: str(hold_file(run_dir)), **(env or {})}))
 
 
 def kill_supervised(proc: subprocess.Popen) -> None:
@@ -145,14 +164,18 @@ def finish(proc: subprocess.Popen, *, timeout_s: float = 600) -> tuple[int, dict
 def dump_at(run_dir: Path, out: Path, step: int, *extra: str, cmd: list[str] | None = None, workers: int = 0,
             env: dict[str, str] | None = None) -> tuple[int, dict, str]:
     """One supervised run, signalled (SIGUSR2) once the job printed ``step``: (exit status,
-    summary, stderr). criu_train (``cmd`` None) is held at that step meanwhile (``hold_at``);
-    any other command paces itself."""
-    if cmd is None:
-        hold_at(run_dir, step)
+    summary, stderr). The job is held at that step (``hold_at``: criu_train, and the scripts
+    that call ``PARK``'s ``park``) until the supervisor has recorded the dump, or its failure,
+    so the signal finds it running however late it comes, and a job that a failed dump leaves
+    running then goes on to its end."""
+    hold_at(run_dir, step)
     proc = start(run_dir, out, *extra, cmd=cmd, workers=workers, env=env)
     try:
         wait_for_step(run_dir, step, proc)
+        before = len(dump_events(run_dir))
         proc.send_signal(signal.SIGUSR2)
+        wait_for(lambda: len(dump_events(run_dir)) > before or proc.poll() is not None, "the dump's outcome")
+        release(run_dir)
         return finish(proc)
     finally:
         release(run_dir)
@@ -174,6 +197,23 @@ def run_with_dumps(run_dir: Path, out: Path, at_steps: list[int], *extra: str, w
 
 def ledger(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+
+
+def dump_events(run_dir: Path) -> list[dict]:
+    """The dumps and failed dumps recorded so far (whole lines only: the ledger may be growing)."""
+    try:
+        text = (run_dir / "ledger.jsonl").read_text()
+    except FileNotFoundError:
+        return []
+    lines = text.splitlines()[:text.count("\n")]
+    return [e for e in map(json.loads, lines) if e.get("event") in ("criu_dump", "criu_dump_failed")]
+
+
+def wait_for(done: Callable[[], bool], what: str, *, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"no sign of {what} within {timeout_s} s"
+        time.sleep(0.05)
 
 
 def test_dump_restore_is_bit_identical(criu_ok: None, reference: dict, tmp_path: Path) -> None:
@@ -250,10 +290,10 @@ def test_corrupt_image_falls_back_to_app(criu_ok: None, reference: dict, tmp_pat
 
 
 ENV_PROBE = """
-import os, sys, time
+import os, sys
+""" + PARK + """
 print("step 1 ", flush=True)
-for _ in range(200):
-    time.sleep(0.05)
+park(1)
 open(sys.argv[1], "w").write(os.environ.get("HPCCKPT_CRIU_FALLBACK", "-"))
 """
 
