@@ -423,14 +423,27 @@ def test_checksum_ranges_names_a_short_file_and_refuses_bad_arguments(tmp_path: 
 def test_checksum_ranges_gives_the_whole_file_crc_from_the_same_reads(tmp_path: Path, direct: int) -> None:
     """With whole_len, the crc32c of the file's first whole_len bytes comes with the ranges' own:
     ranges straddling blocks, longer than a block, overlapping, empty, and reaching past
-    whole_len; every byte read once (no range is read again for the whole file)."""
+    whole_len, and ranges apart as a checkpoint's tensors lie; every byte read once (no range
+    is read again for the whole file)."""
     rng = random.Random(11)
     data = rng.randbytes((3 << 20) + 777)
     path = tmp_path / "f.bin"
     path.write_bytes(data)
-    ranges = [(rng.randrange(0, len(data) - 5000), rng.randrange(0, 5000)) for _ in range(2000)]
-    ranges += [(4096, 2 << 20), (100, 0), (len(data) - 7, 7), (0, 1), (65_530, 20), (200_100, 300)]
-    rng.shuffle(ranges)
+    overlapping = [(rng.randrange(0, len(data) - 5000), rng.randrange(0, 5000)) for _ in range(2000)]
+    overlapping += [(4096, 2 << 20), (100, 0), (len(data) - 7, 7), (0, 1), (65_530, 20), (200_100, 300)]
+    rng.shuffle(overlapping)
+    # As a checkpoint's tensors lie: apart, in any order, gaps (headers) between some of them.
+    apart, at = [], rng.randrange(0, 100)
+    while at < len(data):
+        n = min(rng.choice([0, 1, 64, 5208, 70_000]), len(data) - at)
+        apart.append((at, n))
+        at += n + rng.choice([0, 0, 1, 63, 4096])
+    rng.shuffle(apart)
+    for ranges in (overlapping, apart):
+        _whole_and_ranges(path, data, ranges, direct)
+
+
+def _whole_and_ranges(path: Path, data: bytes, ranges: list[tuple[int, int]], direct: int) -> None:
     offsets = np.array([o for o, _ in ranges], dtype=np.uint64)
     lengths = np.array([n for _, n in ranges], dtype=np.uint64)
     fd = os.open(path, os.O_RDONLY)
