@@ -80,6 +80,13 @@ def table_check(dtypes: list[Any], shapes: list[Any], nbytes: list[Any], crcs: l
     and with ``offsets`` a range ending inside the file; ``offsets`` None: zeros); None when
     some row needs a closer look (checked row by row then). Overflow anywhere counts as such a row."""
 
+def table_check_packed(dtypes: list[Any], ndim: Buffer, dims: Buffer, nbytes: Buffer, crcs: Buffer,
+                       offsets: Buffer | None, itemsize: dict[str, int], file_bytes: int, max_dims: int) -> bool:
+    """``table_check`` for a table whose whole numbers are packed (hpcckpt/4): ``ndim`` uint16,
+    ``dims`` (every row's dims in turn), ``nbytes`` and ``offsets`` uint64, ``crcs`` uint32 native
+    buffers of the table's length; True when every row passes the same quick checks (and ``dims``
+    holds exactly the dims ``ndim`` counts), False when some row needs a closer look."""
+
 def checksum_ranges(fd: int, offsets: Buffer, lengths: Buffer, path: str = "", threads: int = 0,
                     chunk_bytes: int = 0, direct: bool = False) -> tuple[bytes, dict[str, int]]:
     """crc32c of each byte range ``[offsets[i], offsets[i] + lengths[i])`` (uint64 arrays) of the

@@ -1,6 +1,6 @@
 """Writing a JIT checkpoint: one file, the usual commit protocol.
 
-The format is hpcckpt/3 with the job's world size, restored through the ordinary
+The format is hpcckpt/4 with the job's world size, restored through the ordinary
 path on any number of ranks: one torch archive, ``jit.pt``, holds every replicated
 tensor once (parameters and optimizer state, from the writer's live memory: one
 piece each, held by the writer's record in the ``shared`` table) and the rank-local

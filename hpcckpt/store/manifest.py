@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 import re
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, Mapping
@@ -32,9 +31,10 @@ from .tensortable import TableError, TensorTable
 
 FORMATS = ("hdf5", "torch")
 # Manifest formats. v2: distributed tensors (``placement``); v3: v2 with each rank's tensor
-# records as columns (``tensor_table``, ``store.tensortable``).
-FORMAT_V1, FORMAT_V2, FORMAT_V3 = "hpcckpt/1", "hpcckpt/2", "hpcckpt/3"
-DISTRIBUTED_FORMATS = (FORMAT_V2, FORMAT_V3)  # those that record the distributed layout
+# records as columns (``tensor_table``, ``store.tensortable``); v4: v3 with the columns of
+# whole numbers packed (one base64 string each).
+FORMAT_V1, FORMAT_V2, FORMAT_V3, FORMAT_V4 = "hpcckpt/1", "hpcckpt/2", "hpcckpt/3", "hpcckpt/4"
+DISTRIBUTED_FORMATS = (FORMAT_V2, FORMAT_V3, FORMAT_V4)  # those that record the distributed layout
 MAX_WORLD_SIZE = 1 << 20
 MAX_DIMS = 64
 _U32 = 0xFFFFFFFF
@@ -254,9 +254,8 @@ def _bounded(fname: str, file_bytes: int, tensors: Mapping[str, Any], fmt: str, 
     """A rank file that is read whole (whole-file crc32c) is at most its tensors' bytes plus
     bounded overhead: verify and a resume stay proportional to the bytes the manifest lists,
     whatever size a crafted manifest gives a (sparse) file."""
-    t = TensorTable.from_records(tensors)  # records already checked one by one, or a checked table
-    held = (sum(t.nbytes) if fmt == "torch"
-            else max(map(operator.add, t.offsets or [0] * len(t.nbytes), t.nbytes), default=0))
+    # records already checked one by one, or a checked table
+    held = TensorTable.from_records(tensors).held_bytes(summed=fmt == "torch")
     limit = held + ARCHIVE_SLACK_BYTES + TENSOR_SLACK_BYTES * len(tensors)
     if file_bytes > limit:
         raise Invalid(f"{where} file {fname!r} is listed as {file_bytes} bytes, but its tensors account for "
@@ -292,7 +291,7 @@ def build(*, step: int, engine: str, job: Mapping[str, Any], user: Mapping[str, 
     if files is None:
         files = {rec["file"]: rec["file_info"] for rec in records if "file_info" in rec}
     return {
-        "format": FORMAT_V3,
+        "format": FORMAT_V4,
         "step": step,
         "world_size": len(records),
         "engine": engine,
@@ -422,14 +421,14 @@ def decode(manifest: dict[str, Any]) -> dict[str, Any]:
 
 def encode(manifest: Mapping[str, Any]) -> dict[str, Any]:
     """``manifest`` as it is written (``commit.seal_manifest``): in a distributed-format manifest
-    every rank record through ``record_out`` and the format hpcckpt/3. A shallow copy:
+    every rank record through ``record_out`` and the format hpcckpt/4. A shallow copy:
     ``manifest`` itself is left as it is. A format-1 manifest is written as it was read."""
     out = dict(manifest)
     ranks = out.get("ranks")
     if out.get("format") not in DISTRIBUTED_FORMATS or not isinstance(ranks, dict):
         return out
     out["ranks"] = {r: record_out(rec) if isinstance(rec, dict) else rec for r, rec in ranks.items()}
-    out["format"] = FORMAT_V3
+    out["format"] = FORMAT_V4
     return out
 
 

@@ -260,6 +260,59 @@ nb::object py_table_check(nb::handle dtypes, nb::handle shapes, nb::handle nbyte
     return nb::make_tuple(as_bytes(out_off), as_bytes(out_nb), as_bytes(out_crc));
 }
 
+// table_check_packed(dtypes, ndim, dims, nbytes, crcs, offsets, itemsize, file_bytes, max_dims)
+// -> bool: table_check for a table whose whole numbers are packed (hpcckpt/4): ndim uint16, dims,
+// nbytes and offsets uint64, crcs uint32, native buffers of the table's length (dims: the sum of
+// ndim), offsets None when the table has none. False says only that some row needs a closer look.
+bool py_table_check_packed(nb::handle dtypes, nb::handle ndim, nb::handle dims, nb::handle nbytes,
+                           nb::handle crcs, nb::handle offsets, nb::handle itemsize, uint64_t file_bytes,
+                           size_t max_dims) {
+    PyObject* dt = dtypes.ptr();
+    if (!PyDict_Check(itemsize.ptr())) throw nb::type_error("table_check_packed: itemsize must be a dict");
+    if (!PyList_CheckExact(dt)) return false;
+    const size_t n = static_cast<size_t>(PyList_GET_SIZE(dt));
+    Buffer nd(ndim, false), dm(dims, false), nbs(nbytes, false), cr(crcs, false);
+    std::unique_ptr<Buffer> of;
+    if (!offsets.is_none()) of = std::make_unique<Buffer>(offsets, false);
+    if (nd.size() != n * sizeof(uint16_t) || nbs.size() != n * sizeof(uint64_t) || cr.size() != n * sizeof(uint32_t) ||
+        dm.size() % sizeof(uint64_t) != 0 || (of && of->size() != n * sizeof(uint64_t)))
+        return false;
+    const auto* nd_p = static_cast<const uint16_t*>(nd.data());
+    const auto* dm_p = static_cast<const uint64_t*>(dm.data());
+    const auto* nb_p = static_cast<const uint64_t*>(nbs.data());
+    const uint64_t* of_p = of ? static_cast<const uint64_t*>(of->data()) : nullptr;
+    const size_t n_dims = dm.size() / sizeof(uint64_t);
+    size_t at = 0;  // the next row's first dim
+    PyObject* last_dtype = nullptr;
+    uint64_t size = 0;
+    for (size_t i = 0; i < n; ++i) {
+        PyObject* d = PyList_GET_ITEM(dt, static_cast<Py_ssize_t>(i));
+        if (!PyUnicode_CheckExact(d)) return false;
+        if (last_dtype == nullptr || (d != last_dtype && PyUnicode_Compare(d, last_dtype) != 0)) {
+            PyObject* got = PyDict_GetItemWithError(itemsize.ptr(), d);  // borrowed
+            if (got == nullptr) {
+                if (PyErr_Occurred()) throw nb::python_error();
+                return false;
+            }
+            if (!whole_u64(got, UINT64_MAX, &size)) return false;
+            last_dtype = d;
+        }
+        if (nd_p[i] > max_dims || nd_p[i] > n_dims - at) return false;
+        uint64_t elems = 1, bytes = 0;
+        for (size_t k = 0; k < nd_p[i]; ++k) {
+            const uint64_t dim = dm_p[at + k];
+            if (dim > INT64_MAX || __builtin_mul_overflow(elems, dim, &elems)) return false;
+        }
+        at += nd_p[i];
+        if (nb_p[i] > file_bytes || __builtin_mul_overflow(elems, size, &bytes) || bytes != nb_p[i]) return false;
+        uint64_t end = 0;
+        if (of_p != nullptr && (of_p[i] > INT64_MAX ||
+                                (nb_p[i] != 0 && (__builtin_add_overflow(of_p[i], nb_p[i], &end) || end > file_bytes))))
+            return false;
+    }
+    return at == n_dims;  // crcs: 32 bits by their type
+}
+
 // ---- StagingBuffer: aligned, prefaulted memory exporting a writable buffer.
 
 struct StagingBuffer {
@@ -548,6 +601,11 @@ NB_MODULE(_native, m) {
           nb::arg("offsets").none(), nb::arg("itemsize"), nb::arg("file_bytes"), nb::arg("max_dims"),
           "A manifest's tensor table checked in one pass: (offsets, nbytes, crcs) as bytes of native\n"
           "uint64, uint64, uint32 when every row passes the quick checks, else None (check row by row).");
+    m.def("table_check_packed", &py_table_check_packed, nb::arg("dtypes"), nb::arg("ndim"), nb::arg("dims"),
+          nb::arg("nbytes"), nb::arg("crcs"), nb::arg("offsets").none(), nb::arg("itemsize"), nb::arg("file_bytes"),
+          nb::arg("max_dims"),
+          "table_check for a table whose whole numbers are packed (hpcckpt/4): ndim uint16, dims,\n"
+          "nbytes and offsets uint64, crcs uint32 buffers; True when every row passes the quick checks.");
     m.def("usable_cpus", &hpcckpt_usable_cpus,
           "CPUs this process may run on (its affinity mask, e.g. a Slurm cpuset).");
     m.def("file_resident", [](const std::string& path, int fd) {

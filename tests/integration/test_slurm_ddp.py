@@ -101,7 +101,7 @@ def test_two_node_ddp_signalled_and_preempted_resumes_identically(
             # Every rank persisted its part (rank-<r>.h5 or .pt, by engine).
             assert sorted(p.stem for p in shard_dir.glob("rank-*")) == [f"rank-{r}" for r in range(WORLD)]
             manifest = catalog.find(run_dir / "ckpt", stop["step"]).manifest
-            assert manifest is not None and manifest["engine"] == engine and manifest["format"] == "hpcckpt/3"
+            assert manifest is not None and manifest["engine"] == engine and manifest["format"] == "hpcckpt/4"
             written, state = placement.written_bytes(manifest), placement.state_bytes(manifest)
             # Only the ranks' own RNG states are written more than once (under 2% of this model).
             assert 1.0 <= sum(written.values()) / state < 1.05, (written, state)

@@ -81,7 +81,7 @@ def test_ddp_preempted_on_two_nodes_resumes_on_one_node(slurm_cluster: SlurmClus
     info = catalog.find(run_dir / "ckpt", None)
     assert info.step == k and info.manifest is not None
     m = info.manifest
-    assert m["format"] == "hpcckpt/3" and m["world_size"] == 4, (m["format"], m["world_size"])
+    assert m["format"] == "hpcckpt/4" and m["world_size"] == 4, (m["format"], m["world_size"])
     written = sum(int(e["nbytes"]) for rec in m["ranks"].values() for e in rec["tensors"].values())
     shared = sum(int(p["nbytes"]) for t in m["shared"].values() for p in t["pieces"])
     local0 = sum(int(e["nbytes"]) for n, e in m["ranks"]["0"]["tensors"].items() if n not in m["shared"])
@@ -175,7 +175,7 @@ def test_fsdp2_on_two_nodes_preempted_and_requeued_resumes_bit_identically(
     second = [json.loads((run_dir / f"result-run1-r{r}.json").read_text()) for r in range(4)]
     assert [s["restored"] for s in second] == [k] * 4, second
     m = catalog.find(run_dir / "ckpt", None).manifest
-    assert m is not None and m["format"] == "hpcckpt/3", m and m.get("format")
+    assert m is not None and m["format"] == "hpcckpt/4", m and m.get("format")
     params = [n for n in m["shared"] if n.startswith("objects/model/")]
     assert params and {m["shared"][n]["kind"] for n in params} == {"sharded"}, m["shared"]
 

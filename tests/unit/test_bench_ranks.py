@@ -53,7 +53,7 @@ def test_ranks_2_quick_json_reports_bytes_written_once_and_persist_against_1_ran
         for world, e in ((1, one), (2, two)):
             assert set(e) >= {"persist_s", "bytes_per_checkpoint", "bytes_per_rank", "share_per_rank",
                               "state_bytes"}, (name, world, e)
-            assert e["format"] == "hpcckpt/3" and e["world_size"] == world
+            assert e["format"] == "hpcckpt/4" and e["world_size"] == world
             assert len(e["bytes_per_rank"]) == len(e["share_per_rank"]) == world
             assert sum(e["bytes_per_rank"]) == e["bytes_per_checkpoint"]
             assert e["persist_s"] > 0

@@ -110,7 +110,7 @@ def test_inspect_shows_the_global_view(ddp_run: Path) -> None:
     assert code == 0, out
     view = json.loads(out)
     m = view["manifest"]
-    assert view["format"] == m["format"] == "hpcckpt/3" and m["world_size"] == WORLD
+    assert view["format"] == m["format"] == "hpcckpt/4" and m["world_size"] == WORLD
     shared = {s["name"]: s for s in view["shared"]}
     assert "objects/model/module.0.weight" in shared and "objects/optimizer/state/0/exp_avg" in shared
     assert {s["kind"] for s in shared.values()} == {"replicated"}

@@ -7,6 +7,7 @@ without a traceback. Real checkpoints of both engines (torch archives, HDF5 file
 """
 from __future__ import annotations
 
+import base64
 import json
 import re
 import shutil
@@ -55,17 +56,26 @@ def copy(pristine: dict[str, Path], engine: str, dest: Path) -> Path:
 def craft(step_dir: Path, change: Callable[[Manifest, Path], None]) -> None:
     """Apply ``change`` to the manifest, each rank's tensor table given as records (one
     object per tensor, so a change names one field of one tensor), then reseal it so its
-    self-checksum is valid again; the records are written back as columns."""
+    self-checksum is valid again; the records are written back as columns, every one a list
+    (the hpcckpt/3 form, also read: packed columns cannot hold a float, a string or a
+    negative number)."""
     m = json.loads((step_dir / MANIFEST).read_text())
     for rec in m["ranks"].values():
         rec["tensors"] = dict(TensorTable.from_columns(rec.pop("tensor_table")).items())
     change(m, step_dir)
+    ranks = m.get("ranks")
+    for rec in ranks.values() if isinstance(ranks, dict) else ():
+        if isinstance(rec, dict) and isinstance(rec.get("tensors"), dict):
+            rec["tensor_table"] = TensorTable.from_records(rec.pop("tensors")).listed()
     (step_dir / MANIFEST).write_bytes(seal_manifest(m))
 
 
-def craft_columns(step_dir: Path, change: Callable[[dict[str, Any]], None]) -> None:
-    """Apply ``change`` to rank 0's tensor table as it is on disk (columns), then reseal."""
+def craft_columns(step_dir: Path, change: Callable[[dict[str, Any]], None], *, packed: bool) -> None:
+    """Apply ``change`` to rank 0's tensor table as columns, as hpcckpt/4 writes them
+    (``packed``) or every column a list (hpcckpt/3, also read), then reseal."""
     m = json.loads((step_dir / MANIFEST).read_text())
+    if not packed:
+        m["ranks"]["0"]["tensor_table"] = TensorTable.from_columns(m["ranks"]["0"]["tensor_table"]).listed()
     change(m["ranks"]["0"]["tensor_table"])
     (step_dir / MANIFEST).write_bytes(seal_manifest(m))
 
@@ -194,16 +204,27 @@ COLUMN_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("a crc32c given as a boolean", _swap("crc32c", 0, True), r"crc32c is True, not a whole number"),
     ("only unknown columns", lambda t: (t.clear(), t.update(x=1)), r"unknown columns"),
 ]
+# The same for the packed columns of hpcckpt/4.
+PACKED_CASES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
+    ("a packed column cut short", lambda t: t.update(nbytes=t["nbytes"][:-12]), r"columns of different lengths"),
+    ("a packed column not base64", lambda t: t.update(crc32c=t["crc32c"][:-4] + "*!*="), r"not valid base64"),
+    ("a packed column given as a list", lambda t: t.update(nbytes=[1, 2]), r"'nbytes' is list, not a packed column"),
+    ("dims for fewer dimensions than ndim says", lambda t: t.update(dims=""), r"column 'dims': 0 bytes"),
+    ("a list column beside packed ones", lambda t: t.update(shape=[]), r"unknown columns \['shape'\]"),
+    ("sizes that disagree with the shapes", lambda t: t.update(nbytes=base64.b64encode(
+        bytes(len(base64.b64decode(t["nbytes"])))).decode()), r"manifest says 0"),
+]
 
 
-@pytest.mark.parametrize("engine,change,problem", [pytest.param(e, c, p, id=f"{e}-{name}")
-                                                    for name, c, p in COLUMN_CASES for e in BOTH])
+@pytest.mark.parametrize("engine,packed,change,problem", [
+    pytest.param(e, packed, c, p, id=f"{e}-{name}")
+    for packed, cases in ((False, COLUMN_CASES), (True, PACKED_CASES)) for name, c, p in cases for e in BOTH])
 def test_crafted_tensor_table_is_corrupt_and_resume_falls_back(
-        pristine: dict[str, Path], tmp_path: Path, engine: str, change: Callable[[dict[str, Any]], None],
-        problem: str) -> None:
-    """The columns themselves (format hpcckpt/3) are input too: ragged, mistyped, duplicated."""
+        pristine: dict[str, Path], tmp_path: Path, engine: str, packed: bool,
+        change: Callable[[dict[str, Any]], None], problem: str) -> None:
+    """The columns themselves are input too: ragged, mistyped, duplicated, packed wrong."""
     root = copy(pristine, engine, tmp_path / "ck")
-    craft_columns(root / "step-6", change)
+    craft_columns(root / "step-6", change, packed=packed)
     _corrupt_and_falls_back(root, engine, problem)
 
 

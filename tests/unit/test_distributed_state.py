@@ -186,7 +186,7 @@ def test_ddp_replicated_state_is_written_once_striped_over_the_ranks(ddp_4_to_4:
     info = catalog.find(out / "ckpt", 3)  # the save phase's stop (the resumed run then checkpoints its end, step 8)
     m = info.manifest
     assert m is not None and info.step == 3 and newest(out / "ckpt").step == 8
-    assert m["format"] == "hpcckpt/3", f"format {m['format']!r}, want 'hpcckpt/3'"
+    assert m["format"] == "hpcckpt/4", f"format {m['format']!r}, want 'hpcckpt/4'"
     assert "shared" in m, f"no 'shared' table; top-level keys {sorted(m)}"
     names = result(out, "save", 0)["names_end"]
     state = [n for n in names if n.startswith(("objects/model/", "objects/optimizer/state/"))]
@@ -269,7 +269,7 @@ def test_fsdp2_same_size_resume_is_exact_and_shards_are_saved_by_their_owners(tm
     run_world(ref, 2, "--phase", "reference", "--mode", "fsdp", "--stop-at", "4", "--total", "10")
     run_world(tmp_path, 2, "--phase", "save", "--mode", "fsdp", "--engine", "sync", "--stop-at", "4")
     m = newest(tmp_path / "ckpt").manifest
-    assert m is not None and m["format"] == "hpcckpt/3", m and m.get("format")
+    assert m is not None and m["format"] == "hpcckpt/4", m and m.get("format")
     params = [n for n in m.get("shared", {}) if n.startswith("objects/model/")]
     assert params, f"no model parameter in 'shared': {sorted(m.get('shared', {}))}"
     for name in params:
@@ -336,7 +336,7 @@ def test_a_damaged_stripe_sends_every_rank_back_together(tmp_path: Path, ddp_ref
     root = tmp_path / "ckpt"
     assert committed_steps(root) == [2, 4]
     m = newest(root).manifest
-    assert m is not None and m["format"] == "hpcckpt/3" and "shared" in m, m and m.get("format")
+    assert m is not None and m["format"] == "hpcckpt/4" and "shared" in m, m and m.get("format")
     rec = m["ranks"]["1"]
     name = next(n for n in rec["tensors"] if n in m["shared"] and n.startswith("objects/model/"))
     entry = rec["tensors"][name]

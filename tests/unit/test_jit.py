@@ -161,7 +161,7 @@ def test_jit_checkpoint_resumes_on_fewer_ranks(tmp_path: Path, reference: Path) 
     codes, outs = run_job(tmp_path, victim=3, at=8, how="kill")
     assert [codes[r] for r in range(3)] == [EXIT_REQUEUE] * 3, "\n".join(outs)
     info = catalog.find(tmp_path / "ckpt", None)
-    assert info.step == 8 and info.manifest is not None and info.manifest["format"] == "hpcckpt/3"
+    assert info.step == 8 and info.manifest is not None and info.manifest["format"] == "hpcckpt/4"
     shared = info.manifest["shared"]
     assert any(n.startswith("objects/model/") for n in shared) and any("/exp_avg" in n for n in shared)
     for name in shared:  # replicated tensors are written once, by the writer, not once per rank

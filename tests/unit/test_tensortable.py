@@ -1,7 +1,9 @@
-"""The manifest's tensor table (format hpcckpt/3): columns on disk, a Mapping in memory, and
-manifests written before it (one object per tensor, format hpcckpt/2) still read."""
+"""The manifest's tensor table (formats hpcckpt/3 and /4): columns on disk, the whole numbers
+packed in /4, a Mapping in memory, and manifests written before it (lists, format hpcckpt/3;
+one object per tensor, format hpcckpt/2) still read."""
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
@@ -27,8 +29,12 @@ def test_records_and_columns_round_trip_and_read_as_a_mapping() -> None:
     assert dict(t.items()) == RECORDS and len(t) == 3 and list(t) == list(RECORDS)
     assert "rng/torch" in t and "nope" not in t and t.get("nope") is None
     assert t["objects/model/w"]["offset"] == 4096
-    back = TensorTable.from_columns(json.loads(json.dumps(t.columns())))
+    disk = json.loads(json.dumps(t.columns()))
+    assert all(isinstance(disk[k], str) for k in ("ndim", "dims", "nbytes", "crc32c", "offset"))  # packed
+    back = TensorTable.from_columns(disk)
     assert back == t and dict(back.items()) == RECORDS
+    listed = TensorTable.from_columns(json.loads(json.dumps(t.listed())))  # the hpcckpt/3 form
+    assert listed == t and dict(listed.items()) == RECORDS
     names, offsets, nbytes, crcs = t.arrays()  # only tensors that hold bytes
     assert names == ["objects/model/w", "rng/torch"]
     assert offsets.tolist() == [4096, 8192] and nbytes.tolist() == [48, 16] and crcs.tolist() == [7, 2**32 - 1]
@@ -55,6 +61,27 @@ def test_columns_that_are_not_a_table_are_refused(cols: object, why: str) -> Non
         TensorTable.from_columns(cols)
 
 
+def _packed(**change: object) -> dict[str, object]:
+    cols = TensorTable.from_records(RECORDS).columns()
+    cols.update(change)
+    return {k: v for k, v in cols.items() if v is not None}
+
+
+@pytest.mark.parametrize("cols,why", [
+    (_packed(nbytes="not base64!"), "column 'nbytes' is not valid base64"),
+    (_packed(crc32c="AAAA"), r"different lengths \(column 'crc32c': 3 bytes for 3 numbers of 4\)"),
+    (_packed(dims=base64.b64encode(bytes(8)).decode()), "column 'dims': 8 bytes for 4 numbers"),  # ndim: 2 + 1 + 1
+    (_packed(offset=[4096, 0, 8192]), "column 'offset' is list, not a packed column"),
+    (_packed(ndim=None), "column 'ndim' is NoneType, not a packed column"),
+    (_packed(dtype="float32"), "column 'dtype' is str, not a list"),
+    (_packed(name=["a", "b"]), "different lengths"),
+    (_packed(shape=[[4, 3], [0], [16]]), r"unknown columns \['shape'\]"),
+])
+def test_packed_columns_that_do_not_decode_are_refused(cols: object, why: str) -> None:
+    with pytest.raises(TableError, match=why):
+        TensorTable.from_columns(cols)
+
+
 @pytest.mark.parametrize("change", [
     lambda r: r["objects/model/w"].update(nbytes=44),           # shape x itemsize disagrees
     lambda r: r["objects/model/w"].update(shape=[4, -3]),       # negative dim
@@ -77,6 +104,19 @@ def test_the_quick_checks_reject_what_the_row_checks_reject(change: object) -> N
     t = TensorTable.from_records(recs)
     assert not t.sound(ITEMSIZE, file_bytes=10_000, offsets=True, max_dims=64)
     assert TensorTable.from_records(RECORDS).sound(ITEMSIZE, file_bytes=10_000, offsets=True, max_dims=64)
+    # The same row packed (hpcckpt/4), where packed numbers can say it at all: not a float, a
+    # bool, a negative number or one beyond 64 bits (or 32, for a crc).
+    numbers = [d for r in recs.values() for d in r["shape"]] + [r[k] for r in recs.values()
+                                                                  for k in ("nbytes", "crc32c", "offset")]
+    if any(type(v) is not int or not 0 <= v < 2**64 for v in numbers) or recs["rng/torch"]["crc32c"] >= 2**32:
+        return
+    cols = json.loads(json.dumps(t.columns()))
+    packed = TensorTable.from_columns(cols)
+    assert not packed.sound(ITEMSIZE, file_bytes=10_000, offsets=True, max_dims=64)
+    whole = TensorTable.from_columns(json.loads(json.dumps(TensorTable.from_records(RECORDS).columns())))
+    assert whole.sound(ITEMSIZE, file_bytes=10_000, offsets=True, max_dims=64)
+    assert whole.arrays()[1].tolist() == [4096, 8192]  # from the packed columns, no list made
+    assert whole._nbytes is None and whole._shapes is None
 
 
 def _manifest(records: dict[str, dict[str, object]], fmt: str = "hpcckpt/2") -> dict[str, object]:
@@ -85,11 +125,12 @@ def _manifest(records: dict[str, dict[str, object]], fmt: str = "hpcckpt/2") -> 
                             "meta": {"step": 1, "objects": {"model": {"w": {"__tensor__": "objects/model/w"}}}}}}}
 
 
-def test_encode_writes_columns_and_format_3_and_decode_reads_them_back() -> None:
+def test_encode_writes_columns_and_format_4_and_decode_reads_them_back() -> None:
     m = _manifest(RECORDS)
     disk = json.loads(json.dumps(encode(m)))
-    assert disk["format"] == "hpcckpt/3" and "tensors" not in disk["ranks"]["0"]
+    assert disk["format"] == "hpcckpt/4" and "tensors" not in disk["ranks"]["0"]
     assert disk["ranks"]["0"]["tensor_table"]["name"] == list(RECORDS)
+    assert isinstance(disk["ranks"]["0"]["tensor_table"]["nbytes"], str)
     assert m["ranks"]["0"]["tensors"] is RECORDS  # type: ignore[index]  # encode copies, never changes
     decoded = decode(disk)
     validate(decoded, step=1)
@@ -118,29 +159,35 @@ def _digest(objs: dict[str, object]) -> dict[str, bytes]:
     return dict(out)
 
 
-def _write_format_2(step_dir: Path) -> None:
-    """Rewrite a checkpoint's manifest as hpcckpt 2 wrote it: one object per tensor, format 2,
-    sealed the same way (the crc32c of the bytes before the seal)."""
+def _write_older(step_dir: Path, fmt: str) -> None:
+    """Rewrite a checkpoint's manifest as an older hpcckpt wrote it, sealed the same way (the
+    crc32c of the bytes before the seal): format 2, one object per tensor; format 3, every
+    column a list."""
     m = json.loads((step_dir / MANIFEST).read_text())
     m.pop("manifest_crc32c")
     for rec in m["ranks"].values():
-        rec["tensors"] = dict(TensorTable.from_columns(rec.pop("tensor_table")).items())
-    m["format"] = "hpcckpt/2"
+        table = TensorTable.from_columns(rec.pop("tensor_table"))
+        if fmt == "hpcckpt/2":
+            rec["tensors"] = dict(table.items())
+        else:
+            rec["tensor_table"] = table.listed()
+    m["format"] = fmt
     head = readable_json(m).encode()[:-3]
     (step_dir / MANIFEST).write_bytes(head + f',\n "manifest_crc32c": {crc32c(head)}\n}}\n'.encode())
 
 
 @pytest.mark.native
+@pytest.mark.parametrize("fmt", ["hpcckpt/2", "hpcckpt/3"])
 @pytest.mark.parametrize("engine", ["sync", "concurrent"])
-def test_a_format_2_checkpoint_verifies_and_resumes_exactly(tmp_path: Path, engine: str) -> None:
+def test_an_older_format_checkpoint_verifies_and_resumes_exactly(tmp_path: Path, engine: str, fmt: str) -> None:
     objs = tiny_state(0)
     with Checkpointer(tmp_path, engine=engine, every_steps=3, keep=2) as ck:
         ck.register(**objs)
         for _ in ck.steps(3):
             train_step(objs)
     want = _digest(objs)
-    _write_format_2(tmp_path / "step-3")
-    assert json.loads((tmp_path / "step-3" / MANIFEST).read_text())["format"] == "hpcckpt/2"
+    _write_older(tmp_path / "step-3", fmt)
+    assert json.loads((tmp_path / "step-3" / MANIFEST).read_text())["format"] == fmt
     info = catalog.inspect_step(tmp_path, 3, full=True)
     assert info is not None and info.status == "committed", info and info.problems
     fresh = tiny_state(1)
