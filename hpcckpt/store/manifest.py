@@ -38,6 +38,7 @@ DISTRIBUTED_FORMATS = (FORMAT_V2, FORMAT_V3, FORMAT_V4)  # those that record the
 MAX_WORLD_SIZE = 1 << 20
 MAX_DIMS = 64
 _U32 = 0xFFFFFFFF
+MAX_FILE_BYTES = (1 << 63) - 1  # off_t: no file size or offset beyond it is real
 _SAFE_PART = re.compile(r"^[A-Za-z0-9._+=@,-]+$")
 _REF_KEYS = ("__tensor__", "__ndarray__")
 
@@ -119,7 +120,7 @@ def _tensor(name: str, e: Any, fmt: str, file_bytes: int, where: str) -> None:
             if fmt != "hdf5" and "offset" not in e:  # the sync format's offsets are optional
                 return
             offset = e.get("offset")
-            if type(offset) is int and offset >= 0 and (not nbytes or offset + nbytes <= file_bytes):
+            if type(offset) is int and 0 <= offset <= MAX_FILE_BYTES and (not nbytes or offset + nbytes <= file_bytes):
                 return
     _tensor_explained(name, e, fmt, file_bytes, where)
 
@@ -142,7 +143,7 @@ def _tensor_explained(name: str, e: Any, fmt: str, file_bytes: int, where: str) 
         raise Invalid(f"{what} claims {nbytes} bytes, more than its {file_bytes}-byte file holds")
     _int(e.get("crc32c", 0), f"{what} crc32c", hi=_U32)
     if fmt == "hdf5" or "offset" in e:
-        offset = _int(e.get("offset"), f"{what} offset")
+        offset = _int(e.get("offset"), f"{what} offset", hi=MAX_FILE_BYTES)
         if nbytes and offset + nbytes > file_bytes:
             raise Invalid(f"{what} spans bytes {offset}..{offset + nbytes}, past the end of its "
                           f"{file_bytes}-byte file")
@@ -238,9 +239,9 @@ def _table(t: TensorTable, fmt: str, file_bytes: int, where: str) -> None:
         seen: set[str] = set()
         twice = next(n for n in t.names if n in seen or seen.add(n))  # type: ignore[func-returns-value]
         raise Invalid(f"{where} tensor table lists tensor {twice!r} twice")
-    if t.sound(ITEMSIZE, file_bytes=file_bytes, offsets=fmt == "hdf5" or t.offsets is not None, max_dims=MAX_DIMS):
+    if t.sound(ITEMSIZE, file_bytes=file_bytes, offsets=fmt == "hdf5" or t.has_offsets(), max_dims=MAX_DIMS):
         return
-    if fmt == "hdf5" and t.offsets is None and t.names:
+    if fmt == "hdf5" and not t.has_offsets() and t.names:
         raise Invalid(f"{where} tensor table of an HDF5 file has no offsets")
     for i, name in enumerate(t.names):
         _tensor(name, t.record(i), fmt, file_bytes, where)
@@ -320,7 +321,7 @@ def validate(manifest: Mapping[str, Any], *, step: int | None, meta: bool = True
     for rel, info in files.items():
         safe_relpath(rel, "manifest file")
         info = _dict(info, f"manifest entry of {rel!r}")
-        _int(info.get("bytes"), f"size of {rel!r}")
+        _int(info.get("bytes"), f"size of {rel!r}", hi=MAX_FILE_BYTES)
         if "crc32c" in info:
             _int(info["crc32c"], f"crc32c of {rel!r}", hi=_U32)
     ranks = _dict(manifest.get("ranks"), "manifest ranks")

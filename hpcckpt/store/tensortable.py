@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import operator
 from itertools import accumulate
 from typing import Any, Iterator, Mapping
 
@@ -46,8 +45,8 @@ class TableError(ValueError):
 class TensorTable(Mapping[str, dict[str, Any]]):
     """Columns of one rank file's tensors; a ``Mapping`` of name -> record besides."""
 
-    __slots__ = ("names", "dtypes", "_shapes", "_nbytes", "_crcs", "_offsets", "_packed", "_index", "_arrays",
-                 "_read_only")
+    __slots__ = ("names", "dtypes", "_shapes", "_nbytes", "_crcs", "_offsets", "_packed", "_starts", "_index",
+                 "_arrays", "_read_only")
 
     def __init__(self, names: list[str], dtypes: list[str], shapes: list[list[int]] | None, nbytes: list[int] | None,
                  crcs: list[int] | None, offsets: list[int] | None = None, *,
@@ -57,6 +56,7 @@ class TensorTable(Mapping[str, dict[str, Any]]):
         # hpcckpt/4's decoded columns (``_unpacked``): the lists above are made from them only
         # when asked (a resume's records), never for a check or a verify, which use the arrays.
         self._packed = packed
+        self._starts: np.ndarray | None = None  # where each packed row's dims begin (``record``)
         self._index: dict[str, int] | None = None
         self._arrays: tuple[list[str], np.ndarray, np.ndarray, np.ndarray] | None = None
         self._read_only = False  # a manifest's table (``from_columns``): its arrays are kept
@@ -191,6 +191,16 @@ class TensorTable(Mapping[str, dict[str, Any]]):
         return self._index
 
     def record(self, i: int) -> dict[str, Any]:
+        p = self._packed
+        if p is not None and self._shapes is None:  # one row of a packed table: no column made a list
+            if self._starts is None:
+                self._starts = np.concatenate(([0], np.cumsum(p["ndim"], dtype=np.int64)))
+            start, end = int(self._starts[i]), int(self._starts[i + 1])
+            rec = {"dtype": self.dtypes[i], "shape": p["dims"][start:end].tolist(),
+                   "nbytes": int(p["nbytes"][i]), "crc32c": int(p["crc32c"][i])}
+            if OFFSET in p:
+                rec[OFFSET] = int(p[OFFSET][i])
+            return rec
         rec = {"dtype": self.dtypes[i], "shape": self.shapes[i], "nbytes": self.nbytes[i], "crc32c": self.crcs[i]}
         if self.offsets is not None:
             rec[OFFSET] = self.offsets[i]
@@ -259,7 +269,9 @@ class TensorTable(Mapping[str, dict[str, Any]]):
         if p is None:
             if summed:
                 return sum(self.nbytes)
-            return max(map(operator.add, self.offsets or [0] * len(self.nbytes), self.nbytes), default=0)
+            # an empty tensor's offset is not read, so it bounds nothing (as in the packed form)
+            return max((o + b if b else 0 for o, b in zip(self.offsets or [0] * len(self.nbytes), self.nbytes)),
+                       default=0)
         nb = p["nbytes"]
         if summed:  # in two halves of 32 bits: 65,536 of each add up without overflow
             return (int((nb >> np.uint64(32)).sum()) << 32) + int((nb & np.uint64(0xFFFFFFFF)).sum())

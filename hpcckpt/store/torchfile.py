@@ -251,7 +251,7 @@ def verify(path: Path, rec: Mapping[str, Any], *, whole: FileCrc | None = None) 
         fd = _open(path, _size(rec))
         try:
             t = TensorTable.from_records(rec["tensors"])
-            if t.offsets is None:  # a manifest written before offsets were recorded
+            if not t.has_offsets():  # a manifest written before offsets were recorded
                 found = _index(fd, rec, os.fstat(fd).st_size)
                 if found is None:
                     _load_fd(path, fd, rec, whole_file=False)

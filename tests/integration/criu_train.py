@@ -10,8 +10,8 @@ With ``--device cuda`` the model, optimizer state and every step run on the GPU,
 deterministic kernels (``deterministic_cuda``), so a CUDA run restored from CRIU images
 can be compared bit for bit too.
 
-``--hold-file F`` makes a test's signal land deterministically: while F holds a step
-number S, the job parks after printing step S (it cannot run to its end before the
+``--hold-file F`` makes a test's signal land deterministically: while F (a symlink whose
+target is a step number S) exists, the job parks after printing step S (it cannot run to its end before the
 signal arrives, however slow the test's own process is); a restored job reads F again,
 so writing a later step (or removing F) lets it go on. Absent F: no effect.
 
@@ -24,6 +24,7 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import time
 
 import torch
@@ -48,12 +49,13 @@ class TinyLM(nn.Module):
 
 
 def held_at(hold_file: str | None) -> int | None:
-    """The step ``hold_file`` says to park after (None: absent, or not written whole yet)."""
+    """The step ``hold_file`` says to park after (None: absent). It is a symlink whose target
+    is the step, read without opening a file: a dump that freezes the job here must not find
+    the hold file open, or the restore would need that file as it was."""
     if not hold_file:
         return None
     try:
-        with open(hold_file) as f:
-            return int(f.read())
+        return int(os.readlink(hold_file))
     except (OSError, ValueError):
         return None
 

@@ -68,10 +68,13 @@ def hold_file(run_dir: Path) -> Path:
 
 def hold_at(run_dir: Path, step: int) -> None:
     """The job in ``run_dir`` parks after printing ``step`` (a restored one too), so a signal
-    sent once that line is seen finds it running, however late the signal comes."""
+    sent once that line is seen finds it running, however late the signal comes. The hold is
+    a symlink whose target is the step: the job reads it without opening a file, so a dump
+    never finds it holding the hold file open (a restore would then need that very file)."""
     tmp = hold_file(run_dir).with_suffix(".tmp")
-    tmp.write_text(str(step))
-    os.replace(tmp, hold_file(run_dir))  # never read half-written
+    tmp.unlink(missing_ok=True)
+    os.symlink(str(step), tmp)
+    os.replace(tmp, hold_file(run_dir))  # never seen half-made
 
 
 def release(run_dir: Path) -> None:
@@ -121,8 +124,7 @@ def park(step):
     import os, time
     def limit():
         try:
-            with open(os.environ["{HOLD_ENV}"]) as f:
-                return int(f.read())
+            return int(os.readlink(os.environ["{HOLD_ENV}"]))
         except (KeyError, OSError, ValueError):
             return None
     while (held := limit()) is not None and step >= held:
@@ -172,14 +174,20 @@ def dump_at(run_dir: Path, out: Path, step: int, *extra: str, cmd: list[str] | N
     proc = start(run_dir, out, *extra, cmd=cmd, workers=workers, env=env)
     try:
         wait_for_step(run_dir, step, proc)
-        before = len(dump_events(run_dir))
-        proc.send_signal(signal.SIGUSR2)
-        wait_for(lambda: len(dump_events(run_dir)) > before or proc.poll() is not None, "the dump's outcome")
-        release(run_dir)
-        return finish(proc)
+        return dump_held(run_dir, proc)
     finally:
         release(run_dir)
         kill_supervised(proc)
+
+
+def dump_held(run_dir: Path, proc: subprocess.Popen) -> tuple[int, dict, str]:
+    """SIGUSR2 to a supervised run whose job is held (``hold_at``); once the supervisor has
+    recorded the dump or its failure, the hold is released and the run finished."""
+    before = len(dump_events(run_dir))
+    proc.send_signal(signal.SIGUSR2)
+    wait_for(lambda: len(dump_events(run_dir)) > before or proc.poll() is not None, "the dump's outcome")
+    release(run_dir)
+    return finish(proc)
 
 
 def run_with_dumps(run_dir: Path, out: Path, at_steps: list[int], *extra: str, workers: int = 0) -> list[dict]:
@@ -205,8 +213,13 @@ def dump_events(run_dir: Path) -> list[dict]:
         text = (run_dir / "ledger.jsonl").read_text()
     except FileNotFoundError:
         return []
-    lines = text.splitlines()[:text.count("\n")]
-    return [e for e in map(json.loads, lines) if e.get("event") in ("criu_dump", "criu_dump_failed")]
+    events = []
+    for line in text.splitlines()[:text.count("\n")]:
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            continue  # a line an earlier crash left torn (the ledger's readers skip it too)
+    return [e for e in events if isinstance(e, dict) and e.get("event") in ("criu_dump", "criu_dump_failed")]
 
 
 def wait_for(done: Callable[[], bool], what: str, *, timeout_s: float = 300) -> None:
@@ -348,11 +361,9 @@ def test_restore_while_pids_are_taken(criu_ok: None, reference: dict, tmp_path: 
     try:
         wait_for_step(run_dir, 10, proc)
         outer = _job_pids(str(out))
-        assert len(outer) == 2, outer  # nsinit (PID 1 inside) and the training process (PID 2)
     finally:
-        proc.send_signal(signal.SIGUSR2)
-    code, _, stderr = finish(proc)
-    release(run_dir)
+        code, _, stderr = dump_held(run_dir, proc)
+    assert len(outer) == 2, outer  # nsinit (PID 1 inside) and the training process (PID 2)
     assert code == EXIT_REQUEUE, stderr
 
     squatters = [p for p in (_occupy_pid(pid) for pid in outer) if p is not None]

@@ -135,12 +135,24 @@ def _past_end(m: Manifest, d: Path) -> None:
     big(m)["offset"] = m["files"][fname(m)]["bytes"] - 8
 
 
+def _huge_file(m: Manifest, d: Path) -> None:
+    m["files"][fname(m)]["bytes"] = 1 << 64  # no file is that large (off_t)
+
+
+def _empty_tensor_far_away(m: Manifest, d: Path) -> None:
+    """An empty tensor placed beyond any file: its offset is never read, but no file has it."""
+    rank0(m)["tensors"]["objects/model/empty"] = {"dtype": "float32", "shape": [0], "nbytes": 0, "crc32c": 0,
+                                                  "offset": 1 << 64}
+
+
 BOTH, HDF5, TORCH = ("sync", "concurrent"), ("concurrent",), ("sync",)
 
 # (case, engines, change, what the problem must say)
 CASES: list[tuple[str, tuple[str, ...], Callable[[Manifest, Path], None], str]] = [
     ("negative offset", BOTH, _set("big.offset", -4096), r"offset is -4096, outside"),
     ("offset past the end", BOTH, _past_end, r"past the end of its"),
+    ("file size beyond any file", BOTH, _huge_file, r"size of .* is 18446744073709551616, outside"),
+    ("empty tensor's offset beyond any file", BOTH, _empty_tensor_far_away, r"offset is 18446744073709551616, outside"),
     ("offset not a number", BOTH, _set("big.offset", "0"), r"offset is '0', not a whole number"),
     ("1 TiB shape", BOTH, _terabyte, r"claims 1099511627776 bytes, more than"),
     ("bytes disagree with dtype x shape", BOTH, _set("big.nbytes", 12), r"manifest says 12"),

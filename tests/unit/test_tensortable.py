@@ -40,6 +40,27 @@ def test_records_and_columns_round_trip_and_read_as_a_mapping() -> None:
     assert offsets.tolist() == [4096, 8192] and nbytes.tolist() == [48, 16] and crcs.tolist() == [7, 2**32 - 1]
 
 
+def test_both_forms_bound_a_file_by_the_ranges_that_hold_bytes() -> None:
+    """``held_bytes``: an empty tensor's offset is never read, so it bounds nothing, in the list
+    form as in the packed one; summed, sizes of any magnitude add up exactly."""
+    recs = json.loads(json.dumps(RECORDS))
+    recs["objects/model/empty"]["offset"] = 1 << 40
+    listed = TensorTable.from_records(recs)
+    packed = TensorTable.from_columns(json.loads(json.dumps(listed.columns())))
+    assert listed.held_bytes(summed=False) == packed.held_bytes(summed=False) == 8192 + 16
+    big = {f"t{i}": {"dtype": "uint8", "shape": [(1 << 62) + i], "nbytes": (1 << 62) + i, "crc32c": 0} for i in range(5)}
+    want = sum(r["nbytes"] for r in big.values())  # beyond 64 bits
+    packed_big = TensorTable.from_columns(json.loads(json.dumps(TensorTable.from_records(big).columns())))
+    assert TensorTable.from_records(big).held_bytes(summed=True) == packed_big.held_bytes(summed=True) == want
+
+
+def test_one_row_of_a_packed_table_is_read_without_making_lists() -> None:
+    packed = TensorTable.from_columns(json.loads(json.dumps(TensorTable.from_records(RECORDS).columns())))
+    assert packed["rng/torch"] == RECORDS["rng/torch"] and packed["objects/model/w"] == RECORDS["objects/model/w"]
+    assert packed._shapes is None and packed._nbytes is None  # one row, no column as a list
+    assert dict(packed.items()) == RECORDS
+
+
 def test_without_offsets_for_torch_archives() -> None:
     recs = {n: {k: v for k, v in r.items() if k != "offset"} for n, r in RECORDS.items()}
     t = TensorTable.from_records(recs)
