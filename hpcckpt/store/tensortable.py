@@ -165,7 +165,7 @@ class TensorTable(Mapping[str, dict[str, Any]]):
         out: dict[str, Any]
         if self._packed is not None:
             out = {"name": self.names, "dtype": self.dtypes}
-            out.update((k, base64.b64encode(a.tobytes()).decode("ascii")) for k, a in self._packed.items())
+            out.update((k, _pack(a, k)) for k, a in self._packed.items())
             return out
         out = {"name": self.names, "dtype": self.dtypes, "ndim": _pack(list(map(len, self.shapes)), "ndim"),
                "dims": _pack([d for s in self.shapes for d in s], "dims"), "nbytes": _pack(self.nbytes, "nbytes"),
@@ -317,9 +317,9 @@ def _nonempty(names: list[str], offs: np.ndarray, nb: np.ndarray,
     return [names[i] for i in keep.tolist()], offs[keep], nb[keep], crcs[keep]
 
 
-def _pack(values: list[int], key: str) -> str:
+def _pack(values: list[int] | np.ndarray, key: str) -> str:
     """A column of whole numbers as hpcckpt/4 writes it."""
-    return base64.b64encode(np.array(values, dtype=PACKED[key]).tobytes()).decode("ascii")
+    return base64.b64encode(np.asarray(values, dtype=PACKED[key]).tobytes()).decode("ascii")
 
 
 def _unpack(cols: dict[str, Any], key: str, n: int) -> np.ndarray:

@@ -194,6 +194,46 @@ bool whole_u64(PyObject* o, uint64_t hi, uint64_t* out) {
     return true;
 }
 
+// Bytes per element of a row's dtype, from the itemsize dict; rows mostly share a dtype, so
+// a lookup is made once per run of them.
+class RowItemsize {
+public:
+    explicit RowItemsize(nb::handle itemsize) : dict_(itemsize.ptr()) {
+        if (!PyDict_Check(dict_)) throw nb::type_error("table_check: itemsize must be a dict");
+    }
+    // False: not an exact str, or not in the dict as a whole number.
+    bool of(PyObject* dtype, uint64_t* size) {
+        if (!PyUnicode_CheckExact(dtype)) return false;
+        if (last_ == nullptr || (dtype != last_ && PyUnicode_Compare(dtype, last_) != 0)) {
+            PyObject* got = PyDict_GetItemWithError(dict_, dtype);  // borrowed
+            if (got == nullptr) {
+                if (PyErr_Occurred()) throw nb::python_error();
+                return false;
+            }
+            if (!whole_u64(got, UINT64_MAX, &size_)) return false;
+            last_ = dtype;
+        }
+        *size = size_;
+        return true;
+    }
+
+private:
+    PyObject* dict_;
+    PyObject* last_ = nullptr;
+    uint64_t size_ = 0;
+};
+
+// A row's elements times its itemsize are its nbytes, at most file_bytes, and (offset not
+// null) its offset is within off_t and its bytes end inside the file (an empty tensor's
+// offset is not read); overflow anywhere fails it.
+bool row_fits(uint64_t elems, uint64_t size, uint64_t nbytes, const uint64_t* offset, uint64_t file_bytes) {
+    uint64_t bytes = 0, end = 0;
+    if (nbytes > file_bytes || __builtin_mul_overflow(elems, size, &bytes) || bytes != nbytes) return false;
+    if (offset == nullptr) return true;
+    return *offset <= INT64_MAX &&
+           (nbytes == 0 || (!__builtin_add_overflow(*offset, nbytes, &end) && end <= file_bytes));
+}
+
 // table_check(dtypes, shapes, nbytes, crcs, offsets, itemsize, file_bytes, max_dims) ->
 // (offsets, nbytes, crcs) as bytes of native uint64, uint64, uint32, or None. None says only
 // that some row needs a closer look (the caller checks row by row): a column not a list of the
@@ -208,7 +248,7 @@ nb::object py_table_check(nb::handle dtypes, nb::handle shapes, nb::handle nbyte
     PyObject* nbs = nbytes.ptr();
     PyObject* cr = crcs.ptr();
     PyObject* of = offsets.is_none() ? nullptr : offsets.ptr();
-    if (!PyDict_Check(itemsize.ptr())) throw nb::type_error("table_check: itemsize must be a dict");
+    RowItemsize sizes(itemsize);
     if (!PyList_CheckExact(dt) || !PyList_CheckExact(sh) || !PyList_CheckExact(nbs) || !PyList_CheckExact(cr) ||
         (of != nullptr && !PyList_CheckExact(of)))
         return nb::none();
@@ -218,20 +258,9 @@ nb::object py_table_check(nb::handle dtypes, nb::handle shapes, nb::handle nbyte
         return nb::none();
     std::vector<uint64_t> out_off(static_cast<size_t>(n), 0), out_nb(static_cast<size_t>(n));
     std::vector<uint32_t> out_crc(static_cast<size_t>(n));
-    PyObject* last_dtype = nullptr;  // rows mostly share a dtype: one lookup per run of them
-    uint64_t size = 0;
     for (Py_ssize_t i = 0; i < n; ++i) {
-        PyObject* d = PyList_GET_ITEM(dt, i);
-        if (!PyUnicode_CheckExact(d)) return nb::none();
-        if (last_dtype == nullptr || (d != last_dtype && PyUnicode_Compare(d, last_dtype) != 0)) {
-            PyObject* got = PyDict_GetItemWithError(itemsize.ptr(), d);  // borrowed
-            if (got == nullptr) {
-                if (PyErr_Occurred()) throw nb::python_error();
-                return nb::none();
-            }
-            if (!whole_u64(got, UINT64_MAX, &size)) return nb::none();
-            last_dtype = d;
-        }
+        uint64_t size = 0;
+        if (!sizes.of(PyList_GET_ITEM(dt, i), &size)) return nb::none();
         PyObject* s = PyList_GET_ITEM(sh, i);
         if (!PyList_CheckExact(s) || static_cast<size_t>(PyList_GET_SIZE(s)) > max_dims) return nb::none();
         uint64_t elems = 1;
@@ -240,17 +269,13 @@ nb::object py_table_check(nb::handle dtypes, nb::handle shapes, nb::handle nbyte
             if (!whole_u64(PyList_GET_ITEM(s, k), INT64_MAX, &dim) || __builtin_mul_overflow(elems, dim, &elems))
                 return nb::none();
         }
-        uint64_t nb_i = 0, crc = 0, bytes = 0;
-        if (!whole_u64(PyList_GET_ITEM(nbs, i), file_bytes, &nb_i) ||
-            !whole_u64(PyList_GET_ITEM(cr, i), UINT32_MAX, &crc) || __builtin_mul_overflow(elems, size, &bytes) ||
-            bytes != nb_i)
+        uint64_t nb_i = 0, crc = 0, off = 0;
+        if (!whole_u64(PyList_GET_ITEM(nbs, i), UINT64_MAX, &nb_i) ||
+            !whole_u64(PyList_GET_ITEM(cr, i), UINT32_MAX, &crc) ||
+            (of != nullptr && !whole_u64(PyList_GET_ITEM(of, i), UINT64_MAX, &off)) ||
+            !row_fits(elems, size, nb_i, of != nullptr ? &off : nullptr, file_bytes))
             return nb::none();
-        if (of != nullptr) {
-            uint64_t off = 0, end = 0;
-            if (!whole_u64(PyList_GET_ITEM(of, i), INT64_MAX, &off)) return nb::none();
-            if (nb_i != 0 && (__builtin_add_overflow(off, nb_i, &end) || end > file_bytes)) return nb::none();
-            out_off[static_cast<size_t>(i)] = off;
-        }
+        out_off[static_cast<size_t>(i)] = off;
         out_nb[static_cast<size_t>(i)] = nb_i;
         out_crc[static_cast<size_t>(i)] = static_cast<uint32_t>(crc);
     }
@@ -268,7 +293,7 @@ bool py_table_check_packed(nb::handle dtypes, nb::handle ndim, nb::handle dims, 
                            nb::handle crcs, nb::handle offsets, nb::handle itemsize, uint64_t file_bytes,
                            size_t max_dims) {
     PyObject* dt = dtypes.ptr();
-    if (!PyDict_Check(itemsize.ptr())) throw nb::type_error("table_check_packed: itemsize must be a dict");
+    RowItemsize sizes(itemsize);
     if (!PyList_CheckExact(dt)) return false;
     const size_t n = static_cast<size_t>(PyList_GET_SIZE(dt));
     Buffer nd(ndim, false), dm(dims, false), nbs(nbytes, false), cr(crcs, false);
@@ -283,32 +308,17 @@ bool py_table_check_packed(nb::handle dtypes, nb::handle ndim, nb::handle dims, 
     const uint64_t* of_p = of ? static_cast<const uint64_t*>(of->data()) : nullptr;
     const size_t n_dims = dm.size() / sizeof(uint64_t);
     size_t at = 0;  // the next row's first dim
-    PyObject* last_dtype = nullptr;
-    uint64_t size = 0;
     for (size_t i = 0; i < n; ++i) {
-        PyObject* d = PyList_GET_ITEM(dt, static_cast<Py_ssize_t>(i));
-        if (!PyUnicode_CheckExact(d)) return false;
-        if (last_dtype == nullptr || (d != last_dtype && PyUnicode_Compare(d, last_dtype) != 0)) {
-            PyObject* got = PyDict_GetItemWithError(itemsize.ptr(), d);  // borrowed
-            if (got == nullptr) {
-                if (PyErr_Occurred()) throw nb::python_error();
-                return false;
-            }
-            if (!whole_u64(got, UINT64_MAX, &size)) return false;
-            last_dtype = d;
-        }
+        uint64_t size = 0;
+        if (!sizes.of(PyList_GET_ITEM(dt, static_cast<Py_ssize_t>(i)), &size)) return false;
         if (nd_p[i] > max_dims || nd_p[i] > n_dims - at) return false;
-        uint64_t elems = 1, bytes = 0;
+        uint64_t elems = 1;
         for (size_t k = 0; k < nd_p[i]; ++k) {
             const uint64_t dim = dm_p[at + k];
             if (dim > INT64_MAX || __builtin_mul_overflow(elems, dim, &elems)) return false;
         }
         at += nd_p[i];
-        if (nb_p[i] > file_bytes || __builtin_mul_overflow(elems, size, &bytes) || bytes != nb_p[i]) return false;
-        uint64_t end = 0;
-        if (of_p != nullptr && (of_p[i] > INT64_MAX ||
-                                (nb_p[i] != 0 && (__builtin_add_overflow(of_p[i], nb_p[i], &end) || end > file_bytes))))
-            return false;
+        if (!row_fits(elems, size, nb_p[i], of_p != nullptr ? &of_p[i] : nullptr, file_bytes)) return false;
     }
     return at == n_dims;  // crcs: 32 bits by their type
 }
