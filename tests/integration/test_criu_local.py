@@ -15,13 +15,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
 from hpcckpt.criu import check, find_criu
 from hpcckpt.errors import CriuError
 from tests.helpers import built_once
+
+from .conftest import SlurmCluster
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
 
@@ -185,7 +186,8 @@ def dump_held(run_dir: Path, proc: subprocess.Popen) -> tuple[int, dict, str]:
     recorded the dump or its failure, the hold is released and the run finished."""
     before = len(dump_events(run_dir))
     proc.send_signal(signal.SIGUSR2)
-    wait_for(lambda: len(dump_events(run_dir)) > before or proc.poll() is not None, "the dump's outcome")
+    SlurmCluster.wait_until(lambda: len(dump_events(run_dir)) > before or proc.poll() is not None, 300,
+                            "the dump's outcome")
     release(run_dir)
     return finish(proc)
 
@@ -221,12 +223,6 @@ def dump_events(run_dir: Path) -> list[dict]:
             continue  # a line an earlier crash left torn (the ledger's readers skip it too)
     return [e for e in events if isinstance(e, dict) and e.get("event") in ("criu_dump", "criu_dump_failed")]
 
-
-def wait_for(done: Callable[[], bool], what: str, *, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        assert time.monotonic() < deadline, f"no sign of {what} within {timeout_s} s"
-        time.sleep(0.05)
 
 
 def test_dump_restore_is_bit_identical(criu_ok: None, reference: dict, tmp_path: Path) -> None:
