@@ -99,6 +99,7 @@ class Checkpointer:
         self.figures = Figures.read(self.root)  # costs measured by earlier allocations
         self.policy.seed(self.figures)
         self.policy.warning_window_s = env_value("warning_window_s", 300.0)
+        self.policy.poll_s = env_value("poll_s", self.policy.poll_s)
         self._stop_at: tuple[int, ...] = env_value("stop_at_steps", ())  # hpcckpt check's stops
         trace = os.environ.get("HPCCKPT_CHECK_TRACE", "").strip()
         self._trace = Path(trace) if trace else None  # hpcckpt check: digests of the state at each step

@@ -220,6 +220,9 @@ TUNABLES: dict[str, Tunable] = {t.env.removeprefix("HPCCKPT_").lower(): t for t 
     Tunable("HPCCKPT_WARNING_WINDOW_S", parse_float, lambda v: _is_num(v) and v >= 0,
             "seconds >= 0: a warning signal with at most this much time left waits for the deadline "
             "(0: every warning stops at once)", "300"),
+    Tunable("HPCCKPT_POLL_S", parse_float, lambda v: _is_num(v) and 0.5 <= v <= 600,
+            "seconds from 0.5 to 600 between the job's reads of its end time, maintenance reservations "
+            "and drain state from Slurm (keep it under the partition's GraceTime)", "5"),
     Tunable("HPCCKPT_CHECK_TRACE", str, lambda v: isinstance(v, str),
             "a file path: each step's state digests are appended there (set by hpcckpt check)", "/tmp/trace.jsonl"),
     Tunable("HPCCKPT_STAGING_ROOT", str, _is_path,

@@ -38,9 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="--mode criu: also take an image every SECONDS while the job runs (criu dump "
                         "--leave-running; later dumps write only dirtied pages), so a kill without warning loses "
                         "at most that much (default 0: images only at a stop)")
-    p.add_argument("--end-poll-s", type=non_negative_seconds, default=10.0, metavar="SECONDS",
+    p.add_argument("--end-poll-s", type=non_negative_seconds, default=None, metavar="SECONDS",
                    help="--mode criu under Slurm: read the job's end time this often; a preemption with GraceTime "
-                        "pulls it in, and the job is dumped then (default 10; 0: off)")
+                        "pulls it in, and the job is dumped then (default HPCCKPT_POLL_S, else 10; 0: off)")
     p.add_argument("--lead-s", type=non_negative_seconds, default=None, metavar="SECONDS",
                    help="--mode criu: the LEAD of `#SBATCH --signal=B:USR2@LEAD`; a warning that slurmctld's coarse "
                         "tick delivers earlier waits until LEAD seconds before the end (default: dump at once)")
@@ -63,7 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> RunOptions:
-    from ..config import parse_signals
+    from ..config import env_value, parse_signals
     from ..criu.ops import DumpOptions
     from ..criu.supervisor import RunOptions
 
@@ -71,11 +71,12 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     run_dir = directory(args.dir, option="--dir", must_exist=False)
+    end_poll_s = args.end_poll_s if args.end_poll_s is not None else env_value("poll_s", 10.0)
     return RunOptions(dir=run_dir, cmd=tuple(cmd), mode=args.mode, dump_signals=parse_signals(args.signal, option="--signal"),
                       keep=args.keep, on_restore_failure=args.on_restore_failure,
                       dump=DumpOptions(tcp_established=args.tcp_established, ext_unix_sk=args.ext_unix_sk),
                       cuda_lock_timeout_ms=int(args.cuda_lock_timeout_s * 1000), criu_path=args.criu,
-                      dump_every_s=args.dump_every, end_poll_s=args.end_poll_s, json_stdout=bool(args.json),
+                      dump_every_s=args.dump_every, end_poll_s=end_poll_s, json_stdout=bool(args.json),
                       lead_s=args.lead_s)
 
 

@@ -202,6 +202,14 @@ def _start_munge() -> None:
         pytest.fail(f"slurm/localcluster munge failed:\n{proc.stdout}\n{proc.stderr}")
 
 
+@pytest.fixture(autouse=True)
+def _poll_within_grace(_isolated_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The local partitions' GraceTime is 10 s: the jobs a test submits read their end time
+    every 2 s (as a site with a short GraceTime sets HPCCKPT_POLL_S), not every 15 s, so a
+    preemption is noticed early in its grace instead of after most of it."""
+    monkeypatch.setenv("HPCCKPT_POLL_S", "2")
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[SlurmCluster]:
     _require_tools()

@@ -15,6 +15,7 @@ from typing import Callable
 import pytest
 
 from hpcckpt.api import Checkpointer, RefusedExit, RequeueExit
+from hpcckpt.errors import ConfigError
 from hpcckpt.exitcodes import EXIT_PROBLEM
 from hpcckpt.ledger import Ledger
 from hpcckpt.policy import Figures
@@ -75,6 +76,33 @@ def test_a_warning_long_before_the_deadline_stops_there_not_at_once(ckdir: Path,
 def test_a_term_still_stops_at_the_next_step(ckdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     stop = stopped(ckdir, monkeypatch, {2: usr2, 5: lambda _c: os.kill(os.getpid(), signal.SIGTERM)})
     assert stop.step == 6 and stop.reason == "signal"
+
+
+@pytest.mark.parametrize(("poll_s", "stop_step"), [(None, 15), ("2", 6)])
+def test_poll_s_is_how_soon_an_end_time_pulled_in_is_seen(ckdir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          poll_s: str | None, stop_step: int) -> None:
+    """Every step takes 1 s of the clock; after step 5 the end time is pulled in (a preemption's
+    GraceTime, still further away than the stop's lead). The job reads its end time as it
+    starts (t=0) and then every HPCCKPT_POLL_S: 15 s by default (the stop comes at step 15,
+    t=15), 2 s when set (step 6, t=6)."""
+    if poll_s is not None:
+        monkeypatch.setenv("HPCCKPT_POLL_S", poll_s)
+
+    def tick(clock: Clock) -> None:
+        clock.t += 1
+
+    def preempted(clock: Clock) -> None:
+        clock.t += 1
+        monkeypatch.setenv("HPCCKPT_END_TIME", str(clock.t + 150))
+
+    stop = stopped(ckdir, monkeypatch, {s: preempted if s == 5 else tick for s in range(50)})
+    assert (stop.step, stop.reason) == (stop_step, "deadline")
+
+
+def test_a_bad_poll_s_is_refused_naming_it(ckdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HPCCKPT_POLL_S", "0")
+    with pytest.raises(ConfigError, match="HPCCKPT_POLL_S='0' is invalid: expected seconds from 0.5 to 600"):
+        Checkpointer(ckdir)
 
 
 def test_an_allocation_too_short_for_a_step_and_a_save_is_refused_with_figures(
