@@ -34,6 +34,7 @@ FORMATS = ("hdf5", "torch")
 # records as columns (``tensor_table``, ``store.tensortable``); v4: v3 with the columns of
 # whole numbers packed (one base64 string each).
 FORMAT_V1, FORMAT_V2, FORMAT_V3, FORMAT_V4 = "hpcckpt/1", "hpcckpt/2", "hpcckpt/3", "hpcckpt/4"
+FORMAT = FORMAT_V4  # what this version writes
 DISTRIBUTED_FORMATS = (FORMAT_V2, FORMAT_V3, FORMAT_V4)  # those that record the distributed layout
 MAX_WORLD_SIZE = 1 << 20
 MAX_DIMS = 64
@@ -45,6 +46,20 @@ _REF_KEYS = ("__tensor__", "__ndarray__")
 
 class Invalid(CheckpointCorrupt):
     """A manifest field that cannot be trusted."""
+
+
+NEWER = "written by a newer hpcckpt"  # in the problem of a NewerFormat manifest (``resume``)
+
+
+class NewerFormat(Invalid):
+    """An intact manifest in a format newer than this version reads: written by a newer
+    hpcckpt, not damaged. A resume refuses to pass over it to an older step."""
+
+
+def format_number(fmt: Any) -> int | None:
+    """N of a format name ``hpcckpt/N``, None for anything else."""
+    m = re.fullmatch(r"hpcckpt/([1-9][0-9]{0,5})", fmt) if isinstance(fmt, str) else None
+    return int(m.group(1)) if m else None
 
 
 def _int(value: Any, what: str, *, lo: int = 0, hi: int | None = None) -> int:
@@ -292,7 +307,7 @@ def build(*, step: int, engine: str, job: Mapping[str, Any], user: Mapping[str, 
     if files is None:
         files = {rec["file"]: rec["file_info"] for rec in records if "file_info" in rec}
     return {
-        "format": FORMAT_V4,
+        "format": FORMAT,
         "step": step,
         "world_size": len(records),
         "engine": engine,
@@ -313,6 +328,10 @@ def validate(manifest: Mapping[str, Any], *, step: int | None, meta: bool = True
     ``meta=False``: all but the ranks' metadata trees, which ``validate_meta`` checks
     then (everything that says which bytes to read is checked without them).
     """
+    newer = format_number(manifest.get("format"))
+    if newer is not None and newer > (format_number(FORMAT) or 0):
+        raise NewerFormat(f"manifest format {manifest.get('format')!r} was {NEWER} (this one reads up to "
+                          f"{FORMAT}): upgrade hpcckpt in this job's environment to resume it")
     m_step = _int(manifest.get("step"), "manifest step")
     if step is not None and m_step != step:
         raise Invalid(f"manifest says step {m_step} but sits in the directory of step {step}")
@@ -429,7 +448,7 @@ def encode(manifest: Mapping[str, Any]) -> dict[str, Any]:
     if out.get("format") not in DISTRIBUTED_FORMATS or not isinstance(ranks, dict):
         return out
     out["ranks"] = {r: record_out(rec) if isinstance(rec, dict) else rec for r, rec in ranks.items()}
-    out["format"] = FORMAT_V4
+    out["format"] = FORMAT
     return out
 
 
