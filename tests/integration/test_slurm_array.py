@@ -60,7 +60,7 @@ def test_history_of_an_array_task_names_it_and_each_cause(
     # The second run has ~55 s of training left when the preemption is submitted, so that it is
     # still training when the preemption reaches it however loaded the machine (with 60 steps it
     # once finished first: 10 s were not enough).
-    steps = 300
+    steps = 150  # runs 0 and 1 train 8 + 5 steps and what comes before each stop lands (~25 at most)
     run_dir = tmp_path / "task"
     array = slurm_cluster.submit_demo("single", run_dir, "--array=1", "-p", "low", "--exclusive", steps=steps,
                                       sleep_s=0.2)
@@ -96,7 +96,7 @@ def test_a_duplicate_of_an_array_task_is_superseded_in_history(
     # A second job on the directory of a running array task (as a successor and a requeued
     # original both started would be): it leaves at once, exit 0, and history names it, the
     # cause 'superseded' and the task that held the directory; the task finishes untouched.
-    steps = 400
+    steps = 250  # 50 s of training left after the duplicate is submitted: it starts and gives way first
     run_dir = tmp_path / "task"
     array = slurm_cluster.submit_demo("single", run_dir, "--array=2", "-p", "low", steps=steps, sleep_s=0.2)
     task = f"{array}_2"
