@@ -21,7 +21,7 @@ from typing import Any
 
 from hpcckpt.cluster.env import JobEnv
 from hpcckpt.cluster.scontrol import parse_duration_s, parse_records, run_slurm, show_config
-from hpcckpt.config import parse_signal, parse_signals
+from hpcckpt.config import env_value, parse_signal, parse_signals
 from hpcckpt.errors import ClusterError, ConfigError
 
 log = logging.getLogger("hpcckpt.doctor")
@@ -249,9 +249,28 @@ def check_signal_choice(ctx: DoctorContext) -> list[Check]:
     return out
 
 
+def notice_s(ctx: DoctorContext) -> tuple[float, str]:
+    """How late a GraceTime preemption may be noticed, and why: 0 when it sends the job's
+    --signal (``send_user_signal``), else one read of the end time (``HPCCKPT_POLL_S``, 15 s;
+    CRIU mode: ``--end-poll-s``, by default HPCCKPT_POLL_S or 10 s)."""
+    if ctx.slurm_config is not None and sends_user_signal(ctx.slurm_config):
+        return 0.0, "its start sends the --signal"
+    criu = _is_criu(ctx)
+    flag = re.search(r"--end-poll-s[= ]([0-9.]+)", ctx.script_text or "") if criu else None
+    try:
+        poll = float(flag.group(1)) if flag else env_value("poll_s", 10.0 if criu else 15.0, ctx.env.environ)
+    except (ConfigError, ValueError):
+        poll = 10.0 if criu else 15.0  # the bad setting is the job's own error, with its fix
+    what = "--end-poll-s" if flag else "HPCCKPT_POLL_S"
+    return poll, f"it is noticed at the next read of the end time ({what}={poll:g}s)"
+
+
 def check_grace_time(ctx: DoctorContext) -> list[Check]:
+    """GraceTime against what a preemption needs: being noticed (``notice_s``), then the
+    final save (x1.5) and the requeue."""
     out = []
     save = ctx.worst_save_s or 10.0
+    notice, how = notice_s(ctx)
     for part in ctx.partitions:
         mode = part.get("PreemptMode", "OFF").upper()
         if mode in {"OFF", ""} or part.get("PriorityTier") is None:
@@ -259,15 +278,19 @@ def check_grace_time(ctx: DoctorContext) -> list[Check]:
         raw = part.get("GraceTime", "0")
         # Partitions print GraceTime in plain seconds; a clock form is read as a duration.
         grace = float(raw) if raw.isdigit() else (parse_duration_s(raw) or 0.0)
-        ok = grace >= save * 1.5 + 2
+        need = notice + save * 1.5 + 2
+        ok = grace >= need
+        fixes = [f"ask the admins for GraceTime>={int(need + 1)} on this partition"]
+        if notice > 0 and grace >= save * 1.5 + 2 + 0.5:
+            fixes.insert(0, f"read the end time more often: HPCCKPT_POLL_S={max(0.5, int(grace - save * 1.5 - 2)):g} "
+                            "(or fewer) in the job's environment" + (", or --end-poll-s" if _is_criu(ctx) else ""))
+        fixes.append("take periodic images (`hpcckpt run --mode criu --dump-every SECONDS`) so little is lost"
+                     if _is_criu(ctx) else "checkpoint more often (every_steps) so little is lost")
         out.append(Check(
             name=f"GraceTime {part.get('PartitionName')}", ok=ok, level="ok" if ok else "warn",
-            detail=f"partition {part.get('PartitionName')}: PreemptMode={mode}, GraceTime={grace:.0f}s; "
-                   f"final save needs ~{save:.1f}s",
-            fix="" if ok else f"ask the admins for GraceTime>={int(save * 1.5 + 3)} on this partition, or "
-                              + ("take periodic images (`hpcckpt run --mode criu --dump-every SECONDS`) so little "
-                                 "is lost" if _is_criu(ctx) else
-                                 "checkpoint more often (every_steps) so little is lost")))
+            detail=f"partition {part.get('PartitionName')}: PreemptMode={mode}, GraceTime={grace:.0f}s; a "
+                   f"preemption needs ~{need:.0f}s: {how}, then the final save (~{save:.1f}s, x1.5) and the requeue",
+            fix="" if ok else "; or ".join(fixes)))
     return out
 
 
@@ -316,7 +339,8 @@ def check_preempt_signal(ctx: DoctorContext) -> list[Check]:
             "it only pulls the job's end time in")
     detail = (f"{said}; at the grace's end (and at the time limit) every process gets TERM, then KILL "
               f"KillWait={kill_wait} later. In-process (Checkpointer, --mode app): the job stops at the next "
-              "step on the --signal, on the moved end time (read every 15 s) or on TERM, and its final save must "
+              "step on the --signal, on the moved end time (read every HPCCKPT_POLL_S, 15 s) or on TERM, and its "
+              "final save must "
               "fit GraceTime. CRIU (--mode criu): the supervisor dumps on the --signal, on the moved end time "
               "(read every --end-poll-s) or on TERM (the job itself ignores TERM); a dump that starts at TERM "
               f"must fit KillWait={kill_wait} s.")

@@ -59,13 +59,30 @@ def test_usr1_clash_and_unhandled_signal(monkeypatch: object) -> None:
     assert not names["signal handled"].ok
 
 
-def test_grace_time_vs_save_cost() -> None:
+def test_grace_time_vs_notice_and_save_cost() -> None:
+    """A GraceTime preemption must be noticed (one end-time read, HPCCKPT_POLL_S, unless its
+    start sends the --signal), then saved (x1.5) and requeued within the grace."""
     parts = ({"PartitionName": "low", "PreemptMode": "REQUEUE", "GraceTime": "10", "PriorityTier": "1"},
              {"PartitionName": "high", "PreemptMode": "OFF", "GraceTime": "0", "PriorityTier": "10"})
-    (low,) = check_grace_time(_ctx("", partitions=parts, save_costs_s=(30.0,)))
-    assert not low.ok and "GraceTime>=48" in low.fix
-    (ok,) = check_grace_time(_ctx("", partitions=parts, save_costs_s=(2.0,)))
+    signalled = {"PreemptParameters": "send_user_signal"}
+    (low,) = check_grace_time(_ctx("", partitions=parts, save_costs_s=(30.0,), slurm_config=signalled))
+    assert not low.ok and "GraceTime>=48" in low.fix and "HPCCKPT_POLL_S" not in low.fix
+    (ok,) = check_grace_time(_ctx("", partitions=parts, save_costs_s=(2.0,), slurm_config=signalled))
     assert ok.ok
+    # Without the signal a 2 s save still misses a 10 s grace when the end time is read every 15 s...
+    (slow,) = check_grace_time(_ctx("", partitions=parts, save_costs_s=(2.0,), slurm_config={}))
+    assert not slow.ok and "HPCCKPT_POLL_S=15" in slow.detail and slow.fix.startswith("read the end time more often: "
+                                                                                      "HPCCKPT_POLL_S=5 ")
+    assert "GraceTime>=21" in slow.fix
+    # ... and fits when it is read every 2 s.
+    fast = DoctorContext(script_text="", env=JobEnv(environ={"HPCCKPT_POLL_S": "2"}), partitions=parts,
+                         save_costs_s=(2.0,), slurm_config={})
+    (good,) = check_grace_time(fast)
+    assert good.ok and "HPCCKPT_POLL_S=2s" in good.detail
+    # CRIU mode reads its own interval from the script.
+    criu = "hpcckpt run --mode criu --end-poll-s 1 -- python train.py\n"
+    (img,) = check_grace_time(_ctx(criu, partitions=parts, save_costs_s=(2.0,), slurm_config={}))
+    assert img.ok and "--end-poll-s=1s" in img.detail
 
 
 def test_foreign_checks_are_adopted() -> None:
