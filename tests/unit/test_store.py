@@ -564,3 +564,51 @@ def test_a_commit_lists_the_files_os_walk_finds(tmp_path: Path) -> None:
     got = list(_relative_files(str(top)))
     assert sorted(rel for rel, _ in got) == want == ["a", "b", "flink", "sub/c", "sub/deeper/d"]
     assert all(path == str(top / rel) for rel, path in got)
+
+
+@pytest.mark.parametrize(("keep", "root_fsyncs"), [(2, 1), (1, 2)])
+def test_a_commit_and_its_retention_share_one_fsync_of_the_root_when_two_are_kept(
+        ckdir: Path, monkeypatch: pytest.MonkeyPatch, keep: int, root_fsyncs: int) -> None:
+    """keep >= 2 with deferred deletion: the new step's rename, LATEST and retention's renames
+    aside are made durable by one fsync of the root (whichever of them a crash keeps, the
+    checkpoint before this one is not a victim); keep=1: the victim is that checkpoint, so the
+    new step is durable (its own fsync) before the victim is renamed aside. Either way nothing
+    pruned is deleted before the last fsync, and the caller's later deletion removes it."""
+    from hpcckpt.store import commit as commit_mod
+    from hpcckpt.store.commit import remove_trash
+    from hpcckpt.store.publish import commit_and_prune
+    for s in range(1, 4):
+        with Transaction(ckdir, f"step-{s}") as txn:
+            (txn.path / "f").write_bytes(b"x")
+            txn.commit(minimal(s))
+    events: list[str] = []
+    real_fsync, real_rename = commit_mod.fsync_path, os.rename
+
+    def fsync(path: Path) -> None:
+        if Path(path) == ckdir:
+            events.append("fsync root")
+        real_fsync(path)
+
+    def rename(src: object, dst: object) -> None:
+        if Path(str(dst)).name.startswith(".trash-"):
+            events.append(f"aside {Path(str(src)).name}")
+        real_rename(src, dst)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(commit_mod, "fsync_path", fsync)
+    monkeypatch.setattr("hpcckpt.store.publish.fsync_path", fsync)
+    monkeypatch.setattr(commit_mod.os, "rename", rename)
+    trash: list[Path] = []
+    txn = Transaction(ckdir, "step-4")
+    (txn.path / "f").write_bytes(b"x")
+    path, warnings, removed = commit_and_prune(txn, minimal(4), keep=keep, trash=trash)
+    assert path == ckdir / "step-4" and warnings == []
+    assert events.count("fsync root") == root_fsyncs, events
+    assert events[-1] == "fsync root", events  # every rename aside before the last fsync
+    if keep == 1:
+        assert events[0] == "fsync root", events  # step-4 durable before step-3 is renamed aside
+    victims = sorted(p.name for p in removed)
+    assert victims == (["step-1", "step-2"] if keep == 2 else ["step-1", "step-2", "step-3"])
+    assert all(p.is_dir() for p in trash)  # not deleted yet: the caller deletes after the save
+    remove_trash(trash)
+    kept = sorted(p.name for p in ckdir.iterdir() if p.is_dir())
+    assert kept == (["step-3", "step-4"] if keep == 2 else ["step-4"])
