@@ -498,8 +498,7 @@ def _quick_victims(root: Path, keep: int, protected: set[str], key: str) -> list
     return victims
 
 
-def prune(root: Path, keep: int, *, protect: set[Path] | None = None, trash: list[Path] | None = None,
-          sync: bool = True) -> list[Path]:
+def prune(root: Path, keep: int, *, protect: set[Path] | None = None, trash: list[Path] | None = None) -> list[Path]:
     """Delete old checkpoints beyond the newest ``keep`` committed ones; call under the writer lock.
 
     The newest checkpoint that verifies (manifest checksum and file sizes; the
@@ -510,7 +509,6 @@ def prune(root: Path, keep: int, *, protect: set[Path] | None = None, trash: lis
     half-deleted directory under a checkpoint's name. ``trash``: the renamed-aside trees
     are appended there for the caller to delete later (``commit.remove_trash``, e.g. once
     the save that pruned them has been reported durable) instead of being deleted here.
-    ``sync=False`` (with ``trash``): the renames aside are left for the caller's fsync of ``root``.
 
     The cost does not grow with how many are kept: the directory is listed once, step
     directories this process already knows to be committed (same inode) are not opened
@@ -522,7 +520,7 @@ def prune(root: Path, keep: int, *, protect: set[Path] | None = None, trash: lis
     quick = _quick_victims(root, keep, protected, key)
     if quick is not None:
         if quick:
-            discard(root, quick, trash=trash, sync=sync)
+            discard(root, quick, trash=trash)
         return quick
     latest = read_latest(root)
     known = _known(key)
@@ -555,7 +553,7 @@ def prune(root: Path, keep: int, *, protect: set[Path] | None = None, trash: lis
         if e.name == latest or (status == "corrupt" and not seen_good):
             continue  # corrupt and newer than every good one: evidence for a human
         victims.append(e.path)
-    discard(root, victims, trash=trash, sync=sync)
+    discard(root, victims, trash=trash)
     return victims
 
 

@@ -393,7 +393,7 @@ def read_latest(root: Path) -> str | None:
     return name
 
 
-def discard(root: Path, paths: list[Path], *, trash: list[Path] | None = None, sync: bool = True) -> None:
+def discard(root: Path, paths: list[Path], *, trash: list[Path] | None = None) -> None:
     """Delete directories of ``root`` so that none is ever seen half-deleted.
 
     Each is first renamed aside to a hidden ``.trash-`` name that the catalog never
@@ -401,12 +401,8 @@ def discard(root: Path, paths: list[Path], *, trash: list[Path] | None = None, s
     at any instant leaves either the whole directory or an invisible leftover, which
     the next ``discard`` (``sweep_trash``) removes. Call under the writer lock.
     ``trash``: the trees are appended there instead, for ``remove_trash`` (no lock needed:
-    they are invisible and each is deleted whole or left for a later sweep). ``sync=False``
-    (only with ``trash``): the caller fsyncs ``root`` before anything in ``trash`` is deleted
-    (``publish.commit_and_prune``: one fsync for a commit's renames and its retention's).
+    they are invisible and each is deleted whole or left for a later sweep).
     """
-    if not sync and trash is None:
-        raise ValueError("discard(sync=False) defers the fsync to the caller: the trees must go to trash")
     aside: list[Path] = []
     for path in paths:
         target = root / f"{TRASH_PREFIX}{path.name}-{secrets.token_hex(4)}"  # ``trashed_name`` reads it back
@@ -415,7 +411,7 @@ def discard(root: Path, paths: list[Path], *, trash: list[Path] | None = None, s
         except FileNotFoundError:
             continue  # already gone
         aside.append(target)
-    if aside and sync:
+    if aside:
         fsync_path(root)
     doomed = aside + sweep_candidates(root, exclude=set(aside) | set(trash or ()))
     if trash is not None:
@@ -545,12 +541,10 @@ class Transaction:
         return files
 
     def commit(self, manifest: dict[str, Any], *, checksum: bool | set[str] = True,
-               fsync_files: bool = True, update_latest: bool = True, sync_root: bool = True) -> Path:
+               fsync_files: bool = True, update_latest: bool = True) -> Path:
         """Make the checkpoint durable and visible. Coordinator only.
 
         ``fsync_files=False`` when the writers have already fsynced their files.
-        ``sync_root=False``: the caller fsyncs the root after more renames there (retention's,
-        ``publish.commit_and_prune``); the step is visible, durable once that fsync returns.
         """
         manifest = dict(manifest)
         files = self.describe_files(checksum=checksum)
@@ -575,8 +569,7 @@ class Transaction:
         self.committed = True
         if update_latest:  # a hint: its rename is made durable by the one fsync of the root below
             self._after_rename("update LATEST", replace_hint, self.root / LATEST, (self.name + "\n").encode())
-        if sync_root or replaced:  # the replaced copy is removed only once the swap is durable
-            self._after_rename("make the rename durable (fsync of the checkpoint root)", fsync_path, self.root)
+        self._after_rename("make the rename durable (fsync of the checkpoint root)", fsync_path, self.root)
         if replaced:
             self._after_rename("remove the replaced copy", discard, self.root, [self.path])
         return self.final

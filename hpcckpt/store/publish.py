@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import catalog
-from .commit import Transaction, fsync_path
+from .commit import Transaction
 from .manifest import record_in, record_out
 from .lock import CommitLock, writer_lock
 
@@ -59,29 +59,16 @@ def commit_and_prune(txn: Transaction, manifest: dict[str, Any], *, keep: int | 
     instead of a ``writer_lock`` made for this commit.
     """
     warnings: list[str] = []
-    # One fsync of the root for the commit's rename and retention's renames aside, when the
-    # pruned trees are deleted later (``trash``) and at least two are kept: whichever of those
-    # renames a crash keeps, the checkpoint before this one is never among the victims (it
-    # is the second newest kept), and nothing pruned is deleted before the fsync returns.
-    fold = keep is not None and keep >= 2 and trash is not None
     with (lock(lock_timeout_s) if lock is not None else writer_lock(txn.root, timeout_s=lock_timeout_s)):
         if precheck is not None:
             precheck()
-        path = txn.commit(manifest, checksum=False, fsync_files=False, sync_root=not fold)
+        path = txn.commit(manifest, checksum=False, fsync_files=False)
         warnings += txn.warnings
         if keep is None:
             return path, warnings, []
         try:
-            removed = catalog.prune(txn.root, keep, protect={path}, trash=trash, sync=not fold)
+            removed = catalog.prune(txn.root, keep, protect={path}, trash=trash)
         except OSError as exc:
             warnings.append(f"{txn.name} is committed, but retention could not prune older checkpoints: {exc}")
             removed = []
-        if fold:
-            try:
-                fsync_path(txn.root)
-            except OSError as exc:
-                warnings.append(f"step {txn.name} is committed, but could not make the rename durable (fsync of "
-                                f"the checkpoint root): {exc}")
-                if trash is not None:
-                    trash.clear()  # the renames aside may not be durable: nothing is deleted on them
     return path, warnings, removed
