@@ -86,7 +86,9 @@ def _candidates(root: Path, ranks: Ranks, tried: set[str]) -> tuple[list[dict[st
     doc = ranks.broadcast_json(doc)
     if doc.get("newer"):
         raise ConfigError(f"{doc['newer']}. This hpcckpt will not resume an older checkpoint instead (that "
-                          "would lose the steps since): run the job with the hpcckpt that wrote it, or newer")
+                          "would lose the steps since): run the job with the hpcckpt that wrote it, or newer; "
+                          "to go back to the older step on purpose, move that step directory out of the "
+                          "checkpoint directory")
     return doc["candidates"], [(int(s), str(p)) for s, p in doc["unusable"]]
 
 

@@ -30,7 +30,7 @@ from .._gc import collector_paused
 from ..errors import CheckpointCorrupt
 from ..fsio import write_all
 from .checksum import fd_crc32c
-from .manifest import decode, encode, safe_relpath
+from .manifest import decode, encode, refuse_newer, safe_relpath
 
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
@@ -223,6 +223,7 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
     if not _sealed_ok(raw, data):
         raise CheckpointCorrupt(f"{path} fails its own checksum: the manifest is damaged")
     try:
+        refuse_newer(data)
         with collector_paused():  # a packed table's shapes: a list per tensor, none in a cycle
             decode(data)
     except CheckpointCorrupt as exc:

@@ -62,6 +62,16 @@ def format_number(fmt: Any) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def refuse_newer(manifest: Mapping[str, Any]) -> None:
+    """``NewerFormat`` for a manifest whose format is ``hpcckpt/N`` above ``FORMAT``. Asked
+    before anything else of it is decoded (``commit.read_manifest``): a newer format may
+    encode its records in a way this version cannot even decode."""
+    newer = format_number(manifest.get("format"))
+    if newer is not None and newer > (format_number(FORMAT) or 0):
+        raise NewerFormat(f"manifest format {manifest.get('format')!r} was {NEWER} (this one reads up to "
+                          f"{FORMAT}): upgrade hpcckpt in this job's environment to resume it")
+
+
 def _int(value: Any, what: str, *, lo: int = 0, hi: int | None = None) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise Invalid(f"{what} is {value!r}, not a whole number")
@@ -328,10 +338,7 @@ def validate(manifest: Mapping[str, Any], *, step: int | None, meta: bool = True
     ``meta=False``: all but the ranks' metadata trees, which ``validate_meta`` checks
     then (everything that says which bytes to read is checked without them).
     """
-    newer = format_number(manifest.get("format"))
-    if newer is not None and newer > (format_number(FORMAT) or 0):
-        raise NewerFormat(f"manifest format {manifest.get('format')!r} was {NEWER} (this one reads up to "
-                          f"{FORMAT}): upgrade hpcckpt in this job's environment to resume it")
+    refuse_newer(manifest)
     m_step = _int(manifest.get("step"), "manifest step")
     if step is not None and m_step != step:
         raise Invalid(f"manifest says step {m_step} but sits in the directory of step {step}")

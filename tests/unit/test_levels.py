@@ -79,3 +79,32 @@ def test_without_node_local_copies_the_shared_level_is_restored(tmp_path: Path) 
     run_world(tmp_path, WORLD, "--phase", "resume", "--total", "30", *common)
     assert {(result(tmp_path, "resume", r)["restored"], result(tmp_path, "resume", r)["level"])
             for r in range(WORLD)} == {(20, "shared")}
+
+
+@pytest.mark.slow
+def test_a_shared_step_written_by_a_newer_hpcckpt_is_not_passed_over_for_an_older_node_local_one(
+        tmp_path: Path) -> None:
+    """The shared level's newest step is in a format this version does not read (a newer
+    hpcckpt wrote it; made here by renaming step 20 to 30 and marking it hpcckpt/99), and the
+    node-local level holds step 25: restoring 25 would lose steps 26-30. Every rank refuses,
+    naming the newer checkpoint, and nothing is deleted."""
+    import json
+
+    from hpcckpt.store.commit import MANIFEST, crc32c, readable_json
+    ckpt, local = _dirs(tmp_path)
+    common = ("--ckpt", str(ckpt), "--local-every", "1", "--local-dir", local, "--ranks-per-node", "2",
+              "--every", "10")
+    run_world(tmp_path, WORLD, "--phase", "save", "--stop-at", "30", "--crash-at", "25", *common)
+    (ckpt / "step-20").rename(ckpt / "step-30")
+    m = json.loads((ckpt / "step-30" / MANIFEST).read_text())
+    m.pop("manifest_crc32c")
+    m["format"] = "hpcckpt/99"
+    head = readable_json(m).encode()[:-3]
+    (ckpt / "step-30" / MANIFEST).write_bytes(head + f',\n "manifest_crc32c": {crc32c(head)}\n}}\n'.encode())
+    codes = run_world(tmp_path, WORLD, "--phase", "resume", "--total", "40", *common, expect=None)
+    assert all(c != 0 for c in codes), codes
+    logs = [(tmp_path / f"log-resume-r{r}.txt").read_text() for r in range(WORLD)]
+    assert all("written by a newer hpcckpt" in log and "will not resume an older checkpoint" in log
+               for log in logs), logs[0][-2000:]
+    node0 = local_root(ckpt, local, "node-0", None)
+    assert (ckpt / "step-30").is_dir() and catalog.inspect_step(node0, 25) is not None

@@ -219,10 +219,13 @@ def test_an_older_format_checkpoint_verifies_and_resumes_exactly(tmp_path: Path,
 
 
 @pytest.mark.native
-def test_a_checkpoint_in_a_newer_format_is_not_passed_over_for_an_older_one(tmp_path: Path) -> None:
+@pytest.mark.parametrize("encoding", ["same", "new columns"])
+def test_a_checkpoint_in_a_newer_format_is_not_passed_over_for_an_older_one(tmp_path: Path, encoding: str) -> None:
     """An intact manifest in a format this version does not know was written by a newer
     hpcckpt (a job downgraded by mistake): listed as unreadable with the fix, and a resume
-    refuses instead of rewinding to the older checkpoint; nothing is deleted."""
+    refuses instead of rewinding to the older checkpoint; nothing is deleted. Also when the
+    newer format encodes its records in a way this version cannot decode (the format is
+    asked first)."""
     objs = tiny_state(0)
     with Checkpointer(tmp_path, engine="sync", every_steps=3, keep=3) as ck:
         ck.register(**objs)
@@ -231,12 +234,15 @@ def test_a_checkpoint_in_a_newer_format_is_not_passed_over_for_an_older_one(tmp_
     m = json.loads((tmp_path / "step-6" / MANIFEST).read_text())
     m.pop("manifest_crc32c")
     m["format"] = "hpcckpt/99"
+    if encoding == "new columns":
+        m["ranks"]["0"]["tensor_table"] = {"v99cols": "AAAA"}
     head = readable_json(m).encode()[:-3]
     (tmp_path / "step-6" / MANIFEST).write_bytes(head + f',\n "manifest_crc32c": {crc32c(head)}\n}}\n'.encode())
     info = catalog.inspect_step(tmp_path, 6)
     assert info is not None and info.status == "corrupt", info
     assert "written by a newer hpcckpt" in info.problems[0] and "upgrade hpcckpt" in info.problems[0], info.problems
-    with pytest.raises(ConfigError, match=r"newer hpcckpt.*will not resume an older checkpoint instead"):
+    with pytest.raises(ConfigError, match=r"newer hpcckpt.*will not resume an older checkpoint instead.*move "
+                                          r"that step directory out"):
         with Checkpointer(tmp_path, engine="sync", every_steps=None) as ck:
             ck.register(**tiny_state(1))
     assert (tmp_path / "step-6").is_dir() and (tmp_path / "step-3").is_dir()
