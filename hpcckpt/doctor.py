@@ -270,7 +270,9 @@ def check_grace_time(ctx: DoctorContext) -> list[Check]:
     final save (x1.5) and the requeue."""
     out = []
     save = ctx.worst_save_s or 10.0
+    after = save * 1.5 + 2  # from the notice: the final save and the requeue
     notice, how = notice_s(ctx)
+    criu = _is_criu(ctx)
     for part in ctx.partitions:
         mode = part.get("PreemptMode", "OFF").upper()
         if mode in {"OFF", ""} or part.get("PriorityTier") is None:
@@ -278,14 +280,14 @@ def check_grace_time(ctx: DoctorContext) -> list[Check]:
         raw = part.get("GraceTime", "0")
         # Partitions print GraceTime in plain seconds; a clock form is read as a duration.
         grace = float(raw) if raw.isdigit() else (parse_duration_s(raw) or 0.0)
-        need = notice + save * 1.5 + 2
+        need = notice + after
         ok = grace >= need
         fixes = [f"ask the admins for GraceTime>={int(need + 1)} on this partition"]
-        if notice > 0 and grace >= save * 1.5 + 2 + 0.5:
-            fixes.insert(0, f"read the end time more often: HPCCKPT_POLL_S={max(0.5, int(grace - save * 1.5 - 2)):g} "
-                            "(or fewer) in the job's environment" + (", or --end-poll-s" if _is_criu(ctx) else ""))
+        if notice > 0 and grace >= after + 0.5:
+            fixes.insert(0, f"read the end time more often: HPCCKPT_POLL_S={max(0.5, int(grace - after)):g} "
+                            "(or fewer) in the job's environment" + (", or --end-poll-s" if criu else ""))
         fixes.append("take periodic images (`hpcckpt run --mode criu --dump-every SECONDS`) so little is lost"
-                     if _is_criu(ctx) else "checkpoint more often (every_steps) so little is lost")
+                     if criu else "checkpoint more often (every_steps) so little is lost")
         out.append(Check(
             name=f"GraceTime {part.get('PartitionName')}", ok=ok, level="ok" if ok else "warn",
             detail=f"partition {part.get('PartitionName')}: PreemptMode={mode}, GraceTime={grace:.0f}s; a "

@@ -33,7 +33,6 @@ from .errors import CheckpointCorrupt, ConfigError, HpcckptError, StateRefused
 from .ranks import Ranks
 from .state import Flat, python_rng, unflatten
 from .store import catalog
-from .store.manifest import NEWER
 
 log = logging.getLogger("hpcckpt")
 
@@ -80,9 +79,8 @@ def _candidates(root: Path, ranks: Ranks, tried: set[str]) -> tuple[list[dict[st
         doc["candidates"] += [{"step": e.step, "key": f"{e.step}:{e.inode}"}
                               for e in itertools.islice(untried, OLDER_WINDOW)]
         doc["unusable"] = [[i.step, (i.problems or [i.status])[0]] for i in inspected if i.status != "committed"]
-        # Newer than every committed one (inspected stops there): passing over it would rewind.
-        doc["newer"] = next((f"{i.path}: {i.problems[0]}" for i in inspected
-                             if i.status != "committed" and i.problems and NEWER in i.problems[0]), None)
+        newer = catalog.written_by_newer(inspected)
+        doc["newer"] = f"{newer.path}: {newer.problems[0]}" if newer is not None else None
     doc = ranks.broadcast_json(doc)
     if doc.get("newer"):
         raise ConfigError(f"{doc['newer']}. This hpcckpt will not resume an older checkpoint instead (that "

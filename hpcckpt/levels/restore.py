@@ -93,9 +93,9 @@ def prepare(levels: Levels, ranks: Ranks) -> tuple[int, str] | None:
     if ranks.is_coordinator:
         newest, _ = catalog.newest_committed(levels.shared)
         shared = next((i.step for i in newest if i.status == "committed"), None)
-        newer = any(i.status != "committed" and i.problems and manifests.NEWER in i.problems[0] for i in newest)
         # A shared step written by a newer hpcckpt: the shared load refuses it (resume) rather
         # than rewinding to an older node-local step.
+        newer = catalog.written_by_newer(newest) is not None
         plan = None if newer else _plan(views, topo.leaders, shared)
     plan = ranks.broadcast_json(plan)
     if plan is None:

@@ -18,7 +18,7 @@ from .commit import (LATEST, MANIFEST, TRASH_PREFIX, discard, older_than, open_m
 from . import rankfile
 from .entry import TensorEntry
 from .lock import reader_lock
-from .manifest import validate, validate_meta
+from .manifest import NEWER, validate, validate_meta
 from .prefetch import Prefetch
 from .tensortable import TensorTable
 
@@ -445,6 +445,13 @@ def newest_committed(root: Path) -> tuple[list[CheckpointInfo], Iterator[Entry]]
             if info.status == "committed":
                 return inspected, (Entry(s, root, n, ino, False) for s, _f, n, ino in listing[i + 1:])
         return inspected, iter(())
+
+
+def written_by_newer(inspected: list[CheckpointInfo]) -> CheckpointInfo | None:
+    """The first of ``newest_committed``'s inspected step directories whose manifest a newer
+    hpcckpt wrote (``manifest.NewerFormat``): newer than every committed one, so a resume
+    that passed over it would rewind."""
+    return next((i for i in inspected if i.status != "committed" and i.problems and NEWER in i.problems[0]), None)
 
 
 def _quick_victims(root: Path, keep: int, protected: set[str], key: str) -> list[Path] | None:
