@@ -59,9 +59,10 @@ def test_preempted_by_high_priority_job_resumes_identically(
 def test_three_preemptions_in_one_run(
         slurm_cluster: SlurmCluster, tmp_path: Path, reference_digest: Callable[[int], str]) -> None:
     # Training goes on while a preemption is on its way (the scheduler's next pass plus the
-    # job's 2 s end-time poll: ~25 steps at most), so the run must be long enough to still be
-    # training at the third one (3 x (5 + 25) steps at most).
-    steps = 150
+    # job's 2 s end-time poll: ~5 s, ~25 steps), so the run must be long enough to still be
+    # training at the third one: 250 steps leave each of the three ~16 s of sleeps, three times
+    # what a notice took under load.
+    steps = 250
     run_dir = tmp_path / "run"
     job = slurm_cluster.submit_demo("single", run_dir, "-p", "low", "--exclusive", steps=steps, sleep_s=0.2)
     for restart in range(3):
