@@ -31,14 +31,14 @@ def make_model(width: int) -> torch.nn.Module:
 
 
 class CudaRig:
-    def __init__(self, root: Path, width: int = 512, **options: object) -> None:
+    def __init__(self, root: Path, width: int = 512, keep: int = 50, **options: object) -> None:
         self.root, self.width = root, width
         self.model = make_model(width)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-3)
         self.state = TrainState()
         self.state.register("model", self.model)
         self.state.register("optimizer", self.opt)
-        self.engine = ConcurrentEngine(SaveContext(root=root, keep=50, job={}, user={}), Ranks(), **options)
+        self.engine = ConcurrentEngine(SaveContext(root=root, keep=keep, job={}, user={}), Ranks(), **options)
         self.engine.bind(self.state)
 
     def train_step(self) -> None:
@@ -74,6 +74,33 @@ def assert_same_cpu(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor])
     assert got.keys() == want.keys()
     for name, t in want.items():
         assert torch.equal(got[name].cpu(), t), name
+
+
+def test_saving_every_step_overwrites_a_pruned_rank_file_and_stays_exact(
+        tmp_path: Path, cleanup: list[ConcurrentEngine]) -> None:
+    """A small GPU state saved at every step, as a user's loop does (keep=2): the launcher
+    starts each save's writes when its D2H is done, the rank file of a pruned checkpoint is
+    overwritten (metadata included) instead of made afresh, and every checkpoint kept
+    restores bit-exact."""
+    rig = CudaRig(tmp_path / "ckpt", width=256, keep=2)
+    cleanup.append(rig.engine)
+    rig.train_step()
+    rig.prepared()
+    wants, handles = {}, []
+    for step in range(1, 13):
+        wants[step] = rig.snapshot(step)
+        handles.append(rig.engine.save(rig.state.capture(step=step), step))
+        rig.train_step()
+    for h in handles:
+        assert h.wait(timeout=300)
+    assert [i.step for i in catalog.scan(rig.root)] == [11, 12]
+    for step in (11, 12):
+        assert_same_cpu(load_rank(catalog.find(rig.root, step), 0, 1).tensors, wants[step])
+    assert rig.engine._recycler is not None and rig.engine._recycler.reused >= 5
+    launcher = rig.engine._launcher
+    assert launcher is not None and launcher.is_alive()
+    rig.engine.close()
+    assert not launcher.is_alive()
 
 
 @pytest.mark.parametrize("share", [None, 0.25])

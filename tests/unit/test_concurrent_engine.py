@@ -269,6 +269,80 @@ def test_a_save_waits_for_the_previous_bytes_not_its_commit(tmp_path: Path) -> N
         rig.engine.close()
 
 
+class _D2H:
+    """A save's device-to-host copy at the launcher seam: ``synchronize`` returns when the
+    test says the copy is done, raising ``fail`` if set (a CUDA error)."""
+
+    def __init__(self) -> None:
+        import threading
+        self.done = threading.Event()
+        self.fail: BaseException | None = None
+
+    def synchronize(self) -> None:
+        assert self.done.wait(60)
+        if self.fail is not None:
+            raise self.fail
+
+
+def test_a_device_copy_starts_its_writes_while_the_previous_save_commits(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A state on a GPU: each save's writes start once its D2H copy is done (the launcher
+    thread), not after the previous save's commit on the finisher; a failed copy is that
+    save's error and the checkpoints around it are intact. The GPU is replaced at one seam:
+    the copy is a host copy whose done event the test releases (tests/gpu runs the real one)."""
+    from hpcckpt.engines import concurrent
+
+    copies: list[_D2H] = []
+
+    def copy_to_host(self: ConcurrentEngine, pairs: list) -> tuple[_D2H, None]:
+        for dst, src in pairs:
+            dst.copy_(src.detach().reshape(-1).view(torch.uint8))
+        copies.append(_D2H())
+        return copies[-1], None
+
+    monkeypatch.setattr(concurrent, "_routes", lambda tensors, is_safe, **_: dict.fromkeys(tensors, concurrent.DEVICE))
+    monkeypatch.setattr(ConcurrentEngine, "_copy_to_host", copy_to_host)
+    monkeypatch.setattr(ConcurrentEngine, "_all_at_once", lambda self, layout: False)
+    rig = Rig(tmp_path / "ckpt", max_async=1)
+
+    def save(step: int) -> tuple[object, dict[str, torch.Tensor]]:
+        with torch.no_grad():  # a new state by hand: optimizer.step() would order a CUDA stream
+            for p in rig.model.parameters():
+                p.add_(1.0)
+        want = rig.snapshot(step)
+        return rig.engine.save(rig.state.capture(step=step), step), want
+
+    try:
+        rig.train_step()
+        rig.engine.wait_prepared(timeout=60)
+        want = {}
+        with writer_lock(rig.root):  # no commit can finish
+            first, want[1] = save(1)
+            copies[0].done.set()
+            wait_persisted(rig.engine, 1)
+            second, want[2] = save(2)  # admitted: the first only commits
+            job = rig.engine._inflight[1]
+            assert not job.launched.is_set()  # its copy is not done yet
+            copies[1].done.set()
+            assert job.launched.wait(60) and job.launch_error is None  # writing, the first commit still held
+            assert not first.done()
+        assert first.wait(60) and second.wait(60) and first.error is None and second.error is None
+        third, _ = save(3)
+        copies[2].fail = RuntimeError("CUDA error: an illegal memory access was encountered")
+        copies[2].done.set()
+        with pytest.raises(CheckpointFailed, match="step 3 .* illegal memory access"):
+            third.wait(60)
+        fourth, want[4] = save(4)
+        copies[3].done.set()
+        assert fourth.wait(60) and fourth.error is None
+        assert [i.step for i in catalog.scan(rig.root)] == [1, 2, 4]
+        for step in (1, 2, 4):
+            assert_same(rig.load(step), want[step])
+    finally:
+        rig.engine.close()
+    assert rig.engine._launcher is not None and not rig.engine._launcher.is_alive()
+
+
 def test_final_save_never_skips(tmp_path: Path) -> None:
     rig = Rig(tmp_path / "ckpt", max_async=1, on_busy="skip")
     try:
