@@ -269,6 +269,43 @@ def test_a_save_waits_for_the_previous_bytes_not_its_commit(tmp_path: Path) -> N
         rig.engine.close()
 
 
+def test_a_slot_packs_small_tensors_and_aligns_large_ones_for_o_direct(tmp_path: Path) -> None:
+    """Staging grows with the bytes, not the tensor count: small tensors are packed (they are
+    written through the page cache), large ones sit congruent to their file offset modulo
+    4 KiB (O_DIRECT needs both sides aligned). Many small tensors then round-trip exactly."""
+    from hpcckpt.store.entry import ALIGN
+    from hpcckpt.store.hdf5 import ALIGN_THRESHOLD
+
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.small = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(3 + i % 50)) for i in range(600)])
+    model.big = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(40_000 + 7 * i)) for i in range(3)])
+    state = TrainState()
+    state.register("model", model)
+    tensors = state.capture(step=1).tensors
+    specs = tuple((n, t.dtype, tuple(t.shape)) for n, t in tensors.items())
+    layout = Layout.plan(tmp_path / "plan.h5", specs)
+    big = [n for n in layout.names if layout.entries[n].nbytes >= ALIGN_THRESHOLD]
+    assert len(big) == 3
+    for n in big:
+        assert layout.staging_offset[n] % ALIGN == layout.entries[n].offset % ALIGN, n
+    spans = sorted((layout.staging_offset[n], layout.staging_offset[n] + layout.entries[n].nbytes)
+                   for n in layout.names)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no two tensors share a byte
+    state_bytes = sum(layout.entries[n].nbytes for n in layout.names)
+    assert layout.slot_bytes <= state_bytes + len(big) * ALIGN + len(layout.names) * 64 + ALIGN
+    assert layout.slot_bytes < state_bytes + len(layout.names) * ALIGN // 4  # a page each was 2x here
+
+    engine = ConcurrentEngine(SaveContext(root=tmp_path / "ckpt", keep=2, job={}, user={}), Ranks(), direct=True)
+    try:
+        engine.bind(state)
+        want = {n: t.clone() for n, t in state.capture(step=1).tensors.items()}
+        assert engine.save(state.capture(step=1), 1).wait(timeout=60)
+    finally:
+        engine.close()
+    assert_same(load_rank(catalog.find(tmp_path / "ckpt", 1), 0, 1).tensors, want)
+
+
 class _D2H:
     """A save's device-to-host copy at the launcher seam: ``synchronize`` returns when the
     test says the copy is done, raising ``fail`` if set (a CUDA error)."""
