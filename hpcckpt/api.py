@@ -529,7 +529,8 @@ class Checkpointer:
                                stall_s=getattr(handle, "stall_s", None), final=handle.final,
                                path=str(handle.path), **self.policy.report())
             self.figures.save_s, self.figures.step_s = self.policy.save_cost_s, self.policy.step_s
-            self.figures.write(self.root)
+            # Not at every commit; a final one writes any change (so does close()).
+            self.figures.write_if_moved(self.root, any_change=handle.final)
 
     def _settle_quietly(self, handles: list[SaveHandle]) -> None:
         """Settle each; a failed one is already logged and recorded, and training goes on."""
@@ -685,6 +686,8 @@ class Checkpointer:
             jit, self._jit = self._jit, None
             jit.close()
         self.engine.close()  # first: its finisher thread uses the background group
+        if self.ranks.is_coordinator and self.figures.unwritten:
+            self.figures.write(self.root)  # what write_if_moved left for later
         self.ranks.close()
         self.signals.uninstall()
         self._lease.release()  # last: saves in flight are durable before another writer may start

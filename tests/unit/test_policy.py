@@ -1,6 +1,7 @@
 """When-to-save logic with a fast-forward clock (the scheduler side is tested on real Slurm)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import pytest
@@ -177,6 +178,64 @@ def test_measured_costs_are_kept_across_requeues(tmp_path) -> None:  # type: ign
     assert (p.save_cost_s, p.step_s) == (0.02, 0.4)
     (tmp_path / FIGURES).write_text("{not json")
     assert Figures.read(tmp_path) == Figures()  # damaged: measured again, never an error
+
+
+def test_figures_are_rewritten_when_they_move_not_at_every_commit(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from hpcckpt.policy import REWRITE_S, Figures
+    f = Figures(save_s=0.010, step_s=0.006)
+    assert not f.unwritten  # nothing written by this process yet: nothing owed
+    assert f.write_if_moved(tmp_path, now=100.0)  # the first one is written
+    f._written_at = 100.0
+    f.save_s = 0.012  # +20%: noise of the worst recent save
+    assert not f.write_if_moved(tmp_path, now=101.0) and f.unwritten
+    assert Figures.read(tmp_path).save_s == 0.010
+    f.save_s = 0.0130  # +30% on what was written: the next allocation must stop earlier
+    assert f.write_if_moved(tmp_path, now=102.0) and Figures.read(tmp_path).save_s == 0.013
+    f._written_at = 102.0
+    f.step_s = 0.0029  # under half: written at once
+    assert f.write_if_moved(tmp_path, now=103.0) and Figures.read(tmp_path).step_s == 0.0029
+    f._written_at = 103.0
+    f.step_s = 0.0031  # a small change waits ...
+    assert not f.write_if_moved(tmp_path, now=103.0 + REWRITE_S - 1)
+    assert f.write_if_moved(tmp_path, now=103.0 + REWRITE_S)  # ... until it is REWRITE_S old
+    f._written_at = 200.0
+    f.no_progress = 1  # always at once
+    assert f.write_if_moved(tmp_path, now=200.0) and Figures.read(tmp_path).no_progress == 1
+    assert not f.write_if_moved(tmp_path, now=10_000.0) and not f.unwritten  # nothing changed
+    assert not f.write_if_moved(tmp_path, now=200.0, any_change=True)  # ... not even for a stop
+    f.save_s = 0.0131
+    assert f.write_if_moved(tmp_path, now=200.0, any_change=True)  # a stop writes any change
+
+
+def test_a_checkpointer_saving_every_step_rewrites_its_figures_now_and_then(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Real saves at every step; the measured costs are held steady at one seam (what the
+    policy observes), so that which commits rewrite the figures is exact: the first, then
+    none while nothing moves, and close() writes nothing more."""
+    import torch
+
+    from hpcckpt import Checkpointer
+    from hpcckpt.policy import FIGURES, Figures, Policy
+    monkeypatch.setattr(Policy, "observe_save", lambda self, save_s, stall_s=None, *, capture_s=0.0: (
+        setattr(self, "save_cost_s", 0.004), setattr(self, "_measured", True)))
+    monkeypatch.setattr(Policy, "observe_step", lambda self, dt: setattr(self, "step_s", 0.002))
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ck = Checkpointer(dir=tmp_path / "ck", engine="concurrent", every_steps=1, keep=2)
+    ck.register(model=model, optimizer=opt)
+    inodes = set()
+    for _step in ck.steps(60):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+        if (tmp_path / "ck" / FIGURES).exists():
+            inodes.add(os.stat(tmp_path / "ck" / FIGURES).st_ino)  # each write is a new file renamed in
+    commits = [e for e in ck.ledger.read() if e["event"] == "commit"]
+    ck.close()
+    assert len(commits) >= 60 and len(inodes) == 1, (len(commits), len(inodes))
+    kept = Figures.read(tmp_path / "ck")
+    assert (kept.save_s, kept.step_s) == (0.004, 0.002)
+    assert os.stat(tmp_path / "ck" / FIGURES).st_ino in inodes  # close() had nothing left to write
 
 
 def test_the_first_measured_save_replaces_the_assumed_cost() -> None:
