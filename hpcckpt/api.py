@@ -586,6 +586,7 @@ class Checkpointer:
             self._refuse(refusal)
         outcome: dict[str, Any] = {}
         if self.ranks.is_coordinator:
+            self._keep_figures()  # before the requeue: Slurm may end the job right after it
             outcome = self._requeue(reason)
         self.ranks.broadcast_json(outcome)
         self.close()
@@ -677,17 +678,21 @@ class Checkpointer:
 
     # -- lifecycle ---------------------------------------------------------------
 
+    def _keep_figures(self) -> None:
+        """The coordinator writes the figures that ``write_if_moved`` left for later."""
+        if self.ranks.is_coordinator and self.figures.unwritten:
+            self.figures.write(self.root)
+
     def close(self) -> None:
         """Release everything (idempotent): background saves finish first, the writer lease last."""
         if self._closed:
             return
         self._closed = True
+        self._keep_figures()  # first: the JIT guard's close may end the process
         if self._jit is not None:  # first: a failure it saw ends the process here, with exit 75
             jit, self._jit = self._jit, None
             jit.close()
         self.engine.close()  # first: its finisher thread uses the background group
-        if self.ranks.is_coordinator and self.figures.unwritten:
-            self.figures.write(self.root)  # what write_if_moved left for later
         self.ranks.close()
         self.signals.uninstall()
         self._lease.release()  # last: saves in flight are durable before another writer may start

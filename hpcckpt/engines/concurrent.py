@@ -553,15 +553,16 @@ class ConcurrentEngine(Engine):
                    staging=self._staging, sources=clones or None,  # clones live until their copy is done
                    placement=self.placement_fields(flat))
         if gpu:
+            self._start_launcher()  # before the copy: a failure here leaves no copy running into the slot
             job.cuda_event, job.d2h_events = self._copy_to_host(gpu)
             job.device = gpu[0][1].device
-            self._launch(job)
+            self._launch_queue.put(job)
         else:
             batch.start()
         return job
 
-    def _launch(self, job: _Job) -> None:
-        """Have the launcher thread start ``job``'s batch once its D2H copy is done.
+    def _start_launcher(self) -> None:
+        """The thread that starts each GPU save's batch once its D2H copy is done (once).
 
         Not the finisher: it commits the previous save meanwhile, and a save's writes
         started only after that commit made the finisher's cycle (write + fdatasync +
@@ -569,9 +570,9 @@ class ConcurrentEngine(Engine):
         3.2 MB state saved at every 5.6 ms step waited ~4.8 ms in each ``save()``.
         """
         if self._launcher is None:
-            self._launcher = threading.Thread(target=self._launch_loop, name="hpcckpt-d2h", daemon=True)
-            self._launcher.start()
-        self._launch_queue.put(job)
+            thread = threading.Thread(target=self._launch_loop, name="hpcckpt-d2h", daemon=True)
+            thread.start()
+            self._launcher = thread  # only once it runs: a failed start is tried again next time
 
     def _launch_loop(self) -> None:
         """The launcher thread: jobs in save order (their copies share one side stream)."""
@@ -580,7 +581,11 @@ class ConcurrentEngine(Engine):
             if job is None:
                 return
             try:
-                job.cuda_event.synchronize()  # a blocking-sync event: the thread sleeps
+                if job.device is not None and getattr(job.device, "type", None) == "cuda":
+                    with torch.cuda.device(job.device):  # the training GPU's context, never device 0's
+                        job.cuda_event.synchronize()  # a blocking-sync event: the thread sleeps
+                else:
+                    job.cuda_event.synchronize()
                 job.batch.start()
             except BaseException as exc:  # noqa: BLE001 - the finisher reports it with the save
                 job.launch_error = exc

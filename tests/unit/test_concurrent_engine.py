@@ -306,6 +306,72 @@ def test_a_slot_packs_small_tensors_and_aligns_large_ones_for_o_direct(tmp_path:
     assert_same(load_rank(catalog.find(tmp_path / "ckpt", 1), 0, 1).tensors, want)
 
 
+class _HostCopy:
+    """The D2H seam for CPU tests: every tensor takes the GPU route, and the "device-to-host"
+    copy is a host copy whose done event the test releases (``_D2H``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from hpcckpt.engines import concurrent
+        self.copies: list[_D2H] = []
+
+        def copy_to_host(engine: ConcurrentEngine, pairs: list) -> tuple[_D2H, None]:
+            for dst, src in pairs:
+                dst.copy_(src.detach().reshape(-1).view(torch.uint8))
+            self.copies.append(_D2H())
+            return self.copies[-1], None
+
+        monkeypatch.setattr(concurrent, "_routes",
+                            lambda tensors, is_safe, **_: dict.fromkeys(tensors, concurrent.DEVICE))
+        monkeypatch.setattr(ConcurrentEngine, "_copy_to_host", copy_to_host)
+        monkeypatch.setattr(ConcurrentEngine, "_all_at_once", lambda self, layout: False)
+
+
+def test_a_device_save_over_a_pruned_rank_file_rewrites_its_metadata(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU route (at the D2H seam) reuses a pruned step's rank file like the host route:
+    its HDF5 metadata is written again by the save's writers, so a spare whose metadata was
+    damaged meanwhile still gives an exact, readable checkpoint."""
+    from hpcckpt.engines.recycle import Recycler
+
+    seam = _HostCopy(monkeypatch)
+    real_take = Recycler.take
+    damaged: list[Path] = []
+
+    def take(self: Recycler, tmp: Path, layout: Layout) -> bool:
+        if not real_take(self, tmp, layout):
+            return False
+        with open(tmp / self.fname, "r+b") as fh:  # garbage over every byte the template writes
+            for offset, data in layout.template[0]:  # type: ignore[index]
+                fh.seek(offset)
+                fh.write(b"\xa5" * len(data))
+        damaged.append(tmp)
+        return True
+
+    monkeypatch.setattr(Recycler, "take", take)
+    rig = Rig(tmp_path / "ckpt", keep=2)
+    try:
+        rig.train_step()
+        rig.engine.wait_prepared(timeout=60)
+        want = {}
+        for step in range(1, 7):
+            with torch.no_grad():
+                for p in rig.model.parameters():
+                    p.add_(0.5)
+            want[step] = rig.snapshot(step)
+            handle = rig.engine.save(rig.state.capture(step=step), step)
+            seam.copies[-1].done.set()
+            assert handle.wait(60)
+            rig.engine._queue.join()  # its pruned step kept as the spare: the next save finds it
+        assert damaged and rig.engine._recycler is not None and rig.engine._recycler.reused == len(damaged)
+        assert [i.step for i in catalog.scan(rig.root)] == [5, 6]
+        for step in (5, 6):
+            assert_same(rig.load(step), want[step])
+            with h5py.File(catalog.find(rig.root, step).path / "rank-0.h5", "r") as f:
+                assert len(f.keys()) > 0
+    finally:
+        rig.engine.close()
+
+
 class _D2H:
     """A save's device-to-host copy at the launcher seam: ``synchronize`` returns when the
     test says the copy is done, raising ``fail`` if set (a CUDA error)."""
@@ -327,19 +393,7 @@ def test_a_device_copy_starts_its_writes_while_the_previous_save_commits(
     thread), not after the previous save's commit on the finisher; a failed copy is that
     save's error and the checkpoints around it are intact. The GPU is replaced at one seam:
     the copy is a host copy whose done event the test releases (tests/gpu runs the real one)."""
-    from hpcckpt.engines import concurrent
-
-    copies: list[_D2H] = []
-
-    def copy_to_host(self: ConcurrentEngine, pairs: list) -> tuple[_D2H, None]:
-        for dst, src in pairs:
-            dst.copy_(src.detach().reshape(-1).view(torch.uint8))
-        copies.append(_D2H())
-        return copies[-1], None
-
-    monkeypatch.setattr(concurrent, "_routes", lambda tensors, is_safe, **_: dict.fromkeys(tensors, concurrent.DEVICE))
-    monkeypatch.setattr(ConcurrentEngine, "_copy_to_host", copy_to_host)
-    monkeypatch.setattr(ConcurrentEngine, "_all_at_once", lambda self, layout: False)
+    copies = _HostCopy(monkeypatch).copies
     rig = Rig(tmp_path / "ckpt", max_async=1)
 
     def save(step: int) -> tuple[object, dict[str, torch.Tensor]]:
@@ -362,6 +416,7 @@ def test_a_device_copy_starts_its_writes_while_the_previous_save_commits(
             assert not job.launched.is_set()  # its copy is not done yet
             copies[1].done.set()
             assert job.launched.wait(60) and job.launch_error is None  # writing, the first commit still held
+            assert job.batch.wait(60)  # its bytes are durable before the first save has committed
             assert not first.done()
         assert first.wait(60) and second.wait(60) and first.error is None and second.error is None
         third, _ = save(3)

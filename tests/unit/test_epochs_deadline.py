@@ -143,3 +143,33 @@ def test_two_deadline_stops_in_a_row_without_progress_stop_the_job(ckdir: Path,
     assert "two allocations in a row" in exc.value.reason and "--time" in exc.value.reason
     assert Figures.read(ckdir).no_progress == 2
     assert not [e for e in Ledger(ckdir).read() if e["event"] == "requeue"]
+
+
+def test_a_stop_writes_the_figures_before_its_requeue(ckdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A change of the measured costs too small to rewrite the figures at its commit is on
+    disk before the requeue (after which Slurm may end the job): the measured costs are held
+    at one seam (what the policy observes), so what the file holds is exact."""
+    from hpcckpt.policy import Policy
+    cost = {"save": 0.004}
+    monkeypatch.setattr(Policy, "observe_save", lambda self, save_s, stall_s=None, *, capture_s=0.0: (
+        setattr(self, "save_cost_s", cost["save"]), setattr(self, "_measured", True)))
+    monkeypatch.setattr(Policy, "observe_step", lambda self, dt: setattr(self, "step_s", 0.002))
+    at_requeue: list[float | None] = []
+    real_requeue = Checkpointer._requeue
+
+    def requeue(self: Checkpointer, reason: object) -> dict:
+        at_requeue.append(Figures.read(ckdir).save_s)
+        return real_requeue(self, reason)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Checkpointer, "_requeue", requeue)
+    objs = tiny_state(0)
+    with pytest.raises(RequeueExit):
+        with Checkpointer(ckdir, every_steps=1) as ck:
+            ck.register(**objs)
+            for step in ck.steps(50):
+                train_step(objs)
+                if step == 5:
+                    cost["save"] = 0.0044  # +10%: left for later by the commits that follow
+                if step == 8:
+                    os.kill(os.getpid(), signal.SIGTERM)
+    assert at_requeue == [0.0044]

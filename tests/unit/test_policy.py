@@ -185,20 +185,16 @@ def test_figures_are_rewritten_when_they_move_not_at_every_commit(tmp_path) -> N
     f = Figures(save_s=0.010, step_s=0.006)
     assert not f.unwritten  # nothing written by this process yet: nothing owed
     assert f.write_if_moved(tmp_path, now=100.0)  # the first one is written
-    f._written_at = 100.0
     f.save_s = 0.012  # +20%: noise of the worst recent save
     assert not f.write_if_moved(tmp_path, now=101.0) and f.unwritten
     assert Figures.read(tmp_path).save_s == 0.010
     f.save_s = 0.0130  # +30% on what was written: the next allocation must stop earlier
     assert f.write_if_moved(tmp_path, now=102.0) and Figures.read(tmp_path).save_s == 0.013
-    f._written_at = 102.0
     f.step_s = 0.0029  # under half: written at once
     assert f.write_if_moved(tmp_path, now=103.0) and Figures.read(tmp_path).step_s == 0.0029
-    f._written_at = 103.0
     f.step_s = 0.0031  # a small change waits ...
     assert not f.write_if_moved(tmp_path, now=103.0 + REWRITE_S - 1)
     assert f.write_if_moved(tmp_path, now=103.0 + REWRITE_S)  # ... until it is REWRITE_S old
-    f._written_at = 200.0
     f.no_progress = 1  # always at once
     assert f.write_if_moved(tmp_path, now=200.0) and Figures.read(tmp_path).no_progress == 1
     assert not f.write_if_moved(tmp_path, now=10_000.0) and not f.unwritten  # nothing changed
