@@ -137,9 +137,13 @@ class Figures:
         except (OSError, ValueError, TypeError, AttributeError):
             return cls()  # none yet, or unreadable: measured again
 
-    def write(self, root: Path) -> None:
+    def _values(self) -> tuple[float | None, float | None, int]:
+        return self.save_s, self.step_s, self.no_progress
+
+    def write(self, root: Path, *, now: float | None = None) -> None:
         """Atomically (a reader never sees half a file), private (0600), without an fsync on the
-        step path: a crash only loses figures that the next allocation measures again."""
+        step path: a crash only loses figures that the next allocation measures again.
+        ``now``: the monotonic time recorded as this write's (``write_if_moved``)."""
         tmp = root / f"{FIGURES}.tmp-{os.getpid()}"
         data = json.dumps({"save_s": self.save_s, "step_s": self.step_s, "no_progress": self.no_progress})
         try:
@@ -149,38 +153,35 @@ class Figures:
             finally:
                 os.close(fd)
             os.replace(tmp, root / FIGURES)
-            self._written, self._written_at = (self.save_s, self.step_s, self.no_progress), time.monotonic()
+            self._written, self._written_at = self._values(), time.monotonic() if now is None else now
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             log.warning("hpcckpt: could not keep the measured costs in %s (%s)", root / FIGURES, exc)
 
-
     def write_if_moved(self, root: Path, *, now: float | None = None, any_change: bool = False) -> bool:
         """``write`` unless the file already says about the same: a figure rose by more than
         ``MOVED`` or fell to under half since this process last wrote it, ``no_progress``
-        changed, or any change is ``REWRITE_S`` old. A commit at every step then rewrites the file now and then, not at
-        each commit (an open, a write and a rename on the training thread: 0.2 ms a commit on a
-        local disk, more on a shared file system). What is not written yet is at most a small
+        changed, or any change is ``REWRITE_S`` old. A commit at every step then rewrites the
+        file now and then, not at each commit (an open, a write and a rename on the training
+        thread: 0.2 ms a commit on a local disk, more on a shared file system). What is not written yet is at most a small
         drift that the next allocation measures again. ``any_change``: write whatever changed
         (the last commit before a stop). True when it wrote."""
-        cur = (self.save_s, self.step_s, self.no_progress)
+        cur = self._values()
         last = self._written
         if cur == last:
             return False
         now = time.monotonic() if now is None else now
         if (any_change or last is None or cur[2] != last[2] or _moved(cur[0], last[0]) or _moved(cur[1], last[1])
                 or now - self._written_at >= REWRITE_S):
-            self.write(root)
-            if self._written == cur:
-                self._written_at = now  # the clock given (tests) rather than write()'s own
+            self.write(root, now=now)
             return True
         return False
 
     @property
     def unwritten(self) -> bool:
         """Whether the figures changed since this process last wrote them (False if it never did)."""
-        return self._written is not None and (self.save_s, self.step_s, self.no_progress) != self._written
+        return self._written is not None and self._values() != self._written
 
 
 MOVED = 0.25  # Figures.write_if_moved: a relative rise that is written at once

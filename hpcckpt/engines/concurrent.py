@@ -40,6 +40,7 @@ untouched; its handle carries the error and raises it once.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -201,7 +202,7 @@ class ConcurrentEngine(Engine):
                           if ranks.world == 1 and ctx.levels is None and ctx.keep is not None else None)
         self._finisher = threading.Thread(target=self._finish_loop, name="hpcckpt-finisher", daemon=True)
         self._finisher.start()
-        # Started with the first save staged from a GPU (``_launch``).
+        # Started with the first save staged from a GPU (``_start_launcher``).
         self._launcher: threading.Thread | None = None
         self._launch_queue: queue.Queue[_Job | None] = queue.Queue()
 
@@ -581,11 +582,10 @@ class ConcurrentEngine(Engine):
             if job is None:
                 return
             try:
-                if job.device is not None and getattr(job.device, "type", None) == "cuda":
-                    with torch.cuda.device(job.device):  # the training GPU's context, never device 0's
-                        job.cuda_event.synchronize()  # a blocking-sync event: the thread sleeps
-                else:
-                    job.cuda_event.synchronize()
+                # Under the training GPU's device guard: its context, never device 0's.
+                guard = torch.cuda.device(job.device) if job.device.type == "cuda" else contextlib.nullcontext()
+                with guard:
+                    job.cuda_event.synchronize()  # a blocking-sync event: the thread sleeps
                 job.batch.start()
             except BaseException as exc:  # noqa: BLE001 - the finisher reports it with the save
                 job.launch_error = exc
