@@ -10,7 +10,10 @@ admitted by the engine itself, as in a user's loop (``run_steps(own_admission=Tr
 each block with checkpoints counts until its last save is durable), ``per_save_ms`` (the
 extra time per save: what a save costs beyond its bytes, since at this size the bytes
 cost almost nothing), ``blocked_per_save_ms`` (time the training thread itself was
-blocked per save) and ``drain_s`` (closing the engine).
+blocked per save) and ``drain_s`` (closing the engine). On a CPU, ``floor`` is measured the
+same way beside them (``bench.floor``: the state copied on the training thread, written and
+fdatasynced by another process, nothing else): what a save at every step costs here at
+the least, so that an engine's figure reads against this machine rather than against zero.
 """
 from __future__ import annotations
 
@@ -125,7 +128,7 @@ def child_small_state(names: list[str], steps: int, rounds: int, state_bytes: in
                 got[name][key].append(value)
     engines = {}
     for name, g in got.items():
-        engines[HPCCKPT[name]] = {
+        engines[HPCCKPT.get(name, name)] = {
             "overhead": statistics.median(w / b - 1 for w, b in zip(g["wall"], g["base"])),
             "per_save_ms": 1e3 * statistics.median((w - b) / steps for w, b in zip(g["wall"], g["base"])),
             "blocked_per_save_ms": 1e3 * statistics.median(x / steps for x in g["blocked"]),
@@ -139,9 +142,10 @@ def child_small_state(names: list[str], steps: int, rounds: int, state_bytes: in
 
 def measure_small_state(root: Path, options: dict[str, Any], *, quick: bool, device: str = "cpu",
                         state_bytes: int = SMALL_BYTES, step_s: float = STEP_S) -> dict[str, Any]:
-    """``child_small_state`` for both engines in a child of its own; the state on ``device``."""
+    """``child_small_state`` for both engines (and the floor, on a CPU) in a child of its own;
+    the state on ``device``."""
     from .isolate import run_isolated
-    names = ["hpcckpt_sync", "hpcckpt_concurrent"]
+    names = (["floor"] if device == "cpu" else []) + ["hpcckpt_sync", "hpcckpt_concurrent"]
     return run_isolated(child_small_state, names, 30 if quick else 200, 1 if quick else ROUNDS, state_bytes, step_s,
                         str(root), options, device)
 

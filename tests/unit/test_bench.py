@@ -99,8 +99,40 @@ def test_bench_small_state_alone_measures_the_size_and_step_asked(tmp_path: Path
     assert small["device"] == "cpu" and small["every"] == 1 and small["target_step_s"] == 0.003
     assert 0.3e6 < small["state_bytes"] < 0.8e6  # about the 0.5 MB asked
     assert finite_positive(small["step_s"]) and small["steps"] == 30
-    for name in ("sync", "concurrent"):
+    assert set(small["engines"]) == {"floor", "sync", "concurrent"}  # on a CPU, the floor beside the engines
+    for name in ("floor", "sync", "concurrent"):
         e = small["engines"][name]
         assert math.isfinite(e["overhead"]) and math.isfinite(e["per_save_ms"]) and e["blocked_per_save_ms"] >= 0
         assert len(e["wall_all_s"]) == len(e["baseline_all_s"]) == 1
     assert list((tmp_path / "work").iterdir()) == []  # scratch removed
+
+
+def test_the_floor_writes_the_state_bytes_at_every_save(tmp_path: Path) -> None:
+    """The yardstick does the work it stands for: after each save the file holds the bytes of
+    the tensors it copies (the parameters and optimizer state, changed in place by training)
+    as they were at that save."""
+    import torch
+
+    from hpcckpt.bench.floor import ALIGN
+    from hpcckpt.bench.methods import make_method
+    from hpcckpt.bench.synthetic import PeerRig
+
+    rig = PeerRig(200_000)
+    m = make_method("floor", tmp_path / "floor", rig, {})
+    written = []
+    try:
+        params = {p.data_ptr() for p in rig.model.parameters()}
+        assert params <= {t.data_ptr() for t in m.sources}  # the live tensors' memory, not copies
+        for step in (1, 2):
+            rig.step()
+            expected = bytearray()
+            for t in m.sources:
+                expected += bytes(-len(expected) % ALIGN)
+                expected += t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            m.persist_s(m.start(step))
+            written.append((tmp_path / "floor" / "floor.bin").read_bytes()[:len(expected)])
+            assert written[-1] == bytes(expected)
+    finally:
+        m.close()
+    assert written[0] != written[1]  # training changed them between the saves
+    assert m.proc.returncode == 0  # the writer process exits once the bench closes the method
