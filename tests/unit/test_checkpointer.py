@@ -210,3 +210,40 @@ def test_every_checkpoint_damaged_fresh_only_when_asked_and_the_model_untouched(
     for name, t in objs["model"].state_dict().items():
         assert torch.equal(t, before[name]), name
     assert [e["steps"] for e in Ledger(ckdir).read() if e["event"] == "fresh_start"] == [[6, 3]]
+
+
+def _lbfgs_run(ckdir: Path, total: int, engine: str, *, signal_at: int | None = None
+               ) -> tuple[list[str], torch.nn.Module]:
+    """pytorch/examples time_sequence_prediction's shape: LBFGS with a closure, saved at every
+    step. LBFGS keeps lists of tensors in its state (``old_dirs``, ``old_stps``, ``ro``) that
+    grow up to ``history_size``, and Python floats (``prev_loss``): the set of saved tensors
+    changes from one save to the next."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+    x, y = torch.randn(32, 4, dtype=torch.double), torch.randn(32, 1, dtype=torch.double)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3, history_size=4)
+    losses: list[str] = []
+    with Checkpointer(ckdir, engine=engine, every_steps=1, keep=2) as ck:
+        ck.register(model=model, optimizer=opt)
+        for step in ck.steps(total):
+            def closure() -> torch.Tensor:
+                opt.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                return loss
+            losses.append(float.hex(opt.step(closure).detach().item()))
+            if signal_at is not None and step + 1 == signal_at:
+                os.kill(os.getpid(), signal.SIGUSR2)
+    return losses, model
+
+
+@pytest.mark.parametrize("engine", ["sync", "concurrent"])
+def test_lbfgs_state_whose_tensor_lists_grow_resumes_exactly(ckdir: Path, engine: str) -> None:
+    ref, ref_model = _lbfgs_run(ckdir.parent / "ref", 9, engine)
+    with pytest.raises(RequeueExit) as exc:
+        _lbfgs_run(ckdir, 9, engine, signal_at=5)
+    assert exc.value.step == 5
+    rest, model = _lbfgs_run(ckdir, 9, engine)
+    assert ref[:5] + rest == ref
+    for p, q in zip(model.state_dict().values(), ref_model.state_dict().values()):
+        assert torch.equal(p, q)
