@@ -163,10 +163,16 @@ def _targets(top: dict[str, Any], limits: dict[str, Any], over: dict[str, Any], 
 
 
 def _small_targets(small: dict[str, Any]) -> dict[str, Any]:
-    """The small-state figures the issues name: saving every step, concurrent engine."""
+    """The small-state figures the issues name: saving every step, concurrent engine; on a
+    CPU also the floor measured beside it (``bench.floor``: what this machine allows)."""
     conc = small["engines"]["concurrent"]
-    return {"small_state_every_step_overhead": conc["overhead"], "small_state_every_step_target": 0.25,
-            "small_state_per_save_ms": conc["per_save_ms"]}
+    out = {"small_state_every_step_overhead": conc["overhead"], "small_state_every_step_target": 0.25,
+           "small_state_per_save_ms": conc["per_save_ms"]}
+    floor = small["engines"].get("floor")
+    if floor is not None:
+        out["small_state_floor_overhead"] = floor["overhead"]
+        out["small_state_floor_per_save_ms"] = floor["per_save_ms"]
+    return out
 
 
 class _Phases:

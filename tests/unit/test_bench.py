@@ -84,6 +84,7 @@ def test_bench_quick_json_has_every_key(tmp_path: Path) -> None:
     assert set(t["disk_absorbs"]) == {"1", "10", "50"}
     assert "stall_vs_sync" in t
     assert t["small_state_per_save_ms"] == small["engines"]["concurrent"]["per_save_ms"]
+    assert t["small_state_floor_per_save_ms"] == small["engines"]["floor"]["per_save_ms"]  # the CPU's floor
     assert plot.stat().st_size > 10_000
     # The scratch files are gone: only the plot and the (now empty) work dir are left.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.png", "not"]
