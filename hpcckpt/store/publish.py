@@ -22,9 +22,11 @@ def gather_records(ranks: Ranks, mine: dict[str, Any]) -> list[dict[str, Any]]:
     """Every rank's ``mine`` (``{"ok", "record", "step", ...}``), on every rank: the commit
     exchange. The rank record crosses as JSON carries it (``manifest.record_out``: its tensor
     table as columns) and comes back as the code reads it (``record_in``). A single rank's
-    record is its own, already as the code reads it: it is returned as it is."""
+    record is its own, already as the code reads it: a shallow copy of it is returned."""
     out = dict(mine)
-    if ranks.world == 1:  # nothing crosses: the record stays as the code reads it (no table round trip)
+    if ranks.world == 1:  # nothing crosses: the record stays as the code reads it (no table round trip),
+        if out.get("record"):  # a copy all the same (the manifest's build pops planning fields off it)
+            out["record"] = dict(out["record"])
         return [out]
     if out.get("record"):
         out["record"] = record_out(out["record"])
