@@ -305,9 +305,6 @@ def make_method(name: str, root: Path, rig: PeerRig, options: dict[str, Any]) ->
                                     "dcp_async_staged": "staged"}[name])
     if name in HPCCKPT:
         return Hpcckpt(root, rig, HPCCKPT[name], options)
-    if name == "floor":  # not a checkpoint: the small-state bench's yardstick (``bench.floor``)
-        from .floor import Floor
-        return Floor(root, rig)
     raise ValueError(f"unknown method {name!r}; valid: {', '.join(ALL)}")
 
 

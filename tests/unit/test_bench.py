@@ -114,12 +114,11 @@ def test_the_floor_writes_the_state_bytes_at_every_save(tmp_path: Path) -> None:
     as they were at that save."""
     import torch
 
-    from hpcckpt.bench.floor import ALIGN
-    from hpcckpt.bench.methods import make_method
+    from hpcckpt.bench.floor import ALIGN, Floor
     from hpcckpt.bench.synthetic import PeerRig
 
     rig = PeerRig(200_000)
-    m = make_method("floor", tmp_path / "floor", rig, {})
+    m = Floor(tmp_path / "floor", rig)
     written = []
     try:
         params = {p.data_ptr() for p in rig.model.parameters()}
