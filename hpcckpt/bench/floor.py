@@ -54,7 +54,9 @@ class Floor(Method):
         super().__init__(root, rig)
         if rig.device != "cpu":
             raise HpcckptError(f"bench floor: a CPU state only (this one is on {rig.device})")
-        self.sources = list(rig.state.capture(step=0).tensors.values())  # live tensors, updated in place
+        # The tensors a save writes: parameters and optimizer state live (training updates them
+        # in place); the RNG states as captured here (a capture copies them: same bytes a save).
+        self.sources = list(rig.state.capture(step=0).tensors.values())
         offsets, size = [], 0
         for t in self.sources:
             size = -(-size // ALIGN) * ALIGN
