@@ -99,7 +99,13 @@ def test_slurm_timeout_kill_comes_back(
     log = out.read_text(errors="replace") if out.exists() else "(no output)"
     assert requeue["requeued"] is True and requeue["evidence"], f"{requeue}\n{log[-3000:]}"
     assert requeue["cause"] == "time_limit", requeue
-    assert state == "COMPLETED", f"{state}\n{log[-3000:]}"
+    # The last allocation trains to the end on its own. One that ends right at its limit can
+    # be marked TIMEOUT by slurmctld's periodic check before the batch step's completion
+    # reaches it (seen in CI: no TERM, no kill message, the "done" record written): the
+    # training was not stopped, and that is what this checks, not which of the two Slurm shows.
+    last_run = log[log.rfind("hpcckpt: job "):]
+    assert state == "COMPLETED" or (state == "TIMEOUT" and "got TERM" not in last_run
+                                    and "requeue decision" not in last_run), f"{state}\n{log[-3000:]}"
     assert "TIME LIMIT" in log, log[-3000:]  # slurmstepd: *** JOB n ... CANCELLED AT ... DUE TO TIME LIMIT ***
 
     assert slurm_cluster.result_digest(run_dir) == reference_digest(STEPS), "not bit-identical"
@@ -110,6 +116,8 @@ def test_slurm_timeout_kill_comes_back(
     assert [s["restart_count"] for s in starts] == list(range(len(starts))) and len(starts) >= 2, ledger
     stops = [e for e in ledger if e["event"] == "stop" and e["reason"] != "done"]
     assert len(stops) == len(starts) - 1, ledger
+    done = [i for i, e in enumerate(ledger) if e["event"] == "stop" and e["reason"] == "done"]
+    assert len(done) == 1 and done[0] > ledger.index(starts[-1]), ledger  # the last allocation finished it
     for stop, resumed in zip(stops, starts[1:]):
         assert stop["reason"] == "signal" and stop["signame"] == "SIGTERM", stop
         assert stop["committed_step"] == stop["step"] == resumed["resumed_from"], (stop, starts)
