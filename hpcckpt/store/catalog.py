@@ -505,7 +505,8 @@ def _quick_victims(root: Path, keep: int, protected: set[str], key: str) -> list
     return victims
 
 
-def prune(root: Path, keep: int, *, protect: set[Path] | None = None, trash: list[Path] | None = None) -> list[Path]:
+def prune(root: Path, keep: int, *, protect: set[Path] | None = None, trash: list[Path] | None = None,
+          durable: bool = True) -> list[Path]:
     """Delete old checkpoints beyond the newest ``keep`` committed ones; call under the writer lock.
 
     The newest checkpoint that verifies (manifest checksum and file sizes; the
@@ -516,6 +517,8 @@ def prune(root: Path, keep: int, *, protect: set[Path] | None = None, trash: lis
     half-deleted directory under a checkpoint's name. ``trash``: the renamed-aside trees
     are appended there for the caller to delete later (``commit.remove_trash``, e.g. once
     the save that pruned them has been reported durable) instead of being deleted here.
+    ``durable=False`` (with ``trash``): the renames aside are not fsynced here; the caller
+    fsyncs the root before anything in ``trash`` is deleted.
 
     The cost does not grow with how many are kept: the directory is listed once, step
     directories this process already knows to be committed (same inode) are not opened
@@ -527,7 +530,7 @@ def prune(root: Path, keep: int, *, protect: set[Path] | None = None, trash: lis
     quick = _quick_victims(root, keep, protected, key)
     if quick is not None:
         if quick:
-            discard(root, quick, trash=trash)
+            discard(root, quick, trash=trash, durable=durable)
         return quick
     latest = read_latest(root)
     known = _known(key)
@@ -560,8 +563,18 @@ def prune(root: Path, keep: int, *, protect: set[Path] | None = None, trash: lis
         if e.name == latest or (status == "corrupt" and not seen_good):
             continue  # corrupt and newer than every good one: evidence for a human
         victims.append(e.path)
-    discard(root, victims, trash=trash)
+    discard(root, victims, trash=trash, durable=durable)
     return victims
+
+
+def learn_committed(path: Path) -> None:
+    """``path``, a step directory this process has just committed, is known committed: the
+    next prune lists it without opening it (as it does for what ``prune(protect=...)`` saw)."""
+    try:
+        inode = os.stat(path).st_ino
+    except OSError:
+        return
+    _learn(str(path.parent), path.name, inode)
 
 
 __all__ = ["CheckpointInfo", "Entry", "entries", "newest_committed", "scan", "check", "verify_against", "verify_rank",

@@ -4,7 +4,8 @@
 2. fsync every file; 3. write ``manifest.json`` and fsync it;
 4. ``os.replace`` the directory to ``<root>/<name>``; 5. fsync ``<root>`` (after 6);
 6. replace ``<root>/LATEST`` (a hint: tmp, replace) and fsync ``<root>`` once for both
-   renames (5 and 6 share that fsync).
+   renames (5 and 6 share that fsync; so do retention's renames aside made before 4,
+   ``publish.commit_and_prune``).
 
 A directory without a manifest, or whose checksums fail, does not exist for load.
 """
@@ -394,7 +395,7 @@ def read_latest(root: Path) -> str | None:
     return name
 
 
-def discard(root: Path, paths: list[Path], *, trash: list[Path] | None = None) -> None:
+def discard(root: Path, paths: list[Path], *, trash: list[Path] | None = None, durable: bool = True) -> None:
     """Delete directories of ``root`` so that none is ever seen half-deleted.
 
     Each is first renamed aside to a hidden ``.trash-`` name that the catalog never
@@ -403,7 +404,11 @@ def discard(root: Path, paths: list[Path], *, trash: list[Path] | None = None) -
     the next ``discard`` (``sweep_trash``) removes. Call under the writer lock.
     ``trash``: the trees are appended there instead, for ``remove_trash`` (no lock needed:
     they are invisible and each is deleted whole or left for a later sweep).
+    ``durable=False`` (with ``trash`` only): the caller fsyncs ``root`` itself before any
+    tree in ``trash`` is deleted (a commit's one fsync of the root covers these renames).
     """
+    if not durable and trash is None:
+        raise ValueError("discard(durable=False) needs a trash list: the trees are deleted only after the caller's fsync")
     aside: list[Path] = []
     for path in paths:
         target = root / f"{TRASH_PREFIX}{path.name}-{secrets.token_hex(4)}"  # ``trashed_name`` reads it back
@@ -412,7 +417,7 @@ def discard(root: Path, paths: list[Path], *, trash: list[Path] | None = None) -
         except FileNotFoundError:
             continue  # already gone
         aside.append(target)
-    if aside:
+    if aside and durable:
         fsync_path(root)
     doomed = aside + sweep_candidates(root, exclude=set(aside) | set(trash or ()))
     if trash is not None:
@@ -542,10 +547,13 @@ class Transaction:
         return files
 
     def commit(self, manifest: dict[str, Any], *, checksum: bool | set[str] = True,
-               fsync_files: bool = True, update_latest: bool = True) -> Path:
+               fsync_files: bool = True, update_latest: bool = True, fsync_root: bool = True) -> Path:
         """Make the checkpoint durable and visible. Coordinator only.
 
         ``fsync_files=False`` when the writers have already fsynced their files.
+        ``fsync_root=False``: the rename is visible but not yet durable; the caller makes
+        it durable with ``make_durable`` (after renames of its own in the root, which the
+        same fsync covers) before it reports the checkpoint saved.
         """
         manifest = dict(manifest)
         files = self.describe_files(checksum=checksum)
@@ -570,10 +578,16 @@ class Transaction:
         self.committed = True
         if update_latest:  # a hint: its rename is made durable by the one fsync of the root below
             self._after_rename("update LATEST", replace_hint, self.root / LATEST, (self.name + "\n").encode())
-        self._after_rename("make the rename durable (fsync of the checkpoint root)", fsync_path, self.root)
+        if fsync_root:
+            self.make_durable()
         if replaced:
             self._after_rename("remove the replaced copy", discard, self.root, [self.path])
         return self.final
+
+    def make_durable(self) -> None:
+        """fsync the root: the commit's rename (and LATEST's, and any other rename made in the
+        root since) survives a crash. A fault is a warning (``_after_rename``)."""
+        self._after_rename("make the rename durable (fsync of the checkpoint root)", fsync_path, self.root)
 
     def _after_rename(self, what: str, fn: Any, *args: Any) -> None:
         """A step after the rename: the checkpoint is committed (visible, and what the next

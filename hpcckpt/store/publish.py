@@ -6,11 +6,12 @@ write and fsync their rank files before the commit, so the commit re-reads sizes
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import catalog
-from .commit import Transaction
+from .commit import Transaction, fsync_path, trashed_name
 from .manifest import record_in, record_out
 from .lock import CommitLock, writer_lock
 
@@ -62,11 +63,17 @@ def commit_and_prune(txn: Transaction, manifest: dict[str, Any], *, keep: int | 
     renamed aside here and appended there for the caller to delete later (``catalog.prune``).
     ``lock``: the caller's ``CommitLock`` on ``txn.root`` (a writer that commits often),
     instead of a ``writer_lock`` made for this commit.
+
+    With ``trash`` and ``keep`` >= 2 the commit fsyncs the root once (``_prune_first``);
+    otherwise (and for a step committed again, which replaces its earlier copy) the rename
+    is made durable before retention renames anything aside.
     """
     warnings: list[str] = []
     with (lock(lock_timeout_s) if lock is not None else writer_lock(txn.root, timeout_s=lock_timeout_s)):
         if precheck is not None:
             precheck()
+        if trash is not None and keep is not None and keep >= 2 and not os.path.lexists(txn.final):
+            return _prune_first(txn, manifest, keep, trash)  # (a step committed again replaces its copy: below)
         path = txn.commit(manifest, checksum=False, fsync_files=False)
         warnings += txn.warnings
         if keep is None:
@@ -77,3 +84,54 @@ def commit_and_prune(txn: Transaction, manifest: dict[str, Any], *, keep: int | 
             warnings.append(f"{txn.name} is committed, but retention could not prune older checkpoints: {exc}")
             removed = []
     return path, warnings, removed
+
+
+def _prune_first(txn: Transaction, manifest: dict[str, Any], keep: int,
+                 trash: list[Path]) -> tuple[Path, list[str], list[Path]]:
+    """Retention before the rename, one fsync of the root for all of it.
+
+    Every checkpoint already in the root is durably committed (each commit ended with an
+    fsync of the root), so keeping the newest ``keep - 1`` of them (at least one) and
+    then committing this one leaves ``keep``, and a crash at any instant before the fsync
+    leaves the newest of them whatever the file system made durable: the renames aside
+    and the commit's rename then share one fsync of the root instead of one each (at a
+    save every step, each fsync waited behind the next save's data writes). The pruned
+    trees are deleted by the caller, after this returns, so never before that fsync. A
+    commit that fails before its rename puts them back: a failed save costs no checkpoint.
+    """
+    warnings: list[str] = []
+    before = len(trash)
+    try:
+        removed = catalog.prune(txn.root, keep - 1, protect={txn.path}, trash=trash, durable=False)
+    except OSError as exc:
+        warnings.append(f"retention could not prune older checkpoints before committing {txn.name}: {exc}")
+        removed = []
+    try:
+        path = txn.commit(manifest, checksum=False, fsync_files=False, fsync_root=False)
+    except BaseException:
+        _put_back(txn.root, removed, trash, before)
+        raise
+    txn.make_durable()
+    catalog.learn_committed(path)  # the next prune lists it without reading it
+    return path, warnings + txn.warnings, removed
+
+
+def _put_back(root: Path, removed: list[Path], trash: list[Path], before: int) -> None:
+    """Rename the trees ``_prune_first`` just moved aside back to their names (the commit
+    failed); best effort, durable before the failure is reported."""
+    names = {p.name for p in removed}
+    back = []
+    for tree in trash[before:]:
+        name = trashed_name(tree.name)
+        if name in names and tree.parent == root:
+            try:
+                os.rename(tree, root / name)
+            except OSError:
+                continue
+            back.append(tree)
+    if back:
+        trash[before:] = [t for t in trash[before:] if t not in back]
+        try:
+            fsync_path(root)
+        except OSError:
+            pass

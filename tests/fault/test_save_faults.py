@@ -264,3 +264,57 @@ def test_a_final_save_that_fails_twice_exits_with_the_reason_and_the_last_good_s
     assert [i.step for i in catalog.scan(root) if i.status == "committed"] == [good]
     with Checkpointer(root, engine=engine, every_steps=1000) as ck:
         assert ck.register(model=torch.nn.Linear(4, 4)) == good
+
+
+@pytest.mark.parametrize("engine", ["sync", "concurrent"])
+def test_a_commit_that_fails_before_its_rename_costs_no_kept_checkpoint(
+        tmp_path: Path, engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With keep >= 2, retention renames the oldest kept checkpoint aside before the commit's
+    rename (one fsync of the root covers both, ``publish._prune_first``); a commit that then
+    fails (here its manifest cannot be written: ENOSPC, injected at that one call) puts it
+    back: the failed save costs no checkpoint, and the next save prunes as usual."""
+    from hpcckpt.engines import SaveContext, make_engine
+    from hpcckpt.errors import CheckpointFailed
+    from hpcckpt.ranks import Ranks
+    from hpcckpt.state import TrainState
+
+    root = tmp_path / "ckpt"
+    eng = make_engine(engine, SaveContext(root=root, keep=3, job={}, user={}), Ranks())
+    state = TrainState()
+    state.register("model", torch.nn.Linear(8, 8))
+    eng.bind(state)
+
+    def save(step: int) -> BaseException | None:
+        try:  # a failed save: raised by the sync engine's save(), by the concurrent one's handle
+            assert eng.save(state.capture(step=step), step).wait(timeout=60)
+        except CheckpointFailed as exc:
+            return exc
+        finally:
+            if hasattr(eng, "drain"):
+                eng.drain()
+        return None
+
+    def steps() -> list[int]:
+        return [info.step for info in catalog.scan(root)]
+
+    real = commit.write_new_durable
+
+    def full(path: Path, data: bytes) -> None:
+        if path.name == commit.MANIFEST:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        real(path, data)
+
+    try:
+        for step in range(1, 6):
+            assert save(step) is None
+        assert steps() == [3, 4, 5]
+        monkeypatch.setattr(commit, "write_new_durable", full)
+        error = save(6)
+        assert isinstance(error, CheckpointFailed) and "No space left" in str(error), error
+        assert steps() == [3, 4, 5]  # the one pruned for step 6 is back
+        assert not any(p.name.startswith(commit.TRASH_PREFIX) for p in root.iterdir())
+        monkeypatch.undo()
+        assert save(7) is None
+        assert steps() == [4, 5, 7]
+    finally:
+        eng.close()
