@@ -13,7 +13,7 @@ Figures per engine and world size (``run_ranks``):
 - ``persist_s``: the median over rounds of the slowest rank's ``save_s`` (from the
   save call until the checkpoint is committed durably);
 - ``bytes_per_checkpoint``, ``bytes_per_rank``, ``state_bytes``: read back from the
-  committed manifest (``placement.written_bytes`` / ``placement.state_bytes``);
+  committed manifest (``shared.written_bytes`` / ``shared.state_bytes``);
 - ``share_per_rank``: ``bytes_per_rank / state_bytes``;
 
 and per engine ``bytes_vs_state`` (at N ranks) and ``persist_vs_1_rank``
@@ -187,7 +187,7 @@ def run_procs(cmds: list[list[str]], logs: list[Path], *, what: str, env: dict[s
 def _one_world(o: RanksOptions, engine: str, world: int, base: Path) -> dict[str, Any]:
     """Start ``world`` ranks saving with ``engine``; their figures and the committed manifest's."""
     from ..demo.runtime import module_cmd
-    from ..store import catalog, placement
+    from ..store import catalog, shared
 
     root, out = base / f"{engine}-{world}" / "ckpt", base / f"{engine}-{world}"
     out.mkdir(parents=True, exist_ok=True)
@@ -202,9 +202,9 @@ def _one_world(o: RanksOptions, engine: str, world: int, base: Path) -> dict[str
     results = [json.loads((out / f"result-r{r}.json").read_text()) for r in range(world)]
     slowest = [max(res["persist_s"][k] for res in results) for k in range(o.rounds)]
     manifest = catalog.find(root, None).manifest or {}
-    per_rank_map = placement.written_bytes(manifest)
+    per_rank_map = shared.written_bytes(manifest)
     per_rank = [per_rank_map[r] for r in sorted(per_rank_map)]
-    state = placement.state_bytes(manifest)
+    state = shared.state_bytes(manifest)
     total = sum(per_rank)
     persist = statistics.median(slowest)
     shutil.rmtree(out, ignore_errors=True)  # the next run's disk room

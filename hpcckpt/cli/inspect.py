@@ -45,7 +45,7 @@ def _shape(shape: Any) -> str:
 
 def global_view(m: Mapping[str, Any]) -> dict[str, Any]:
     """The manifest's distributed layout as JSON: shared tensors with their pieces, local tensors, byte sums."""
-    from ..store.placement import global_nbytes, state_bytes, written_bytes
+    from ..store.shared import global_nbytes, state_bytes, written_bytes
     shared_tab = m.get("shared") or {}
     shared = []
     for name, spec in shared_tab.items():

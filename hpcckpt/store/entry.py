@@ -6,6 +6,7 @@ module imports nothing of hpcckpt but its errors, so it sits below all of them.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -17,6 +18,36 @@ if TYPE_CHECKING:  # torch is imported by the code that holds tensors, not by re
     import torch
 
 ALIGN = 4096  # byte alignment of large tensors in a rank file (O_DIRECT, page size)
+
+# Bytes per element of the dtypes checkpoints hold (the names torch prints), so that reading a
+# manifest (``ls``, ``verify``, the epilog's ``scavenge``) does not import torch (2 CPU-seconds);
+# any other name is asked of torch. tests/unit/test_manifest_dtypes.py holds it to torch's.
+ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8,
+            "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1,
+            "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1}
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_dtype(name: str) -> torch.dtype | None:
+    """The torch dtype called ``name`` if raw bytes can be viewed as it (not quantized etc.)."""
+    import torch
+
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        return None
+    try:
+        torch.zeros(16, dtype=torch.uint8).view(dt).clone()  # raises for quantized, sub-byte...
+    except (RuntimeError, TypeError):
+        return None
+    return dt
+
+
+def dtype_itemsize(name: Any) -> int | None:
+    """Bytes per element of the plain torch dtype called ``name`` (None for any other name)."""
+    if isinstance(name, str) and name in ITEMSIZE:
+        return ITEMSIZE[name]
+    dt = _plain_dtype(name) if isinstance(name, str) and name.isidentifier() else None
+    return None if dt is None else int(dt.itemsize)
 
 
 @dataclass(frozen=True)

@@ -20,13 +20,13 @@ What it guarantees to the readers (``hdf5.read_tensors``, ``torchfile.read``,
 """
 from __future__ import annotations
 
-import functools
 import math
 import re
 from pathlib import PurePosixPath
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 from ..errors import CheckpointCorrupt
+from .entry import ITEMSIZE, dtype_itemsize
 from .tensortable import TableError, TensorTable
 
 FORMATS = ("hdf5", "torch")
@@ -97,40 +97,12 @@ def safe_relpath(rel: Any, what: str) -> str:
     return rel
 
 
-if TYPE_CHECKING:
-    import torch
-
-# Bytes per element of the dtypes checkpoints hold (the names torch prints), so that reading a
-# manifest (``ls``, ``verify``, the epilog's ``scavenge``) does not import torch (2 CPU-seconds);
-# any other name is asked of torch. tests/unit/test_manifest_dtypes.py holds it to torch's.
-ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8,
-            "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1,
-            "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1}
-
-
-@functools.lru_cache(maxsize=None)
-def _plain_dtype(name: str) -> torch.dtype | None:
-    """The torch dtype called ``name`` if raw bytes can be viewed as it (not quantized etc.)."""
-    import torch
-
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        return None
-    try:
-        torch.zeros(16, dtype=torch.uint8).view(dt).clone()  # raises for quantized, sub-byte...
-    except (RuntimeError, TypeError):
-        return None
-    return dt
-
-
 def _itemsize(name: Any, what: str) -> int:
     """Bytes per element of the plain torch dtype called ``name``; ``Invalid`` for any other name."""
-    if isinstance(name, str) and name in ITEMSIZE:
-        return ITEMSIZE[name]
-    dt = _plain_dtype(name) if isinstance(name, str) and name.isidentifier() else None
-    if dt is None:
+    size = dtype_itemsize(name)
+    if size is None:
         raise Invalid(f"{what} has dtype {name!r}, which is not a plain torch dtype")
-    return int(dt.itemsize)
+    return size
 
 
 def _tensor(name: str, e: Any, fmt: str, file_bytes: int, where: str) -> None:
@@ -305,14 +277,14 @@ def build(*, step: int, engine: str, job: Mapping[str, Any], user: Mapping[str, 
     """The manifest of one save from every rank's commit record (rank order); the coordinator's.
 
     The records' distributed-tensor fields become the ``shared`` table
-    (``placement.merge_shared``, which refuses pieces that do not tile a tensor), and
+    (``shared.merge_shared``, which refuses pieces that do not tile a tensor), and
     their ``file_info`` the ``files`` table, unless the caller gives them (the JIT writer:
     one file for every rank, its replicated tensors already laid out). ``extra``: further
     top-level fields (the JIT writer's ``jit``).
     """
     import time
     if shared is None:
-        from .placement import merge_shared
+        from .shared import merge_shared
         shared = merge_shared(records)
     if files is None:
         files = {rec["file"]: rec["file_info"] for rec in records if "file_info" in rec}
@@ -379,7 +351,7 @@ def validate_meta(manifest: Mapping[str, Any]) -> None:
 
 def _shared(name: str, spec: Any, ranks: Mapping[str, Any], world: int) -> None:
     """A distributed tensor: known dtype and shape, pieces that tile its bytes, each held by its writer."""
-    from .placement import KINDS, tiling_problem
+    from .shared import KINDS, tiling_problem
     what = f"shared tensor {name!r}"
     spec = _dict(spec, what)
     itemsize = _itemsize(spec.get("dtype"), what)

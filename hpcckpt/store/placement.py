@@ -22,21 +22,18 @@ commit turns into the manifest's ``shared`` table (``merge_shared``). A piece's
 """
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import torch
 
 from .._core import crc32c
-from ..errors import CheckpointFailed, ConfigError
+from ..errors import ConfigError
 from .entry import dtype_name, raw_bytes
+from .shared import REPLICATED, SHARDED, digest
 
 FORMAT_V1 = "hpcckpt/1"
 FORMAT = "hpcckpt/2"
-REPLICATED, SHARDED = "replicated", "sharded"
-KINDS = (REPLICATED, SHARDED)
 SPLIT_MIN_BYTES = 256 << 10  # smaller replicated tensors are written whole (one piece, no tiny I/O)
 
 
@@ -174,11 +171,6 @@ def _stripe(tensors: list[tuple[str, torch.Tensor]], where: Placement, out: Plan
         cursor += nbytes
 
 
-def digest(shared: Mapping[str, Any]) -> str:
-    """A short fingerprint of a shared table, to check that every rank planned the same tensors."""
-    return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def record_fields(p: Plan, *, coordinator: bool) -> dict[str, Any]:
     """The fields a rank adds to its commit record (the whole table from the coordinator only)."""
     fields: dict[str, Any] = {"pieces": p.pieces, "shared_digest": digest(p.shared)}
@@ -187,90 +179,3 @@ def record_fields(p: Plan, *, coordinator: bool) -> dict[str, Any]:
     if coordinator:
         fields["shared"] = p.shared
     return fields
-
-
-def merge_shared(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The manifest's ``shared`` table from every rank's record; strips the planning fields.
-
-    CheckpointFailed when the ranks planned different tensors or the pieces do not
-    tile every shared tensor exactly (nothing is committed then).
-    """
-    table = records[0].get("shared") or {}
-    want = digest(table)
-    odd = [r for r, rec in enumerate(records) if rec.get("shared_digest", want) != want]
-    if odd:
-        raise CheckpointFailed(f"ranks {odd} captured other distributed tensors than rank 0 (names, shapes or "
-                               "dtypes of replicated/sharded state differ); every rank must register the same "
-                               "model and optimizer")
-    _check_fingerprints(records)
-    out = {name: {**spec, "pieces": []} for name, spec in table.items()}
-    for r, rec in enumerate(records):
-        for name, start in (rec.pop("pieces", None) or {}).items():
-            nbytes = int(rec["tensors"][name]["nbytes"])
-            out[name]["pieces"].append({"rank": r, "start": int(start), "nbytes": nbytes})
-        rec.pop("shared", None)
-        rec.pop("shared_digest", None)
-        rec.pop("fingerprints", None)
-    for name, spec in out.items():
-        spec["pieces"].sort(key=lambda p: p["start"])
-        problem = tiling_problem(spec)
-        if problem:
-            raise CheckpointFailed(f"shared tensor {name!r}: {problem}; nothing was committed")
-    return out
-
-
-def _check_fingerprints(records: list[dict[str, Any]]) -> None:
-    """CheckpointFailed naming the first tensor declared replicated whose bytes differ between ranks."""
-    want = records[0].get("fingerprints") or {}
-    for r, rec in enumerate(records[1:], start=1):
-        got = rec.get("fingerprints") or {}
-        odd = sorted(n for n in want if n in got and got[n] != want[n])
-        if odd:
-            raise CheckpointFailed(
-                f"tensor {odd[0]!r} is declared replicated but its bytes differ between rank 0 and rank {r} "
-                f"({len(odd)} such tensors); it is not a replica: register the DDP module itself, or set "
-                "replicated='none' (HPCCKPT_REPLICATED=none) so that every rank writes its own copy")
-
-
-def global_nbytes(spec: Mapping[str, Any]) -> int:
-    n = torch.empty((), dtype=getattr(torch, str(spec["dtype"]))).element_size()
-    for d in spec["shape"]:
-        n *= int(d)
-    return n
-
-
-def tiling_problem(spec: Mapping[str, Any]) -> str | None:
-    """Why ``spec``'s pieces do not cover its bytes exactly once (None when they do)."""
-    cursor = 0
-    for p in spec["pieces"]:
-        if p["start"] != cursor:
-            return (f"pieces leave bytes {cursor}..{p['start']} uncovered" if p["start"] > cursor
-                    else f"pieces overlap at byte {p['start']}")
-        cursor += p["nbytes"]
-    total = global_nbytes(spec)
-    if cursor != total:
-        return f"pieces cover {cursor} of its {total} bytes"
-    return None
-
-
-def written_bytes(manifest: Mapping[str, Any]) -> dict[int, int]:
-    """Tensor bytes each rank wrote into a checkpoint (pieces and local tensors)."""
-    return {int(r): sum(int(e["nbytes"]) for e in rec.get("tensors", {}).values())
-            for r, rec in manifest["ranks"].items()}
-
-
-def state_bytes(manifest: Mapping[str, Any]) -> int:
-    """Bytes of the state itself: each shared tensor once, plus rank 0's local tensors."""
-    shared = manifest.get("shared") or {}
-    local = sum(int(e["nbytes"]) for n, e in manifest["ranks"]["0"].get("tensors", {}).items() if n not in shared)
-    return local + sum(global_nbytes(s) for s in shared.values())
-
-
-def source_rank(rank: int, saved_world: int) -> int:
-    """The saved rank whose local state (RNG, buffers, sampler, metadata) rank ``rank`` restores."""
-    return rank % saved_world
-
-
-def iter_pieces(spec: Mapping[str, Any]) -> Iterable[tuple[int, int, int]]:
-    for p in spec["pieces"]:
-        yield int(p["rank"]), int(p["start"]), int(p["nbytes"])

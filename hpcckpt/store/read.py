@@ -24,7 +24,8 @@ from . import catalog, hdf5, rankfile
 from .hdf5 import TensorEntry
 from .hostmem import one_cuda_device
 from .manifest import DISTRIBUTED_FORMATS
-from .placement import _is_dtensor, dtensor_range, source_rank
+from .placement import _is_dtensor, dtensor_range
+from .shared import source_rank
 
 
 def load_rank(info: catalog.CheckpointInfo, rank: int, world: int, *, into: Mapping[str, Any] | None = None,

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from hpcckpt.store import catalog, placement
+from hpcckpt.store import catalog
+from hpcckpt.store import shared as shared_table
 
 if TYPE_CHECKING:
     from conftest import SlurmCluster
@@ -102,7 +103,7 @@ def test_two_node_ddp_signalled_and_preempted_resumes_identically(
             assert sorted(p.stem for p in shard_dir.glob("rank-*")) == [f"rank-{r}" for r in range(WORLD)]
             manifest = catalog.find(run_dir / "ckpt", stop["step"]).manifest
             assert manifest is not None and manifest["engine"] == engine and manifest["format"] == "hpcckpt/4"
-            written, state = placement.written_bytes(manifest), placement.state_bytes(manifest)
+            written, state = shared_table.written_bytes(manifest), shared_table.state_bytes(manifest)
             # Only the ranks' own RNG states are written more than once (under 2% of this model).
             assert 1.0 <= sum(written.values()) / state < 1.05, (written, state)
             shared = manifest["shared"]

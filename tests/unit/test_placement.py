@@ -16,8 +16,8 @@ import torch
 from hpcckpt.errors import CheckpointFailed
 from hpcckpt.store import manifest as manifest_mod
 from hpcckpt.store.manifest import Invalid, validate
-from hpcckpt.store.placement import (SPLIT_MIN_BYTES, Placement, merge_shared, plan, record_fields, state_bytes,
-                                     written_bytes)
+from hpcckpt.store.placement import SPLIT_MIN_BYTES, Placement, plan, record_fields
+from hpcckpt.store.shared import merge_shared, state_bytes, written_bytes
 
 
 def _records(tensors: dict[str, torch.Tensor], world: int, replicated: set[str]) -> list[dict[str, Any]]:
@@ -164,3 +164,28 @@ def test_parameters_ddp_ignores_stay_local() -> None:
     # An optimizer over an unsynchronised parameter is not a replica either.
     assert where.is_replicated("objects/opt_synced/state/0/momentum_buffer")
     assert not where.is_replicated("objects/opt_all/state/0/momentum_buffer")
+
+
+def test_committing_and_reading_a_shared_table_imports_no_torch() -> None:
+    """The manifest of a distributed save is built (``shared.merge_shared``) and checked
+    (``manifest.validate``, which ``ls``, ``verify`` and the epilog's scavenge run) without
+    importing torch: that import costs a process ~2 CPU-seconds."""
+    import json
+    import subprocess
+    import sys
+    m = _valid_manifest()
+    records = [dict(m["ranks"][str(r)]) for r in range(2)]
+    for r, rec in enumerate(records):  # back to what the ranks sent: their pieces and the table
+        rec["pieces"] = {p_name: p["start"] for p_name, spec in m["shared"].items()
+                         for p in spec["pieces"] if p["rank"] == r}
+        rec["shared"] = {n: {k: v for k, v in spec.items() if k != "pieces"} for n, spec in m["shared"].items()}
+    code = ("import json, sys\n"
+            "from hpcckpt.store import manifest\n"
+            "records = json.loads(sys.stdin.read())\n"
+            "m = manifest.build(step=1, engine='sync', job={}, user={}, records=records)\n"
+            "manifest.validate(m, step=1)\n"
+            "print(sorted(m['shared']), 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], input=json.dumps(records), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["['objects/model/b',", "'objects/model/w']", "False"], out.stdout
