@@ -123,7 +123,7 @@ def _put_back(root: Path, removed: list[Path], trash: list[Path], before: int) -
     back = []
     for tree in trash[before:]:
         name = trashed_name(tree.name)
-        if name in names and tree.parent == root:
+        if name in names:
             try:
                 os.rename(tree, root / name)
             except OSError:
