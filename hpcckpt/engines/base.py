@@ -145,6 +145,11 @@ class Engine(ABC):
             doomed, self._trash[:] = list(self._trash), []
             remove_trash(doomed)
 
+    def _recycled(self, tmp: Path) -> bool:
+        """Whether the save's temporary directory ``tmp`` is a pruned checkpoint's, reused whole
+        with its entries (``Transaction``'s ``recycled``); the concurrent engine's recycler."""
+        return False
+
     def temp_path(self, step: int) -> Path:
         """The shared temporary directory of this save (same name on every rank; collective)."""
         return Transaction.temp_path(self.ctx.root, catalog.step_name(step), self.ranks.token())
@@ -214,7 +219,7 @@ class Engine(ABC):
         """Commit and prune; coordinator only. Faults after the rename (root fsync, LATEST,
         pruning) go to ``warnings``: the step is committed, a failed save would be a lie."""
         manifest = build_manifest(step=step, engine=self.name, job=self.ctx.job, user=self.ctx.user, records=records)
-        txn = Transaction(self.ctx.root, catalog.step_name(step), temp=tmp)
+        txn = Transaction(self.ctx.root, catalog.step_name(step), temp=tmp, recycled=self._recycled(tmp))
         if self._commit_lock is None:
             self._commit_lock = CommitLock(self.ctx.root)
         path, faults, removed = commit_and_prune(txn, manifest, keep=self.ctx.keep, trash=self._trash,

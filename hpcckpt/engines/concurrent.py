@@ -776,6 +776,9 @@ class ConcurrentEngine(Engine):
         return {"file": job.fname, "format": "hdf5", "meta": job.meta, "tensors": job.layout.record(crcs),
                 **job.placement}
 
+    def _recycled(self, tmp: Path) -> bool:
+        return self._recycler is not None and self._recycler.taken(tmp)
+
     def empty_trash(self) -> None:
         """Delete what the last commit pruned, keeping one rank file for the next save
         (``recycle``) when it has the current layout."""

@@ -91,6 +91,25 @@ def write_new_durable(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
+def rewrite_durable(path: Path, data: bytes) -> bool:
+    """Overwrite the regular file ``path`` with ``data`` in place (same inode: its directory
+    entry does not change) and fdatasync it; False when there is no such file (nothing is
+    created). A symlink or anything but a regular file there is an OSError."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        write_all(fd, data)
+        os.ftruncate(fd, len(data))
+        os.fdatasync(fd)  # the data and the size: what reading it back needs
+    finally:
+        os.close(fd)
+    return True
+
+
 def atomic_write(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` atomically and durably."""
     tmp = path.with_name(f"{path.name}{TMP_MARK}{secrets.token_hex(4)}")
@@ -496,8 +515,12 @@ class Transaction:
     per-tensor checksums (HDF5) list only sizes for speed.
     """
 
-    def __init__(self, root: Path, name: str, *, unique: str | None = None, temp: Path | None = None) -> None:
-        """``temp``: adopt a directory made by ``temp_dir`` (ranks of one save write into it first)."""
+    def __init__(self, root: Path, name: str, *, unique: str | None = None, temp: Path | None = None,
+                 recycled: bool = False) -> None:
+        """``temp``: adopt a directory made by ``temp_dir`` (ranks of one save write into it first).
+        ``recycled``: ``temp`` is a committed checkpoint's directory reused whole (the concurrent
+        engine's ``recycle``), its entries durable since that commit and none added since: the
+        commit rewrites its manifest in place and does not fsync the directory."""
         self.root = Path(root)
         self.name = name
         if temp is not None:  # made inside the root, so the root exists
@@ -509,6 +532,7 @@ class Transaction:
             self.path = self.temp_path(self.root, name, unique or secrets.token_hex(6))
             self.path.mkdir(mode=0o700, exist_ok=unique is not None)
         self.final = self.root / name
+        self.recycled = recycled and temp is not None
         self.committed = False
         self.warnings: list[str] = []  # faults after the rename (``_after_rename``)
 
@@ -563,8 +587,10 @@ class Transaction:
                 fsync_path(self.path / rel)
             for dirpath, _dirs, _files in os.walk(self.path):
                 fsync_path(Path(dirpath))
-        write_new_durable(self.path / MANIFEST, seal_manifest(manifest))
-        fsync_path(self.path)
+        sealed = seal_manifest(manifest)
+        if not (self.recycled and rewrite_durable(self.path / MANIFEST, sealed)):
+            write_new_durable(self.path / MANIFEST, sealed)
+            fsync_path(self.path)  # the new entries: the manifest's (and the files', unless fsync_files did)
         replaced = False
         try:
             os.replace(self.path, self.final)  # no stat first: the common case is one rename

@@ -297,18 +297,21 @@ def test_a_commit_that_fails_before_its_rename_costs_no_kept_checkpoint(
     def steps() -> list[int]:
         return [info.step for info in catalog.scan(root)]
 
-    real = commit.write_new_durable
+    real_new, real_rewrite = commit.write_new_durable, commit.rewrite_durable
 
-    def full(path: Path, data: bytes) -> None:
-        if path.name == commit.MANIFEST:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        real(path, data)
+    def full(real: Any) -> Any:  # a fresh manifest, or one rewritten in a recycled directory
+        def write(path: Path, data: bytes) -> Any:
+            if path.name == commit.MANIFEST:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            return real(path, data)
+        return write
 
     try:
         for step in range(1, 6):
             assert save(step) is None
         assert steps() == [3, 4, 5]
-        monkeypatch.setattr(commit, "write_new_durable", full)
+        monkeypatch.setattr(commit, "write_new_durable", full(real_new))
+        monkeypatch.setattr(commit, "rewrite_durable", full(real_rewrite))
         error = save(6)
         assert isinstance(error, CheckpointFailed) and "No space left" in str(error), error
         assert steps() == [3, 4, 5]  # the one pruned for step 6 is back

@@ -45,6 +45,53 @@ def test_saves_overwrite_pruned_files_and_read_back_exactly(tmp_path: Path) -> N
     assert sorted(os.listdir(tmp_path / "ck")) == [".hpcckpt.lock", "LATEST", "step-7"]
 
 
+def test_a_recycled_save_rewrites_the_pruned_manifest_in_place_and_adds_no_entry(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commit of a save made of a spare keeps the spare's manifest inode (rewritten with
+    this step's manifest, of another length) and fsyncs no directory but the root; what it
+    commits verifies in full and reads back exactly."""
+    from hpcckpt.store import commit as commit_mod
+    root = tmp_path / "ck"
+    rig = Rig(root, keep=1)
+    synced: list[str] = []
+    real = commit_mod.fsync_path
+    monkeypatch.setattr(commit_mod, "fsync_path", lambda p: (synced.append(str(p)), real(p))[1])
+    try:
+        manifests = {}
+        for step in (1, 2, 30, 4000):  # the step's digits change the manifest's length
+            rig.train_step()
+            want = rig.snapshot(step)
+            synced.clear()
+            reused = rig.engine._recycler.reused  # type: ignore[union-attr]
+            rig.engine.save(rig.state.capture(step=step), step).wait()
+            rig.engine._queue.join()
+            st = os.stat(root / f"step-{step}" / "manifest.json")
+            manifests[step] = (st.st_ino, st.st_size)
+            assert_same(rig.load(step), want)
+            info = catalog.inspect_step(root, step, full=True)
+            assert info is not None and info.status == "committed", info
+            recycled = rig.engine._recycler.reused > reused  # type: ignore[union-attr]
+            assert recycled == (step >= 30)  # steps 1 and 2 made fresh directories
+            assert len([p for p in synced if ".tmp-" in p]) == (0 if recycled else 1), synced
+        assert manifests[30][0] == manifests[1][0] and manifests[4000][0] == manifests[2][0]  # the same inodes
+        assert manifests[4000][1] != manifests[2][1]  # rewritten to another length, and truncated or grown
+    finally:
+        rig.engine.close()
+
+
+def test_rewrite_durable_rewrites_only_a_regular_file_in_place(tmp_path: Path) -> None:
+    from hpcckpt.store.commit import rewrite_durable
+    f = tmp_path / "m"
+    f.write_bytes(b"x" * 100)
+    ino = f.stat().st_ino
+    assert rewrite_durable(f, b"short") and f.read_bytes() == b"short" and f.stat().st_ino == ino
+    assert not rewrite_durable(tmp_path / "absent", b"y") and not (tmp_path / "absent").exists()
+    (tmp_path / "link").symlink_to(f)
+    with pytest.raises(OSError):
+        rewrite_durable(tmp_path / "link", b"z")
+    assert f.read_bytes() == b"short"
+
+
 def test_a_file_of_another_layout_is_never_written_into(tmp_path: Path) -> None:
     """The state's shapes change between saves: the spare of the old layout is dropped,
     the new layout's saves start from fresh files and then recycle their own."""
@@ -141,7 +188,7 @@ def test_keep_holds_only_a_pruned_step_of_the_current_layout(tmp_path: Path) -> 
     left = rec.keep(doomed, layout)
     assert left == [unknown, wrong_size, extra_file]
     (spare,) = [root / n for n in _spares(root)]
-    assert sorted(os.listdir(spare)) == ["rank-0.h5"]  # the pruned manifest is gone with its step
+    assert sorted(os.listdir(spare)) == ["manifest.json", "rank-0.h5"]  # the next commit rewrites the manifest
     assert not rec.take(tmp_path / "other.tmp", object())  # type: ignore[arg-type]  # another layout
     assert rec.take(root / "step-5.tmp-x", layout) and (root / "step-5.tmp-x" / "rank-0.h5").stat().st_size == size
     assert not rec.take(root / "step-6.tmp-x", layout)  # one spare at a time
