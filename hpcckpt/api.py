@@ -42,7 +42,7 @@ from .cluster.base import Cause
 from .policy import WARNING_SIGNALS, AutoInterval, Figures, Policy, StopReason
 from .ranks import Ranks
 from .resume import Outcome, load_newest
-from .signals import SignalRecorder
+from .signals import AfterRun, Received, SignalRecorder
 from .state import Flat, TrainState, init_dtensor_optimizer_state, rng_state, set_rng_state
 from .store.lock import WriterBusy, WriterLease, usable_root
 
@@ -675,6 +675,33 @@ class Checkpointer:
                 log.error("hpcckpt: the checkpoint of the finished run (step %d) failed: %s", self.step, exc)
         if self.ranks.is_coordinator:
             self.ledger.append("stop", reason="done", step=self.step, committed_step=self.committed_step, requeue=False)
+        self._guard_after_run()
+
+    def _guard_after_run(self) -> None:
+        """From the run's end to the process's exit a stop signal requeues the job (``AfterRun``):
+        the code after the training loop has no step boundary, and the next run, resuming at
+        the final checkpoint, finds the run finished and runs that code again. A stop signal
+        that came after the last step's boundary (a warning deferred to the deadline aside)
+        is acted on at once. Not when the run kept no checkpoint (it saved none, so it keeps no
+        final state either): a requeue would train it all again."""
+        if self.committed_step is None:
+            return
+        late = next((r for r in self.signals.received if r.signum not in WARNING_SIGNALS), None)
+        self.signals.uninstall()
+        guard = AfterRun(self.options.signals, self._stopped_after_run)
+        if guard.install() and late is not None:
+            guard.fire(late)
+
+    def _stopped_after_run(self, got: Received) -> None:
+        """A stop signal after the run finished: record it, requeue, exit 75 (every rank)."""
+        log.warning("hpcckpt: received %s after the run's last step (step %d, committed): the code after the "
+                    "training loop is stopped and the job requeued; the next run finds the run finished and runs "
+                    "that code again", got.name, self.step)
+        if self.ranks.is_coordinator:
+            self.ledger.append("stop", reason="after_run", step=self.step, committed_step=self.committed_step,
+                               requeue=True, final_saved=True, signame=got.name, signal_time=got.wall_s)
+            self._requeue(StopReason.SIGNAL)
+        raise RequeueExit("after_run", self.step)
 
     # -- lifecycle ---------------------------------------------------------------
 

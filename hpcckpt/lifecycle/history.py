@@ -221,8 +221,9 @@ class Fold:
         if ev.get("event") in OPENERS or not self.runs:
             self.runs.append(RunSummary(head=dict(ev)))
         self.runs[-1].add(ev)
-        if ev.get("event") == "stop" and ev.get("reason") == "done":
-            self.finished = True
+        if ev.get("event") == "stop" and ev.get("reason") in ("done", "after_run"):
+            # after_run: stopped in the code after its training loop, requeued to run that again
+            self.finished = ev.get("reason") == "done"
         if ev.get("event") == "criu_dump_failed":
             self.failed_dumps = [*self.failed_dumps[-(MAX_FAILED_DUMPS - 1):], dict(ev)]
 

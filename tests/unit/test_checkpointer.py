@@ -69,6 +69,51 @@ def test_signal_storm_takes_one_final_checkpoint(ckdir: Path) -> None:
     assert signal.getsignal(signal.SIGTERM) is before  # handlers uninstalled: the one found is back
 
 
+def test_a_stop_signal_after_the_run_requeues_and_the_next_run_ends_the_code_after_the_loop(ckdir: Path) -> None:
+    """TERM while the script runs its code after the training loop (here: inside and after the
+    Checkpointer's block): the job is requeued and exits 75 once (a second TERM, as
+    ``scontrol requeue`` sends, does nothing more), the ledger says so and ``history`` does not
+    call the run finished; the next run resumes at the final checkpoint, trains nothing, runs
+    that code to its end and is finished. A new Checkpointer in the process takes the signals back."""
+    from hpcckpt.lifecycle.history import fold
+
+    def script(*, stop_in: str | None) -> list[str]:
+        done: list[str] = []
+        objs = tiny_state(0)
+        with Checkpointer(ckdir, every_steps=4, signals=("USR2", "TERM")) as ck:
+            ck.register(**objs)
+            for _ in ck.steps(6):
+                train_step(objs)
+            if stop_in == "block":  # e.g. an evaluation before the Checkpointer closes
+                for _ in range(2):
+                    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+            done.append("in block")
+        if stop_in == "after":  # e.g. an export after it closed
+            signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+        done.append("after block")
+        return done
+
+    for where in ("block", "after"):
+        with pytest.raises(RequeueExit) as exc:
+            script(stop_in=where)
+        assert exc.value.code == EXIT_REQUEUE and exc.value.reason == "after_run", exc.value
+        led = Ledger(ckdir).read()
+        stops = [e for e in led if e["event"] == "stop"]
+        assert stops[-2]["reason"] == "done" and stops[-1]["reason"] == "after_run", stops
+        assert stops[-1]["signame"] == "SIGTERM" and stops[-1]["committed_step"] == 6
+        assert [e["event"] for e in led].count("requeue") == (1 if where == "block" else 2)  # once a stop
+        assert not fold(led).finished
+        assert catalog.scan(ckdir)[-1].step == 6  # the final state, where the next run resumes
+    assert script(stop_in=None) == ["in block", "after block"]  # the next run ends it
+    led = Ledger(ckdir).read()
+    assert led[-1]["event"] == "stop" and led[-1]["reason"] == "done" and fold(led).finished
+    assert [e["event"] for e in led].count("nothing_left") == 2  # the runs after the first trained nothing
+    # A later run in this process owns the signals: its stop is a stop at a step boundary.
+    with pytest.raises(RequeueExit) as exc:
+        run(ckdir.parent / "other", 12, signal_at=4)
+    assert exc.value.reason == "signal" and exc.value.step == 4
+
+
 def test_corrupt_latest_falls_back_to_previous(ckdir: Path) -> None:
     run(ckdir, 9, every=3)  # commits 3, 6, 9 (keep=2 -> 6, 9)
     newest = ckdir / "step-9" / "rank-0.pt"
