@@ -38,7 +38,7 @@ from .levels import restore as level_restore
 from .lifecycle import identity, requeue
 from .lifecycle.history import record_superseded
 from .lifecycle.ledger import Ledger, process_start_time
-from .cluster.base import Cause
+from .cluster.base import Cause, Cluster
 from .policy import WARNING_SIGNALS, AutoInterval, Figures, Policy, StopReason
 from .ranks import Ranks
 from .resume import Outcome, load_newest
@@ -688,20 +688,14 @@ class Checkpointer:
             return
         late = next((r for r in self.signals.received if r.signum not in WARNING_SIGNALS), None)
         self.signals.uninstall()
-        guard = AfterRun(self.options.signals, self._stopped_after_run)
+        # The guard holds what the requeue needs, not the Checkpointer: a script that goes on to
+        # load another model must not keep this run's model and optimizer alive through it.
+        stop = functools.partial(_stopped_after_run, step=self.step, committed_step=self.committed_step,
+                                 coordinator=(self.ledger, self.cluster, self.root) if self.ranks.is_coordinator
+                                 else None)
+        guard = AfterRun(self.options.signals, stop)
         if guard.install() and late is not None:
             guard.fire(late)
-
-    def _stopped_after_run(self, got: Received) -> None:
-        """A stop signal after the run finished: record it, requeue, exit 75 (every rank)."""
-        log.warning("hpcckpt: received %s after the run's last step (step %d, committed): the code after the "
-                    "training loop is stopped and the job requeued; the next run finds the run finished and runs "
-                    "that code again", got.name, self.step)
-        if self.ranks.is_coordinator:
-            self.ledger.append("stop", reason="after_run", step=self.step, committed_step=self.committed_step,
-                               requeue=True, final_saved=True, signame=got.name, signal_time=got.wall_s)
-            self._requeue(StopReason.SIGNAL)
-        raise RequeueExit("after_run", self.step)
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -729,6 +723,23 @@ class Checkpointer:
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
+
+
+def _stopped_after_run(got: Received, *, step: int, committed_step: int | None,
+                       coordinator: tuple[Ledger, Cluster, Path] | None) -> None:
+    """A stop signal after the run finished (``Checkpointer._guard_after_run``): the coordinator
+    records it and requeues the job; every rank exits 75."""
+    log.warning("hpcckpt: received %s after the run's last step (step %d, committed): the code after the "
+                "training loop is stopped and the job requeued; the next run finds the run finished and runs "
+                "that code again", got.name, step)
+    if coordinator is not None:
+        ledger, cluster, root = coordinator
+        ledger.append("stop", reason="after_run", step=step, committed_step=committed_step, requeue=True,
+                      final_saved=True, signame=got.name, signal_time=got.wall_s)
+        outcome = requeue(cluster=cluster, state_dir=root, cause=StopReason.SIGNAL.cause,
+                          committed_step=committed_step, ledger=ledger, source="checkpointer")
+        log.warning("hpcckpt: requeue decision: %s", outcome.as_dict())
+    raise RequeueExit("after_run", step)
 
 
 _END: Any = object()

@@ -108,6 +108,19 @@ def test_a_stop_signal_after_the_run_requeues_and_the_next_run_ends_the_code_aft
     led = Ledger(ckdir).read()
     assert led[-1]["event"] == "stop" and led[-1]["reason"] == "done" and fold(led).finished
     assert [e["event"] for e in led].count("nothing_left") == 2  # the runs after the first trained nothing
+    # The guard left by a finished run keeps none of its objects alive (a script may go on to
+    # load another model).
+    import gc
+    import weakref
+    objs = tiny_state(0)
+    with Checkpointer(ckdir.parent / "third", every_steps=2, signals=("USR2", "TERM")) as ck:
+        ck.register(**objs)
+        for _ in ck.steps(4):
+            train_step(objs)
+    held = [weakref.ref(ck), *(weakref.ref(o) for o in objs.values())]
+    del ck, objs
+    gc.collect()
+    assert [r() for r in held] == [None] * len(held)
     # A later run in this process owns the signals: its stop is a stop at a step boundary.
     with pytest.raises(RequeueExit) as exc:
         run(ckdir.parent / "other", 12, signal_at=4)
