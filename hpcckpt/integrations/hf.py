@@ -78,6 +78,7 @@ class HpcckptTrainerCallback(TrainerCallback):  # type: ignore[misc,valid-type] 
         self._rng: dict[str, Any] | None = None
         self._steps: Iterator[int] | None = None
         self._registered_training = False
+        self._shadowed = False  # get_batch_samples shadowed on the trainer (``_train_nothing``)
         self._pending = False
 
     # -- resume ----------------------------------------------------------------------
@@ -138,7 +139,26 @@ class HpcckptTrainerCallback(TrainerCallback):  # type: ignore[misc,valid-type] 
         self._register_training(self._trainer)  # fresh start: nothing was loaded
         total = int(state.max_steps) if state.max_steps and state.max_steps > 0 else 2**62
         self._steps = self.ckpt.steps(total)
-        next(self._steps)
+        try:
+            next(self._steps)
+        except StopIteration:  # a re-run of a finished run: steps() said nothing is left, and finished
+            self._steps = None
+            self._train_nothing(control)
+
+    def _train_nothing(self, control: Any) -> None:
+        """The Trainer resumed at ``max_steps`` still trains one more step before it checks
+        whether to stop (its epoch loop takes a batch first): this run's Trainer gets no batch
+        (``get_batch_samples`` shadowed on the instance until ``on_train_end``) and is told to
+        stop, so the re-run of a finished run (after a stop in the code after ``train()``)
+        changes nothing and goes on to that code."""
+        control.should_training_stop = True
+        trainer = self._trainer
+        if trainer is None or not callable(getattr(trainer, "get_batch_samples", None)):
+            log.warning("hpcckpt: this Trainer has no get_batch_samples(); the re-run of a finished run may "
+                        "train a step past max_steps (upgrade transformers)")
+            return
+        trainer.get_batch_samples = lambda epoch_iterator, num_batches, device: ([], None)
+        self._shadowed = True
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if control.should_evaluate:
@@ -171,6 +191,9 @@ class HpcckptTrainerCallback(TrainerCallback):  # type: ignore[misc,valid-type] 
         if self._steps is not None:
             self.ckpt._finish()  # ended before max_steps (epochs, early stopping): settle saves
             self._steps = None
+        if self._shadowed and self._trainer is not None:
+            del self._trainer.get_batch_samples  # the class's own again
+            self._shadowed = False
         self.ckpt.close()
 
 

@@ -214,7 +214,10 @@ class HpcckptCallback(pl.Callback):  # type: ignore[name-defined]  # pl is found
         self.ckpt.signals.uninstall()
         self.ckpt.signals.install()
         self._steps = self.ckpt.steps(_total_steps(trainer))
-        next(self._steps)
+        try:
+            next(self._steps)
+        except StopIteration:  # nothing left: steps() said so and finished (as the HF callback)
+            self._steps = None
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self._rng is not None:

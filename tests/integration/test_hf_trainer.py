@@ -79,6 +79,15 @@ def test_stopped_and_resumed_matches_uninterrupted(tmp_path: Path, reference: Pa
     assert {e["engine"] for e in starts} == {"concurrent"}
     # Nothing of the Trainer's own pickled checkpoint format was written or read.
     assert not list((run_dir / "ckpt").rglob("*.pth")) and not list((run_dir / "ckpt").rglob("*.bin"))
+    if extra:
+        # Run again once finished (as after a stop in the code after train()): the Trainer,
+        # resumed at max_steps, would take one more batch and step before it checks whether
+        # to stop; it trains nothing and the script goes on to its end (it raised
+        # StopIteration, then trained step 31).
+        third = _train(run_dir, *extra)
+        assert third.returncode == 0, third.stderr[-3000:]
+        _assert_identical(run_dir, reference)  # no trace line, no step more, same parameters
+        assert [e["event"] for e in _ledger(run_dir / "ckpt")][-2:] == ["nothing_left", "stop"]
 
 
 def test_train_without_resume_point_is_a_clear_error(tmp_path: Path) -> None:
