@@ -126,6 +126,19 @@ def run_slurm(args: Sequence[str], *, timeout_s: float = COMMAND_TIMEOUT_S,
     return proc.stdout
 
 
+_REFUSALS = ("disabled", "pending", "completing", "completed", "denied", "not permitted", "invalid job")
+
+
+def unanswered(error: str) -> bool:
+    """Whether a failed Slurm command's ``ClusterError`` is not a refusal of the request by the
+    controller (its words for one: the operation disabled, the job pending or completing
+    already, permission): no answer in time (``run_slurm``'s timeout, "Socket timed out"), or
+    a garbled one ("Zero Bytes were transmitted or received"). The request may then have
+    been carried out."""
+    low = error.lower()
+    return not any(word in low for word in _REFUSALS)
+
+
 def show_job(job_id: str) -> dict[str, str]:
     """``scontrol show job -o ID`` as a dict; ClusterError when Slurm no longer knows the job."""
     recs = parse_records(run_slurm(["scontrol", "show", "job", "-o", job_id]))
@@ -368,9 +381,13 @@ class SlurmCli(ClusterBase):
             refusal = str(err)
         evidence = self._confirm(job_id, before)
         if evidence is not None:
-            how = "scontrol" if refusal is None else "slurm"
-            return RequeueOutcome(requeued=True, method=how, cause=cause, job_id=job_id, evidence=evidence,
-                                  detail=f"scontrol requeue {job_id}: confirmed, {evidence}")
+            # The record did not show it requeued just before the call: it is this call's doing,
+            # unless Slurm answered with a refusal (then Slurm requeued it meanwhile). An answer
+            # that never came (a loaded controller) says nothing of the kind.
+            ours = refusal is None or unanswered(refusal)
+            lost = "" if refusal is None or not ours else f" (its answer was lost: {refusal})"
+            return RequeueOutcome(requeued=True, method="scontrol" if ours else "slurm", cause=cause, job_id=job_id,
+                                  evidence=evidence, detail=f"scontrol requeue {job_id}: confirmed, {evidence}{lost}")
         why = refusal or (f"scontrol requeue {job_id} was accepted but Slurm's record does not show the "
                           f"job pending again within {CONFIRM_WAIT_S:.0f}s")
         return self._successor_outcome(job_id, cause, why)

@@ -230,3 +230,37 @@ def test_history_names_the_image_each_criu_run_resumed_from(tmp_path: Path,
     table = capsys.readouterr().out
     assert " image-000001 " in table.splitlines()[1] and " none " in table.splitlines()[2], table
     assert "! #2: the next run started from the beginning: the image could not be restored" in table, table
+
+
+@pytest.mark.parametrize(("error", "method"), [
+    (None, "scontrol"),
+    ("'scontrol requeue 7' failed (exit 1): slurm_requeue error: Socket timed out on send/recv operation", "scontrol"),
+    ("'scontrol requeue 7' did not answer within 30s; is slurmctld up (scontrol ping)?", "scontrol"),
+    ("'scontrol requeue 7' failed (exit 1): slurm_requeue error: Zero Bytes were transmitted or received", "scontrol"),
+    ("'scontrol requeue 7' failed (exit 1): Requested operation is presently disabled for job 7", "slurm"),
+    ("'scontrol requeue 7' failed (exit 1): slurm_requeue error: Job is pending execution", "slurm"),
+])
+def test_a_requeue_whose_answer_was_lost_is_scontrols(monkeypatch: pytest.MonkeyPatch, error: str | None,
+                                                      method: str) -> None:
+    """scontrol requeue on a loaded controller: the job is requeued but the command fails
+    without a refusal (seen in CI, the history then naming Slurm as the requeuer). The record
+    did not show the job requeued just before the call, so it was this call, not Slurm on its
+    own; a refusal (the job pending or completing already) means Slurm did it meanwhile."""
+    from hpcckpt.cluster import scontrol
+    from hpcckpt.cluster.env import JobEnv
+    from hpcckpt.errors import ClusterError
+    calls: list[list[str]] = []
+
+    def run(args: list[str], **_: object) -> str:
+        calls.append(list(args))
+        if args[:2] == ["scontrol", "requeue"] and error is not None:
+            raise ClusterError(error)
+        return ""
+    records = iter([{"JobId": "7", "JobState": "RUNNING", "Restarts": "0"}])
+    monkeypatch.setattr(scontrol, "run_slurm", run)
+    monkeypatch.setattr(scontrol, "show_job", lambda job: next(records, {"JobId": "7", "JobState": "PENDING",
+                                                                           "Restarts": "1"}))
+    out = scontrol.SlurmCli(JobEnv(environ={"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "0"})).requeue_job("signal")
+    assert out.requeued and out.method == method, out
+    assert ["scontrol", "requeue", "7"] in calls
+    assert ("answer was lost" in out.detail) == (error is not None and method == "scontrol"), out.detail
