@@ -1,7 +1,9 @@
 """Requeue from facts, confirmed: a stop after which Slurm itself will NOT run the job
 again (a PreemptMode=CANCEL preemption whose TERM arrives before hpcckpt's end-time poll)
 still comes back, by a confirmed requeue or a successor, and finishes bit-identical;
-`requeued` is recorded only with Slurm's evidence.
+`requeued` is recorded only with Slurm's evidence. Which the job notices first, the TERM
+(reason "signal") or the end time Slurm pulled in to now (reason "deadline"), is a race on a
+loaded machine; either way history must say preemption.
 
 Slurm's own TIMEOUT kill takes the same path (a COMPLETING job requeued, confirmed by its
 restart count); it is not a test here: reaching it means a process that does not read its
@@ -60,7 +62,8 @@ def test_cancel_mode_preemption_comes_back(
     assert slurm_cluster.result_digest(run_dir) == reference_digest(steps), "not bit-identical"
     ledger = slurm_cluster.read_ledger(run_dir / "ckpt")
     stop = next(e for e in ledger if e["event"] == "stop" and e["reason"] != "done")
-    assert stop["reason"] == "signal" and stop["committed_step"] == stop["step"]
+    # TERM and the pulled-in end time arrive together (GraceTime=0): either may be seen first.
+    assert stop["reason"] in {"signal", "deadline"} and stop["committed_step"] == stop["step"], stop
     history = slurm_cluster.history(run_dir / "ckpt")
     assert history["finished"] and history["lost_steps_total"] == 0
     assert [r["cause"] for r in history["rows"]] == ["preemption"], history["rows"]
