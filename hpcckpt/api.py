@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 import time
+import weakref
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable, Iterable, Iterator, TypeVar
@@ -788,16 +789,55 @@ class Batches:
         return getattr(self._loader, attr)
 
     def __iter__(self) -> Iterator[Any]:
+        mine: list[Any] = []  # a weak reference to the pass itself, for _warn_if_enumerated
+        it = self._pass(None, mine)
+        mine.append(weakref.ref(it))
+        return it
+
+    def enumerate(self, start: int = 0) -> Iterator[tuple[int, Any]]:
+        """``enumerate(batches, start)`` numbered as in the uninterrupted run: in a resumed
+        epoch the first batch gets the index it had there (``start`` plus the batches trained
+        before the stop), where ``enumerate()`` would count from ``start`` again."""
+        return self._pass(start, None)
+
+    def _pass(self, start: int | None, mine: list[Any] | None) -> Iterator[Any]:
         ck = self._ckpt
         pos = ck._position(self._loader, self._name, skip=self._skip)
         ck._begin()
         ck._resume_point()
         it = pos.open()
         ck._last_step_t = time.monotonic()
+        if mine and pos.taken:
+            _warn_if_enumerated(ck, mine[0](), pos.taken, self._loader)
         for batch in it:
+            index = pos.taken
             pos.took()
-            yield batch
+            yield batch if start is None else (start + index, batch)
             ck.step_done()
+
+
+def _warn_if_enumerated(ck: Checkpointer, it: Any, taken: int, loader: Any) -> None:
+    """A resumed epoch iterated through ``enumerate()``: its count starts at 0 again, ``taken``
+    batches short of the uninterrupted run's, so code that depends on it (sampling from the
+    model in train mode every N batches: BatchNorm statistics) diverges silently. Found once
+    a resumed pass, at its first batch, among the objects that refer to the pass (~17 ms for
+    170,000 objects)."""
+    import gc
+    if it is None or not any(type(r) is enumerate for r in gc.get_referrers(it)):
+        return
+    try:
+        of = f" of {len(loader)}"
+    except TypeError:
+        of = ""
+    log.warning("hpcckpt: this epoch resumes at its batch %d%s, but the loop numbers its batches with "
+                "enumerate(), which counts from 0 again: code that depends on that number (logging or "
+                "sampling every N batches, an i == 0 branch) runs at other batches than in the uninterrupted "
+                "run, and where that code changes the model (a forward pass in train mode updates BatchNorm "
+                "statistics) the run diverges. Number them with `for i, batch in ckpt.batches(loader)"
+                ".enumerate():` (the uninterrupted run's numbers)", taken, of)
+    if ck._trace is not None and ck.ranks.is_coordinator:
+        from .check import append_trace
+        append_trace(ck._trace, {"note": "enumerate", "taken": taken})
 
 
 def preemptible(fn: F | None = None, /, **checkpoint_options: Any) -> Any:

@@ -27,6 +27,10 @@ from .exitcodes import EXIT_REQUEUE
 
 TRACE_ENV = "HPCCKPT_CHECK_TRACE"
 NON_PERSISTENT = " (non-persistent buffers)"
+ENUMERATE_HINT = ("a batch number from enumerate(ckpt.batches(loader)), which counts from 0 again in a resumed "
+                  "epoch: code run every N batches (a sample from the model in train mode updates its BatchNorm "
+                  "statistics) runs at other batches; number them with "
+                  "`for i, batch in ckpt.batches(loader).enumerate():`")
 HINTS = (
     "a Python value that changes during training (a learning rate annealed by hand, the best "
     "validation loss, an early-stopping counter, an epoch counter of your own): keep it in ckpt.user_meta",
@@ -38,6 +42,7 @@ HINTS = (
     "a buffer registered with persistent=False that changes during training is never saved: make it "
     "persistent, or recompute it after a resume",
     "a DataLoader iterated outside ckpt.batches/loop for training: hpcckpt cannot know its position",
+    ENUMERATE_HINT,
 )
 
 
@@ -89,19 +94,24 @@ def append_trace(path: Path, record: Mapping[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def read_trace(path: Path) -> tuple[dict[int, dict[str, Any]], list[str]]:
-    """Steps -> their last record, and the checkpoint directories the runs used."""
+def read_trace(path: Path) -> tuple[dict[int, dict[str, Any]], list[str], list[str]]:
+    """Steps -> their last record, the checkpoint directories the runs used, and the notes the
+    Checkpointer left on what it saw the script do (``enumerate``: a resumed epoch numbered by
+    ``enumerate()``)."""
     steps: dict[int, dict[str, Any]] = {}
     dirs: list[str] = []
+    notes: list[str] = []
     if not path.exists():
-        return steps, dirs
+        return steps, dirs, notes
     for line in path.read_text().splitlines():
         rec = json.loads(line)
         if "dir" in rec:
             dirs.append(rec["dir"])
         elif "step" in rec:
             steps[int(rec["step"])] = rec
-    return steps, dirs
+        elif "note" in rec:
+            notes.append(str(rec["note"]))
+    return steps, dirs, notes
 
 
 # --- the check ------------------------------------------------------------------------------
@@ -162,7 +172,8 @@ def _environment(work: Path, name: str, stops: Sequence[int]) -> dict[str, str]:
     return env
 
 
-def _traced(work: Path, name: str, cmd: Sequence[str], stops: Sequence[int]) -> tuple[dict[int, Any], int]:
+def _traced(work: Path, name: str, cmd: Sequence[str],
+            stops: Sequence[int]) -> tuple[dict[int, Any], int, list[str]]:
     env = _environment(work, name, stops)
     log = work / name / "output.log"
     code, restarts = run_command(cmd, env, max_restarts=len(stops) + 2, log=log)
@@ -170,7 +181,7 @@ def _traced(work: Path, name: str, cmd: Sequence[str], stops: Sequence[int]) -> 
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
         raise HpcckptError(f"the {name} run of {' '.join(cmd)!r} exited with status {code}; it must finish "
                            f"(status 0) to be compared. Its output ({log}) ends with:\n{tail}")
-    steps, dirs = read_trace(Path(env[TRACE_ENV]))
+    steps, dirs, notes = read_trace(Path(env[TRACE_ENV]))
     if not steps:
         raise ConfigError(f"the {name} run traced no step: does {' '.join(cmd)!r} train through a hpcckpt "
                           "Checkpointer (steps/loop/epochs+batches/step_done)?")
@@ -178,7 +189,7 @@ def _traced(work: Path, name: str, cmd: Sequence[str], stops: Sequence[int]) -> 
     if foreign:
         raise ConfigError(f"the command checkpoints to {foreign[0]}, not to the directory hpcckpt check gives it "
                           "in HPCCKPT_DIR; let HPCCKPT_DIR choose it (Checkpointer() without dir=) for the check")
-    return steps, restarts
+    return steps, restarts, notes
 
 
 def choose_stops(total: int, stop_at: Sequence[int] | None, count: int, seed: int) -> list[int]:
@@ -203,7 +214,8 @@ def _unseeded(a: Mapping[int, Any], b: Mapping[int, Any]) -> set[str]:
     return {k for k in set(da) | set(db) if da.get(k) != db.get(k)}
 
 
-def compare(a: Mapping[int, Any], b: Mapping[int, Any], stops: list[int], restarts: int) -> CheckOutcome:
+def compare(a: Mapping[int, Any], b: Mapping[int, Any], stops: list[int], restarts: int,
+            notes: Sequence[str] = ()) -> CheckOutcome:
     total = max(a)
     out = CheckOutcome(identical=True, steps=total, stops=stops, restarts=restarts)
     skip = _unseeded(a, b)
@@ -234,16 +246,20 @@ def compare(a: Mapping[int, Any], b: Mapping[int, Any], stops: list[int], restar
     last_a, last_b = digests(a, total) or {}, digests(b, max(b)) or {}
     out.final_differs = sorted(k for k in set(last_a) | set(last_b) if last_a.get(k) != last_b.get(k))
     if not out.identical:
-        out.hints = _hints(out.differing)
+        out.hints = _hints(out.differing, notes)
     return out
 
 
-def _hints(differing: Sequence[str]) -> list[str]:
+def _hints(differing: Sequence[str], notes: Sequence[str] = ()) -> list[str]:
+    """The usual causes, the likeliest first: what the stopped run was seen doing, then what
+    the differing names point at."""
     hints = list(HINTS)
     if any(d.endswith(NON_PERSISTENT) for d in differing):
         hints.insert(0, HINTS[4])
     if differing == ["user_meta"] or any(d.startswith("rng.") for d in differing):
         hints.insert(0, HINTS[0])
+    if "enumerate" in notes:
+        hints.insert(0, ENUMERATE_HINT)
     return list(dict.fromkeys(hints))
 
 
@@ -251,7 +267,7 @@ def check(cmd: Sequence[str], work: Path, *, stop_at: Sequence[int] | None = Non
           seed: int = 0) -> CheckOutcome:
     if not cmd:
         raise ConfigError("hpcckpt check: no command given; e.g. hpcckpt check -- python train.py --epochs 2")
-    ref, _ = _traced(work, "uninterrupted", cmd, ())
+    ref, _, _ = _traced(work, "uninterrupted", cmd, ())
     chosen = choose_stops(max(ref), stop_at, stops, seed)
-    got, restarts = _traced(work, "stopped", cmd, chosen)
-    return compare(ref, got, chosen, restarts)
+    got, restarts, notes = _traced(work, "stopped", cmd, chosen)
+    return compare(ref, got, chosen, restarts, notes)

@@ -160,3 +160,48 @@ def test_resuming_past_a_smaller_total_says_so(tmp_path: Path, caplog: pytest.Lo
         assert list(ck.loop(o["loader"], 24)) == []
     said = [r.getMessage() for r in caplog.records if "nothing left to train" in r.getMessage()]
     assert len(said) == 1 and "step 32 of total_steps=24" in said[0] and "HPCCKPT_DIR" in said[0], said
+
+
+def sampling_loop(ckdir: Path, numbered: str, log: list[str], stop_at: int | None = None) -> dict[str, Any]:
+    """DCGAN's loop: every 5th batch of an epoch (by its number) samples from the model in
+    train mode, which updates its BatchNorm statistics; the numbers are logged."""
+    o = setup("shuffle")
+    o["model"] = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+    o["opt"] = torch.optim.SGD(o["model"].parameters(), lr=0.1)
+    fixed = torch.randn(4, 6)
+    ck = Checkpointer(ckdir, every_steps=None)
+    ck.register(model=o["model"], opt=o["opt"])
+    for epoch in ck.epochs(EPOCHS):
+        batches = ck.batches(o["loader"])
+        for i, batch in (enumerate(batches) if numbered == "enumerate" else batches.enumerate()):
+            step(o, batch, log)
+            log.append(f"{epoch}/{i}")
+            if i % 5 == 0:
+                o["model"](fixed)  # a sample, in train mode
+            signal_if(ck, stop_at)
+    return o
+
+
+@pytest.mark.parametrize("numbered", ["enumerate", "batches.enumerate"])
+def test_a_resumed_epoch_numbered_by_enumerate_says_so_and_batches_enumerate_keeps_the_numbers(
+        numbered: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both runs traced as ``hpcckpt check`` traces them: with enumerate() its hint comes first."""
+    from hpcckpt.check import ENUMERATE_HINT, TRACE_ENV, compare, read_trace
+    ref: list[str] = []
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "ref.jsonl"))
+    ref_o = sampling_loop(tmp_path / "ref", numbered, ref)
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "run.jsonl"))
+    with caplog.at_level(logging.WARNING, logger="hpcckpt"):
+        losses, o = resumed(sampling_loop, tmp_path / "run", numbered, [19])  # batch 3 of the second epoch
+    said = [r.getMessage() for r in caplog.records if "enumerate()" in r.getMessage()]
+    (a, _, _), (b, _, notes) = read_trace(tmp_path / "ref.jsonl"), read_trace(tmp_path / "run.jsonl")
+    checked = compare(a, b, [19], 1, notes)
+    if numbered == "enumerate":
+        # its count starts at 0 again: the samples move, the BatchNorm statistics differ
+        assert "1/0" in losses[losses.index("0/15") + 1:] and not same_state(o, ref_o)
+        assert len(said) == 1 and "batch 3 of 16" in said[0] and ".enumerate()" in said[0], said
+        assert notes == ["enumerate"] and not checked.identical and checked.first_diverging_step == 20
+        assert checked.hints[0] == ENUMERATE_HINT
+    else:
+        assert losses == ref and same_state(o, ref_o) and said == [] and notes == []
+        assert checked.identical, checked
