@@ -43,7 +43,7 @@ from .cluster.base import Cause, Cluster
 from .policy import WARNING_SIGNALS, AutoInterval, Figures, Policy, StopReason
 from .ranks import Ranks
 from .resume import Outcome, load_newest
-from .signals import AfterRun, Received, SignalRecorder
+from .signals import AfterRun, Received, SignalRecorder, quiet_workers
 from .state import Flat, TrainState, init_dtensor_optimizer_state, rng_state, set_rng_state
 from .store.lock import WriterBusy, WriterLease, usable_root
 
@@ -342,6 +342,7 @@ class Checkpointer:
             batch = _END if it is None else next(it, _END)
             if batch is _END:
                 it, batch = _next_pass(pos)
+                self.signals.guard_children()  # its workers may be the first of the process
             pos.took()
             yield step, batch
 
@@ -400,6 +401,7 @@ class Checkpointer:
         if key is None:
             key = name or f"loader{len(self._loader_names)}"
             self._loader_names[id(loader)] = key
+            quiet_workers(loader, self.signals.signals)  # before its workers start
         fresh = key not in self.progress.positions
         pos = self.progress.position(key, loader, **options)
         sampler = find_resumable(loader)
@@ -458,6 +460,7 @@ class Checkpointer:
         self._loss = None
 
     def _boundary(self) -> None:
+        self.signals.guard_children()
         if self._jit is not None:
             self._jit.at_boundary(self.step)  # the small state of this boundary, for a JIT save
         self._trace_step()
@@ -806,6 +809,7 @@ class Batches:
         ck._begin()
         ck._resume_point()
         it = pos.open()
+        ck.signals.guard_children()  # its workers may be the first of the process (torch's SIGCHLD handler)
         ck._last_step_t = time.monotonic()
         if mine and pos.taken:
             _warn_if_enumerated(ck, mine[0](), pos.taken, self._loader)

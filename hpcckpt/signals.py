@@ -45,6 +45,9 @@ class SignalRecorder:
         self.received: list[Received] = []
         self._previous: dict[int, Handler] = {}
         self._logged = 0
+        self._children: Handler = None  # the SIGCHLD handler found by guard_children (torch's)
+        self.worker_errors: list[str] = []  # DataLoader worker deaths let pass while stopping
+        self._worker_errors_logged = 0
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -61,22 +64,103 @@ class SignalRecorder:
         for sig, prev in self._previous.items():
             signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
         self._previous.clear()
+        if self._children is not None and signal.getsignal(signal.SIGCHLD) == self._child:
+            signal.signal(signal.SIGCHLD, self._children)
+        self._children = None
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
         # list.append is atomic under the GIL; no locks, no I/O, no logging here.
         self.received.append(Received(signum, time.monotonic(), time.time()))
+
+    # -- DataLoader workers ------------------------------------------------------------------
+
+    def guard_children(self) -> None:
+        """Put ``_child`` in front of the process's SIGCHLD handler (main thread; cheap enough
+        for every step boundary: torch installs its handler when the first DataLoader with
+        workers starts, so it is looked for again until found).
+
+        Slurm's stop signals reach every process of the job, DataLoader workers included:
+        torch's workers die of a TERM that is not their parent's, and torch's SIGCHLD
+        handler then raises RuntimeError in the main thread wherever it is (a backward,
+        the final checkpoint, the requeue), so the stop that was coming ends as a crash.
+        ``_child`` lets that error through unless the job is stopping: a worker killed by
+        one of the stop signals (which is then recorded as received), or any worker death
+        once a stop signal was received (the run stops at its next step boundary, before
+        it asks the loader for another batch)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        current = signal.getsignal(signal.SIGCHLD)
+        if current == self._child or not callable(current):
+            return
+        self._children = current
+        signal.signal(signal.SIGCHLD, self._child)
+
+    def _child(self, signum: int, frame: FrameType | None) -> None:
+        inner = self._children
+        if not callable(inner):
+            return
+        try:
+            inner(signum, frame)
+        except RuntimeError as exc:
+            said = str(exc)
+            killer = next((s for s in self.signals if f"killed by signal: {signal.strsignal(s)}" in said), None)
+            if killer is None and not self.received:
+                raise  # a worker that crashed while the job is not stopping: the user must see it
+            if not self.received:
+                assert killer is not None
+                self._record(int(killer), frame)
+            if said.strip() not in self.worker_errors:  # torch raises again at every SIGCHLD
+                self.worker_errors.append(said.strip())  # logged at the step boundary (no I/O here)
 
     def first(self) -> Received | None:
         return self.received[0] if self.received else None
 
     def log_new(self) -> list[Received]:
         """Log signals received since the last call (called at step boundaries)."""
+        for said in self.worker_errors[self._worker_errors_logged:]:
+            log.warning("hpcckpt: a DataLoader worker died while the job stops (%s); the run stops at this step "
+                        "boundary", said)
+        self._worker_errors_logged = len(self.worker_errors)
         new = self.received[self._logged:]
         self._logged = len(self.received)
         for r in new:
             extra = "" if r is self.received[0] else " (already stopping; recorded only)"
             log.warning("hpcckpt: received %s at %.3f%s", r.name, r.wall_s, extra)
         return new
+
+
+class QuietWorkers:
+    """The ``worker_init_fn`` that ``quiet_workers`` gives a DataLoader trained through hpcckpt:
+    each worker process ignores the stop signals, then runs the loader's own function."""
+
+    def __init__(self, inner: Callable[[int], Any] | None, signums: tuple[int, ...]) -> None:
+        self.inner, self.signums = inner, signums
+
+    def __call__(self, worker_id: int) -> Any:
+        for signum in self.signums:
+            signal.signal(signum, signal.SIG_IGN)
+        return self.inner(worker_id) if self.inner is not None else None
+
+
+def quiet_workers(loader: Any, signals: Iterable[signal.Signals]) -> None:
+    """Let ``loader``'s future worker processes ignore the stop signals.
+
+    Slurm sends them to every process of the job; torch's workers die of one that is not
+    their parent's, and a batch the main thread was waiting for never comes (RuntimeError:
+    DataLoader worker exited unexpectedly), so the run could not reach the step boundary
+    where it stops. Ignoring them, the workers serve until the main process has taken the
+    final checkpoint; its exit ends them (torch's shutdown, or their watchdog of the
+    parent). Workers already running keep what they had; a loader without workers, or one
+    that refuses the attribute, is left as it is."""
+    if not isinstance(getattr(loader, "num_workers", 0), int) or loader.num_workers <= 0:
+        return
+    inner = getattr(loader, "worker_init_fn", None)
+    if isinstance(inner, QuietWorkers):
+        return
+    try:
+        loader.worker_init_fn = QuietWorkers(inner, tuple(int(s) for s in signals))
+    except (AttributeError, TypeError, ValueError):
+        return
 
 
 class AfterRun:

@@ -32,6 +32,7 @@ from typing import Any, Iterator, Mapping
 
 from ..api import Checkpointer
 from ..errors import ConfigError
+from ..signals import quiet_workers
 from ..state import rng_state, set_rng_state
 from ._extras import require
 
@@ -137,6 +138,8 @@ class HpcckptTrainerCallback(TrainerCallback):  # type: ignore[misc,valid-type] 
             raise ConfigError("HpcckptTrainerCallback needs trainer.train(resume_from_checkpoint="
                               "callback.resume_point(trainer)); resume_point was not called")
         self._register_training(self._trainer)  # fresh start: nothing was loaded
+        if kwargs.get("train_dataloader") is not None:  # its workers start with the first epoch, after this
+            quiet_workers(kwargs["train_dataloader"], self.ckpt.signals.signals)
         total = int(state.max_steps) if state.max_steps and state.max_steps > 0 else 2**62
         self._steps = self.ckpt.steps(total)
         try:

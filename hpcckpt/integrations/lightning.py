@@ -41,6 +41,7 @@ import torch
 from ..api import Checkpointer
 from ..data import ResumableSampler, find_resumable
 from ..errors import ConfigError
+from ..signals import quiet_workers
 from ..state import rng_state, set_rng_state
 from ._extras import require
 
@@ -213,6 +214,8 @@ class HpcckptCallback(pl.Callback):  # type: ignore[name-defined]  # pl is found
             connector.received_sigterm = False
         self.ckpt.signals.uninstall()
         self.ckpt.signals.install()
+        for loader in getattr(getattr(trainer.fit_loop, "_combined_loader", None), "flattened", None) or ():
+            quiet_workers(loader, self.ckpt.signals.signals)  # where its workers have not started yet
         self._steps = self.ckpt.steps(_total_steps(trainer))
         try:
             next(self._steps)
