@@ -661,10 +661,7 @@ class Checkpointer:
         # A deadline that came from a pulled-in end time is what Slurm does at a GraceTime
         # preemption; the cluster's record (PreemptTime) confirms it or makes it a shortened limit.
         cause = Cause.PREEMPTION if reason is StopReason.DEADLINE and self.policy.end_moved_earlier else reason.cause
-        outcome = requeue(cluster=self.cluster, state_dir=self.root, cause=cause,
-                          committed_step=self.committed_step, ledger=self.ledger, source="checkpointer").as_dict()
-        log.warning("hpcckpt: requeue decision: %s", outcome)
-        return outcome
+        return _requeue_logged(self.cluster, self.root, self.ledger, cause, self.committed_step)
 
     def _finish(self) -> None:
         """The run ended: its final state is checkpointed (a re-run then says it finished)."""
@@ -740,10 +737,17 @@ def _stopped_after_run(got: Received, *, step: int, committed_step: int | None,
         ledger, cluster, root = coordinator
         ledger.append("stop", reason="after_run", step=step, committed_step=committed_step, requeue=True,
                       final_saved=True, signame=got.name, signal_time=got.wall_s)
-        outcome = requeue(cluster=cluster, state_dir=root, cause=StopReason.SIGNAL.cause,
-                          committed_step=committed_step, ledger=ledger, source="checkpointer")
-        log.warning("hpcckpt: requeue decision: %s", outcome.as_dict())
+        _requeue_logged(cluster, root, ledger, StopReason.SIGNAL.cause, committed_step)
     raise RequeueExit("after_run", step)
+
+
+def _requeue_logged(cluster: Cluster, root: Path, ledger: Ledger, cause: str,
+                    committed_step: int | None) -> dict[str, Any]:
+    """The lifecycle's requeue on the Checkpointer's behalf, its decision logged."""
+    outcome = requeue(cluster=cluster, state_dir=root, cause=cause, committed_step=committed_step, ledger=ledger,
+                      source="checkpointer").as_dict()
+    log.warning("hpcckpt: requeue decision: %s", outcome)
+    return outcome
 
 
 _END: Any = object()
