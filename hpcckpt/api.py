@@ -108,6 +108,7 @@ class Checkpointer:
         self._deferred: str | None = None  # why a warning signal waits for the deadline
         self._warned = False  # some rank received a warning signal
         self._start_step = 0
+        self._startup_s: float | None = None  # process start to the first boundary's setup (_begin)
         self.signals = SignalRecorder(self.options.signals)
         self.step = 0
         self.resumed_from: int | None = None
@@ -433,10 +434,12 @@ class Checkpointer:
             from .jit import JitGuard
             self._jit = JitGuard(self)
             self._jit.start()
+        started = process_start_time()
+        self._startup_s = max(0.0, time.time() - started) if started is not None else None
         if self.ranks.is_coordinator:
             self.ledger.append("start", resumed_from=self.resumed_from, restore_s=round(self._restore_s, 6),
                                engine=self.options.engine, world_size=self.ranks.world,
-                               process_start=process_start_time(), level=self.restored_level)
+                               process_start=started, level=self.restored_level)
         self._start_step = self.step
         if self._trace is not None and self.ranks.is_coordinator:
             from .check import append_trace
@@ -629,9 +632,10 @@ class Checkpointer:
         self.figures.write(self.root)
         if self.figures.no_progress < 2:
             return None
+        startup = f"; this run's start-up took {self._startup_s:.0f}s" if self._startup_s is not None else ""
         return (f"two allocations in a row reached their deadline without progress (step {self.step}); "
-                f"each stops {self.policy.lead_figures()} before its end time. Give the job a longer time "
-                "limit (--time), or lower deadline_margin_s (HPCCKPT_DEADLINE_MARGIN_S)")
+                f"each stops {self.policy.lead_figures()} before its end time{startup}. Give the job a longer "
+                "time limit (--time), or lower deadline_margin_s (HPCCKPT_DEADLINE_MARGIN_S)")
 
     def _refuse(self, why: str) -> None:
         """Stop without a requeue (it would come back to the same end): exit 1 with the figures."""
@@ -643,18 +647,36 @@ class Checkpointer:
         raise RefusedExit(why, self.step)
 
     def _check_time_left(self) -> None:
-        """At the start: refuse an allocation too short for one step and the final save."""
-        why = None
+        """At the start, with less time left than the stop needs (nothing could be trained):
+        when even a process that started at once would have had too little, no allocation
+        this long can train: refuse (exit 1, no requeue). When this run's own start-up took
+        the time (a slow file system, a loaded node), the next allocation may well train: stop
+        as at a deadline without progress, which requeues once and refuses at the second
+        such allocation in a row (``_no_progress``)."""
+        verdict: list[str] | None = None
         if self.ranks.is_coordinator:
             self.policy.poll(self.cluster, force=True)
-            left = self.policy.time_left()
-            if left is not None and left < self.policy.lead_s():
-                why = (f"this allocation has {left:.0f}s left, less than the stop needs before the end time "
-                       f"({self.policy.lead_figures()}, measured by earlier runs); nothing could be trained. "
-                       "Give the job a longer time limit (--time), or lower deadline_margin_s "
-                       "(HPCCKPT_DEADLINE_MARGIN_S)")
-        if self.ranks.broadcast_json(why) is not None:
-            self._refuse(why or "")
+            left, lead = self.policy.time_left(), self.policy.lead_s()
+            if left is not None and left < lead:
+                startup = self._startup_s or 0.0
+                if left + startup < lead:
+                    verdict = ["refuse", (
+                        f"this allocation has {left:.0f}s left, less than the stop needs before the end time "
+                        f"({self.policy.lead_figures()}, measured by earlier runs); nothing could be trained. "
+                        "Give the job a longer time limit (--time), or lower deadline_margin_s "
+                        "(HPCCKPT_DEADLINE_MARGIN_S)")]
+                else:
+                    verdict = ["stop", (
+                        f"this run's start-up took {startup:.0f}s of its allocation: {left:.0f}s are left, less "
+                        f"than the stop needs before the end time ({self.policy.lead_figures()}); stopping "
+                        "without training (a second allocation in a row without progress stops the job)")]
+        verdict = self.ranks.broadcast_json(verdict)
+        if verdict is None:
+            return
+        if verdict[0] == "refuse":
+            self._refuse(verdict[1])
+        log.warning("hpcckpt: %s", verdict[1])
+        self._stop(StopReason.DEADLINE)
 
     def _requeue(self, reason: StopReason) -> dict[str, Any]:
         """The lifecycle's requeue (coordinator only; it records the outcome); exit 75 follows either way."""
@@ -681,20 +703,25 @@ class Checkpointer:
     def _guard_after_run(self) -> None:
         """From the run's end to the process's exit a stop signal requeues the job (``AfterRun``):
         the code after the training loop has no step boundary, and the next run, resuming at
-        the final checkpoint, finds the run finished and runs that code again. A stop signal
-        that came after the last step's boundary (a warning deferred to the deadline aside)
-        is acted on at once. Not when the run kept no checkpoint (it saved none, so it keeps no
+        the final checkpoint, finds the run finished and runs that code again. A time-limit
+        warning waits as it does in the run (the policy's ``defer_warning``: the end time is
+        known, further than the stop's lead and within the warning window); TERM does not. A
+        stop signal that came after the last step's boundary (a warning the run deferred aside)
+        is judged at once. Not when the run kept no checkpoint (it saved none, so it keeps no
         final state either): a requeue would train it all again."""
         if self.committed_step is None:
             return
         late = next((r for r in self.signals.received if r.signum not in WARNING_SIGNALS), None)
+        if late is None and self._deferred is None:  # a warning that came after the last boundary
+            late = next(iter(self.signals.received), None)
         self.signals.uninstall()
         # The guard holds what the requeue needs, not the Checkpointer: a script that goes on to
         # load another model must not keep this run's model and optimizer alive through it.
         stop = functools.partial(_stopped_after_run, step=self.step, committed_step=self.committed_step,
                                  coordinator=(self.ledger, self.cluster, self.root) if self.ranks.is_coordinator
                                  else None)
-        guard = AfterRun(self.options.signals, stop)
+        guard = AfterRun(self.options.signals, stop,
+                         may_wait=functools.partial(_warning_may_wait, self.policy, self.cluster))
         if guard.install() and late is not None:
             guard.fire(late)
 
@@ -724,6 +751,12 @@ class Checkpointer:
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
+
+
+def _warning_may_wait(policy: Policy, cluster: Cluster, got: Received) -> str | None:
+    """After the run: why ``got`` need not stop the script yet (a time-limit warning that can
+    wait, as in the run); None for TERM and for a warning that cannot."""
+    return policy.defer_warning(cluster) if got.signum in WARNING_SIGNALS else None
 
 
 def _stopped_after_run(got: Received, *, step: int, committed_step: int | None,

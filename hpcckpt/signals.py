@@ -6,6 +6,7 @@ never requeues, never takes a lock: that work happens at the next step boundary 
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import signal
 import threading
@@ -175,9 +176,11 @@ class AfterRun:
     ``SignalRecorder`` in the same process (another run) takes the signals back first.
     """
 
-    def __init__(self, signals: Iterable[signal.Signals], on_stop: Callable[[Received], None]) -> None:
+    def __init__(self, signals: Iterable[signal.Signals], on_stop: Callable[[Received], None],
+                 may_wait: Callable[[Received], str | None] | None = None) -> None:
         self.signals = parse_signals(tuple(signals))
         self.on_stop = on_stop
+        self.may_wait = may_wait  # why a signal (a time-limit warning) need not stop the script yet
         self.fired = False
         self._previous: dict[int, Handler] = {}
 
@@ -204,8 +207,14 @@ class AfterRun:
             _after_run = None
 
     def fire(self, got: Received) -> None:
-        """``on_stop`` for the first signal only (it may raise the process's exit)."""
+        """``on_stop`` for the first signal only (it may raise the process's exit), unless
+        ``may_wait`` says why this one can wait (logged; a later signal is judged again)."""
         if self.fired:
+            return
+        why = self.may_wait(got) if self.may_wait is not None else None
+        if why is not None:
+            log.warning("hpcckpt: %s received after the run's last step, %s; the code after the training loop "
+                        "goes on", got.name, why)
             return
         self.fired = True
         self.on_stop(got)
@@ -215,3 +224,21 @@ class AfterRun:
 
 
 _after_run: AfterRun | None = None  # the one installed in this process, if any
+
+
+def _quiet_at_exit() -> None:
+    """atexit: the process is ending and its exit status is decided (0, or 75 after a stop).
+    As it finalizes, Python gives every signal with a Python handler back to SIG_DFL, so a
+    stop signal in that last moment would kill a finished job (status 140 or 143: FAILED
+    under Slurm, though its run and its checkpoint are complete). A finished run's guard
+    ignores its signals from here; atexit callbacks registered after this module's (the
+    script's own) still run under the guard."""
+    guard = _after_run
+    if guard is None or threading.current_thread() is not threading.main_thread():
+        return
+    for sig in guard.signals:
+        if signal.getsignal(sig) == guard._handle:
+            signal.signal(sig, signal.SIG_IGN)
+
+
+atexit.register(_quiet_at_exit)

@@ -75,6 +75,20 @@ class SlurmCluster:
     def wait_done(self, job_id: str, timeout_s: float, out: Path | None = None) -> str:
         return self.wait_for(job_id, TERMINAL, timeout_s, out)
 
+    def wait_completed(self, job_id: str, timeout_s: float, out: Path | None = None) -> None:
+        """``wait_done`` that must end COMPLETED; otherwise the failure shows the job's
+        record, the tail of its output and of the ledger next to it (``out``'s ``ckpt/``)."""
+        state = self.wait_done(job_id, timeout_s, out)
+        if state == "COMPLETED":
+            return
+        record = {k: v for k, v in self.job(job_id).items()
+                  if k in ("JobState", "Reason", "ExitCode", "Restarts", "RunTime", "TimeLimit", "EndTime")}
+        tail = out.read_text(errors="replace")[-4000:] if out and out.exists() else "(no output)"
+        ledger = out.parent / "ckpt" / "ledger.jsonl" if out else None
+        events = ledger.read_text(errors="replace").splitlines()[-25:] if ledger and ledger.exists() else []
+        raise AssertionError(f"job {job_id} ended {state}, not COMPLETED: {record}\n--- output ---\n{tail}"
+                             "\n--- ledger ---\n" + "\n".join(events))
+
     def cancel(self, job_id: str) -> None:
         self.run(["scancel", job_id], check=False)
 

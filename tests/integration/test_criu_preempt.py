@@ -130,7 +130,7 @@ def test_preempted_twice_and_timed_out_resumes_each_time_from_that_stop(
         slurm_cluster.wait_until(lambda: len(events(slurm_cluster, run_dir, "criu_dump")) > 2, 200,
                                  f"the time-limit dump of job {job}")
         slurm_cluster.run(["scontrol", "update", f"JobId={job}", "TimeLimit=5"])
-        assert slurm_cluster.wait_done(job, 300, slurm_out) == "COMPLETED"
+        slurm_cluster.wait_completed(job, 300, slurm_out)
     finally:
         slurm_cluster.cancel(job)
     text = slurm_out.read_text()
@@ -169,7 +169,7 @@ def test_preemption_without_grace_loses_at_most_one_dump_interval(
         slurm_cluster.preempt(seconds=2)
         slurm_cluster.wait_until(lambda: len(events(slurm_cluster, run_dir, "criu_restore")) >= 1, 120,
                                  f"the restore of job {job}")
-        assert slurm_cluster.wait_done(job, 300, slurm_out) == "COMPLETED"
+        slurm_cluster.wait_completed(job, 300, slurm_out)
     finally:
         slurm_cluster.cancel(job)
     result = json.loads(out.read_text())

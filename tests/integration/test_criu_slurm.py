@@ -62,7 +62,7 @@ def test_slurm_job_dumped_requeued_restored_identically(
             signal_at_step(slurm_cluster, job, run_dir, step, incarnation)
             slurm_cluster.wait_until(lambda n=incarnation: len(events(slurm_cluster, run_dir, "criu_dump")) > n,
                                      120, f"dump {incarnation + 1} of job {job}")
-        assert slurm_cluster.wait_done(job, 600, slurm_out) == "COMPLETED"
+        slurm_cluster.wait_completed(job, 600, slurm_out)
     finally:
         slurm_cluster.cancel(job)
     result = json.loads(out.read_text())
@@ -125,7 +125,7 @@ def test_torchrun_under_the_criu_template_is_named_undumpable_and_runs_to_its_en
     finally:
         flag.touch()
     try:
-        assert slurm_cluster.wait_done(job, 300, slurm_out) == "COMPLETED"
+        slurm_cluster.wait_completed(job, 300, slurm_out)
     finally:
         slurm_cluster.cancel(job)
     text = slurm_out.read_text()

@@ -159,7 +159,7 @@ def test_hf_trainer_preempted_under_sbatch_resumes_identically(
     slurm_cluster.wait_until(lambda: out.exists() and "holding at step 11" in out.read_text(), 300,
                              "the job to reach step 11")
     slurm_cluster.preempt()
-    assert slurm_cluster.wait_done(job, 600, out) == "COMPLETED"
+    slurm_cluster.wait_completed(job, 600, out)
     _assert_identical(run_dir, reference)
     ledger = _ledger(run_dir / "ckpt")
     assert [s["restart_count"] for s in ledger if s["event"] == "start"] == [0, 1]

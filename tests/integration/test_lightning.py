@@ -173,7 +173,7 @@ def test_lightning_preempted_under_sbatch_resumes_identically(
     slurm_cluster.wait_until(lambda: out.exists() and "holding at step 13" in out.read_text(), 300,
                              "the job to reach step 13")
     slurm_cluster.preempt()
-    assert slurm_cluster.wait_done(job, 600, out) == "COMPLETED"
+    slurm_cluster.wait_completed(job, 600, out)
     _assert_identical(run_dir, reference)
 
     ledger = _ledger(run_dir / "ckpt")

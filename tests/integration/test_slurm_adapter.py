@@ -77,7 +77,7 @@ def test_prolog_and_epilog_under_slurmd_with_hostile_names(slurm_cluster: SlurmC
     stage_root = slurm_cluster.state_dir / "staging" / "n2"
     job = slurm_cluster.sbatch(script, "-w", "n2", "-J", name, "-o", str(workdir / "out"),
                                f"--export=ALL,HPCCKPT_STAGE={stage_root}", cwd=workdir)
-    assert slurm_cluster.wait_done(job, 60) == "COMPLETED"
+    slurm_cluster.wait_completed(job, 60)
     assert (workdir / "staged.txt").read_text().strip() == str(stage_root / f"job-{job}")
     slurm_cluster.wait_until(lambda: not (stage_root / f"job-{job}").exists(), 30, "epilog cleanup")
     records = [json.loads(line) for line in (stage_root / "hooks.jsonl").read_text().splitlines()]

@@ -39,7 +39,7 @@ def test_array_task_with_refused_requeue_comes_back_as_the_same_task(
     # Compared in the same state (a pending job shows requests, e.g. NumNodes=1-1, a running one its allocation).
     slurm_cluster.wait_for(successor, {"RUNNING", "COMPLETING", "COMPLETED"}, 120)
     assert_same_job(original, slurm_cluster.job(successor))
-    assert slurm_cluster.wait_done(successor, 300) == "COMPLETED"
+    slurm_cluster.wait_completed(successor, 300)
 
     assert slurm_cluster.result_digest(run_dir) == reference_digest(steps), "not bit-identical"
     ledger = slurm_cluster.read_ledger(run_dir / "ckpt")
@@ -77,7 +77,7 @@ def test_history_of_an_array_task_names_it_and_each_cause(
     slurm_cluster.wait_until(lambda: slurm_cluster.trace_steps(run_dir) >= base + 5, 120, "5 more steps")
     high = slurm_cluster.preempt()
     slurm_cluster.wait_for(high, {"RUNNING", "COMPLETING", "COMPLETED"}, 240)
-    assert slurm_cluster.wait_done(task, 400, run_dir / f"slurm-{array}.out") == "COMPLETED"
+    slurm_cluster.wait_completed(task, 400, run_dir / f"slurm-{array}.out")
 
     assert slurm_cluster.result_digest(run_dir) == reference_digest(steps), "not bit-identical"
     ledger = slurm_cluster.read_ledger(run_dir / "ckpt")
@@ -103,9 +103,9 @@ def test_a_duplicate_of_an_array_task_is_superseded_in_history(
     slurm_cluster.wait_until(lambda: slurm_cluster.trace_steps(run_dir) >= 5, 120, "5 training steps")
     dup = slurm_cluster.sbatch(run_dir / "single.sbatch", "-p", "low")
     try:
-        assert slurm_cluster.wait_done(dup, 240, run_dir / f"slurm-{dup}.out") == "COMPLETED"
+        slurm_cluster.wait_completed(dup, 240, run_dir / f"slurm-{dup}.out")
         assert slurm_cluster.trace_steps(run_dir) < steps, "the task ended before its duplicate started"
-        assert slurm_cluster.wait_done(task, 400, run_dir / f"slurm-{array}.out") == "COMPLETED"
+        slurm_cluster.wait_completed(task, 400, run_dir / f"slurm-{array}.out")
     finally:
         slurm_cluster.cancel(dup)
         slurm_cluster.cancel(task)

@@ -76,7 +76,7 @@ def test_two_node_ddp_signalled_and_preempted_resumes_identically(
                              "the first requeue")
     _wait_progress(slurm_cluster, job, run_dir, 6)
     slurm_cluster.preempt()
-    assert slurm_cluster.wait_done(job, 600, out) == "COMPLETED"
+    slurm_cluster.wait_completed(job, 600, out)
 
     for proc in reference:  # type: ignore[attr-defined]
         assert proc.wait(timeout=600) == 0

@@ -116,7 +116,7 @@ def test_rank_killed_restarts_in_the_allocation_from_the_partner_copy_then_preem
     slurm_cluster.wait_until(lambda: _last_step(run_dir) >= PREEMPT_AT, 400, f"step {PREEMPT_AT} after the restart")
     assert slurm_cluster.job(job).get("Restarts") == "0", "the rank's death must not requeue the job"
     slurm_cluster.preempt()
-    assert slurm_cluster.wait_done(job, 600, out) == "COMPLETED"
+    slurm_cluster.wait_completed(job, 600, out)
 
     ledger = slurm_cluster.read_ledger(run_dir / "ckpt")
     starts = [(e["restart_count"], e["resumed_from"], e.get("level")) for e in ledger if e["event"] == "start"]
@@ -152,7 +152,7 @@ def test_killed_without_grace_the_epilog_scavenges_the_node_local_step_and_the_n
     assert all(_last_step(run_dir, r) == hold - 1 for r in range(4))
     assert [i.step for i in catalog.committed_newest_first(run_dir / "ckpt")][0] == 20
     slurm_cluster.run(["scontrol", "requeue", job])  # TERM: the ranks die at once, no final checkpoint
-    assert slurm_cluster.wait_done(job, 600, out) == "COMPLETED"
+    slurm_cluster.wait_completed(job, 600, out)
 
     ledger = slurm_cluster.read_ledger(run_dir / "ckpt")
     starts = [(e["restart_count"], e["resumed_from"], e.get("level")) for e in ledger if e["event"] == "start"]

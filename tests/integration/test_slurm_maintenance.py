@@ -29,7 +29,7 @@ def test_maintenance_reservation_triggers_checkpoint_and_requeue(
         slurm_cluster.run(["scontrol", "create", "reservation", f"ReservationName={name}",
                            "StartTime=now+100", "Duration=20", f"Nodes={node}", "Users=root",
                            "Flags=MAINT,IGNORE_JOBS"])
-        assert slurm_cluster.wait_done(job, 400, run_dir / f"slurm-{job}.out") == "COMPLETED"
+        slurm_cluster.wait_completed(job, 400, run_dir / f"slurm-{job}.out")
     finally:
         slurm_cluster.run(["scontrol", "delete", f"ReservationName={name}"], check=False)
     assert slurm_cluster.result_digest(run_dir) == reference_digest(steps), "not bit-identical"

@@ -27,7 +27,7 @@ def _preempt_after_progress(cluster: SlurmCluster, job: str, run_dir: Path, min_
 
 
 def _check_run(cluster: SlurmCluster, job: str, run_dir: Path, reference: str, interruptions: int) -> None:
-    assert cluster.wait_done(job, 400, run_dir / f"slurm-{job}.out") == "COMPLETED"
+    cluster.wait_completed(job, 400, run_dir / f"slurm-{job}.out")
     assert cluster.result_digest(run_dir) == reference, "preempted run is not bit-identical"
     ledger = cluster.read_ledger(run_dir / "ckpt")
     starts = [e for e in ledger if e["event"] == "start"]

@@ -43,7 +43,7 @@ def _finished_after_comeback(cluster: SlurmCluster, job: str, run_dir: Path,
     requeue = _requeues(cluster, run_dir, source)[-1]
     assert requeue["requeued"] is True and requeue["evidence"], requeue
     last = str(requeue["successor_job_id"] or job)
-    assert cluster.wait_done(last, 900, run_dir / f"slurm-{job}.out") == "COMPLETED", requeue
+    cluster.wait_completed(last, 900, run_dir / f"slurm-{job}.out")
     return last, requeue
 
 

@@ -26,7 +26,7 @@ def test_scancel_signal_checkpoints_requeues_and_resumes_identically(
     slurm_cluster.wait_until(lambda: slurm_cluster.trace_steps(run_dir) >= 10, 120, "10 training steps")
     slurm_cluster.run(["scancel", "--signal=USR2", "--batch", job])
 
-    assert slurm_cluster.wait_done(job, 240, out) == "COMPLETED"
+    slurm_cluster.wait_completed(job, 240, out)
     assert slurm_cluster.result_digest(run_dir) == reference_digest(STEPS), "not bit-identical"
     ledger = slurm_cluster.read_ledger(run_dir / "ckpt")
     starts = [e for e in ledger if e["event"] == "start"]
@@ -61,7 +61,7 @@ def test_srun_step_under_batch_signal_is_warned_and_comes_back(
     slurm_cluster.wait_until(lambda: slurm_cluster.trace_steps(run_dir) >= 10, 120, "10 training steps")
     slurm_cluster.run(["scancel", "--signal=USR2", "--batch", job])  # what --signal=B:USR2@N delivers
 
-    assert slurm_cluster.wait_done(job, 240, out) == "COMPLETED"
+    slurm_cluster.wait_completed(job, 240, out)
     assert slurm_cluster.result_digest(run_dir) == reference_digest(STEPS), "not bit-identical"
     ledger = slurm_cluster.read_ledger(run_dir / "ckpt")
     assert next(e for e in ledger if e["event"] == "signal")["signame"] == "SIGUSR2"

@@ -28,7 +28,7 @@ def test_submitit_job_is_requeued_and_resumes(
     job = out.stdout.strip().splitlines()[-1]
     slurm_cluster.wait_until(lambda: slurm_cluster.trace_steps(run_dir) >= 10, 180, "10 training steps")
     slurm_cluster.run(["scancel", "--signal=USR2", job])  # to the srun step, as submitit's warning is
-    assert slurm_cluster.wait_done(job, 300) == "COMPLETED"
+    slurm_cluster.wait_completed(job, 300)
 
     assert slurm_cluster.result_digest(run_dir) == reference_digest(steps), "not bit-identical"
     ledger = slurm_cluster.read_ledger(run_dir / "ckpt")

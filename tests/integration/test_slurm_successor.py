@@ -57,7 +57,7 @@ def test_refused_requeue_submits_the_same_job_that_finishes(
     slurm_cluster.wait_for(successor, {"RUNNING", "COMPLETING", "COMPLETED"}, 120)
     assert_same_job(original, slurm_cluster.job(successor))
     assert original["Requeue"] == "0" and original["CPUs/Task"] == "2" and original["MinMemoryNode"] == "500M"
-    assert slurm_cluster.wait_done(successor, 300, run_dir / f"slurm-{job}.out") == "COMPLETED"
+    slurm_cluster.wait_completed(successor, 300, run_dir / f"slurm-{job}.out")
 
     assert slurm_cluster.result_digest(run_dir) == reference_digest(steps), "not bit-identical"
     ledger = slurm_cluster.read_ledger(run_dir / "ckpt")

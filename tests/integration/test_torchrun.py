@@ -54,7 +54,7 @@ def test_torchrun_two_nodes_preempted_resumes_identically(slurm_cluster: SlurmCl
     slurm_cluster.wait_until(lambda: out.exists() and out.read_text().count(f"holding at step {HOLD}") >= 4,
                              400, f"all four workers to reach step {HOLD}")
     slurm_cluster.preempt()
-    assert slurm_cluster.wait_done(job, 600, out) == "COMPLETED"
+    slurm_cluster.wait_completed(job, 600, out)
 
     assert (run_dir / "trace.jsonl").read_text() == (reference / "trace.jsonl").read_text(), \
         "loss trace differs from the uninterrupted run"
@@ -96,7 +96,7 @@ def test_torchrun_preemptible_demo_two_nodes_preempted_resumes_identically(
     # The demo sleeps 0.3 s a step: it is still training when the preemption reaches it.
     slurm_cluster.wait_until(lambda: slurm_cluster.trace_steps(run_dir) >= 6, 300, "6 DDP steps")
     slurm_cluster.preempt()
-    assert slurm_cluster.wait_done(job, 600, out) == "COMPLETED"
+    slurm_cluster.wait_completed(job, 600, out)
     for proc in reference:  # type: ignore[attr-defined]
         assert proc.wait(timeout=600) == 0
     expected = json.loads((tmp_path / "reference" / "result.json").read_text())["param_digest"]

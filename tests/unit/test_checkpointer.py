@@ -305,3 +305,75 @@ def test_lbfgs_state_whose_tensor_lists_grow_resumes_exactly(ckdir: Path, engine
     assert ref[:5] + rest == ref
     for p, q in zip(model.state_dict().values(), ref_model.state_dict().values()):
         assert torch.equal(p, q)
+
+
+def test_a_time_limit_warning_after_the_run_waits_and_a_term_still_requeues(
+        ckdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the run the guard judges a warning as the run does: 120 s before the end time
+    (further than the stop's lead, within the warning window) the script goes on; 10 s
+    before it, or a TERM, stops it and requeues."""
+    import time
+
+    def script(left_s: float, *, then_term: bool) -> list[str]:
+        monkeypatch.setenv("HPCCKPT_END_TIME", str(time.time() + 120))
+        done: list[str] = []
+        objs = tiny_state(0)
+        with Checkpointer(ckdir, every_steps=4, signals=("USR2", "TERM")) as ck:
+            ck.register(**objs)
+            for _ in ck.steps(6):
+                train_step(objs)
+        monkeypatch.setenv("HPCCKPT_END_TIME", str(time.time() + left_s))  # read again at the warning
+        signal.pthread_kill(threading.get_ident(), signal.SIGUSR2)  # the scheduler's warning, after the loop
+        done.append("after the warning")
+        if then_term:
+            signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+        done.append("after the term")
+        return done
+
+    def stops() -> list[dict[str, object]]:
+        return [e for e in Ledger(ckdir).read() if e["event"] == "stop"]
+
+    assert script(120, then_term=False) == ["after the warning", "after the term"]
+    assert [s["reason"] for s in stops()] == ["done"]
+    with pytest.raises(RequeueExit) as exc:
+        script(120, then_term=True)
+    assert exc.value.reason == "after_run" and stops()[-1]["signame"] == "SIGTERM"
+    with pytest.raises(RequeueExit) as exc:
+        script(10, then_term=False)
+    assert exc.value.reason == "after_run" and stops()[-1]["signame"] == "SIGUSR2"
+
+
+LATE_SIGNAL_SCRIPT = """
+import sys
+from hpcckpt.api import Checkpointer
+from tests.helpers import tiny_state, train_step
+objs = tiny_state(0)
+with Checkpointer(sys.argv[1], every_steps=2, signals=("USR2", "TERM")) as ck:
+    ck.register(**objs)
+    for _ in ck.steps(4):
+        train_step(objs)
+print("finished", flush=True)
+"""
+
+
+def test_a_stop_signal_while_a_finished_run_exits_never_kills_it(ckdir: Path) -> None:
+    """TERM sent again and again from the moment a run has finished until its process is
+    gone (Slurm's time-limit TERM or a preemption landing as the job ends): the first one
+    requeues (exit 75); one that comes while Python finalizes, which gives its handled
+    signals back to SIG_DFL, used to kill the process (status 143: FAILED under Slurm,
+    though the run and its checkpoint were complete). Exit 0 or 75 only, each time."""
+    import subprocess
+    import sys
+    import time
+
+    for attempt in range(2):
+        run_dir = ckdir / f"run{attempt}"
+        proc = subprocess.Popen([sys.executable, "-c", LATE_SIGNAL_SCRIPT, str(run_dir)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "finished", proc.communicate()[1]
+        while proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.0005)
+        err = proc.communicate()[1]
+        assert proc.returncode in (0, EXIT_REQUEUE), (proc.returncode, err[-2000:])

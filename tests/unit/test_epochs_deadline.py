@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -16,7 +17,7 @@ import pytest
 
 from hpcckpt.api import Checkpointer, RefusedExit, RequeueExit
 from hpcckpt.errors import ConfigError
-from hpcckpt.exitcodes import EXIT_PROBLEM
+from hpcckpt.exitcodes import EXIT_PROBLEM, EXIT_REQUEUE
 from hpcckpt.ledger import Ledger
 from hpcckpt.policy import Figures
 from tests.helpers import tiny_state, train_step
@@ -111,6 +112,7 @@ def test_an_allocation_too_short_for_a_step_and_a_save_is_refused_with_figures(
     ckdir.mkdir(parents=True)
     Figures(save_s=40.0, step_s=2.0).write(ckdir)  # an earlier allocation measured a slow save
     monkeypatch.setenv("HPCCKPT_END_TIME", str(clock.t + 50))
+    monkeypatch.setattr("hpcckpt.api.process_start_time", time.time)  # started just now: the whole allocation
     with pytest.raises(RefusedExit) as exc:
         with checkpointer(ckdir, clock) as ck:
             ck.register(**tiny_state(0))
@@ -120,6 +122,36 @@ def test_an_allocation_too_short_for_a_step_and_a_save_is_refused_with_figures(
     assert "50s left" in exc.value.reason and "save 40.00s" in exc.value.reason
     assert "--time" in exc.value.reason and "HPCCKPT_DEADLINE_MARGIN_S" in exc.value.reason
     assert [e["event"] for e in Ledger(ckdir).read()][-1] == "refused"
+
+
+def test_an_allocation_whose_start_up_took_its_time_requeues_once_then_refuses(
+        ckdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Less time left than the stop needs, but this process started 70 s ago (a loaded
+    node, a slow file system): an allocation as long would have trained. It stops without
+    training and requeues (nothing lost: its checkpoint is of the step it started at); a
+    second such allocation in a row is refused with the start-up in the figures."""
+    clock = Clock()
+    ckdir.mkdir(parents=True)
+    Figures(save_s=20.0, step_s=2.0).write(ckdir)  # lead 1.5 x 20 + 2 + 5 + 5 = 42 s
+    monkeypatch.setattr("hpcckpt.api.process_start_time", lambda: time.time() - 70)
+    for attempt, left in ((1, 40), (2, 10)):  # the second: under the lead of the save measured by the first
+        monkeypatch.setenv("HPCCKPT_END_TIME", str(clock.t + left))
+        with pytest.raises((RequeueExit, RefusedExit)) as exc:
+            with checkpointer(ckdir, clock) as ck:
+                ck.register(**tiny_state(0))
+                for _ in ck.steps(10):
+                    raise AssertionError("no step may run")
+        events = Ledger(ckdir).read()
+        if attempt == 1:
+            assert isinstance(exc.value, RequeueExit) and exc.value.code == EXIT_REQUEUE
+            stop = [e for e in events if e["event"] == "stop"][-1]
+            assert (stop["reason"], stop["step"], stop["committed_step"], stop["requeue"]) == ("deadline", 0, 0, True)
+            assert Figures.read(ckdir).no_progress == 1
+        else:
+            assert isinstance(exc.value, RefusedExit) and exc.value.code == EXIT_PROBLEM
+            assert "two allocations in a row" in exc.value.reason
+            assert "start-up took 70s" in exc.value.reason, exc.value.reason
+            assert events[-1]["event"] == "refused" and Figures.read(ckdir).no_progress == 2
 
 
 def test_two_deadline_stops_in_a_row_without_progress_stop_the_job(ckdir: Path,
