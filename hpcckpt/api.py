@@ -712,7 +712,9 @@ class Checkpointer:
         if self.committed_step is None:
             return
         late = next((r for r in self.signals.received if r.signum not in WARNING_SIGNALS), None)
-        if late is None and self._deferred is None:  # a warning that came after the last boundary
+        if late is None and self._deferred is None and self.ranks.is_coordinator:
+            # A warning the last boundary did not see (the coordinator judges warnings in the
+            # run; another rank leaves a warning it got to the coordinator's judgement there).
             late = next(iter(self.signals.received), None)
         self.signals.uninstall()
         # The guard holds what the requeue needs, not the Checkpointer: a script that goes on to

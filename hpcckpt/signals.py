@@ -232,7 +232,9 @@ def _quiet_at_exit() -> None:
     stop signal in that last moment would kill a finished job (status 140 or 143: FAILED
     under Slurm, though its run and its checkpoint are complete). A finished run's guard
     ignores its signals from here; atexit callbacks registered after this module's (the
-    script's own) still run under the guard."""
+    script's own) still run under the guard. Registered twice: a stop signal that comes as
+    the first call begins fires the guard, whose exit then ends that call (atexit goes on to
+    the next); the guard fires once, so the second call completes."""
     guard = _after_run
     if guard is None or threading.current_thread() is not threading.main_thread():
         return
@@ -241,4 +243,5 @@ def _quiet_at_exit() -> None:
             signal.signal(sig, signal.SIG_IGN)
 
 
+atexit.register(_quiet_at_exit)
 atexit.register(_quiet_at_exit)
