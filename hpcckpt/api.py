@@ -444,7 +444,21 @@ class Checkpointer:
         if self._trace is not None and self.ranks.is_coordinator:
             from .check import append_trace
             append_trace(self._trace, {"dir": str(self.root), "resumed_from": self.resumed_from})
+        self._warn_unsaved()
         self._check_time_left()
+
+    def _warn_unsaved(self) -> None:
+        """Log trained state that nothing registered saves (``coverage.unsaved``), once, on the
+        coordinator; ``hpcckpt check`` then reports the run as not exact and names it."""
+        if not self.ranks.is_coordinator:
+            return
+        from .coverage import unsaved
+        lines = unsaved({n: o for n, o in self.state.objects.items() if n != Progress.NAME})
+        for line in lines:
+            log.warning("hpcckpt: not saved: %s", line)
+        if lines and self._trace is not None:
+            from .check import append_trace
+            append_trace(self._trace, {"note": "unsaved", "what": lines})
 
     def report_loss(self, loss: Any) -> None:
         """Optional: this step's loss, compared step by step by ``hpcckpt check`` (else unused)."""

@@ -31,6 +31,10 @@ ENUMERATE_HINT = ("a batch number from enumerate(ckpt.batches(loader)), which co
                   "epoch: code run every N batches (a sample from the model in train mode updates its BatchNorm "
                   "statistics) runs at other batches; number them with "
                   "`for i, batch in ckpt.batches(loader).enumerate():`")
+RNG_HINT = ("random numbers drawn between register() and the first step (data made there: negative labels, a "
+            "random split, masks): register() puts the saved RNG back at once, so that code draws other numbers "
+            "than it did in the uninterrupted run (ckpt.steps/batches/loop set the RNG again where training resumes, "
+            "but what was drawn before stays); call register() after such code, right before the training loop")
 HINTS = (
     "a Python value that changes during training (a learning rate annealed by hand, the best "
     "validation loss, an early-stopping counter, an epoch counter of your own): keep it in ckpt.user_meta",
@@ -43,6 +47,7 @@ HINTS = (
     "persistent, or recompute it after a resume",
     "a DataLoader iterated outside ckpt.batches/loop for training: hpcckpt cannot know its position",
     ENUMERATE_HINT,
+    RNG_HINT,
 )
 
 
@@ -97,7 +102,7 @@ def append_trace(path: Path, record: Mapping[str, Any]) -> None:
 def read_trace(path: Path) -> tuple[dict[int, dict[str, Any]], list[str], list[str]]:
     """Steps -> their last record, the checkpoint directories the runs used, and the notes the
     Checkpointer left on what it saw the script do (``enumerate``: a resumed epoch numbered by
-    ``enumerate()``)."""
+    ``enumerate()``; ``unsaved: WHAT``: trained state that nothing registered saves)."""
     steps: dict[int, dict[str, Any]] = {}
     dirs: list[str] = []
     notes: list[str] = []
@@ -109,6 +114,8 @@ def read_trace(path: Path) -> tuple[dict[int, dict[str, Any]], list[str], list[s
             dirs.append(rec["dir"])
         elif "step" in rec:
             steps[int(rec["step"])] = rec
+        elif rec.get("note") == "unsaved":  # one note per line: "unsaved: WHAT"
+            notes += [f"unsaved: {what}" for what in rec.get("what", [])]
         elif "note" in rec:
             notes.append(str(rec["note"]))
     return steps, dirs, notes
@@ -128,6 +135,7 @@ class CheckOutcome:
     restarts: int = 0
     hints: list[str] = field(default_factory=list)
     not_compared: list[str] = field(default_factory=list)  # RNGs the script does not seed
+    unsaved: list[str] = field(default_factory=list)  # trained state nothing registered saves (not compared)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -138,8 +146,16 @@ class CheckOutcome:
             return [f"hpcckpt check: identical: {self.steps} steps, stopped at step(s) {stops} and resumed "
                     f"({self.restarts} restarts); every registered object, the RNGs and user_meta match at "
                     "every step and at the end"]
-        out = [f"hpcckpt check: NOT identical: stopped at step(s) {stops}; the first diverging step is "
-               f"{self.first_diverging_step}, where these differ: {', '.join(self.differing)}"]
+        if self.first_diverging_step is not None:
+            out = [f"hpcckpt check: NOT identical: stopped at step(s) {stops}; the first diverging step is "
+                   f"{self.first_diverging_step}, where these differ: {', '.join(self.differing)}"]
+        else:
+            out = [f"hpcckpt check: NOT identical: stopped at step(s) {stops}; what is registered matches, but "
+                   "not all that training changes is registered"]
+        if self.unsaved:
+            out.append("  trained state that nothing registered saves (a resume starts it again from its initial "
+                       "values):")
+            out += [f"  - {u}" for u in self.unsaved]
         if self.loss_first_diverging_step is not None:
             out.append(f"  the reported losses first differ at step {self.loss_first_diverging_step}")
         if self.final_differs:
@@ -245,6 +261,9 @@ def compare(a: Mapping[int, Any], b: Mapping[int, Any], stops: list[int], restar
             break
     last_a, last_b = digests(a, total) or {}, digests(b, max(b)) or {}
     out.final_differs = sorted(k for k in set(last_a) | set(last_b) if last_a.get(k) != last_b.get(k))
+    out.unsaved = list(dict.fromkeys(n.split(": ", 1)[1] for n in notes if n.startswith("unsaved: ")))
+    if out.unsaved:
+        out.identical = False  # what is not saved cannot have come back, whatever the digests say
     if not out.identical:
         out.hints = _hints(out.differing, notes)
     return out
@@ -258,6 +277,8 @@ def _hints(differing: Sequence[str], notes: Sequence[str] = ()) -> list[str]:
         hints.insert(0, HINTS[4])
     if differing == ["user_meta"] or any(d.startswith("rng.") for d in differing):
         hints.insert(0, HINTS[0])
+    if any(d.startswith("rng.") for d in differing):
+        hints.insert(0, RNG_HINT)
     if "enumerate" in notes:
         hints.insert(0, ENUMERATE_HINT)
     return list(dict.fromkeys(hints))

@@ -78,3 +78,47 @@ def test_a_mutating_non_persistent_buffer_is_named(tmp_path: Path) -> None:
     code, out = check(tmp_path, keep_lr=True, buffer=BUFFER)
     assert code == 1 and out["differing"] == ["model (non-persistent buffers)"], out
     assert "persistent" in out["hints"][0]
+
+
+PLAIN_LIST_SCRIPT = '''
+import torch
+from torch import nn
+from hpcckpt import Checkpointer
+
+class Net(nn.Module):  # as mnist_forward_forward: layers in a plain list, each with its optimizer
+    def __init__(self):
+        super().__init__()
+        self.layers = [nn.Linear(4, 4), nn.Linear(4, 2)]
+        self.opts = [torch.optim.Adam(layer.parameters(), lr=0.01) for layer in self.layers]
+
+torch.manual_seed(0)
+net = Net()
+ckpt = Checkpointer(every_steps=None)
+ckpt.register(net=net, opt0=net.opts[0], opt1=net.opts[1])
+for step in ckpt.steps(16):
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    loss = ((net.layers[1](net.layers[0](x)) - y) ** 2).mean()
+    for opt in net.opts:
+        opt.zero_grad()
+    loss.backward()
+    for opt in net.opts:
+        opt.step()
+ckpt.close()
+'''
+
+
+def test_layers_no_registered_object_saves_make_the_check_fail_and_are_named(tmp_path: Path) -> None:
+    """The registered objects alone would look exact at the stop (the module's state_dict is
+    empty, the optimizers come back): the check says the run is not exact, and names the layers."""
+    script = tmp_path / "train.py"
+    script.write_text(PLAIN_LIST_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPCCKPT_", "SLURM_"))}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "hpcckpt.cli", "check", "--json", "--stop-at", "8",
+                           "--dir", str(tmp_path / "work"), "--", sys.executable, str(script)],
+                          capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert proc.returncode == 1, proc.stderr + proc.stdout
+    out = json.loads(proc.stdout)
+    assert not out["identical"] and len(out["unsaved"]) == 2, out
+    assert out["unsaved"][0].startswith("net.layers[0] (Linear) is held in a plain Python container"), out
+    assert out["unsaved"][1].startswith("net.layers[1] (Linear)"), out

@@ -1,0 +1,111 @@
+"""Trained state that the registered objects do not save.
+
+A resume is exact only if everything training changes comes back, and two mistakes lose
+parameters without a sound: a module that keeps its layers in a plain Python list or dict
+(``self.layers = [Layer(...), ...]``, as pytorch/examples ``mnist_forward_forward`` does),
+whose layers are then no submodules, so neither ``state_dict()`` nor ``parameters()`` of
+the registered model holds them; and an optimizer registered without the module whose
+parameters it trains. The optimizer's state comes back, the weights start again from
+their initial values, and the run goes on from there as if nothing had happened.
+
+``unsaved(objects)`` names both, from the objects themselves (no ``state_dict()`` of any
+object other than a module is called: that of a data loader may start its workers). A
+parameter counts as saved when a registered module holds it (``parameters()`` or
+``state_dict(keep_vars=True)``, by identity or by storage). Where an object of a kind that
+could hold parameters is registered (anything but a module, an optimizer, a scheduler, a
+gradient scaler, a sampler or a data loader), it may save them itself, and nothing is said.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+# Registered kinds that hold no parameters of their own (they cannot save a module's).
+_NO_PARAMETERS: tuple[type, ...] = (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler,
+                                    torch.utils.data.Sampler, torch.utils.data.DataLoader)
+try:
+    _NO_PARAMETERS += (torch.amp.GradScaler,)
+except AttributeError:  # torch without torch.amp.GradScaler
+    pass
+
+
+def _key(t: torch.Tensor) -> tuple[int, int] | None:
+    """Where a tensor's values live (storage start and length): a view or ``detach()`` of a
+    parameter shares it. None for tensors without storage (meta, some wrappers)."""
+    try:
+        return (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
+
+
+def _saved_by_modules(objects: Mapping[str, Any]) -> tuple[set[int], set[tuple[int, int]]]:
+    ids: set[int] = set()
+    keys: set[tuple[int, int]] = set()
+    for obj in objects.values():
+        if not isinstance(obj, torch.nn.Module):
+            continue
+        for t in obj.parameters():
+            ids.add(id(t))
+            k = _key(t)
+            if k is not None:
+                keys.add(k)
+    return ids, keys
+
+
+def _hidden_modules(root: torch.nn.Module, name: str) -> Iterator[tuple[str, torch.nn.Module]]:
+    """Modules held in a plain list, tuple or dict attribute of ``root`` or of one of its
+    submodules (one level deep), with the path a user would write."""
+    for prefix, module in root.named_modules():
+        owner = f"{name}.{prefix}" if prefix else name
+        for attr, value in vars(module).items():
+            if attr.startswith("_"):
+                continue
+            if isinstance(value, (list, tuple)):
+                items: list[tuple[str, Any]] = [(f"{owner}.{attr}[{i}]", v) for i, v in enumerate(value)]
+            elif isinstance(value, dict):
+                items = [(f"{owner}.{attr}[{k!r}]", v) for k, v in value.items()]
+            else:
+                continue
+            for path, item in items:
+                if isinstance(item, torch.nn.Module):
+                    yield path, item
+
+
+def _values(params: list[torch.Tensor]) -> str:
+    n = sum(p.numel() for p in params)
+    return f"{len(params)} parameter{'s' if len(params) != 1 else ''} ({n:,} values)"
+
+
+def unsaved(objects: Mapping[str, Any]) -> list[str]:
+    """One line per piece of trained state that no registered object saves (empty: none seen)."""
+    if any(not isinstance(o, (torch.nn.Module, *_NO_PARAMETERS)) for o in objects.values()):
+        return []  # an object of the user's own may save what the modules do not
+    ids, keys = _saved_by_modules(objects)
+
+    def lost(params: Iterator[torch.Tensor] | list[torch.Tensor]) -> list[torch.Tensor]:
+        return [p for p in params if id(p) not in ids and _key(p) not in keys]
+
+    lines: list[str] = []
+    seen: set[int] = set()
+    for name, obj in objects.items():
+        if not isinstance(obj, torch.nn.Module):
+            continue
+        for path, module in _hidden_modules(obj, name):
+            trained = lost(p for p in module.parameters() if p.requires_grad and id(p) not in seen)
+            seen.update(id(p) for p in trained)
+            if trained:
+                lines.append(f"{path} ({type(module).__name__}) is held in a plain Python container, not as a "
+                             f"submodule: its {_values(trained)} are not in {name}.state_dict() and nothing "
+                             "registered saves them. Hold such layers in nn.ModuleList / nn.ModuleDict, or "
+                             "register them")
+    for name, obj in objects.items():
+        if not isinstance(obj, torch.optim.Optimizer):
+            continue
+        trained = lost(p for g in obj.param_groups for p in g["params"] if id(p) not in seen)
+        seen.update(id(p) for p in trained)
+        if trained:
+            lines.append(f"optimizer {name!r} trains {_values(trained)} that nothing registered saves: a resume "
+                         "would bring back its state without them. Register the module they belong to")
+    return lines
