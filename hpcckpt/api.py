@@ -592,16 +592,20 @@ class Checkpointer:
                       "resumes from %s", self.step, exc, prev)
             return str(exc)
 
-    def _stop(self, reason: StopReason) -> None:
+    def _stop(self, reason: StopReason, *, save: bool = True) -> None:
+        """Stop: the final checkpoint (unless ``save`` is False: nothing was trained that a
+        checkpoint should keep), the ledger, the requeue decision, then ``RequeueExit``."""
         first = self.signals.first() if reason is StopReason.SIGNAL else None  # a deferred warning did not stop it
-        log.warning("hpcckpt: stopping at step %d (%s); taking the final checkpoint", self.step, reason.name.lower())
-        final_error = self._final_save()
+        log.warning("hpcckpt: stopping at step %d (%s)%s", self.step, reason.name.lower(),
+                    "; taking the final checkpoint" if save else "")
+        final_error = self._final_save() if save else None
         refusal = self._no_progress(reason)
         requeue = refusal is None
         if self.ranks.is_coordinator:
             extra: dict[str, Any] = {} if final_error is None else {"final_error": final_error}
             self.ledger.append("stop", reason=reason.name.lower(), step=self.step, committed_step=self.committed_step,
-                               requeue=requeue, final_saved=final_error is None, signame=first.name if first else None,
+                               requeue=requeue, final_saved=save and final_error is None,
+                               signame=first.name if first else None,
                                signal_time=first.wall_s if first else None, **extra)
         if refusal is not None:
             self._refuse(refusal)
@@ -690,7 +694,10 @@ class Checkpointer:
         if verdict[0] == "refuse":
             self._refuse(verdict[1])
         log.warning("hpcckpt: %s", verdict[1])
-        self._stop(StopReason.DEADLINE)
+        # Nothing to save: a resumed run stands at its committed step, and a fresh one has at
+        # most the first step of a step_done() loop in memory (labelled step 0, a checkpoint of
+        # it would be wrong); the next allocation starts from the same place.
+        self._stop(StopReason.DEADLINE, save=False)
 
     def _requeue(self, reason: StopReason) -> dict[str, Any]:
         """The lifecycle's requeue (coordinator only; it records the outcome); exit 75 follows either way."""

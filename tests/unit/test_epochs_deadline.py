@@ -20,6 +20,7 @@ from hpcckpt.errors import ConfigError
 from hpcckpt.exitcodes import EXIT_PROBLEM, EXIT_REQUEUE
 from hpcckpt.ledger import Ledger
 from hpcckpt.policy import Figures
+from hpcckpt.store import catalog
 from tests.helpers import tiny_state, train_step
 
 pytestmark = pytest.mark.native
@@ -129,12 +130,13 @@ def test_an_allocation_whose_start_up_took_its_time_requeues_once_then_refuses(
     """Less time left than the stop needs, but this process started 70 s ago (a loaded
     node, a slow file system): an allocation as long would have trained. It stops without
     training and requeues (nothing lost: its checkpoint is of the step it started at); a
-    second such allocation in a row is refused with the start-up in the figures."""
+    second such allocation in a row is refused with the start-up in the figures. Nothing is
+    saved at such a stop: there is nothing trained to keep."""
     clock = Clock()
     ckdir.mkdir(parents=True)
     Figures(save_s=20.0, step_s=2.0).write(ckdir)  # lead 1.5 x 20 + 2 + 5 + 5 = 42 s
     monkeypatch.setattr("hpcckpt.api.process_start_time", lambda: time.time() - 70)
-    for attempt, left in ((1, 40), (2, 10)):  # the second: under the lead of the save measured by the first
+    for attempt, left in ((1, 40), (2, 10)):
         monkeypatch.setenv("HPCCKPT_END_TIME", str(clock.t + left))
         with pytest.raises((RequeueExit, RefusedExit)) as exc:
             with checkpointer(ckdir, clock) as ck:
@@ -145,7 +147,8 @@ def test_an_allocation_whose_start_up_took_its_time_requeues_once_then_refuses(
         if attempt == 1:
             assert isinstance(exc.value, RequeueExit) and exc.value.code == EXIT_REQUEUE
             stop = [e for e in events if e["event"] == "stop"][-1]
-            assert (stop["reason"], stop["step"], stop["committed_step"], stop["requeue"]) == ("deadline", 0, 0, True)
+            assert (stop["reason"], stop["step"], stop["committed_step"], stop["requeue"]) == ("deadline", 0, None, True)
+            assert stop["final_saved"] is False and not catalog.scan(ckdir)  # nothing trained, nothing to keep
             assert Figures.read(ckdir).no_progress == 1
         else:
             assert isinstance(exc.value, RefusedExit) and exc.value.code == EXIT_PROBLEM
