@@ -275,9 +275,10 @@ def _hints(differing: Sequence[str], notes: Sequence[str] = ()) -> list[str]:
     hints = list(HINTS)
     if any(d.endswith(NON_PERSISTENT) for d in differing):
         hints.insert(0, HINTS[4])
-    if differing == ["user_meta"] or any(d.startswith("rng.") for d in differing):
+    rng = any(d.startswith("rng.") for d in differing)
+    if differing == ["user_meta"] or rng:
         hints.insert(0, HINTS[0])
-    if any(d.startswith("rng.") for d in differing):
+    if rng:
         hints.insert(0, RNG_HINT)
     if "enumerate" in notes:
         hints.insert(0, ENUMERATE_HINT)

@@ -35,42 +35,29 @@ def _key(t: torch.Tensor) -> tuple[int, int] | None:
     """Where a tensor's values live (storage start and length): a view or ``detach()`` of a
     parameter shares it. None for tensors without storage (meta, some wrappers)."""
     try:
-        return (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        storage = t.untyped_storage()
+        return (storage.data_ptr(), storage.nbytes())
     except (RuntimeError, NotImplementedError, AttributeError):
         return None
-
-
-def _saved_by_modules(objects: Mapping[str, Any]) -> tuple[set[int], set[tuple[int, int]]]:
-    ids: set[int] = set()
-    keys: set[tuple[int, int]] = set()
-    for obj in objects.values():
-        if not isinstance(obj, torch.nn.Module):
-            continue
-        for t in obj.parameters():
-            ids.add(id(t))
-            k = _key(t)
-            if k is not None:
-                keys.add(k)
-    return ids, keys
 
 
 def _hidden_modules(root: torch.nn.Module, name: str) -> Iterator[tuple[str, torch.nn.Module]]:
     """Modules held in a plain list, tuple or dict attribute of ``root`` or of one of its
     submodules (one level deep), with the path a user would write."""
     for prefix, module in root.named_modules():
-        owner = f"{name}.{prefix}" if prefix else name
         for attr, value in vars(module).items():
-            if attr.startswith("_"):
+            if attr.startswith("_"):  # nn.Module's own registries (_parameters, _modules...)
                 continue
-            if isinstance(value, (list, tuple)):
-                items: list[tuple[str, Any]] = [(f"{owner}.{attr}[{i}]", v) for i, v in enumerate(value)]
-            elif isinstance(value, dict):
-                items = [(f"{owner}.{attr}[{k!r}]", v) for k, v in value.items()]
+            if isinstance(value, dict):
+                items: Any = value.items()
+            elif isinstance(value, (list, tuple)):
+                items = enumerate(value)
             else:
                 continue
-            for path, item in items:
+            for key, item in items:
                 if isinstance(item, torch.nn.Module):
-                    yield path, item
+                    owner = f"{name}.{prefix}" if prefix else name
+                    yield f"{owner}.{attr}[{key!r}]", item
 
 
 def _values(params: list[torch.Tensor]) -> str:
@@ -82,10 +69,21 @@ def unsaved(objects: Mapping[str, Any]) -> list[str]:
     """One line per piece of trained state that no registered object saves (empty: none seen)."""
     if any(not isinstance(o, (torch.nn.Module, *_NO_PARAMETERS)) for o in objects.values()):
         return []  # an object of the user's own may save what the modules do not
-    ids, keys = _saved_by_modules(objects)
+    held = [p for o in objects.values() if isinstance(o, torch.nn.Module) for p in o.parameters()]
+    ids = {id(p) for p in held}
+    keys: set[tuple[int, int] | None] | None = None  # storages, looked up only past the identity test
 
-    def lost(params: Iterator[torch.Tensor] | list[torch.Tensor]) -> list[torch.Tensor]:
-        return [p for p in params if id(p) not in ids and _key(p) not in keys]
+    def lost(params: Iterator[torch.Tensor]) -> list[torch.Tensor]:
+        nonlocal keys
+        out = []
+        for p in params:
+            if id(p) in ids:
+                continue
+            if keys is None:
+                keys = {_key(t) for t in held} - {None}
+            if _key(p) not in keys:
+                out.append(p)
+        return out
 
     lines: list[str] = []
     seen: set[int] = set()

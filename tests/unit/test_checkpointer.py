@@ -1,10 +1,12 @@
 """The Checkpointer end to end in-process: saves, restore, stop on a real signal."""
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -69,6 +71,18 @@ def test_signal_storm_takes_one_final_checkpoint(ckdir: Path) -> None:
     assert signal.getsignal(signal.SIGTERM) is before  # handlers uninstalled: the one found is back
 
 
+@contextlib.contextmanager
+def finished_run(ckdir: Path) -> Iterator[Checkpointer]:
+    """A run of 6 steps (saves every 4) that listens to USR2 and TERM, trained to its end;
+    the block runs before its Checkpointer closes (the code after the training loop)."""
+    objs = tiny_state(0)
+    with Checkpointer(ckdir, every_steps=4, signals=("USR2", "TERM")) as ck:
+        ck.register(**objs)
+        for _ in ck.steps(6):
+            train_step(objs)
+        yield ck
+
+
 def test_a_stop_signal_after_the_run_requeues_and_the_next_run_ends_the_code_after_the_loop(ckdir: Path) -> None:
     """TERM while the script runs its code after the training loop (here: inside and after the
     Checkpointer's block): the job is requeued and exits 75 once (a second TERM, as
@@ -79,11 +93,7 @@ def test_a_stop_signal_after_the_run_requeues_and_the_next_run_ends_the_code_aft
 
     def script(*, stop_in: str | None) -> list[str]:
         done: list[str] = []
-        objs = tiny_state(0)
-        with Checkpointer(ckdir, every_steps=4, signals=("USR2", "TERM")) as ck:
-            ck.register(**objs)
-            for _ in ck.steps(6):
-                train_step(objs)
+        with finished_run(ckdir):
             if stop_in == "block":  # e.g. an evaluation before the Checkpointer closes
                 for _ in range(2):
                     signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
@@ -317,11 +327,8 @@ def test_a_time_limit_warning_after_the_run_waits_and_a_term_still_requeues(
     def script(left_s: float, *, then_term: bool) -> list[str]:
         monkeypatch.setenv("HPCCKPT_END_TIME", str(time.time() + 120))
         done: list[str] = []
-        objs = tiny_state(0)
-        with Checkpointer(ckdir, every_steps=4, signals=("USR2", "TERM")) as ck:
-            ck.register(**objs)
-            for _ in ck.steps(6):
-                train_step(objs)
+        with finished_run(ckdir):
+            pass
         monkeypatch.setenv("HPCCKPT_END_TIME", str(time.time() + left_s))  # read again at the warning
         signal.pthread_kill(threading.get_ident(), signal.SIGUSR2)  # the scheduler's warning, after the loop
         done.append("after the warning")
