@@ -7,15 +7,28 @@ successor submitted), nothing more is done: one requeue per interruption.
 Outside Slurm it exits 75 so that a local supervisor restarts the command.
 The cause (for the per-cause budgets) defaults to the last ``stop`` in the ledger.
 
+``--stopped-status RC``: the batch script forwarded a TERM and the command then ended with
+status RC instead of 75 (bash can lose the status of a command that ends while its trap
+runs: ``wait`` then gives -1). When this run never began training (no ``start`` of this job's
+run in the ledger: the stop came during its start-up, before hpcckpt could take the
+signal, and killed it), the job is requeued all the same: nothing was trained, so nothing
+is lost, and the job comes back instead of ending at a time limit or a cancel-mode
+preemption. A second such stop in a row at a time limit is refused (the start-up does not
+fit the allocation). A run that did begin and whose stop asked for a requeue is handled as
+without the option (the shell lost its exit 75); one that decided otherwise (a refusal, a
+failure) keeps its status RC and nothing is requeued.
+
 Exit codes: 0 requeued, successor submitted, or already done by the run; 1 not requeued
 (refused by a budget / crash-loop guard, or Slurm refused and no successor could be
-submitted: the reason is printed); 2 bad usage; 75 local (no Slurm).
+submitted: the reason is printed); 2 bad usage; 75 local (no Slurm); with
+``--stopped-status RC``, RC when the run had begun or the requeue was refused.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +38,7 @@ from hpcckpt.cluster.base import Cause
 from hpcckpt.errors import ConfigError
 from hpcckpt.exitcodes import EXIT_REQUEUE
 from hpcckpt.lifecycle import requeue
+from hpcckpt.lifecycle.identity import Identity, current
 from hpcckpt.lifecycle.ledger import Ledger
 
 _STOP_REASON_CAUSE = {"deadline": Cause.TIME_LIMIT, "maintenance": Cause.MAINTENANCE,
@@ -40,6 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(default: from the ledger's last stop)")
     p.add_argument("--dir", type=Path, default=None,
                    help="checkpoint directory: budgets and ledger live there (default $HPCCKPT_DIR)")
+    p.add_argument("--stopped-status", type=int, default=None, metavar="RC",
+                   help="the command ended with status RC (not 75) after this script forwarded a TERM: "
+                        "requeue only if the run never began training (killed in its start-up)")
     add_json(p)
     p.set_defaults(func=run)
 
@@ -60,8 +77,20 @@ def _cause(text: str) -> Cause:
     return cause
 
 
-def _newest_run(ledger: Ledger) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """The newest run's last ``stop`` and the ``requeue`` recorded after it (streamed)."""
+def _this_run(ev: dict[str, Any], who: Identity) -> bool:
+    """Whether ``ev`` was recorded by this job's current run (Slurm's restart count, or the
+    local supervisor's restart number); outside both, no event can be told to be this run's."""
+    if who.in_slurm:
+        return ev.get("job_id") == who.job_id and ev.get("restart_count") == who.restart_count
+    if who.local_restart is not None:
+        return ev.get("slurm_job_id") is None and ev.get("local_restart") == who.local_restart
+    return False
+
+
+def _newest_run(ledger: Ledger, who: Identity) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The newest run's last ``stop`` and the ``requeue`` this run recorded after it (streamed).
+    A requeue of an earlier run is not this run's: a run killed before it recorded anything
+    must not find its predecessor's requeue and take it for its own."""
     stop: dict[str, Any] | None = None
     req: dict[str, Any] | None = None
     for ev in ledger.events():
@@ -72,13 +101,83 @@ def _newest_run(ledger: Ledger) -> tuple[dict[str, Any] | None, dict[str, Any] |
             stop, req = ev, None
         elif name == "requeue":
             req = ev
+    if req is not None and (who.in_slurm or who.local_restart is not None) and not _this_run(req, who):
+        req = None
     return stop, req
+
+
+@dataclass
+class _Unstarted:
+    """What the ledger says of a run stopped in its start-up (``--stopped-status``)."""
+    began: bool = False  # this run recorded a start: it decided for itself
+    asked: bool = False  # ... and its last stop asked for a requeue (its exit 75 may be what the shell lost)
+    in_row: int = 0  # runs before it, in a row, stopped before they began (requeued as such)
+    committed_step: int | None = None  # the newest committed step any run recorded
+
+
+def _unstarted(ledger: Ledger, who: Identity) -> _Unstarted:
+    got = _Unstarted()
+    for ev in ledger.events():
+        name = ev.get("event")
+        if name in {"start", "criu_restore"}:
+            got.in_row = 0
+            got.began = got.began or _this_run(ev, who)
+        elif name == "requeue" and ev.get("unstarted") is True and not _this_run(ev, who):
+            got.in_row += 1
+        elif name == "stop" and _this_run(ev, who):
+            got.asked = ev.get("requeue") is True
+        if isinstance(ev.get("committed_step"), int):
+            got.committed_step = ev["committed_step"]
+    return got
+
+
+def _stopped_before_start(args: argparse.Namespace, state_dir: Path, ledger: Ledger, who: Identity) -> int | None:
+    """``--stopped-status RC``: the exit status, or None to go on as a plain ``hpcckpt requeue``."""
+    rc = int(args.stopped_status)
+    # bash loses the status of a command that ends while a trap runs (``wait`` gives -1)
+    status = f"status {rc}" if 0 <= rc < 256 else "its status lost by the shell"
+    failed = rc if 0 < rc < 256 else 1
+    seen = _unstarted(ledger, who)
+    if seen.began:
+        if seen.asked:
+            return None  # it stopped for a requeue: the shell lost its exit 75, not the requeue
+        emit(args, {"requeued": False, "began": True, "status": rc},
+             f"hpcckpt requeue: this run began training and ended ({status}) after a stop signal; "
+             "it decided for itself (see its output and `hpcckpt history`): not requeued here")
+        return failed
+    cluster = detect()
+    try:
+        cause = Cause.parse(cluster.stop_cause(Cause.SIGNAL.value))
+    except Exception:  # noqa: BLE001 - the scheduler could not be asked: a bare stop signal
+        cause = Cause.SIGNAL
+    if cause is Cause.TIME_LIMIT and seen.in_row >= 1:
+        why = (f"this run was stopped at its time limit before it began training ({status}), as was the run "
+               "before it: its start-up does not fit the allocation. Give the job a longer time limit (--time) "
+               "or make the start-up shorter (a copy of the environment on node-local disk, fewer imports)")
+        ledger.append("refused", reason=why, step=seen.committed_step)
+        emit(args, {"requeued": False, "began": False, "status": rc, "detail": why},
+             f"hpcckpt requeue: NOT requeued: {why}")
+        return failed
+    outcome = requeue(cluster=cluster, state_dir=state_dir, cause=cause.value, source="cli",
+                      committed_step=seen.committed_step, ledger=ledger, unstarted=True,
+                      note=f"stopped in its start-up, before it began training ({status})")
+    emit(args, outcome.as_dict(),
+         f"hpcckpt requeue: stopped before training began ({status}): "
+         f"{'requeued' if outcome.requeued else 'NOT requeued'} ({outcome.method}): {outcome.detail}")
+    if outcome.method == "exit":
+        return EXIT_REQUEUE
+    return 0 if outcome.requeued else failed
 
 
 def run(args: argparse.Namespace) -> int:
     state_dir = _state_dir(args.dir)
     ledger = Ledger(state_dir)
-    stop, done = _newest_run(ledger)
+    who = current()
+    if args.stopped_status is not None:
+        decided = _stopped_before_start(args, state_dir, ledger, who)
+        if decided is not None:
+            return decided
+    stop, done = _newest_run(ledger, who)
     if done is not None and done.get("requeued") is True and done.get("method") != "exit":
         info = {k: done.get(k) for k in ("requeued", "method", "detail", "successor_job_id", "evidence")}
         emit(args, {**info, "already": True},

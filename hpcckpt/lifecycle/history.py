@@ -218,7 +218,8 @@ class Fold:
         if ev.get("event") == SUPERSEDED:  # written by a loser while the winner runs: no run of its own
             self.superseded = [*self.superseded[-(MAX_FAILED_DUMPS - 1):], dict(ev)]
             return
-        if ev.get("event") in OPENERS or not self.runs:
+        # A requeue of a run stopped in its start-up (``unstarted``) is that run's only record.
+        if ev.get("event") in OPENERS or not self.runs or (ev.get("event") == "requeue" and ev.get("unstarted") is True):
             self.runs.append(RunSummary(head=dict(ev)))
         self.runs[-1].add(ev)
         if ev.get("event") == "stop" and ev.get("reason") in ("done", "after_run"):
@@ -247,6 +248,8 @@ def _signame(run: RunSummary) -> str | None:
 def _lost(run: RunSummary, nxt: RunSummary | None) -> int | None:
     """Steps trained but not kept; None where they cannot be counted: a run that vanished
     without a stop never said how far it got past its last record."""
+    if _unstarted(run):
+        return 0  # stopped in its start-up: it never began training
     if nxt is None or run.reached is None:
         return None
     resumed = _int(nxt.head.get("resumed_from"))
@@ -255,7 +258,13 @@ def _lost(run: RunSummary, nxt: RunSummary | None) -> int | None:
     return max(0, run.reached - (resumed or 0))
 
 
-def _interruption(index: int, run: RunSummary, nxt: RunSummary | None, slurm: Sequence[RunRecord]) -> Interruption:
+def _unstarted(run: RunSummary) -> bool:
+    """A run stopped in its start-up: its one record is the batch script's requeue."""
+    return run.head.get("event") == "requeue" and run.head.get("unstarted") is True
+
+
+def _interruption(index: int, run: RunSummary, nxt: RunSummary | None, slurm: Sequence[RunRecord],
+                  resumer: RunSummary | None) -> Interruption:
     stop, sig, req = run.stop, run.signal, run.requeue
     signame = _signame(run)
     signal_time = _float(sig.get("signal_time") or sig.get("time")) if sig else None
@@ -273,8 +282,9 @@ def _interruption(index: int, run: RunSummary, nxt: RunSummary | None, slurm: Se
         slurm_state=record.state if record else None, signal=signame, signal_time=signal_time,
         step_at_signal=_int(sig.get("step")) if sig else None,
         stop_step=_int(stop.get("step")) if stop else None,
-        committed_step=run.committed, resumed_step=_int(head_next.get("resumed_from")) if head_next else None,
-        lost_steps=_lost(run, nxt), save_s=run.save_s(),
+        committed_step=run.committed,
+        resumed_step=_int(resumer.head.get("resumed_from")) if resumer else None,
+        lost_steps=_lost(run, resumer), save_s=run.save_s(),
         queue_wait_s=(next_time - end_time if next_time is not None and end_time is not None else None),
         restore_s=_float(head_next.get("restore_s")) if head_next else None,
         requeue_method=_str(req.get("method")) if req else None,
@@ -325,9 +335,11 @@ def interruptions(events: Iterable[Event] | Fold, *, slurm: Sequence[RunRecord] 
         if run.done:
             continue
         nxt = runs[i + 1] if i + 1 < len(runs) else None
-        if run.stop is None and nxt is None:
+        if run.stop is None and nxt is None and not _unstarted(run):
             continue  # still running (or the last run vanished without a trace)
-        out.append(_interruption(len(out) + 1, run, nxt, slurm))
+        # the run that resumed from this one's checkpoint: runs stopped in their start-up resumed nothing
+        resumer = next((r for r in runs[i + 1:] if not _unstarted(r)), None)
+        out.append(_interruption(len(out) + 1, run, nxt, slurm, resumer))
     return out + [_superseded(len(out) + i + 1, ev) for i, ev in enumerate(folded.superseded)]
 
 
@@ -563,7 +575,7 @@ def _row(index: int, span: _Span, nxt: _Span | None, step_us: int | None) -> tup
     if lost_us is None and lost_steps:
         notes.append(f"run #{index}: {lost_steps} step(s) were trained again but no step time was measured: "
                      "their time is counted as productive")
-    ended = (_str(run.stop.get("reason")) or "stop") if run.stop else (
+    ended = (_str(run.stop.get("reason")) or "stop") if run.stop else "start-up" if _unstarted(run) else (
         "rank_failure" if run.rank_failure else "vanished" if nxt else "running or vanished")
     return {"index": index, "job_id": _str(run.head.get("job_id")), "restart_count": _int(run.head.get("restart_count")),
             "local_restart": _int(run.head.get("local_restart")), "ended": ended,

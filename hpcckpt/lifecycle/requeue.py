@@ -36,13 +36,17 @@ log = logging.getLogger("hpcckpt.lifecycle")
 
 def requeue(*, cluster: Cluster, state_dir: Path, cause: str, committed_step: int | None,
             source: str, identity: Identity | None = None, ledger: Ledger | None = None,
-            budget: BudgetOptions | None = None, note: str | None = None) -> RequeueOutcome:
-    """Put this job back in the queue (or say why not), record it once, and return the outcome."""
+            budget: BudgetOptions | None = None, note: str | None = None,
+            unstarted: bool = False) -> RequeueOutcome:
+    """Put this job back in the queue (or say why not), record it once, and return the outcome.
+    ``unstarted``: the run was stopped in its start-up, before it began training (recorded, so
+    that a second such stop in a row can be told from the first)."""
     identity = identity or current()
     ledger = ledger or Ledger(state_dir, identity=identity)
     with _held_off():
         outcome = _decide(cluster, Path(state_dir), cause, committed_step, identity, budget)
-        fields: dict[str, Any] = {"source": source, **outcome.as_dict(), **({"note": note} if note else {})}
+        fields: dict[str, Any] = {"source": source, **outcome.as_dict(), **({"note": note} if note else {}),
+                                  **({"unstarted": True} if unstarted else {})}
         ledger.append(EVENT, **fields)
     if not outcome.requeued:
         print(f"hpcckpt: job {identity.job_id or '(local)'} NOT requeued: {outcome.detail}",

@@ -141,3 +141,45 @@ def test_slurm_timeout_kill_comes_back(
     assert history["finished"] and history["lost_steps_total"] == 0, history
     assert [r["cause"] for r in history["rows"]][:len(stops)] == ["time_limit"] * len(stops), history["rows"]
     assert len(history["rows"]) == len(stops) + len(after), history["rows"]
+
+
+@pytest.mark.long(100)
+def test_a_time_limit_during_the_start_up_comes_back(
+        slurm_cluster: SlurmCluster, tmp_path: Path, reference_digest: Callable[[int], str]) -> None:
+    """The first run's start-up outlasts its allocation (a stand-in for a slow file system: the
+    command sleeps before Python starts), so Slurm's TIMEOUT TERM kills it before hpcckpt has
+    a handler: status 143, nothing recorded. The template's `hpcckpt requeue --stopped-status`
+    requeues the job anyway (the run never began: nothing was trained, nothing is lost) and
+    the next run trains from the beginning to the end, bit-identical; without it the job
+    would end TIMEOUT, never to come back. `--time=2`: the next run's start-up and its 120
+    steps fit one allocation on an idle machine."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    command = ('bash -c \'if (( ${SLURM_RESTART_COUNT:-0} == 0 )); then sleep 600; fi; '
+               f'exec {sys.executable} -m hpcckpt.demo.train --dir "$HPCCKPT_RUN_DIR" --steps {STEPS} --every 10\'')
+    script = slurm_cluster.render("single", run_dir / "single.sbatch", TIME="2", LEAD_S="0", RUN_DIR=str(run_dir),
+                                  OUTPUT=f"{run_dir}/slurm-%j.out", COMMAND=command, JOB_NAME="hpcckpt-startup")
+    with kill_wait(slurm_cluster, KILL_WAIT_S):
+        job = slurm_cluster.sbatch(script)
+        out = run_dir / f"slurm-{job}.out"
+        slurm_cluster.wait_completed(job, FINISH_WITHIN_S, out)
+    log = out.read_text(errors="replace")
+    # the status is 143 (TERM), or lost when the command died while the shell's trap ran (bash: -1)
+    assert re.search(r"stopped before training began \((status 143|its status lost by the shell)\): requeued",
+                     log), log[-3000:]
+    assert "TIME LIMIT" in log, log[-3000:]
+    ledger = slurm_cluster.read_ledger(run_dir / "ckpt")
+    first = ledger[0]  # the killed run recorded nothing of its own: the requeue is the first event
+    assert first["event"] == "requeue" and first["source"] == "cli" and first["unstarted"] is True, ledger
+    assert first["restart_count"] == 0 and first["requeued"] is True and first["cause"] == "time_limit", first
+    # The next run trains from the beginning; on a loaded machine (steps of 0.7 s were seen beside
+    # the unit tests) it may reach its deadline and come back once more, resumed exactly.
+    starts = [e for e in ledger if e["event"] == "start"]
+    stops = [e for e in ledger if e["event"] == "stop"]
+    assert [s["restart_count"] for s in starts] == list(range(1, len(starts) + 1)), ledger
+    assert [s["reason"] for s in stops] == ["deadline"] * (len(starts) - 1) + ["done"], ledger
+    assert [s["resumed_from"] for s in starts] == [None] + [s["committed_step"] for s in stops[:-1]], ledger
+    assert slurm_cluster.result_digest(run_dir) == reference_digest(STEPS), "not bit-identical"
+    history = slurm_cluster.history(run_dir / "ckpt")
+    assert history["finished"] and history["lost_steps_total"] == 0, history
+    assert [r["cause"] for r in history["rows"]] == ["time_limit"] * len(starts), history["rows"]

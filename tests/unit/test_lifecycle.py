@@ -264,3 +264,88 @@ def test_a_requeue_whose_answer_was_lost_is_scontrols(monkeypatch: pytest.Monkey
     assert out.requeued and out.method == method, out
     assert ["scontrol", "requeue", "7"] in calls
     assert ("answer was lost" in out.detail) == (error is not None and method == "scontrol"), out.detail
+
+
+class _TimedOut(LocalCluster):
+    """The local backend, except that the scheduler says the job hit its time limit."""
+
+    def stop_cause(self, cause: str) -> str:
+        return "time_limit"
+
+
+def _in_job(monkeypatch: pytest.MonkeyPatch, restart: int) -> None:
+    for k in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("SLURM_JOB_ID", "5")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", str(restart))
+
+
+def test_a_run_stopped_in_its_start_up_is_requeued_once_at_a_time_limit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from hpcckpt.cli import requeue as cli_requeue
+    monkeypatch.setattr(cli_requeue, "detect", _TimedOut)
+    # Run 0 trained to step 7, stopped and requeued itself (its own record).
+    _in_job(monkeypatch, 0)
+    Ledger(tmp_path).append("start", resumed_from=None)
+    Ledger(tmp_path).append("stop", reason="deadline", step=7, committed_step=7, requeue=True)
+    Ledger(tmp_path).append("requeue", method="scontrol", requeued=True, detail="confirmed")
+    # Run 1 was killed by the TERM before it recorded anything: run 0's requeue is not its own.
+    _in_job(monkeypatch, 1)
+    assert cli_requeue._newest_run(Ledger(tmp_path), current())[1] is None
+    assert main(["requeue", "--dir", str(tmp_path), "--stopped-status", "143", "--json"]) == 75  # local: restart me
+    req = [e for e in Ledger(tmp_path).events() if e["event"] == "requeue"][-1]
+    assert req["unstarted"] is True and req["restart_count"] == 1 and req["cause"] == "time_limit", req
+    assert "start-up" in req["note"] and "143" in req["note"], req
+    # Run 2: the same again at its time limit: the start-up does not fit; refused, the status stands.
+    _in_job(monkeypatch, 2)
+    capsys.readouterr()
+    assert main(["requeue", "--dir", str(tmp_path), "--stopped-status", "143"]) == 143
+    assert "NOT requeued" in capsys.readouterr().out
+    last = list(Ledger(tmp_path).events())[-1]
+    assert last["event"] == "refused" and "--time" in last["reason"] and last["step"] == 7, last
+    # Run 3 began (a start of its own) and then ended 1 after a TERM: its own decision stands.
+    _in_job(monkeypatch, 3)
+    Ledger(tmp_path).append("start", resumed_from=7)
+    assert main(["requeue", "--dir", str(tmp_path), "--stopped-status", "1"]) == 1
+    assert "began training" in capsys.readouterr().out
+    assert [e["event"] for e in Ledger(tmp_path).events()][-1] == "start"  # nothing recorded
+    # Run 3 stops for a requeue, records it and exits 75 as a trap runs: bash loses the status (-1).
+    Ledger(tmp_path).append("stop", reason="signal", step=9, committed_step=9, requeue=True)
+    Ledger(tmp_path).append("requeue", method="scontrol", requeued=True, detail="confirmed")
+    assert main(["requeue", "--dir", str(tmp_path), "--stopped-status", "-1"]) == 0
+    assert "already done by the run itself" in capsys.readouterr().out
+    assert [e["event"] for e in Ledger(tmp_path).events()][-1] == "requeue"  # no second record
+
+
+def test_a_preempted_start_up_comes_back_every_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcckpt.cli import requeue as cli_requeue
+    monkeypatch.setattr(cli_requeue, "detect", LocalCluster)  # the cause stays a bare signal
+    for restart in range(3):
+        _in_job(monkeypatch, restart)
+        assert main(["requeue", "--dir", str(tmp_path), "--stopped-status", "143"]) == 75
+    reqs = [e for e in Ledger(tmp_path).events() if e["event"] == "requeue"]
+    assert [(e["restart_count"], e["unstarted"]) for e in reqs] == [(0, True), (1, True), (2, True)]
+
+
+def test_history_counts_a_run_stopped_in_its_start_up_as_an_interruption_that_lost_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ledger = [
+        _ev("start", 100.0, restart_count=0, resumed_from=None),
+        _ev("stop", 160.0, reason="deadline", step=12, committed_step=12, requeue=True),
+        _ev("requeue", 161.0, restart_count=0, method="scontrol", cause="time_limit", requeued=True),
+        # run 1 was killed by the time limit before it recorded anything: the batch shell's requeue
+        _ev("requeue", 300.0, restart_count=1, method="scontrol", cause="time_limit", requeued=True,
+            unstarted=True, source="cli", note="stopped in its start-up, before it began training (status 143)"),
+        _ev("start", 320.0, restart_count=2, resumed_from=12),
+        _ev("stop", 330.0, reason="done", step=20, committed_step=20),
+    ]
+    rows = interruptions(ledger, slurm=[])
+    assert [(r.restart_count, r.cause, r.committed_step, r.lost_steps, r.resumed_step) for r in rows] == [
+        (0, "time_limit", 12, 0, 12), (1, "time_limit", None, 0, 12)], rows
+    got = summary(ledger, rows)
+    assert got["finished"] and got["lost_steps_total"] == 0 and got["lost_steps_unknown"] == 0, got
+    (tmp_path / LEDGER).write_text("".join(json.dumps(e) + "\n" for e in ledger))
+    assert main(["history", str(tmp_path)]) == 0
+    assert "unknown" not in capsys.readouterr().out
+    assert main(["history", "--goodput", "--json", str(tmp_path)]) == 0
+    assert [r["ended"] for r in json.loads(capsys.readouterr().out)["rows"]] == ["deadline", "start-up", "done"]

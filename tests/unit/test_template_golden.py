@@ -65,7 +65,7 @@ def test_jobscripts_are_the_rendered_defaults(name: str) -> None:
 
 def test_sbatch_templates_carry_requeue_signal_and_append() -> None:
     single = render.render("single")
-    assert "#SBATCH --signal=B:USR2@180" in single and "trap warn USR2" in single and "trap 'forward TERM' TERM" in single
+    assert "#SBATCH --signal=B:USR2@180" in single and "trap warn USR2" in single and "trap 'termed=1; forward TERM' TERM" in single
     ddp = render.render("ddp")
     assert "#SBATCH --signal=USR2@180" in ddp and "HPCCKPT_REQUEUE_FROM_BATCH" not in ddp
     for text in (single, ddp):
