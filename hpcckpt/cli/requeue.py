@@ -111,7 +111,7 @@ class _Unstarted:
     """What the ledger says of a run stopped in its start-up (``--stopped-status``)."""
     began: bool = False  # this run recorded a start: it decided for itself
     asked: bool = False  # ... and its last stop asked for a requeue (its exit 75 may be what the shell lost)
-    in_row: int = 0  # runs before it, in a row, stopped before they began (requeued as such)
+    in_row: int = 0  # runs just before it stopped at a time limit before they began (requeued as such)
     committed_step: int | None = None  # the newest committed step any run recorded
 
 
@@ -123,7 +123,7 @@ def _unstarted(ledger: Ledger, who: Identity) -> _Unstarted:
             got.in_row = 0
             got.began = got.began or _this_run(ev, who)
         elif name == "requeue" and ev.get("unstarted") is True and not _this_run(ev, who):
-            got.in_row += 1
+            got.in_row = got.in_row + 1 if ev.get("cause") == Cause.TIME_LIMIT.value else 0
         elif name == "stop" and _this_run(ev, who):
             got.asked = ev.get("requeue") is True
         if isinstance(ev.get("committed_step"), int):

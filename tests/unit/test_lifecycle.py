@@ -325,6 +325,10 @@ def test_a_preempted_start_up_comes_back_every_time(tmp_path: Path, monkeypatch:
         assert main(["requeue", "--dir", str(tmp_path), "--stopped-status", "143"]) == 75
     reqs = [e for e in Ledger(tmp_path).events() if e["event"] == "requeue"]
     assert [(e["restart_count"], e["unstarted"]) for e in reqs] == [(0, True), (1, True), (2, True)]
+    # then a time limit in the start-up: the runs before it were preempted, not timed out: requeued
+    monkeypatch.setattr(cli_requeue, "detect", _TimedOut)
+    _in_job(monkeypatch, 3)
+    assert main(["requeue", "--dir", str(tmp_path), "--stopped-status", "143"]) == 75
 
 
 def test_history_counts_a_run_stopped_in_its_start_up_as_an_interruption_that_lost_nothing(
