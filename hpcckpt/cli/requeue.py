@@ -15,8 +15,9 @@ signal, and killed it), the job is requeued all the same: nothing was trained, s
 is lost, and the job comes back instead of ending at a time limit or a cancel-mode
 preemption. A second such stop in a row at a time limit is refused (the start-up does not
 fit the allocation). A run that did begin and whose stop asked for a requeue is handled as
-without the option (the shell lost its exit 75); one that decided otherwise (a refusal, a
-failure) keeps its status RC and nothing is requeued.
+without the option (the shell lost its exit 75); a lost status of a run that recorded the
+end of its training is 0; one that decided otherwise (a refusal, a failure) keeps its
+status RC and nothing is requeued.
 
 Exit codes: 0 requeued, successor submitted, or already done by the run; 1 not requeued
 (refused by a budget / crash-loop guard, or Slurm refused and no successor could be
@@ -111,6 +112,7 @@ class _Unstarted:
     """What the ledger says of a run stopped in its start-up (``--stopped-status``)."""
     began: bool = False  # this run recorded a start: it decided for itself
     asked: bool = False  # ... and its last stop asked for a requeue (its exit 75 may be what the shell lost)
+    done: bool = False  # ... and its last stop was the end of the training
     in_row: int = 0  # runs just before it stopped at a time limit before they began (requeued as such)
     committed_step: int | None = None  # the newest committed step any run recorded
 
@@ -125,7 +127,7 @@ def _unstarted(ledger: Ledger, who: Identity) -> _Unstarted:
         elif name == "requeue" and ev.get("unstarted") is True and not _this_run(ev, who):
             got.in_row = got.in_row + 1 if ev.get("cause") == Cause.TIME_LIMIT.value else 0
         elif name == "stop" and _this_run(ev, who):
-            got.asked = ev.get("requeue") is True
+            got.asked, got.done = ev.get("requeue") is True, ev.get("reason") == "done"
         if isinstance(ev.get("committed_step"), int):
             got.committed_step = ev["committed_step"]
     return got
@@ -141,6 +143,11 @@ def _stopped_before_start(args: argparse.Namespace, state_dir: Path, ledger: Led
     if seen.began:
         if seen.asked:
             return None  # it stopped for a requeue: the shell lost its exit 75, not the requeue
+        if rc < 0 and seen.done:
+            emit(args, {"requeued": False, "began": True, "status": 0},
+                 "hpcckpt requeue: the shell lost the command's status; its run recorded the end of its training: "
+                 "finished, exit 0")
+            return 0
         emit(args, {"requeued": False, "began": True, "status": rc},
              f"hpcckpt requeue: this run began training and ended ({status}) after a stop signal; "
              "it decided for itself (see its output and `hpcckpt history`): not requeued here")

@@ -315,6 +315,12 @@ def test_a_run_stopped_in_its_start_up_is_requeued_once_at_a_time_limit(
     assert main(["requeue", "--dir", str(tmp_path), "--stopped-status", "-1"]) == 0
     assert "already done by the run itself" in capsys.readouterr().out
     assert [e["event"] for e in Ledger(tmp_path).events()][-1] == "requeue"  # no second record
+    # Run 4 trains to the end; a warning's trap runs as it exits 0 and bash loses that status.
+    _in_job(monkeypatch, 4)
+    Ledger(tmp_path).append("start", resumed_from=9)
+    Ledger(tmp_path).append("stop", reason="done", step=20, committed_step=20, requeue=False)
+    assert main(["requeue", "--dir", str(tmp_path), "--stopped-status", "-1"]) == 0
+    assert main(["requeue", "--dir", str(tmp_path), "--stopped-status", "1"]) == 1  # a known failure stands
 
 
 def test_a_preempted_start_up_comes_back_every_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
