@@ -78,7 +78,7 @@ def _allocations(cluster: SlurmCluster, job: str, timeout_s: float, out: Path) -
 
 
 @pytest.mark.long(150)
-def test_time_min_shorter_than_lead_trains_most_of_every_allocation(
+def test_time_min_shorter_than_lead_trains_to_the_deadline_of_every_allocation(
         slurm_cluster: SlurmCluster, tmp_path: Path, reference_digest: Callable[[int], str]) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
