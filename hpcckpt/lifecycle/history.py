@@ -219,7 +219,7 @@ class Fold:
             self.superseded = [*self.superseded[-(MAX_FAILED_DUMPS - 1):], dict(ev)]
             return
         # A requeue of a run stopped in its start-up (``unstarted``) is that run's only record.
-        if ev.get("event") in OPENERS or not self.runs or (ev.get("event") == "requeue" and ev.get("unstarted") is True):
+        if ev.get("event") in OPENERS or not self.runs or _unstarted_requeue(ev):
             self.runs.append(RunSummary(head=dict(ev)))
         self.runs[-1].add(ev)
         if ev.get("event") == "stop" and ev.get("reason") in ("done", "after_run"):
@@ -258,9 +258,14 @@ def _lost(run: RunSummary, nxt: RunSummary | None) -> int | None:
     return max(0, run.reached - (resumed or 0))
 
 
+def _unstarted_requeue(ev: Event) -> bool:
+    """The batch script's requeue of a run stopped in its start-up (``hpcckpt requeue --stopped-status``)."""
+    return ev.get("event") == "requeue" and ev.get("unstarted") is True
+
+
 def _unstarted(run: RunSummary) -> bool:
-    """A run stopped in its start-up: its one record is the batch script's requeue."""
-    return run.head.get("event") == "requeue" and run.head.get("unstarted") is True
+    """A run stopped in its start-up: its one record (its head) is that requeue."""
+    return _unstarted_requeue(run.head)
 
 
 def _interruption(index: int, run: RunSummary, nxt: RunSummary | None, slurm: Sequence[RunRecord],
