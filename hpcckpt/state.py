@@ -7,9 +7,12 @@ Restoring the table and tree into the same objects reproduces the run bit for bi
 """
 from __future__ import annotations
 
+import array
+import ctypes
 import json
 import math
 import random
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol, runtime_checkable
 
@@ -71,18 +74,36 @@ def _plain_keys(obj: dict[Any, Any]) -> bool:
     return True
 
 
+def _int_keys(obj: dict[Any, Any]) -> bool:
+    """Whether every key is an int (not a bool): kept as ``__dict__`` pairs, named by number."""
+    for k in obj:
+        if type(k) is not int:
+            return False
+    return True
+
+
 def flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> Any:
     """Replace every tensor in a nested structure by a reference into ``out``.
 
     Plain dicts and tensors are tested first: a state of tens of thousands of tensors is
     mostly those (an optimizer's state: a dict of tensors per parameter)."""
-    if type(obj) is dict and _plain_keys(obj):
-        tree = {}
-        for k, v in obj.items():
-            name = f"{prefix}/{_escape(k)}"
-            # A plain tensor leaf, by far the most common value, without a call of its own.
-            tree[k] = _tensor_ref(v, name, out) if type(v) in _PLAIN_TENSORS else flatten(v, name, out)
-        return tree
+    if isinstance(obj, dict):  # dict, OrderedDict (a module's state_dict), defaultdict
+        if _plain_keys(obj):
+            tree = {}
+            for k, v in obj.items():
+                tv = type(v)
+                # Plain tensor leaves (by far the most common values) and JSON scalars (an
+                # optimizer's hyperparameters) without a call of their own.
+                if tv in _PLAIN_TENSORS:
+                    tree[k] = _tensor_ref(v, f"{prefix}/{_escape(k)}", out)
+                elif tv in _SCALAR_TYPES or tv is float and math.isfinite(v):
+                    tree[k] = v
+                else:
+                    tree[k] = flatten(v, f"{prefix}/{_escape(k)}", out)
+            return tree
+        if _int_keys(obj):  # an optimizer's state: parameter index -> its state
+            return {"__dict__": [[k, _tensor_ref(v, f"{prefix}/{k}", out) if type(v) in _PLAIN_TENSORS
+                                  else flatten(v, f"{prefix}/{k}", out)] for k, v in obj.items()]}
     if isinstance(obj, torch.Tensor):
         return _tensor_ref(obj, prefix, out)
     if isinstance(obj, np.ndarray):
@@ -192,14 +213,69 @@ def unflatten(meta: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     return {k: unflatten(v, tensors) for k, v in meta.items()}
 
 
+class _RngReader:
+    """The Python and NumPy RNG states, read at every capture (a small state saved at every
+    step pays for this each time) without their cost when nothing drew since the last read.
+
+    ``np.random.get_state()`` copies the Mersenne Twister's 624 words one Python object at a
+    time (0.15-0.3 ms here); the generator's own state (``ctypes.state_address``: the words
+    and the position, 2,500 bytes) is read in a microsecond, and while it is unchanged no
+    number was drawn, so the last state still holds, unless a cached Gaussian was pending
+    (``has_gauss``: the second of a pair is taken without drawing): then it is read again.
+    Anything unexpected (another bit generator, no ctypes) reads ``get_state()`` every time.
+    The arrays returned are shared between captures and never written."""
+
+    _MT_BYTES = 624 * 4 + 4  # mt19937_state: uint32_t key[624]; int pos
+
+    def __init__(self) -> None:
+        self._gen: Any = None
+        self._address = 0
+        self._raw = b""
+        self._numpy: Any = None
+        self._python_key: tuple[int, ...] = ()
+        self._python_words: Any = None
+        self._lock = threading.Lock()
+
+    def python(self) -> tuple[Any, Any, Any]:
+        version, words, gauss = random.getstate()
+        with self._lock:
+            if self._python_words is None or self._python_key != words:
+                # 625 words as an array, not 625 JSON numbers: encoding those cost ~0.1 ms of
+                # every commit (most of a small state's manifest); array.array converts in C.
+                self._python_words = np.frombuffer(array.array("I", words), dtype=np.uint32)
+                self._python_key = words
+            return (version, self._python_words, gauss)
+
+    def numpy(self) -> Any:
+        gen = getattr(np.random.mtrand._rand, "_bit_generator", None)
+        if gen is not self._gen:
+            self._gen, self._address, self._numpy = gen, 0, None
+            try:
+                if type(gen).__name__ == "MT19937":
+                    self._address = int(gen.ctypes.state_address)
+            except Exception:  # noqa: BLE001 - no fast path: get_state() every time
+                self._address = 0
+        if not self._address:
+            return np.random.get_state()
+        with self._lock:
+            raw = ctypes.string_at(self._address, self._MT_BYTES)
+            if self._numpy is not None and raw == self._raw and not self._numpy[3]:
+                return self._numpy
+            state = np.random.get_state()
+            # Kept only if nothing drew while it was read (another thread): then it is raw's state.
+            same = ctypes.string_at(self._address, self._MT_BYTES) == raw
+            self._numpy, self._raw = (state, raw) if same else (None, b"")
+            return state
+
+
+_rng = _RngReader()
+
+
 def rng_state() -> dict[str, Any]:
     """Every RNG that training touches: Python, NumPy, torch CPU, each CUDA device."""
-    version, words, gauss = random.getstate()
     state: dict[str, Any] = {
-        # Mersenne Twister's 625 words as an array, not 625 JSON numbers: encoding those
-        # cost ~0.1 ms of every commit (most of a small state's manifest).
-        "python": (version, np.array(words, dtype=np.uint32), gauss),
-        "numpy": np.random.get_state(),
+        "python": _rng.python(),
+        "numpy": _rng.numpy(),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
