@@ -247,7 +247,7 @@ class _RngReader:
             return (version, self._python_words, gauss)
 
     def numpy(self) -> Any:
-        gen = getattr(np.random.mtrand._rand, "_bit_generator", None)
+        gen: Any = getattr(np.random.mtrand._rand, "_bit_generator", None)
         if gen is not self._gen:
             self._gen, self._address, self._numpy = gen, 0, None
             try:
