@@ -31,7 +31,7 @@ from ..levels import save as level_save
 from ..ranks import Ranks
 from ..state import Flat, TrainState
 from ..store import catalog, placement
-from ..store.commit import Transaction, discard, remove_trash
+from ..store.commit import Transaction, discard, fsync_path, remove_trash
 from ..store.lock import CommitLock
 from ..store.manifest import build as build_manifest
 from ..store.publish import commit_and_prune, gather_records, record_failures
@@ -117,6 +117,10 @@ class Engine(ABC):
         # save's handle is finished (``empty_trash``): a save is reported durable without
         # waiting for old files to be unlinked. Only the committing thread touches it.
         self._trash: list[Path] = []
+        # Renamed aside by retention after a commit's fsync of the root (keep=1), not yet
+        # durable: they move to ``_trash`` at the next fsync of the root (``commit_and_prune``,
+        # ``settle_trash``). Only the committing thread touches it.
+        self._unsynced: list[Path] = []
         self._commit_lock: CommitLock | None = None  # made at the first commit, closed by close()
 
     @abstractmethod
@@ -131,6 +135,7 @@ class Engine(ABC):
 
     def close(self) -> None:
         """Wait for saves in flight (their errors are reported by their handles)."""
+        self.settle_trash()
         self.close_commit_lock()
 
     # -- shared by all engines ------------------------------------------------
@@ -138,6 +143,21 @@ class Engine(ABC):
     def close_commit_lock(self) -> None:
         if self._commit_lock is not None:
             self._commit_lock.close()
+
+    def settle_trash(self) -> None:
+        """At close: make the renames aside still waiting for a commit's fsync of the root
+        durable, then delete them (the committing thread, or after it stopped). Should the
+        fsync fail, they stay as invisible leftovers for a later sweep."""
+        if self._unsynced:
+            try:
+                fsync_path(self.ctx.root)
+            except OSError as exc:
+                log.warning("hpcckpt: could not make pruned checkpoints' removal durable: %s", exc)
+                self._unsynced.clear()
+                return
+            self._trash += self._unsynced
+            self._unsynced.clear()
+        self.empty_trash()
 
     def empty_trash(self) -> None:
         """Delete what retention renamed aside at the last commits (the committing thread)."""
@@ -223,6 +243,7 @@ class Engine(ABC):
         if self._commit_lock is None:
             self._commit_lock = CommitLock(self.ctx.root)
         path, faults, removed = commit_and_prune(txn, manifest, keep=self.ctx.keep, trash=self._trash,
+                                                 unsynced=self._unsynced,
                                                  lock=self._commit_lock)
         if warnings is not None:
             warnings += faults

@@ -822,6 +822,7 @@ class ConcurrentEngine(Engine):
         self._optimizers.clear()
         self._pool.close()
         self._preparer.close()  # nothing of this engine keeps running, or pinned, after close
+        self.settle_trash()  # the finisher has stopped: this thread commits no more
         if self._recycler is not None:
             self._recycler.close()
         self.close_commit_lock()

@@ -506,7 +506,7 @@ def _quick_victims(root: Path, keep: int, protected: set[str], key: str) -> list
 
 
 def prune(root: Path, keep: int, *, protect: set[Path] | None = None, trash: list[Path] | None = None,
-          durable: bool = True) -> list[Path]:
+          durable: bool = True, tracked: list[Path] | None = None) -> list[Path]:
     """Delete old checkpoints beyond the newest ``keep`` committed ones; call under the writer lock.
 
     The newest checkpoint that verifies (manifest checksum and file sizes; the
@@ -518,7 +518,8 @@ def prune(root: Path, keep: int, *, protect: set[Path] | None = None, trash: lis
     are appended there for the caller to delete later (``commit.remove_trash``, e.g. once
     the save that pruned them has been reported durable) instead of being deleted here.
     ``durable=False`` (with ``trash``): the renames aside are not fsynced here; the caller
-    fsyncs the root before anything in ``trash`` is deleted.
+    fsyncs the root before anything in ``trash`` is deleted. ``tracked``: trees the caller
+    already holds renamed aside, never swept as leftovers (``commit.discard``).
 
     The cost does not grow with how many are kept: the directory is listed once, step
     directories this process already knows to be committed (same inode) are not opened
@@ -530,7 +531,7 @@ def prune(root: Path, keep: int, *, protect: set[Path] | None = None, trash: lis
     quick = _quick_victims(root, keep, protected, key)
     if quick is not None:
         if quick:
-            discard(root, quick, trash=trash, durable=durable)
+            discard(root, quick, trash=trash, durable=durable, tracked=tracked)
         return quick
     latest = read_latest(root)
     known = _known(key)
@@ -563,7 +564,7 @@ def prune(root: Path, keep: int, *, protect: set[Path] | None = None, trash: lis
         if e.name == latest or (status == "corrupt" and not seen_good):
             continue  # corrupt and newer than every good one: evidence for a human
         victims.append(e.path)
-    discard(root, victims, trash=trash, durable=durable)
+    discard(root, victims, trash=trash, durable=durable, tracked=tracked)
     return victims
 
 

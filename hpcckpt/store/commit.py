@@ -414,7 +414,8 @@ def read_latest(root: Path) -> str | None:
     return name
 
 
-def discard(root: Path, paths: list[Path], *, trash: list[Path] | None = None, durable: bool = True) -> None:
+def discard(root: Path, paths: list[Path], *, trash: list[Path] | None = None, durable: bool = True,
+            tracked: list[Path] | None = None) -> None:
     """Delete directories of ``root`` so that none is ever seen half-deleted.
 
     Each is first renamed aside to a hidden ``.trash-`` name that the catalog never
@@ -425,6 +426,8 @@ def discard(root: Path, paths: list[Path], *, trash: list[Path] | None = None, d
     they are invisible and each is deleted whole or left for a later sweep).
     ``durable=False`` (with ``trash`` only): the caller fsyncs ``root`` itself before any
     tree in ``trash`` is deleted (a commit's one fsync of the root covers these renames).
+    ``tracked``: trees the caller already holds renamed aside (waiting for that fsync, or to
+    be deleted): never swept here as leftovers.
     """
     if not durable and trash is None:
         raise ValueError("discard(durable=False) needs a trash list: the trees are deleted only after the caller's fsync")
@@ -438,7 +441,7 @@ def discard(root: Path, paths: list[Path], *, trash: list[Path] | None = None, d
         aside.append(target)
     if aside and durable:
         fsync_path(root)
-    doomed = aside + sweep_candidates(root, exclude=set(aside) | set(trash or ()))
+    doomed = aside + sweep_candidates(root, exclude=set(aside) | set(trash or ()) | set(tracked or ()))
     if trash is not None:
         trash += doomed
         return

@@ -35,8 +35,10 @@ def test_saves_overwrite_pruned_files_and_read_back_exactly(tmp_path: Path) -> N
             assert_same(rig.load(step), want)  # the newest, written over a pruned step's blocks
             inodes.append(os.stat(tmp_path / "ck" / f"step-{step}" / "rank-0.h5").st_ino)
             assert [i.step for i in catalog.scan(tmp_path / "ck")] == [step]  # a spare is never listed
-        assert rig.engine._recycler is not None and rig.engine._recycler.reused == 5  # steps 3 to 7
-        assert len(set(inodes)) <= 3  # two files take turns (one committed, one being written)
+        # Steps 4 to 7: a pruned step is reused once the next commit's fsync of the root made its
+        # removal durable (with keep=1 the prune's renames wait for it: publish.commit_and_prune).
+        assert rig.engine._recycler is not None and rig.engine._recycler.reused == 4
+        assert len(set(inodes)) <= 3  # three files take turns: committed, pruned (not yet durably), being written
         info = catalog.inspect_step(tmp_path / "ck", 7, full=True)
         assert info is not None and info.status == "committed", info
     finally:
@@ -58,7 +60,7 @@ def test_a_recycled_save_rewrites_the_pruned_manifest_in_place_and_adds_no_entry
     monkeypatch.setattr(commit_mod, "fsync_path", lambda p: (synced.append(str(p)), real(p))[1])
     try:
         manifests = {}
-        for step in (1, 2, 30, 4000):  # the step's digits change the manifest's length
+        for step in (1, 2, 30, 4000, 50000):  # the step's digits change the manifest's length
             rig.train_step()
             want = rig.snapshot(step)
             synced.clear()
@@ -71,10 +73,13 @@ def test_a_recycled_save_rewrites_the_pruned_manifest_in_place_and_adds_no_entry
             info = catalog.inspect_step(root, step, full=True)
             assert info is not None and info.status == "committed", info
             recycled = rig.engine._recycler.reused > reused  # type: ignore[union-attr]
-            assert recycled == (step >= 30)  # steps 1 and 2 made fresh directories
+            # Steps 1, 2 and 30 made fresh directories: step 1, pruned at step 2's commit, is
+            # reused once step 30's fsync of the root made that durable.
+            assert recycled == (step >= 4000)
             assert len([p for p in synced if ".tmp-" in p]) == (0 if recycled else 1), synced
-        assert manifests[30][0] == manifests[1][0] and manifests[4000][0] == manifests[2][0]  # the same inodes
-        assert manifests[4000][1] != manifests[2][1]  # rewritten to another length, and truncated or grown
+            assert len([p for p in synced if p == str(root)]) == 1, synced  # one fsync of the root a commit
+        assert manifests[4000][0] == manifests[1][0] and manifests[50000][0] == manifests[2][0]  # the same inodes
+        assert manifests[50000][1] != manifests[2][1]  # rewritten to another length, and truncated or grown
     finally:
         rig.engine.close()
 
@@ -193,3 +198,36 @@ def test_keep_holds_only_a_pruned_step_of_the_current_layout(tmp_path: Path) -> 
     assert rec.take(root / "step-5.tmp-x", layout) and (root / "step-5.tmp-x" / "rank-0.h5").stat().st_size == size
     assert not rec.take(root / "step-6.tmp-x", layout)  # one spare at a time
     rec.close()
+
+
+def test_a_pruned_step_is_reused_or_deleted_only_after_an_fsync_of_the_root_covers_its_removal(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """keep=1: retention renames the previous step aside after the commit's fsync of the root,
+    without one of its own; until the next fsync of the root (the next commit's, or close's)
+    that tree stays whole (a crash may bring it back under its name: it must still be that
+    checkpoint), and only then is it reused or deleted."""
+    from hpcckpt.store import commit as commit_mod
+    root = tmp_path / "ck"
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename = commit_mod.fsync_path, os.rename
+    monkeypatch.setattr(commit_mod, "fsync_path", lambda p: (events.append(("fsync", str(p))), real_fsync(p))[1])
+    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", f"{a} -> {b}")), real_rename(a, b))[1])
+    rig = Rig(root, keep=1)
+    try:
+        for step in (1, 2):
+            rig.train_step()
+            rig.engine.save(rig.state.capture(step=step), step).wait()
+            rig.engine._queue.join()
+        aside = [n for n in os.listdir(root) if n.startswith(".trash-step-1-")]
+        assert len(aside) == 1 and rig.engine._unsynced == [root / aside[0]]  # waiting for an fsync of the root
+        assert (root / aside[0] / "rank-0.h5").stat().st_size > 0 and (root / aside[0] / "manifest.json").exists()
+        events.clear()
+        rig.train_step()
+        rig.engine.save(rig.state.capture(step=3), 3).wait()
+        rig.engine._queue.join()
+        assert not (root / aside[0]).exists()  # reused as the next spare, or deleted
+        first_use = next(i for i, (kind, what) in enumerate(events) if kind == "rename" and what.startswith(str(root / aside[0])))
+        assert ("fsync", str(root)) in events[:first_use], events  # step 3's commit made its removal durable first
+    finally:
+        rig.engine.close()
+    assert sorted(os.listdir(root)) == [".hpcckpt.lock", "LATEST", "step-3"]  # close settled the last one
