@@ -153,11 +153,10 @@ class Engine(ABC):
                 fsync_path(self.ctx.root)
             except OSError as exc:
                 log.warning("hpcckpt: could not make pruned checkpoints' removal durable: %s", exc)
-                self._unsynced.clear()
-                return
-            self._trash += self._unsynced
+            else:
+                self._trash += self._unsynced
             self._unsynced.clear()
-        self.empty_trash()
+        self.empty_trash()  # what earlier fsyncs made durable goes either way
 
     def empty_trash(self) -> None:
         """Delete what retention renamed aside at the last commits (the committing thread)."""

@@ -70,7 +70,7 @@ def commit_and_prune(txn: Transaction, manifest: dict[str, Any], *, keep: int | 
 
     ``unsynced`` (with ``trash``): retention after the rename (``keep`` < 2) renames aside
     without an fsync of its own; the trees wait in ``unsynced`` for the next fsync of the
-    root (the next commit's, or the writer's ``settle``), which moves them to ``trash``.
+    root (the next commit's, or the engine's ``settle_trash`` at close), which moves them to ``trash``.
     Until then nothing deletes or reuses them, so a crash leaves the pruned checkpoint
     whole under its name or as an invisible leftover, never its name over other bytes. One
     fsync of the root per commit instead of two: with ``keep=1`` and a save at every step,
@@ -85,9 +85,8 @@ def commit_and_prune(txn: Transaction, manifest: dict[str, Any], *, keep: int | 
             return _prune_first(txn, manifest, keep, trash, unsynced)
         path = txn.commit(manifest, checksum=False, fsync_files=False)
         warnings += txn.warnings
-        if unsynced and trash is not None and not txn.warnings:  # its fsync of the root covered them
-            trash += unsynced
-            unsynced.clear()
+        if trash is not None:
+            _covered(txn, unsynced, trash)
         if keep is None:
             return path, warnings, []
         try:
@@ -129,11 +128,18 @@ def _prune_first(txn: Transaction, manifest: dict[str, Any], keep: int, trash: l
         _put_back(txn.root, removed, trash, before)
         raise
     txn.make_durable()
-    if unsynced and not txn.warnings:  # that fsync of the root covered them too
-        trash += unsynced
-        unsynced.clear()
+    _covered(txn, unsynced, trash)
     catalog.learn_committed(path)  # the next prune lists it without reading it
     return path, warnings + txn.warnings, removed
+
+
+def _covered(txn: Transaction, unsynced: list[Path] | None, trash: list[Path]) -> None:
+    """The commit's fsync of the root made the renames aside in ``unsynced`` durable: they
+    move to ``trash`` (to be deleted or reused). Not when it reported a fault after the
+    rename (the fsync may have failed): they wait for the next one."""
+    if unsynced and not txn.warnings:
+        trash += unsynced
+        unsynced.clear()
 
 
 def _put_back(root: Path, removed: list[Path], trash: list[Path], before: int) -> None:
