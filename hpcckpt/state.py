@@ -115,6 +115,16 @@ def flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> Any:
         return obj if math.isfinite(obj) else {"__float__": repr(obj)}
     if isinstance(obj, JSONScalar):
         return obj
+    # Tuples and lists before the Mapping test (an ABC check: the slowest here), which the
+    # RNG states (tuples) would otherwise pass through at every capture.
+    if isinstance(obj, tuple):
+        if _scalars(obj):  # e.g. Python's RNG state: 625 ints, saved at every checkpoint
+            return {"__tuple__": list(obj)}
+        return {"__tuple__": [flatten(v, f"{prefix}/{i}", out) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        if _scalars(obj):
+            return list(obj)
+        return [flatten(v, f"{prefix}/{i}", out) for i, v in enumerate(obj)]
     if isinstance(obj, Mapping):
         if all(isinstance(k, str) for k in obj) and not any(k.startswith("__") for k in obj):
             return {k: flatten(v, f"{prefix}/{_escape(k)}", out) for k, v in obj.items()}
@@ -124,14 +134,6 @@ def flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> Any:
                 raise ConfigError(f"state at {prefix!r} has a key of type {type(k).__name__}; keys must be str/int/bool/None")
             items.append([k, flatten(v, f"{prefix}/{_escape(str(k))}", out)])
         return {"__dict__": items}
-    if isinstance(obj, tuple):
-        if _scalars(obj):  # e.g. Python's RNG state: 625 ints, saved at every checkpoint
-            return {"__tuple__": list(obj)}
-        return {"__tuple__": [flatten(v, f"{prefix}/{i}", out) for i, v in enumerate(obj)]}
-    if isinstance(obj, list):
-        if _scalars(obj):
-            return list(obj)
-        return [flatten(v, f"{prefix}/{i}", out) for i, v in enumerate(obj)]
     if isinstance(obj, torch.dtype):
         return {"__dtype__": str(obj).removeprefix("torch.")}
     raise ConfigError(
@@ -400,7 +402,8 @@ class TrainState:
         flat = Flat()
         # The tree is the save's own: the engine may write it after training has changed the
         # objects (flatten builds new containers; user_meta is copied, and checked, here).
-        tree: dict[str, Any] = {"step": step, "user": _json_copy(self.user_meta, "user_meta")}
+        tree: dict[str, Any] = {"step": step,
+                                "user": _json_copy(self.user_meta, "user_meta") if self.user_meta else {}}
         tree["objects"] = {name: flatten(obj.state_dict(), f"objects/{name}", flat.tensors)
                            for name, obj in self.objects.items()}
         tree["rng"] = flatten(rng_state(), "rng", flat.tensors)

@@ -454,7 +454,7 @@ def written_by_newer(inspected: list[CheckpointInfo]) -> CheckpointInfo | None:
     return next((i for i in inspected if i.status != "committed" and i.problems and NEWER in i.problems[0]), None)
 
 
-def _quick_victims(root: Path, keep: int, protected: set[str], key: str) -> list[Path] | None:
+def _quick_victims(root: Path, keep: int, protected: set[str], key: str, latest: str | None) -> list[Path] | None:
     """What ``prune`` removes, from one listing, when it shows only step directories just
     committed (``protected``) or known committed by this process with the same inode (and
     saves in flight); None when anything else is there (a leftover of a discard, a stale
@@ -489,7 +489,6 @@ def _quick_victims(root: Path, keep: int, protected: set[str], key: str) -> list
     if len(committed) <= keep:
         return []
     committed.sort(reverse=True)
-    latest: str | None = None
     victims: list[Path] = []
     count = 0
     for _step, name in committed:
@@ -506,7 +505,7 @@ def _quick_victims(root: Path, keep: int, protected: set[str], key: str) -> list
 
 
 def prune(root: Path, keep: int, *, protect: set[Path] | None = None, trash: list[Path] | None = None,
-          durable: bool = True, tracked: list[Path] | None = None) -> list[Path]:
+          durable: bool = True, tracked: list[Path] | None = None, latest: str | None = None) -> list[Path]:
     """Delete old checkpoints beyond the newest ``keep`` committed ones; call under the writer lock.
 
     The newest checkpoint that verifies (manifest checksum and file sizes; the
@@ -519,7 +518,8 @@ def prune(root: Path, keep: int, *, protect: set[Path] | None = None, trash: lis
     the save that pruned them has been reported durable) instead of being deleted here.
     ``durable=False`` (with ``trash``): the renames aside are not fsynced here; the caller
     fsyncs the root before anything in ``trash`` is deleted. ``tracked``: trees the caller
-    already holds renamed aside, never swept as leftovers (``commit.discard``).
+    already holds renamed aside, never swept as leftovers (``commit.discard``). ``latest``:
+    what ``LATEST`` holds, when the caller has just set it under the same lock (else it is read).
 
     The cost does not grow with how many are kept: the directory is listed once, step
     directories this process already knows to be committed (same inode) are not opened
@@ -528,12 +528,13 @@ def prune(root: Path, keep: int, *, protect: set[Path] | None = None, trash: lis
     protect = protect or set()
     protected = {p.name for p in protect if p.parent == root}
     key = str(root)
-    quick = _quick_victims(root, keep, protected, key)
+    quick = _quick_victims(root, keep, protected, key, latest)
     if quick is not None:
         if quick:
             discard(root, quick, trash=trash, durable=durable, tracked=tracked)
         return quick
-    latest = read_latest(root)
+    if latest is None:
+        latest = read_latest(root)
     known = _known(key)
     victims: list[Path] = []
     committed = 0

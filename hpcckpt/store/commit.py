@@ -3,9 +3,9 @@
 1. write into ``<root>/<name>.tmp-<unique>/`` (same directory, never the system temp);
 2. fsync every file; 3. write ``manifest.json`` and fsync it;
 4. ``os.replace`` the directory to ``<root>/<name>``; 5. fsync ``<root>`` (after 6);
-6. replace ``<root>/LATEST`` (a hint: tmp, replace) and fsync ``<root>`` once for both
-   renames (5 and 6 share that fsync; so do retention's renames aside made before 4,
-   ``publish.commit_and_prune``).
+6. set ``<root>/LATEST`` (a hint: rewritten in place, or a new file renamed over it); one
+   fsync of ``<root>`` covers both renames (5 and 6; so do retention's renames aside made
+   before 4, ``publish.commit_and_prune``).
 
 A directory without a manifest, or whose checksums fail, does not exist for load.
 """
@@ -119,9 +119,39 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 def replace_hint(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` atomically, without fsyncs of its own: for a hint
-    (``LATEST``) whose rename a following fsync of the directory makes durable, and
-    whose loss or emptiness after a crash costs nothing (readers never trust it alone)."""
+    """Set the hint ``path`` (``LATEST``) to ``data``, without fsyncs of its own: a following
+    fsync of the directory makes a new file's rename durable, and the hint's loss, emptiness
+    or staleness after a crash costs nothing (readers never trust it alone).
+
+    An existing regular file is rewritten in place (write, then truncate to the new length):
+    a new file and a rename at every commit cost ~0.1 ms of CPU each here (ext4 allocates
+    the new inode and frees the replaced one), against ~4 us in place, and a small state saved
+    at every step pays that at every step. A reader racing the rewrite may see a stale name or,
+    between the write and the truncate, the new name followed by the old one's tail (past
+    a newline: ``read_latest`` rejects it as not a plain name). Absent, or not a regular file
+    (a symlink is not followed): a new file replaces it."""
+    try:  # O_NONBLOCK: a FIFO there (ENXIO) must not block the commit
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOENT, errno.ELOOP, errno.ENXIO):
+            raise
+        _new_hint(path, data)
+        return
+    try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        if regular:
+            written = os.pwrite(fd, data, 0)
+            if written != len(data):
+                raise OSError(errno.EIO, f"short write ({written} of {len(data)} bytes)", str(path))
+            os.ftruncate(fd, len(data))
+    finally:
+        os.close(fd)
+    if not regular:
+        _new_hint(path, data)
+
+
+def _new_hint(path: Path, data: bytes) -> None:
+    """``replace_hint`` by a new file renamed over ``path``."""
     tmp = path.with_name(f"{path.name}{TMP_MARK}{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -183,6 +213,9 @@ def seal_manifest(manifest: dict[str, Any]) -> bytes:
     return head + f',\n "{SEAL_KEY}": {crc32c(head)}\n}}\n'.encode()
 
 
+_COMPACT = json.JSONEncoder(sort_keys=True, separators=(", ", ": "))  # one encoder, not one per value
+
+
 def readable_json(obj: dict[str, Any]) -> str:
     """JSON with one line per key for the first two levels (one line per rank, per file).
 
@@ -190,9 +223,7 @@ def readable_json(obj: dict[str, Any]) -> str:
     tensors that cost ~20 ms of GIL-holding CPU per save in the background thread, which
     training felt. This uses the C encoder for everything below the second level.
     """
-    def compact(v: Any) -> str:
-        return json.dumps(v, sort_keys=True, separators=(", ", ": "))
-
+    compact = _COMPACT.encode
     lines = []
     for key in sorted(obj):
         value = obj[key]

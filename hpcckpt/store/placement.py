@@ -171,9 +171,12 @@ def _stripe(tensors: list[tuple[str, torch.Tensor]], where: Placement, out: Plan
         cursor += nbytes
 
 
+_EMPTY_DIGEST = digest({})  # a rank with nothing shared (every save of a single rank): computed once
+
+
 def record_fields(p: Plan, *, coordinator: bool) -> dict[str, Any]:
     """The fields a rank adds to its commit record (the whole table from the coordinator only)."""
-    fields: dict[str, Any] = {"pieces": p.pieces, "shared_digest": digest(p.shared)}
+    fields: dict[str, Any] = {"pieces": p.pieces, "shared_digest": digest(p.shared) if p.shared else _EMPTY_DIGEST}
     if p.fingerprints:
         fields["fingerprints"] = p.fingerprints
     if coordinator:

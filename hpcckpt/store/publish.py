@@ -90,11 +90,13 @@ def commit_and_prune(txn: Transaction, manifest: dict[str, Any], *, keep: int | 
         if keep is None:
             return path, warnings, []
         try:
+            # LATEST names the step just committed, unless setting it failed (a warning)
+            latest = None if txn.warnings else txn.name
             if unsynced is not None and trash is not None:
                 removed = catalog.prune(txn.root, keep, protect={path}, trash=unsynced, durable=False,
-                                        tracked=trash)
+                                        tracked=trash, latest=latest)
             else:
-                removed = catalog.prune(txn.root, keep, protect={path}, trash=trash)
+                removed = catalog.prune(txn.root, keep, protect={path}, trash=trash, latest=latest)
         except OSError as exc:
             warnings.append(f"{txn.name} is committed, but retention could not prune older checkpoints: {exc}")
             removed = []

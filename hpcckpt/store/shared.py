@@ -28,13 +28,14 @@ def merge_shared(records: list[dict[str, Any]]) -> dict[str, Any]:
     tile every shared tensor exactly (nothing is committed then).
     """
     table = records[0].get("shared") or {}
-    want = digest(table)
-    odd = [r for r, rec in enumerate(records) if rec.get("shared_digest", want) != want]
-    if odd:
-        raise CheckpointFailed(f"ranks {odd} captured other distributed tensors than rank 0 (names, shapes or "
-                               "dtypes of replicated/sharded state differ); every rank must register the same "
-                               "model and optimizer")
-    _check_fingerprints(records)
+    if len(records) > 1:  # one rank has no other to differ from
+        want = digest(table)
+        odd = [r for r, rec in enumerate(records) if rec.get("shared_digest", want) != want]
+        if odd:
+            raise CheckpointFailed(f"ranks {odd} captured other distributed tensors than rank 0 (names, shapes or "
+                                   "dtypes of replicated/sharded state differ); every rank must register the same "
+                                   "model and optimizer")
+        _check_fingerprints(records)
     out = {name: {**spec, "pieces": []} for name, spec in table.items()}
     for r, rec in enumerate(records):
         for name, start in (rec.pop("pieces", None) or {}).items():

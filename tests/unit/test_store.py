@@ -199,6 +199,46 @@ def test_latest_write_is_atomic_file(ckdir: Path) -> None:
     assert not [p for p in ckdir.iterdir() if ".tmp-" in p.name]
 
 
+def test_latest_is_rewritten_in_place_and_a_torn_rewrite_is_never_a_name(ckdir: Path) -> None:
+    """Each commit sets LATEST in place (same inode, no new file); what a kill between its
+    write and its truncate can leave (the new name, then the old one's tail) reads as the
+    new name or as no hint at all, never as another step."""
+    from hpcckpt.store.commit import replace_hint
+    for step in (8, 1000):
+        with Transaction(ckdir, f"step-{step}") as txn:
+            txn.commit({"step": step, "world_size": 1, "ranks": {}})
+        if step == 8:
+            inode = (ckdir / LATEST).stat().st_ino
+    assert (ckdir / LATEST).stat().st_ino == inode and read_latest(ckdir) == "step-1000"
+    replace_hint(ckdir / LATEST, b"step-9\n")  # shorter: the old tail is truncated away
+    assert (ckdir / LATEST).read_bytes() == b"step-9\n" and (ckdir / LATEST).stat().st_ino == inode
+    for torn, name in ((b"step-999\n\n", "step-999"), (b"step-5\n00\n", None), (b"step-12\n\n", "step-12")):
+        (ckdir / LATEST).write_bytes(torn)
+        assert read_latest(ckdir) == name, torn
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "dangling"])
+def test_latest_that_is_not_a_regular_file_is_replaced_not_followed(ckdir: Path, tmp_path: Path, kind: str) -> None:
+    """A symlink (to a file elsewhere, or dangling) or a FIFO where LATEST should be: the
+    commit replaces it with a file of its own, never writes through it, never blocks."""
+    from hpcckpt.store.commit import replace_hint
+    ckdir.mkdir(parents=True)
+    outside = tmp_path / "outside"
+    if kind == "symlink":
+        outside.write_text("keep me\n")
+        (ckdir / LATEST).symlink_to(outside)
+    elif kind == "dangling":
+        (ckdir / LATEST).symlink_to(outside)
+    else:
+        os.mkfifo(ckdir / LATEST)
+    replace_hint(ckdir / LATEST, b"step-3\n")
+    assert stat.S_ISREG(os.lstat(ckdir / LATEST).st_mode) and (ckdir / LATEST).read_bytes() == b"step-3\n"
+    if kind == "symlink":
+        assert outside.read_text() == "keep me\n"
+    else:
+        assert not outside.exists()
+
+
 def test_exit_while_holding_loaded_tensors_is_quiet(tmp_path: Path) -> None:
     # Restored tensors live in native buffers; holding them at interpreter exit (as every
     # training script does) must not print reference-leak reports.
@@ -410,7 +450,7 @@ def test_a_prune_of_known_checkpoints_reads_one_listing_and_still_removes_what_i
     this process does not know (an incomplete one, a replaced one), a stale temporary
     directory or a discard's leftover sends it to the full pass."""
     def quick(keep: int, protected: set[str] | None = None) -> list[Path] | None:
-        return catalog._quick_victims(ckdir, keep, protected or set(), str(ckdir))
+        return catalog._quick_victims(ckdir, keep, protected or set(), str(ckdir), None)
 
     for s in range(1, 6):
         with Transaction(ckdir, f"step-{s}") as txn:
