@@ -130,3 +130,37 @@ def test_requeue_expedite_is_rendered_where_slurm_has_it(monkeypatch: pytest.Mon
     monkeypatch.setattr(scontrol, "slurm_version", lambda: "25.11.0")
     assert main(["template", "criu", "--set", "REQUEUE=plain"]) == 0  # asked for: kept
     assert "#SBATCH --requeue\n" in capsys.readouterr().out
+
+
+_STUB_HPCCKPT = """#!/bin/bash
+# stands in for the hpcckpt CLI: records its arguments and whether TERM reached it ignored
+ignored=$(( 0x$(awk '/^SigIgn:/ {print $2}' /proc/$$/status) >> 14 & 1 ))
+echo "$* term_ignored=$ignored" >> "$STUB_LOG"
+"""
+
+
+@pytest.mark.parametrize(("command", "status", "called"), [
+    # The command dies of a TERM this shell never got (Slurm signals a job's processes one at
+    # a time): a stop all the same, decided by `hpcckpt requeue --stopped-status`.
+    ("kill -TERM $$", 0, "requeue --dir {ck} --stopped-status 143 term_ignored=1"),
+    ("exit 75", 0, "requeue --dir {ck} term_ignored=1"),
+    ("exit 3", 3, None),
+])
+def test_single_template_ending_decides_by_the_command_status(tmp_path: Path, command: str, status: int,
+                                                              called: str | None) -> None:
+    """The rendered single template's ending, under bash with a stub hpcckpt on PATH (no Slurm):
+    which requeue it runs for each way the command ends, and that the requeue starts with TERM
+    ignored (a TERM still on its way to the batch shell must not kill it)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub = bin_dir / "hpcckpt"
+    stub.write_text(_STUB_HPCCKPT)
+    stub.chmod(0o755)
+    script = tmp_path / "single.sbatch"
+    script.write_text(render.render("single", {"COMMAND": f"bash -c '{command}'", "RUN_DIR": str(tmp_path / "run")}))
+    log = tmp_path / "stub.log"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "77", "STUB_LOG": str(log), "HOME": str(tmp_path)}
+    out = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == status, out.stderr[-2000:]
+    calls = log.read_text().splitlines() if log.exists() else []
+    assert calls == ([called.format(ck=tmp_path / "run" / "ckpt")] if called else []), (calls, out.stdout, out.stderr)
