@@ -7,9 +7,10 @@ successor submitted), nothing more is done: one requeue per interruption.
 Outside Slurm it exits 75 so that a local supervisor restarts the command.
 The cause (for the per-cause budgets) defaults to the last ``stop`` in the ledger.
 
-``--stopped-status RC``: the batch script forwarded a TERM and the command then ended with
-status RC instead of 75 (bash can lose the status of a command that ends while its trap
-runs: ``wait`` then gives -1). When this run never began training (no ``start`` of this job's
+``--stopped-status RC``: the batch script forwarded a TERM, or the command died of one
+(RC 143: Slurm signals a job's processes one at a time, so the command's TERM can come
+before the batch shell's), and the command ended with status RC instead of 75 (bash can
+lose the status of a command that ends while its trap runs: ``wait`` then gives -1). When this run never began training (no ``start`` of this job's
 run in the ledger: the stop came during its start-up, before hpcckpt could take the
 signal, and killed it), the job is requeued all the same: nothing was trained, so nothing
 is lost, and the job comes back instead of ending at a time limit or a cancel-mode
@@ -56,7 +57,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dir", type=Path, default=None,
                    help="checkpoint directory: budgets and ledger live there (default $HPCCKPT_DIR)")
     p.add_argument("--stopped-status", type=int, default=None, metavar="RC",
-                   help="the command ended with status RC (not 75) after this script forwarded a TERM: "
+                   help="the command ended with status RC (not 75) after a TERM (forwarded by this script, "
+                        "or 143: it died of one): "
                         "requeue only if the run never began training (killed in its start-up)")
     add_json(p)
     p.set_defaults(func=run)
