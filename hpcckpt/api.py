@@ -20,6 +20,7 @@ import functools
 import logging
 import os
 import sys
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -794,7 +795,25 @@ def _stopped_after_run(got: Received, *, step: int, committed_step: int | None,
         ledger.append("stop", reason="after_run", step=step, committed_step=committed_step, requeue=True,
                       final_saved=True, signame=got.name, signal_time=got.wall_s)
         _requeue_logged(cluster, root, ledger, StopReason.SIGNAL.cause, committed_step)
+    if not threading.main_thread().is_alive():
+        # The script has returned: the interpreter is joining its threads or running atexit
+        # callbacks, where a SystemExit is printed and ignored and the process would exit 0,
+        # so the requeue just recorded would not happen where exit 75 is how it is made (a
+        # local supervisor). End here with 75, as a stop inside the script would.
+        _exit_now(EXIT_REQUEUE)
     raise RequeueExit("after_run", step)
+
+
+def _exit_now(code: int) -> None:
+    """End the process with ``code`` at once (threads left, atexit callbacks skipped), its
+    standard streams flushed first."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):  # closed or broken: nothing more to say there
+            pass
+    os._exit(code)
 
 
 def _requeue_logged(cluster: Cluster, root: Path, ledger: Ledger, cause: str,

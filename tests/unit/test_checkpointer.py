@@ -384,3 +384,46 @@ def test_a_stop_signal_while_a_finished_run_exits_never_kills_it(ckdir: Path) ->
             time.sleep(0.0005)
         err = proc.communicate()[1]
         assert proc.returncode in (0, EXIT_REQUEUE), (proc.returncode, err[-2000:])
+        # exit 75 exactly when the ledger says the job was requeued (a recorded requeue happens)
+        after_run = [e for e in Ledger(run_dir).read() if e["event"] == "stop" and e["reason"] == "after_run"]
+        assert (proc.returncode == EXIT_REQUEUE) == bool(after_run), (proc.returncode, after_run, err[-2000:])
+
+
+SHUTDOWN_SCRIPT = """
+import sys, threading
+from hpcckpt.api import Checkpointer
+from tests.helpers import tiny_state, train_step
+objs = tiny_state(0)
+with Checkpointer(sys.argv[1], every_steps=2, signals=("USR2", "TERM")) as ck:
+    ck.register(**objs)
+    for _ in ck.steps(4):
+        train_step(objs)
+def linger():  # a thread of the script's own: the interpreter joins it after the script returns
+    while threading.main_thread().is_alive():
+        threading.Event().wait(0.01)
+    print("joining", flush=True)
+    threading.Event().wait(60)
+threading.Thread(target=linger).start()
+print("finished", flush=True)
+"""
+
+
+def test_a_stop_signal_after_the_script_returned_still_exits_75(ckdir: Path) -> None:
+    """A stop signal while the interpreter joins the script's threads (after its last line):
+    Python prints and ignores a SystemExit raised there, so the process exited 0 though the
+    ledger said the job was requeued, and under a local supervisor it never came back. It
+    exits 75, the requeue recorded."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", SHUTDOWN_SCRIPT, str(ckdir)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
+    assert proc.stdout is not None
+    assert [proc.stdout.readline().strip() for _ in range(2)] == ["finished", "joining"], proc.communicate()[1]
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == EXIT_REQUEUE, (proc.returncode, err[-2000:])
+    events = Ledger(ckdir).read()
+    stop = [e for e in events if e["event"] == "stop"][-1]
+    assert stop["reason"] == "after_run" and stop["signame"] == "SIGTERM", events[-4:]
+    assert events[-1]["event"] == "requeue", events[-4:]
