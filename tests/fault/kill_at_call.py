@@ -1,7 +1,7 @@
 """Save checkpoints and SIGKILL ourselves at the N-th call of a commit-protocol primitive.
 
 usage: python -m tests.fault.kill_at_call DIR ENGINE FUNC N
-FUNC is one of os.fsync, os.replace, os.write, os.rename: the process dies just
+FUNC is one of os.fsync, os.replace, os.write, os.pwrite, os.rename: the process dies just
 before that call, the N-th time it happens, wherever in the protocol it is.
 """
 from __future__ import annotations

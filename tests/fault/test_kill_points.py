@@ -33,15 +33,21 @@ def _run(root: Path, engine: str, func: str, n: int) -> subprocess.CompletedProc
     return prefork.run(["-m", "tests.fault.kill_at_call", str(root), engine, func, str(n)], cwd=REPO, timeout=300)
 
 
+# Where each run (six saves) dies, per chain: within the calls a run makes of that function
+# (10-11 os.replace a run, each commit's rename among them; 6 os.pwrite: each commit's LATEST).
+KILL_POINTS = {"os.fsync": [(1, 11, 21, 31), (6, 16, 26)], "os.write": [(1, 11, 21, 31), (6, 16, 26)],
+               "os.replace": [(1, 4, 7, 10), (3, 6, 9)], "os.pwrite": [(1, 3, 5), (2, 4, 6)]}
+
+
 @pytest.mark.parametrize("engine", ["sync", "concurrent"])
-@pytest.mark.parametrize("func", ["os.fsync", "os.replace", "os.write"])
+@pytest.mark.parametrize("func", list(KILL_POINTS))
 def test_kill_before_each_protocol_call(tmp_path: Path, engine: str, func: str) -> None:
     """Two chains of runs, each in its own directory: every run resumes from what the one
     before it left and dies at the n-th call (counted from its own start), so the kill
     points fall on a first save in an empty directory and on later saves of resumed runs;
     a last run of each chain must finish."""
     killed = 0
-    for chain, points in enumerate([(1, 11, 21, 31), (6, 16, 26)]):
+    for chain, points in enumerate(KILL_POINTS[func]):
         root = tmp_path / f"{func}-{chain}"
         newest: int | None = None
         for n in points:
