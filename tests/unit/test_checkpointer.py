@@ -389,22 +389,14 @@ def test_a_stop_signal_while_a_finished_run_exits_never_kills_it(ckdir: Path) ->
         assert (proc.returncode == EXIT_REQUEUE) == bool(after_run), (proc.returncode, after_run, err[-2000:])
 
 
-SHUTDOWN_SCRIPT = """
-import sys, threading
-from hpcckpt.api import Checkpointer
-from tests.helpers import tiny_state, train_step
-objs = tiny_state(0)
-with Checkpointer(sys.argv[1], every_steps=2, signals=("USR2", "TERM")) as ck:
-    ck.register(**objs)
-    for _ in ck.steps(4):
-        train_step(objs)
+SHUTDOWN_SCRIPT = LATE_SIGNAL_SCRIPT + """
+import threading
 def linger():  # a thread of the script's own: the interpreter joins it after the script returns
     while threading.main_thread().is_alive():
         threading.Event().wait(0.01)
     print("joining", flush=True)
     threading.Event().wait(60)
 threading.Thread(target=linger).start()
-print("finished", flush=True)
 """
 
 
