@@ -81,6 +81,19 @@ def test_stopped_and_resumed_matches_uninterrupted(tmp_path: Path, reference: Pa
     starts = [e for e in ledger if e["event"] == "start"]
     assert [s["resumed_from"] for s in starts] == [None, stop_at + 1]
     assert [e["engine"] for e in starts] == ["concurrent", "concurrent"]
+    if extra:
+        return
+    # Run again once finished (a requeue that raced the end, a resubmitted script): Lightning
+    # runs no step, and the run still begins and ends in the ledger, training nothing.
+    third = _train(run_dir, *extra)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert (run_dir / "trace.jsonl").read_text() == (reference / "trace.jsonl").read_text()  # no step more
+    result, expected = (json.loads((d / "result.json").read_text()) for d in (run_dir, reference))
+    # (Lightning's restored loop reports the last epoch's index, one less than after the
+    # training loop's end, in trainer.current_epoch: not compared here.)
+    assert {k: v for k, v in result.items() if k != "epoch"} == {k: v for k, v in expected.items() if k != "epoch"}
+    last = [(e["event"], e.get("resumed_from"), e.get("reason")) for e in _ledger(run_dir / "ckpt")][-3:]
+    assert last == [("start", STEPS, None), ("nothing_left", None, None), ("stop", None, "done")], last
 
 
 def test_stop_before_epoch_end_validation_resumes_identically(tmp_path: Path) -> None:
