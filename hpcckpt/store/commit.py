@@ -126,10 +126,11 @@ def replace_hint(path: Path, data: bytes) -> None:
     An existing regular file is rewritten in place (write, then truncate to the new length):
     a new file and a rename at every commit cost ~0.1 ms of CPU each here (ext4 allocates
     the new inode and frees the replaced one), against ~4 us in place, and a small state saved
-    at every step pays that at every step. A reader racing the rewrite may see a stale name or,
-    between the write and the truncate, the new name followed by the old one's tail (past
-    a newline: ``read_latest`` rejects it as not a plain name). Absent, or not a regular file
-    (a symlink is not followed): a new file replaces it."""
+    at every step pays that at every step. A reader racing the rewrite may see the old name or,
+    between the write and the truncate, the new name followed by the rest of the old one, after
+    a newline: ``read_latest`` then gives the new name (the rest is only newlines) or no name,
+    never another step. Absent, or not a regular file (a symlink is not followed): a new file
+    replaces it."""
     try:  # O_NONBLOCK: a FIFO there (ENXIO) must not block the commit
         fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
