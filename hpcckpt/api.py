@@ -34,7 +34,7 @@ from .data import Progress, find_resumable
 from .engines import SaveContext, SaveHandle, make_engine
 from .engines.base import live_tensors
 from .errors import CheckpointCorrupt, CheckpointFailed, ConfigError, HpcckptError
-from .exitcodes import EXIT_PROBLEM, EXIT_REQUEUE
+from .exitcodes import EXIT_PROBLEM, EXIT_REQUEUE, flush_and_exit
 from .levels import Levels
 from .levels import restore as level_restore
 from .lifecycle import identity, requeue
@@ -800,20 +800,8 @@ def _stopped_after_run(got: Received, *, step: int, committed_step: int | None,
         # callbacks, where a SystemExit is printed and ignored and the process would exit 0,
         # so the requeue just recorded would not happen where exit 75 is how it is made (a
         # local supervisor). End here with 75, as a stop inside the script would.
-        _exit_now(EXIT_REQUEUE)
+        flush_and_exit(EXIT_REQUEUE)
     raise RequeueExit("after_run", step)
-
-
-def _exit_now(code: int) -> None:
-    """End the process with ``code`` at once (threads left, atexit callbacks skipped), its
-    standard streams flushed first."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is not None:
-                stream.flush()
-        except (OSError, ValueError):  # closed or broken: nothing more to say there
-            pass
-    os._exit(code)
 
 
 def _requeue_logged(cluster: Cluster, root: Path, ledger: Ledger, cause: str,

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Callable, ClassVar
 
 from ..errors import CudaCheckpointError
+from ..exitcodes import flush_and_exit
 from ..proc.tree import maps_library, status_field, task_states
 
 LIBCUDA = "libcuda.so.1"
@@ -157,12 +158,7 @@ def _leave_if_stuck() -> None:
               "teardown, which would wait for it)", file=sys.stderr)
     except (OSError, ValueError):
         pass
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(_EXIT_STATUS[0])
+    flush_and_exit(_EXIT_STATUS[0])
 
 
 _AT_EXIT: list[bool] = []

@@ -119,7 +119,6 @@ class HpcckptCallback(pl.Callback):  # type: ignore[name-defined]  # pl is found
         self._pending = False
         self._epoch_turned = False
         self._closed = False
-        self._trained = False  # on_train_start ran: the run's steps() began
 
     # -- setup: one requeue, state registered and restored -------------------------------
 
@@ -217,7 +216,6 @@ class HpcckptCallback(pl.Callback):  # type: ignore[name-defined]  # pl is found
         self.ckpt.signals.install()
         for loader in getattr(getattr(trainer.fit_loop, "_combined_loader", None), "flattened", None) or ():
             quiet_workers(loader, self.ckpt.signals.signals)  # where its workers have not started yet
-        self._trained = True
         self._steps = self.ckpt.steps(_total_steps(trainer))
         try:
             next(self._steps)
@@ -276,7 +274,7 @@ class HpcckptCallback(pl.Callback):  # type: ignore[name-defined]  # pl is found
             self._steps = None
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
-        if self.ckpt is not None and not self._trained:
+        if self.ckpt is not None and not self.ckpt._started:
             # Lightning ran no training at all (a finished run resumed at its last step: its
             # loop is done before on_train_start). The run still begins and ends in the ledger,
             # as steps() records it for a plain loop: start, nothing_left, done.

@@ -41,7 +41,7 @@ import torch
 
 from ..config import TUNABLES
 from ..errors import ConfigError
-from ..exitcodes import EXIT_REQUEUE
+from ..exitcodes import EXIT_REQUEUE, flush_and_exit
 from ..lifecycle import current, requeue
 from ..store import catalog, torchfile
 from ..store.manifest import record_in, record_out
@@ -105,25 +105,11 @@ def _fork_hook(ref: "weakref.ref[JitGuard]") -> None:
         guard._in_child()
 
 
-def _flush_and_exit(code: int) -> None:
-    for h in logging.getLogger().handlers + log.handlers + logging.getLogger("hpcckpt").handlers:
-        try:
-            h.flush()
-        except Exception:  # noqa: BLE001
-            pass
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001
-            pass
-    os._exit(code)
-
-
 class JitGuard:
     """Detects a failed rank and writes the survivors' state; see the module docstring."""
 
     #: how the process ends after the JIT path (never returns)
-    exit = staticmethod(_flush_and_exit)
+    exit = staticmethod(flush_and_exit)
 
     def __init__(self, ckpt: Any, *, timeout_s: float | None = None, interval_s: float | None = None) -> None:
         self.ckpt = ckpt
