@@ -9,6 +9,8 @@ prefetch ahead of that).
 """
 from __future__ import annotations
 
+import inspect
+import itertools
 import logging
 import time
 from typing import Any, Iterator, Mapping
@@ -213,6 +215,14 @@ class _Skip:
     def __len__(self) -> int:
         return len(self.inner)
 
+    def __getattr__(self, name: str) -> Any:
+        """Everything else is the inner sampler's: an adapter's ``__iter__`` (Accelerate's) calls
+        ``set_epoch`` on the batch sampler and on its ``sampler`` while this one stands in."""
+        inner = self.__dict__.get("inner")
+        if inner is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(inner, name)
+
     def __iter__(self) -> Iterator[Any]:
         if not self._active:
             return iter(self.inner)
@@ -316,6 +326,39 @@ def _drop_unused_iterator(loader: Any) -> None:
         loader.load_state_dict({})  # torchdata: drops that iterator, keeps a restored position (next_iter_state)
 
 
+def iterating_loader(loader: Any) -> Any:
+    """The DataLoader whose samplers a pass draws from: ``loader`` itself, or the one an adapter
+    wraps and iterates inside its own ``__iter__`` (Hugging Face Accelerate's ``DataLoaderShard``
+    and ``DataLoaderDispatcher`` keep it as ``base_dataloader`` and pass every other attribute
+    through to it). A sampler is swapped on the object that holds it."""
+    base = getattr(loader, "__dict__", {}).get("base_dataloader")
+    return base if isinstance(base, torch.utils.data.DataLoader) else loader
+
+
+def _epoch_counter(loader: Any) -> int | None:
+    """An adapter's own count of the passes it began (Accelerate's ``iteration``, which its
+    ``__iter__`` hands to the samplers' ``set_epoch``); None for a plain loader."""
+    if iterating_loader(loader) is loader:
+        return None
+    value = getattr(loader, "__dict__", {}).get("iteration")
+    return value if _is_int(value) else None
+
+
+def _begun(loader: Any) -> tuple[Iterator[Any], bool]:
+    """``iter(loader)``, and whether the pass yields nothing. A wrapper whose ``__iter__`` is a
+    generator (Accelerate's adapter, a loop's own ``for batch in self.loader: yield ...``) makes
+    the inner loader's iterator, which draws the pass's order and worker seed, only at its first
+    ``next()``: that ``next()`` is taken here, so the draws happen now, while the caller holds the
+    RNGs where the pass begins, and its batch is handed out first."""
+    it = iter(loader)
+    if not inspect.isgenerator(it):
+        return it, False
+    first = next(it, _END)
+    if first is _END:
+        return iter(()), True
+    return itertools.chain((first,), it), False
+
+
 def find_resumable(loader: Any) -> ResumableSampler | None:
     """The ResumableSampler that drives ``loader`` (its sampler, or its batch sampler's)."""
     for candidate in (getattr(loader, "sampler", None),
@@ -368,6 +411,7 @@ class LoaderPosition:
         self._workers_from = 0
         self._worker_passes: list[dict[str, Any]] = []
         self._restored: Mapping[str, Any] | None = None
+        self._epoch_counter: int | None = None  # an adapter's pass count as the current pass began
 
     @property
     def resumable(self) -> ResumableSampler | None:
@@ -383,6 +427,9 @@ class LoaderPosition:
             return "indices"  # it skips by itself, in O(1), on any world size
         if self.skip != "auto":
             return self.skip
+        holder = iterating_loader(self.loader)
+        if getattr(holder, "batch_sampler", None) is None and getattr(holder, "sampler", None) is None:
+            return "fetch"  # no index sampler to skip on (a wrapper of a loader): load and drop
         iterable = isinstance(getattr(self.loader, "dataset", None), torch.utils.data.IterableDataset)
         return "fetch" if iterable or getattr(self.loader, "num_workers", 0) > 0 else "indices"
 
@@ -391,8 +438,10 @@ class LoaderPosition:
         """The loader saves its own position (torchdata's ``StatefulDataLoader``): it is used,
         except with worker processes, whose random streams it does not bring back (the
         interrupted pass is then replayed through them, as for any loader)."""
-        return (callable(getattr(self.loader, "state_dict", None)) and callable(
-            getattr(self.loader, "load_state_dict", None)) and getattr(self.loader, "num_workers", 0) == 0)
+        base = iterating_loader(self.loader)  # an adapter is stateful when what it iterates is
+        return all(callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+                   for obj in {id(self.loader): self.loader, id(base): base}.values()) and getattr(
+                       self.loader, "num_workers", 0) == 0
 
     def open(self) -> Iterator[Any]:
         """The iterator of the training pass: the restored one resumed, else a new pass."""
@@ -403,11 +452,32 @@ class LoaderPosition:
 
     def _resume_stateful(self, state: Mapping[str, Any]) -> Iterator[Any]:
         """The loader's own state (sampler, workers, iterable dataset) resumes the pass."""
-        if "loader" in state:
+        saved = state.get("loader")
+        # The loader had seen its pass end before the save (an adapter reads a batch ahead: Accelerate's
+        # state then says so): nothing of the pass is left, and the next pass begins as on a loader
+        # whose pass ended (loading that state would fast-forward a sampler through the pass again,
+        # drawing its seed from the global RNG).
+        ended = isinstance(saved, Mapping) and saved.get("_iterator_finished") is True and self.taken > 0
+        if ended:
+            _drop_unused_iterator(self.loader)
+        elif "loader" in state:
             self.loader.load_state_dict(state["loader"])
         boundary = torch.get_rng_state()  # its iterator draws a worker seed: not from the resumed stream
         try:
-            return iter(self.loader)
+            if ended:
+                self._counted()
+                return iter(())
+            # As the pass began: a sampler the loader cannot save (one given to it, as Accelerate's
+            # adapter does) is fast-forwarded by drawing its order again, from these states.
+            if "torch" in self._rng:
+                torch.set_rng_state(self._rng["torch"])
+            for role, g in _generators(self.loader).items():
+                if role in self._rng:
+                    g.set_state(self._rng[role])
+            it, empty = _begun(self.loader)
+            if empty and self.taken:
+                self._counted()
+            return it
         except StopIteration:
             # torchdata 0.11 fast-forwards an iterable dataset without state to where the pass was,
             # and fails when that was its end: the pass is over, the next open() begins a new one.
@@ -447,9 +517,10 @@ class LoaderPosition:
             self._worker_passes.append(self._pass_record(starts=False))
         else:  # the last pass was left early, or the workers served an iter() of another loop since
             self._workers_from, self._worker_passes = 0, []
+        self._epoch_counter = _epoch_counter(self.loader)
         self.passes += 1
         self.taken = 0
-        it = iter(self.loader)
+        it, _ = _begun(self.loader)
         self._rng_iter = {k: g.get_state() for k, g in gens.items()} if self.stateful else {}
         return self._watch_end(it)
 
@@ -488,6 +559,9 @@ class LoaderPosition:
         workers = state.get("workers") or {}
         self._workers_from = int(workers.get("from", 0))
         self._worker_passes = [dict(r) for r in workers.get("passes", [])]
+        if "iteration" in state and _epoch_counter(self.loader) is not None:
+            # The adapter tells its samplers this pass's epoch (set_epoch) as it begins it.
+            self.loader.iteration = self._epoch_counter = int(state["iteration"])
         if self.stateful:
             return self._resume_stateful(state)
         sampler = self.resumable
@@ -570,15 +644,27 @@ class LoaderPosition:
     def _patched_iter(self, k: int) -> tuple[Iterator[Any], _Skip]:
         """``iter(loader)`` with its index sampler wrapped in ``_Skip(k)`` for this iterator."""
         loader = self.loader
-        attr = "batch_sampler" if getattr(loader, "batch_sampler", None) is not None else "sampler"
-        inner = getattr(loader, attr)
+        holder = iterating_loader(loader)
+        attr = "batch_sampler" if getattr(holder, "batch_sampler", None) is not None else "sampler"
+        inner = getattr(holder, attr, None)
         wrapper = _Skip(inner, k)
-        object.__setattr__(loader, attr, wrapper)  # DataLoader refuses a plain set after __init__
+        if inner is None:  # nothing to stand in for ("fetch": the caller drops the trained batches)
+            it, _ = _begun(loader)
+            return it, wrapper
+        object.__setattr__(holder, attr, wrapper)  # DataLoader refuses a plain set after __init__
         try:
-            it = iter(loader)
+            it, empty = _begun(loader)  # an adapter's inner iterator is made while the skip stands in
         finally:
-            object.__setattr__(loader, attr, inner)
+            object.__setattr__(holder, attr, inner)
+        if empty and k:
+            self._counted()
         return it, wrapper
+
+    def _counted(self) -> None:
+        """A resumed pass with every batch already trained on: Accelerate's adapter returns
+        without counting a pass that yields nothing, where the uninterrupted pass was counted."""
+        if self._epoch_counter is not None:
+            self.loader.iteration = self._epoch_counter + 1
 
     def took(self) -> None:
         """One more batch of the current pass reached the training code."""
@@ -600,6 +686,8 @@ class LoaderPosition:
             state["sampler"] = sampler.state_dict()
         if self.stateful:
             state["loader"] = self.loader.state_dict()
+        if self._epoch_counter is not None:
+            state["iteration"] = self._epoch_counter
         return state
 
     @staticmethod
@@ -626,6 +714,8 @@ class LoaderPosition:
             if rng is not None and not (isinstance(rng, Mapping) and all(
                     isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.dim() == 1 for v in rng.values())):
                 raise CheckpointCorrupt("loader position's RNG states are not generator states")
+        if "iteration" in state and not (_is_int(state["iteration"]) and state["iteration"] >= 0):
+            raise CheckpointCorrupt(f"loader position has iteration={state['iteration']!r}, not a pass count")
         if "sampler" in state:
             ResumableSampler.check_state(state["sampler"])
 
@@ -638,6 +728,7 @@ class LoaderPosition:
         workers = state.get("workers") or {}
         self._workers_from = int(workers.get("from", 0))
         self._worker_passes = [dict(r) for r in workers.get("passes", [])]
+        self._epoch_counter = int(state["iteration"]) if "iteration" in state else None
 
 
 class Progress:

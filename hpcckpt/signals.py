@@ -153,7 +153,10 @@ def quiet_workers(loader: Any, signals: Iterable[signal.Signals]) -> None:
     final checkpoint; its exit ends them (torch's shutdown, or their watchdog of the
     parent). Workers already running keep what they had; a loader without workers, or one
     that refuses the attribute, is left as it is."""
-    if not isinstance(getattr(loader, "num_workers", 0), int) or loader.num_workers <= 0:
+    from .data import iterating_loader
+    loader = iterating_loader(loader)  # an adapter's workers are those of the loader it iterates
+    workers = getattr(loader, "num_workers", 0)
+    if not isinstance(workers, int) or workers <= 0:  # none, or a wrapper that has no such attribute
         return
     inner = getattr(loader, "worker_init_fn", None)
     if isinstance(inner, QuietWorkers):

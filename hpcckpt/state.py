@@ -453,6 +453,36 @@ class TrainState:
         return safe
 
 
+# Where a wrapper keeps the optimizer it steps: Hugging Face Accelerate's AcceleratedOptimizer
+# (``optimizer``), Lightning's LightningOptimizer (``_optimizer``), torch's
+# PostLocalSGDOptimizer (``optim``).
+_WRAPPED_OPTIMIZER = ("optimizer", "_optimizer", "optim")
+
+
+def stepping_optimizer(obj: torch.optim.Optimizer, name: str) -> torch.optim.Optimizer:
+    """The optimizer whose ``step()`` runs torch's step hooks: ``obj`` itself, or the one it wraps.
+
+    Some wrappers subclass ``torch.optim.Optimizer`` without running its ``__init__`` and
+    call the wrapped optimizer's ``step()`` from their own (Accelerate's
+    ``AcceleratedOptimizer``): hooks cannot be registered on them, and the wrapped
+    optimizer's hooks are the ones every step runs. ConfigError, naming the object and
+    what to do, when no wrapped optimizer runs hooks either.
+    """
+    current: Any = obj
+    for _ in range(4):
+        if isinstance(getattr(current, "_optimizer_step_pre_hooks", None), dict):
+            return current
+        inner = next((getattr(current, a) for a in _WRAPPED_OPTIMIZER
+                      if isinstance(getattr(current, a, None), torch.optim.Optimizer)), None)
+        if inner is None or inner is current:
+            break
+        current = inner
+    raise ConfigError(
+        f"optimizer {name!r} ({type(obj).__module__}.{type(obj).__qualname__}) runs no torch step hooks and "
+        "wraps no optimizer that does (hpcckpt needs them to know when step() may overwrite what a save "
+        f"is still copying); register the optimizer it wraps as {name!r} instead, or use engine='sync'")
+
+
 def _group_sizes(groups: Any) -> list[int] | None:
     """The parameter count of each saved parameter group, or None if they are not well formed."""
     if not isinstance(groups, (list, tuple)):

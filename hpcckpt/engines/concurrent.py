@@ -57,7 +57,7 @@ from .._core import native
 from .._gc import collector_paused
 from ..config import CHUNK_BYTES, check_on_busy
 from ..errors import CheckpointFailed, ConfigError
-from ..state import Flat, TrainState
+from ..state import Flat, TrainState, stepping_optimizer
 from ..ranks import Ranks
 from ..store import catalog
 from ..store.commit import remove_trash
@@ -233,11 +233,14 @@ class ConcurrentEngine(Engine):
         self._safe = state.background_safe()
         self._safe_prefixes = tuple(s for s in self._safe if s.endswith("/"))
         self._safe_masks.clear()
-        for obj in state.objects.values():
-            if isinstance(obj, torch.optim.Optimizer) and id(obj) not in self._hooks:
-                self._hooks[id(obj)] = [obj.register_step_pre_hook(self._before_step),
-                                        obj.register_step_post_hook(self._after_step)]
-                self._optimizers.append(obj)
+        for name, obj in state.objects.items():
+            if not isinstance(obj, torch.optim.Optimizer):
+                continue
+            stepping = stepping_optimizer(obj, name)  # a wrapper's (Accelerate's) inner optimizer
+            if id(stepping) not in self._hooks:
+                self._hooks[id(stepping)] = [stepping.register_step_pre_hook(self._before_step),
+                                             stepping.register_step_post_hook(self._after_step)]
+                self._optimizers.append(stepping)
         self._prepare_if_new_shapes(at_bind=True)
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

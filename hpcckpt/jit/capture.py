@@ -24,7 +24,7 @@ from typing import Any, Mapping
 import torch
 
 from .._core import crc32c
-from ..state import _escape, flatten, rng_state
+from ..state import _escape, flatten, rng_state, stepping_optimizer
 
 FINGERPRINT_BYTES = 4 << 20  # per sampled tensor
 CUDA_WAIT_S = 30.0  # the most the JIT path waits for CUDA work (events, copies) before giving up
@@ -119,7 +119,7 @@ class StepGate:
                                     if p.is_cuda}, key=str) for n in self.names}
         self.events: dict[tuple[str, Any], Any] = {}
         for n in self.names:
-            opt = optimizers[n]
+            opt = stepping_optimizer(optimizers[n], n)  # a wrapper's (Accelerate's) inner optimizer
             self._handles.append(opt.register_step_pre_hook(self._pre(n)))
             self._handles.append(opt.register_step_post_hook(self._post(n)))
 

@@ -86,6 +86,21 @@ def test_quiet_workers_wraps_the_loaders_own_init_once_and_leaves_loaders_withou
     quiet_workers(plain, [signal.SIGTERM])
     assert plain.worker_init_fn is None
 
+    class Wrapper:  # a script's own wrapper of its loader: no num_workers, left as it is
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            yield from plain
+
+    quiet_workers(Wrapper(), [signal.SIGTERM])  # before: AttributeError from reading num_workers
+
+
+def test_quiet_workers_reaches_the_loader_an_accelerate_adapter_iterates() -> None:
+    accelerate = pytest.importorskip("accelerate")
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    shard = accelerate.Accelerator(cpu=True).prepare(DataLoader(TensorDataset(torch.zeros(4)), num_workers=2))
+    quiet_workers(shard, [signal.SIGTERM])
+    assert isinstance(shard.base_dataloader.worker_init_fn, QuietWorkers)  # the workers' loader
+
 
 def _torch_like(message: str) -> object:
     """A SIGCHLD handler that raises as torch's does when a DataLoader worker died (the seam)."""

@@ -102,6 +102,26 @@ class AugmentedStream(torch.utils.data.IterableDataset[tuple[int, float]]):
 LOADERS["persistent workers, IterableDataset"] = lambda: (DataLoader(AugmentedStream(), batch_size=4, **PERSISTENT),
                                                           None)
 
+
+class Wrapped:
+    """A script's own wrapper of its loader (a device move per batch): no sampler hpcckpt could
+    skip on, a generator as its ``__iter__``; the trained batches are loaded again and dropped."""
+
+    def __init__(self, loader: DataLoader[Any]) -> None:
+        self.loader = loader
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        for batch in self.loader:
+            yield [t.to("cpu") for t in batch]
+
+
+LOADERS["wrapper of shuffle"] = lambda: (Wrapped(DataLoader(indices(), batch_size=4, shuffle=True)), None)
+LOADERS["wrapper of workers augmenting"] = lambda: (Wrapped(DataLoader(Augmenting(), batch_size=4, shuffle=True,
+                                                                       num_workers=2)), None)
+
 try:
     from torchdata.stateful_dataloader import StatefulDataLoader
 except ImportError:  # torchdata is optional: these cases run where it is installed
@@ -196,7 +216,7 @@ def with_stops(ckdir: Path, make: Callable[[], tuple[DataLoader[Any], Any]], sto
 # persistent ones, torchdata's); the sync engine for the rest, to keep the suite fast. (Persistent
 # workers are stopped at more places, on both engines, in test_persistent_workers_resume_exactly.)
 BOTH_ENGINES = {"shuffle", "shuffle+generator", "IterableDataset", "IterableDataset, workers", "workers augmenting",
-                "workers augmenting, generator", "persistent workers augmenting",
+                "workers augmenting, generator", "persistent workers augmenting", "wrapper of shuffle",
                 "StatefulDataLoader shuffle", "StatefulDataLoader shuffle+generator",
                 "StatefulDataLoader IterableDataset", "StatefulDataLoader workers"}
 assert {c for c in BOTH_ENGINES if not c.startswith("StatefulDataLoader")} <= set(LOADERS)  # names, not typos
