@@ -12,9 +12,11 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
+import random
 import time
 from typing import Any, Iterator, Mapping
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
 
@@ -301,6 +303,68 @@ def _sampler_draws_global(loader: Any) -> bool:
     return not isinstance(inner, quiet) and not isinstance(getattr(inner, "generator", None), torch.Generator)
 
 
+def _sampler_unknown(loader: Any) -> bool:
+    """Whether a sampler of the loader is not one of torch's (or hpcckpt's): its own ``__iter__``
+    may draw its order from Python's ``random`` or NumPy's global RNG (the bucketing batch
+    samplers of many scripts shuffle with ``random.shuffle``), which a pass's start then records
+    besides the torch RNG."""
+    from torch.utils.data import sampler as samplers
+    holder = iterating_loader(loader)
+    known = (samplers.SequentialSampler, samplers.RandomSampler, samplers.SubsetRandomSampler,
+             samplers.WeightedRandomSampler, samplers.BatchSampler, torch.utils.data.DistributedSampler,
+             ResumableSampler, _Skip)
+    found = [getattr(holder, "sampler", None), getattr(holder, "batch_sampler", None),
+             getattr(getattr(holder, "batch_sampler", None), "sampler", None)]
+    return any(s is not None and not isinstance(s, known) for s in found)
+
+
+# The host RNGs besides torch's that a pass's start may record, as uint8 tensors like torch's state.
+def _python_state() -> torch.Tensor:
+    version, words, gauss = random.getstate()
+    head = np.array([version, gauss is not None], dtype=np.uint32).view(np.uint8)
+    return torch.from_numpy(np.concatenate([head, np.asarray(words, dtype=np.uint32).view(np.uint8),
+                                            np.array([gauss or 0.0], dtype=np.float64).view(np.uint8)]))
+
+
+def _set_python_state(state: torch.Tensor) -> None:
+    raw = state.numpy()
+    version, has_gauss = raw[:8].view(np.uint32).tolist()
+    words = raw[8:-8].view(np.uint32).tolist()
+    gauss = float(raw[-8:].view(np.float64)[0]) if has_gauss else None
+    random.setstate((version, tuple(words), gauss))
+
+
+def _numpy_state() -> torch.Tensor:
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    return torch.from_numpy(np.concatenate([np.asarray(keys, dtype=np.uint32).view(np.uint8),
+                                            np.array([pos, has_gauss], dtype=np.int64).view(np.uint8),
+                                            np.array([cached], dtype=np.float64).view(np.uint8)]))
+
+
+def _set_numpy_state(state: torch.Tensor) -> None:
+    raw = state.numpy()
+    pos, has_gauss = raw[-24:-8].view(np.int64).tolist()
+    np.random.set_state(("MT19937", raw[:-24].view(np.uint32).copy(), pos, has_gauss,
+                         float(raw[-8:].view(np.float64)[0])))
+
+
+_HOST_RNG_BYTES = {"python": 8 + 625 * 4 + 8, "numpy": 624 * 4 + 16 + 8}
+_HOST_RNG = {"torch": (torch.get_rng_state, torch.set_rng_state), "python": (_python_state, _set_python_state),
+             "numpy": (_numpy_state, _set_numpy_state)}
+
+
+def _host_boundary() -> dict[str, torch.Tensor]:
+    """The host RNGs as they are (put back with ``_set_host``)."""
+    return {role: get() for role, (get, _) in _HOST_RNG.items()}
+
+
+def _set_host(rng: Mapping[str, torch.Tensor]) -> None:
+    """Set the host RNGs ``rng`` holds (torch, python, numpy), each to its saved state."""
+    for role, (_, put) in _HOST_RNG.items():
+        if role in rng:
+            put(rng[role])
+
+
 def _persistent(loader: Any) -> bool:
     """The loader keeps its worker processes, and so their random streams, from one pass to the next."""
     return bool(getattr(loader, "persistent_workers", False)) and getattr(loader, "num_workers", 0) > 0
@@ -462,15 +526,14 @@ class LoaderPosition:
             _drop_unused_iterator(self.loader)
         elif "loader" in state:
             self.loader.load_state_dict(state["loader"])
-        boundary = torch.get_rng_state()  # its iterator draws a worker seed: not from the resumed stream
+        boundary = _host_boundary()  # its iterator draws a worker seed: not from the resumed stream
         try:
             if ended:
                 self._counted()
                 return iter(())
             # As the pass began: a sampler the loader cannot save (one given to it, as Accelerate's
             # adapter does) is fast-forwarded by drawing its order again, from these states.
-            if "torch" in self._rng:
-                torch.set_rng_state(self._rng["torch"])
+            _set_host(self._rng)
             for role, g in _generators(self.loader).items():
                 if role in self._rng:
                     g.set_state(self._rng[role])
@@ -485,7 +548,7 @@ class LoaderPosition:
                 self.loader.next_iter_state = None  # else its next iter() fails the same way
             return iter(())
         finally:
-            torch.set_rng_state(boundary)
+            _set_host(boundary)
             # torchdata puts a sampler's generator back to the pass's start and draws the order again,
             # but not the worker seed the pass's iter() drew from the loader's generator after it: the
             # generators are set to their state after that iter(), as in the uninterrupted run.
@@ -509,6 +572,8 @@ class LoaderPosition:
         self._rng = {k: g.get_state() for k, g in gens.items()}
         if _draws_global(self.loader, gens):
             self._rng["torch"] = torch.get_rng_state()
+        if _sampler_unknown(self.loader):
+            self._rng["python"], self._rng["numpy"] = _python_state(), _numpy_state()
         if not _persistent(self.loader):
             self._workers_from, self._worker_passes = 0, []
         elif getattr(self.loader, "_iterator", None) is None:  # this pass starts the persistent workers
@@ -575,12 +640,11 @@ class LoaderPosition:
         if getattr(self.loader, "next_iter_state", None) is not None:
             self.loader.next_iter_state = None  # a StatefulDataLoader's own position: replayed here instead
         earlier = self._earlier_passes(state)
-        boundary = torch.get_rng_state()  # the resume point's RNG: put back once the pass is replayed
+        boundary = _host_boundary()  # the resume point's RNGs: put back once the pass is replayed
         try:
             if earlier:
                 self._replay_passes(earlier)
-            if "torch" in self._rng:
-                torch.set_rng_state(self._rng["torch"])
+            _set_host(self._rng)
             for role, g in _generators(self.loader).items():
                 if role in self._rng:
                     g.set_state(self._rng[role])
@@ -592,7 +656,7 @@ class LoaderPosition:
                     break
             wrapper.prime()
         finally:
-            torch.set_rng_state(boundary)
+            _set_host(boundary)
         return self._watch_end(it)
 
     def _earlier_passes(self, state: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -624,8 +688,7 @@ class LoaderPosition:
         try:
             for record in records:
                 rng = record.get("rng") or {}
-                if "torch" in rng:
-                    torch.set_rng_state(rng["torch"])
+                _set_host(rng)
                 for role, g in _generators(self.loader).items():
                     if role in rng:
                         g.set_state(rng[role])
@@ -714,6 +777,10 @@ class LoaderPosition:
             if rng is not None and not (isinstance(rng, Mapping) and all(
                     isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.dim() == 1 for v in rng.values())):
                 raise CheckpointCorrupt("loader position's RNG states are not generator states")
+            for role, size in _HOST_RNG_BYTES.items():
+                if rng is not None and role in rng and rng[role].numel() != size:
+                    raise CheckpointCorrupt(f"loader position's {role} RNG state has {rng[role].numel()} bytes, "
+                                            f"not {size}")
         if "iteration" in state and not (_is_int(state["iteration"]) and state["iteration"] >= 0):
             raise CheckpointCorrupt(f"loader position has iteration={state['iteration']!r}, not a pass count")
         if "sampler" in state:

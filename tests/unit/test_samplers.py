@@ -118,6 +118,27 @@ class Wrapped:
             yield [t.to("cpu") for t in batch]
 
 
+class BucketBatches(torch.utils.data.Sampler[list[int]]):
+    """A script's own batch sampler: batches of neighbouring items (similar lengths), shuffled
+    with Python's ``random`` or NumPy's global RNG as its ``__iter__`` begins."""
+
+    def __init__(self, rng: str) -> None:
+        self.rng = rng
+
+    def __len__(self) -> int:
+        return -(-N // 4)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        batches = [list(range(i, min(i + 4, N))) for i in range(0, N, 4)]
+        if self.rng == "python":
+            random.shuffle(batches)
+        else:
+            batches = [batches[i] for i in np.random.permutation(len(batches))]
+        yield from batches
+
+
+LOADERS |= {f"own batch sampler, {rng}": (lambda rng=rng: (DataLoader(indices(), batch_sampler=BucketBatches(rng)),
+                                                            None)) for rng in ("python", "numpy")}
 LOADERS["wrapper of shuffle"] = lambda: (Wrapped(DataLoader(indices(), batch_size=4, shuffle=True)), None)
 LOADERS["wrapper of workers augmenting"] = lambda: (Wrapped(DataLoader(Augmenting(), batch_size=4, shuffle=True,
                                                                        num_workers=2)), None)
@@ -142,15 +163,22 @@ def _with_sampler(sampler: Any, *, batch_size: int, dataset: Any = None, **kw: A
 
 
 def record(out: list[Any], epoch: int, batch: Any) -> None:
-    """The batch as seen, plus one draw of the training code's global RNG (dropout's)."""
+    """The batch as seen, plus one draw of the training code's global RNGs (dropout's, a script's
+    own ``random`` and NumPy draws)."""
     first = batch[0]
     out.append((epoch, first.tolist(), [float.hex(x) for x in batch[1].tolist()] if len(batch) > 1 else None,
-                float.hex(torch.rand(()).item())))
+                float.hex(torch.rand(()).item()), float.hex(random.random()), float.hex(float(np.random.rand()))))
+
+
+def _seed() -> None:
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
 
 
 def plain(make: Callable[[], tuple[DataLoader[Any], Any]], *, peek: bool = False) -> list[Any]:
     """The script without hpcckpt."""
-    torch.manual_seed(0)
+    _seed()
     loader, sampler = make()
     torch.nn.Linear(1, 1)  # the model the integrated script registers (its init draws too)
     out: list[Any] = []
@@ -170,7 +198,7 @@ def integrated(ckdir: Path, make: Callable[[], tuple[DataLoader[Any], Any]], out
                register_loader: bool = False, skip: str = "auto") -> None:
     """The same script with hpcckpt (epochs + batches); SIGUSR2 during step ``stop_at``.
     ``register_loader``: the loader is registered too, as any stateful object (a StatefulDataLoader)."""
-    torch.manual_seed(0)
+    _seed()
     loader, sampler = make()
     model = torch.nn.Linear(1, 1)
     ck = Checkpointer(ckdir, every_steps=None, engine=engine)
