@@ -45,7 +45,7 @@ from .policy import WARNING_SIGNALS, AutoInterval, Figures, Policy, StopReason
 from .ranks import Ranks
 from .resume import Outcome, load_newest
 from .signals import AfterRun, Received, SignalRecorder, quiet_workers
-from .state import Flat, TrainState, init_dtensor_optimizer_state, rng_state, set_rng_state
+from .state import Flat, TrainState, init_dtensor_optimizer_state, rng_state, set_rng_state, stepping_optimizer
 from .store.lock import WriterBusy, WriterLease, usable_root
 
 log = logging.getLogger("hpcckpt")
@@ -119,6 +119,12 @@ class Checkpointer:
         self._restore_s = 0.0
         self.progress = Progress()  # epoch, loader passes, finished: saved as "__progress__"
         self.state.objects[Progress.NAME] = self.progress
+        self.progress.grads = self._accumulated_grads
+        # The step during which a registered optimizer last stepped (its post-hook: _stepped), by
+        # the count of steps once it ends; a boundary after a step without one falls inside a
+        # gradient accumulation.
+        self._stepped_in: int | None = None
+        self._step_hooks: dict[int, Any] = {}
         self._resume_rng: dict[str, Any] | None = None  # the saved RNG, set again where training resumes
         self._already_finished = False
         self._progress_restored = False
@@ -186,6 +192,7 @@ class Checkpointer:
         """
         for name, obj in objects.items():
             self.state.register(name, obj)
+        self._hook_steps(objects)  # before the engine's post-hook, which may capture the state
         self.engine.bind(self.state)
         if not self._load_attempted:
             # The restore itself is the last check of a candidate: one that verifies but cannot
@@ -210,9 +217,62 @@ class Checkpointer:
         subset = Flat(flat.tensors, {**flat.meta, "objects": {n: v for n, v in saved.items() if n in sub.objects}})
         sub.restore(subset)
         self._progress_restored = self._progress_restored or with_progress
+        self._put_grads(objects)
         self.state.user_meta.update(flat.meta.get("user", {}))
         self._resume_rng = rng_state()  # as saved; set again where training resumes (_resume_point)
         self._already_finished = self.progress.finished
+
+    def _hook_steps(self, objects: dict[str, Any]) -> None:
+        """Note the step in which each registered optimizer steps (``_accumulated_grads``)."""
+        for name, obj in objects.items():
+            if not isinstance(obj, torch.optim.Optimizer):
+                continue
+            try:
+                stepping = stepping_optimizer(obj, name)
+            except ConfigError:
+                continue  # a wrapper without hooks: the engine says so where it needs them
+            if id(stepping) not in self._step_hooks:
+                self._step_hooks[id(stepping)] = stepping.register_step_post_hook(self._stepped)
+
+    def _stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._stepped_in = self.step + 1  # the step under way: counted once it ends
+
+    def _accumulated_grads(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The gradients of the registered modules when this boundary falls inside a gradient
+        accumulation (no registered optimizer stepped during the step just ended: a loop that
+        steps every N batches): they are the partial sum the next batches add to, so a resume
+        from here must have them. Empty at any other boundary (and without a registered optimizer)."""
+        if not self._step_hooks or self._stepped_in in (self.step, self.step + 1):
+            return {}  # stepped in the step just ended, or in the one under way (a capture inside it)
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for name, obj in self.state.objects.items():
+            if isinstance(obj, torch.nn.Module):
+                grads = {pname: p.grad for pname, p in obj.named_parameters()
+                         if p.grad is not None and type(p.grad) is torch.Tensor}  # not a DTensor's
+                if grads:
+                    out[name] = grads
+        return out
+
+    def _put_grads(self, objects: dict[str, Any]) -> None:
+        """After a resume inside a gradient accumulation: the registered modules get the gradients
+        accumulated so far back (``_accumulated_grads``)."""
+        back = []
+        for name, obj in objects.items():
+            saved = self.progress.restored_grads.pop(name, None)
+            if not saved or not isinstance(obj, torch.nn.Module):
+                continue
+            back.append(name)
+            params = dict(obj.named_parameters())
+            for pname, grad in saved.items():
+                p = params.get(pname)
+                if p is None or p.shape != grad.shape or p.dtype != grad.dtype:
+                    raise ConfigError(f"the checkpoint holds the gradient accumulated for {name}.{pname} "
+                                      f"({tuple(grad.shape)}, {grad.dtype}), which {name} does not have as such; "
+                                      "resume with the model that saved it")
+                p.grad = grad.to(p.device, copy=True)
+        if back:
+            log.info("hpcckpt: resumed inside a gradient accumulation: the gradients accumulated since the last "
+                     "optimizer step are back in %s", ", ".join(back))
 
     @property
     def user_meta(self) -> dict[str, Any]:

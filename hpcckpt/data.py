@@ -14,7 +14,7 @@ import itertools
 import logging
 import random
 import time
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -811,6 +811,11 @@ class Progress:
         self.total: int | None = None  # the step count the run was given (steps/loop), when known
         self.positions: dict[str, LoaderPosition] = {}
         self._restored_loaders: dict[str, Any] = {}
+        # Gradients accumulated over the steps since the last optimizer step (a loop that steps every
+        # N batches), by module and parameter: saved only when a save falls inside an accumulation
+        # (``grads`` says which, the Checkpointer's), put back by the Checkpointer after a resume.
+        self.grads: Callable[[], dict[str, dict[str, torch.Tensor]]] | None = None
+        self.restored_grads: dict[str, Any] = {}
 
     def position(self, name: str, loader: Any, **options: Any) -> LoaderPosition:
         """The position of ``loader`` (created on first use, with its saved state if any)."""
@@ -824,7 +829,11 @@ class Progress:
 
     def state_dict(self) -> dict[str, Any]:
         loaders = {**self._restored_loaders, **{n: p.state_dict() for n, p in self.positions.items()}}
-        return {"epoch": self.epoch, "finished": self.finished, "total": self.total, "loaders": loaders}
+        state = {"epoch": self.epoch, "finished": self.finished, "total": self.total, "loaders": loaders}
+        grads = self.grads() if self.grads is not None else {}
+        if grads:
+            state["grads"] = grads
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if not isinstance(state, Mapping):
@@ -840,8 +849,13 @@ class Progress:
                 LoaderPosition.check_state(saved)
             except CheckpointCorrupt as exc:
                 raise CheckpointCorrupt(f"loader {name!r}: {exc}") from None
+        grads = state.get("grads") or {}
+        if not (isinstance(grads, Mapping) and all(
+                isinstance(g, Mapping) and all(isinstance(t, torch.Tensor) for t in g.values()) for g in grads.values())):
+            raise CheckpointCorrupt("the progress state's accumulated gradients are damaged")
         self.epoch, self.finished, self.total = epoch, finished, total
         self._restored_loaders = dict(loaders)
+        self.restored_grads = {name: dict(g) for name, g in grads.items()}
 
 
 def _is_int(value: Any) -> bool:
