@@ -192,6 +192,7 @@ class Checkpointer:
         """
         for name, obj in objects.items():
             self.state.register(name, obj)
+        objects = {name: self.state.objects[name] for name in objects}  # as registered (an Accelerator: its counter)
         self._hook_steps(objects)  # before the engine's post-hook, which may capture the state
         self.engine.bind(self.state)
         if not self._load_attempted:

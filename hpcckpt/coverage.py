@@ -22,9 +22,11 @@ from typing import Any
 
 import torch
 
+from .state import AcceleratorCounter
+
 # Registered kinds that hold no parameters of their own (they cannot save a module's).
 _NO_PARAMETERS: tuple[type, ...] = (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler,
-                                    torch.utils.data.Sampler, torch.utils.data.DataLoader)
+                                    torch.utils.data.Sampler, torch.utils.data.DataLoader, AcceleratorCounter)
 try:
     _NO_PARAMETERS += (torch.amp.GradScaler,)
 except AttributeError:  # torch without torch.amp.GradScaler
@@ -65,10 +67,27 @@ def _values(params: list[torch.Tensor]) -> str:
     return f"{len(params)} parameter{'s' if len(params) != 1 else ''} ({n:,} values)"
 
 
+def _accumulation_uncounted(objects: Mapping[str, Any]) -> list[str]:
+    """An optimizer stepped through Accelerate's gradient accumulation, without the Accelerator
+    that counts its batches registered: a resume inside an accumulation would count again from 0."""
+    if any(isinstance(o, AcceleratorCounter) for o in objects.values()):
+        return []
+    lines = []
+    for name, obj in objects.items():
+        every = getattr(getattr(obj, "gradient_state", None), "num_steps", 1)
+        if isinstance(obj, torch.optim.Optimizer) and isinstance(every, int) and every > 1:
+            lines.append(f"optimizer {name!r} steps every {every} batches through Accelerate's gradient "
+                         "accumulation, whose count of batches is the Accelerator's: register it too "
+                         "(ckpt.register(accelerator=accelerator)), or a resume inside an accumulation steps "
+                         "the optimizer at other batches than the uninterrupted run")
+    return lines
+
+
 def unsaved(objects: Mapping[str, Any]) -> list[str]:
     """One line per piece of trained state that no registered object saves (empty: none seen)."""
+    accumulation = _accumulation_uncounted(objects)
     if any(not isinstance(o, (torch.nn.Module, *_NO_PARAMETERS)) for o in objects.values()):
-        return []  # an object of the user's own may save what the modules do not
+        return accumulation  # an object of the user's own may save what the modules do not
     held = [p for o in objects.values() if isinstance(o, torch.nn.Module) for p in o.parameters()]
     ids = {id(p) for p in held}
     keys: set[tuple[int, int] | None] | None = None  # storages, looked up only past the identity test
@@ -106,4 +125,4 @@ def unsaved(objects: Mapping[str, Any]) -> list[str]:
         if trained:
             lines.append(f"optimizer {name!r} trains {_values(trained)} that nothing registered saves: a resume "
                          "would bring back its state without them. Register the module they belong to")
-    return lines
+    return lines + accumulation

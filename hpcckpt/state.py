@@ -31,6 +31,29 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any) -> Any: ...
 
 
+class AcceleratorCounter:
+    """A registered Hugging Face ``Accelerator``: its count of batches since the last gradient
+    sync (``accelerator.step``), which decides at which batch ``accelerator.accumulate`` lets
+    the optimizer step. An Accelerator has no ``state_dict()``; registering it saves that count."""
+
+    def __init__(self, accelerator: Any) -> None:
+        self.accelerator = accelerator
+
+    @staticmethod
+    def wraps(obj: Any) -> bool:
+        return type(obj).__name__ == "Accelerator" and type(obj).__module__.startswith("accelerate") \
+            and isinstance(getattr(obj, "step", None), int)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": int(self.accelerator.step)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        step = state.get("step") if isinstance(state, Mapping) else None
+        if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
+            raise CheckpointCorrupt(f"the Accelerator's saved step count is {step!r}, not a count")
+        self.accelerator.step = step
+
+
 @dataclass
 class Flat:
     """A flattened state: ``tensors`` by name and the JSON ``meta`` tree.
@@ -377,6 +400,8 @@ class TrainState:
         return Placement(self.rank, self.world, frozenset(names), tuple(prefixes))
 
     def register(self, name: str, obj: Any) -> None:
+        if AcceleratorCounter.wraps(obj):
+            obj = AcceleratorCounter(obj)
         if not isinstance(obj, Stateful):
             raise ConfigError(
                 f"{name}={type(obj).__name__} has no state_dict()/load_state_dict(); register "

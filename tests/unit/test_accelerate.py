@@ -61,11 +61,13 @@ def test_a_prepared_loader_keeps_the_data_order_and_resumes_it(case: str, engine
     assert with_stops(tmp_path / "b", make, [per_epoch + 2, 2 * per_epoch, 3 * per_epoch - 1], engine=engine) == ref
 
 
-def _run(ckdir: Path, steps: int, *, stop_after: int | None = None, engine: str = "concurrent") -> dict[str, Any]:
+def _run(ckdir: Path, steps: int, *, stop_after: int | None = None, engine: str = "concurrent",
+         accumulate: int = 1) -> dict[str, Any]:
     """An Accelerate loop (model, AdamW, scheduler and loader all prepared) with hpcckpt; returns
-    the final parameters and every loss, or raises RequeueExit after step ``stop_after``."""
+    the final parameters and every loss, or raises RequeueExit after step ``stop_after``.
+    ``accumulate`` > 1: ``accelerator.accumulate`` over that many batches, the Accelerator registered."""
     torch.manual_seed(0)
-    acc = accelerate.Accelerator(cpu=True)
+    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=accumulate)
     model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     sched = torch.optim.lr_scheduler.StepLR(opt, 3, gamma=0.5)
@@ -74,14 +76,15 @@ def _run(ckdir: Path, steps: int, *, stop_after: int | None = None, engine: str 
     model, opt, data, sched = acc.prepare(model, opt, data, sched)
     assert type(opt).__name__ == "AcceleratedOptimizer"
     ck = Checkpointer(ckdir, every_steps=2, engine=engine)
-    ck.register(model=model, optimizer=opt, scheduler=sched)
+    ck.register(model=model, optimizer=opt, scheduler=sched, **({"accelerator": acc} if accumulate > 1 else {}))
     losses = []
     for step, (x, y) in ck.loop(data, steps):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        acc.backward(loss)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
+        with acc.accumulate(model):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            acc.backward(loss)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
         losses.append((step, loss.item()))
         if stop_after is not None and step == stop_after:
             os.kill(os.getpid(), signal.SIGUSR2)  # the stop, through the real handler
@@ -99,6 +102,35 @@ def test_an_accelerated_optimizer_is_saved_and_resumed_exactly(engine: str, tmp_
     assert [s for s, _ in got["losses"]] == list(range(14, 25))
     assert got["losses"] == ref["losses"][14:]
     assert all(torch.equal(a, b) for a, b in zip(got["params"], ref["params"]))
+
+
+@pytest.mark.parametrize("engine", ["sync", "concurrent"])
+def test_accelerate_accumulation_resumes_exactly_with_the_accelerator_registered(engine: str, tmp_path: Path) -> None:
+    """``accelerator.accumulate`` over 3 batches, stopped inside accumulations (7: one batch in;
+    14: two in): the gradients accumulated so far and the Accelerator's count of batches come back."""
+    ref = _run(tmp_path / "a", 25, engine=engine, accumulate=3)
+    for stop in (6, 13):
+        with pytest.raises(RequeueExit):
+            _run(tmp_path / "b", 25, stop_after=stop, engine=engine, accumulate=3)
+    got = _run(tmp_path / "b", 25, engine=engine, accumulate=3)
+    assert got["losses"] == ref["losses"][14:]
+    assert all(torch.equal(a, b) for a, b in zip(got["params"], ref["params"]))
+
+
+def test_accelerate_accumulation_without_the_accelerator_is_named() -> None:
+    from hpcckpt.coverage import unsaved
+    from hpcckpt.state import TrainState
+    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=4)
+    model = torch.nn.Linear(2, 2)
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    state = TrainState()
+    state.register("model", model)
+    state.register("optimizer", opt)
+    lines = unsaved(state.objects)
+    assert len(lines) == 1 and "every 4 batches" in lines[0] and "accelerator=accelerator" in lines[0], lines
+    state.register("accelerator", acc)  # saved as its count of batches
+    assert unsaved(state.objects) == []
+    assert state.objects["accelerator"].state_dict() == {"step": acc.step}
 
 
 def test_the_step_hooks_go_on_the_optimizer_a_wrapper_steps() -> None:
