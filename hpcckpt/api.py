@@ -120,11 +120,12 @@ class Checkpointer:
         self.progress = Progress()  # epoch, loader passes, finished: saved as "__progress__"
         self.state.objects[Progress.NAME] = self.progress
         self.progress.grads = self._accumulated_grads
-        # The step during which a registered optimizer last stepped (its post-hook: _stepped), by
-        # the count of steps once it ends; a boundary after a step without one falls inside a
-        # gradient accumulation.
-        self._stepped_in: int | None = None
+        # Gradients accumulated since a registered optimizer last stepped: set by a hook on the
+        # registered modules' parameters, cleared by the optimizers' post-hook (_hook_steps). A
+        # boundary where it is set falls inside a gradient accumulation.
+        self._accumulating = False
         self._step_hooks: dict[int, Any] = {}
+        self._grad_hooks: dict[int, Any] = {}
         self._resume_rng: dict[str, Any] | None = None  # the saved RNG, set again where training resumes
         self._already_finished = False
         self._progress_restored = False
@@ -224,27 +225,36 @@ class Checkpointer:
         self._already_finished = self.progress.finished
 
     def _hook_steps(self, objects: dict[str, Any]) -> None:
-        """Note the step in which each registered optimizer steps (``_accumulated_grads``)."""
+        """Follow gradient accumulation (``_accumulated_grads``): each registered optimizer's
+        steps, and the gradients reaching the first and last trained parameter of each
+        registered module (two Python calls a backward, whatever the model's size)."""
         for name, obj in objects.items():
-            if not isinstance(obj, torch.optim.Optimizer):
-                continue
-            try:
-                stepping = stepping_optimizer(obj, name)
-            except ConfigError:
-                continue  # a wrapper without hooks: the engine says so where it needs them
-            if id(stepping) not in self._step_hooks:
-                self._step_hooks[id(stepping)] = stepping.register_step_post_hook(self._stepped)
+            if isinstance(obj, torch.optim.Optimizer):
+                try:
+                    stepping = stepping_optimizer(obj, name)
+                except ConfigError:
+                    continue  # a wrapper without hooks: the engine says so where it needs them
+                if id(stepping) not in self._step_hooks:
+                    self._step_hooks[id(stepping)] = stepping.register_step_post_hook(self._stepped)
+            elif isinstance(obj, torch.nn.Module):
+                trained = [p for p in obj.parameters() if p.requires_grad]
+                for p in {id(p): p for p in trained[:1] + trained[-1:]}.values():
+                    if id(p) not in self._grad_hooks and hasattr(p, "register_post_accumulate_grad_hook"):
+                        self._grad_hooks[id(p)] = p.register_post_accumulate_grad_hook(self._accumulated)
 
     def _stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._stepped_in = self.step + 1  # the step under way: counted once it ends
+        self._accumulating = False
+
+    def _accumulated(self, param: Any) -> None:
+        self._accumulating = True
 
     def _accumulated_grads(self) -> dict[str, dict[str, torch.Tensor]]:
         """The gradients of the registered modules when this boundary falls inside a gradient
-        accumulation (no registered optimizer stepped during the step just ended: a loop that
-        steps every N batches): they are the partial sum the next batches add to, so a resume
-        from here must have them. Empty at any other boundary (and without a registered optimizer)."""
-        if not self._step_hooks or self._stepped_in in (self.step, self.step + 1):
-            return {}  # stepped in the step just ended, or in the one under way (a capture inside it)
+        accumulation (a backward since a registered optimizer last stepped: a loop that steps
+        every N batches): they are the partial sum the next batches add to, so a resume from
+        here must have them. Empty at any other boundary (and without a registered optimizer)."""
+        if not self._step_hooks or not self._accumulating:
+            return {}
         out: dict[str, dict[str, torch.Tensor]] = {}
         for name, obj in self.state.objects.items():
             if isinstance(obj, torch.nn.Module):
@@ -272,6 +282,7 @@ class Checkpointer:
                                       "resume with the model that saved it")
                 p.grad = grad.to(p.device, copy=True)
         if back:
+            self._accumulating = True  # the accumulation goes on until the optimizer steps
             log.info("hpcckpt: resumed inside a gradient accumulation: the gradients accumulated since the last "
                      "optimizer step are back in %s", ", ".join(back))
 
@@ -827,6 +838,10 @@ class Checkpointer:
             jit, self._jit = self._jit, None
             jit.close()
         self.engine.close()  # first: its finisher thread uses the background group
+        for hook in (*self._step_hooks.values(), *self._grad_hooks.values()):
+            hook.remove()
+        self._step_hooks.clear()
+        self._grad_hooks.clear()
         self.ranks.close()
         self.signals.uninstall()
         self._lease.release()  # last: saves in flight are durable before another writer may start
