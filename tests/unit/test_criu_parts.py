@@ -117,13 +117,39 @@ def _nsinit(tmp_path: Path, script: str) -> tuple[subprocess.Popen, Path]:
     return proc, out
 
 
+def _signal_masks(pid: int) -> str:
+    """The signal masks of ``pid`` and its children, to say why a signal was not acted on (this
+    test timed out once in a fresh-clone CI run, in 8 runs)."""
+    lines = []
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        kids = []
+    for p in [str(pid), *kids]:
+        try:
+            status = Path(f"/proc/{p}/status").read_text().splitlines()
+        except OSError:
+            continue
+        lines.append(f"{p}: " + " ".join(ln for ln in status if ln.startswith(("State", "Sig", "ShdPnd"))))
+    return "; ".join(lines)
+
+
+def _wait_or_explain(proc: subprocess.Popen, timeout: float) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        why = _signal_masks(proc.pid)
+        proc.kill()
+        raise AssertionError(f"no exit {timeout} s after the signal; {why}") from None
+
+
 def test_nsinit_forwards_signals_and_returns_the_status(tmp_path: Path) -> None:
     proc, out = _nsinit(tmp_path, "import signal, sys, time\n"
                                   "signal.signal(signal.SIGTERM, lambda s, f: sys.exit(7))\n"
                                   "print('ready', flush=True)\n"
                                   "time.sleep(60)\n")
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 7
+    assert _wait_or_explain(proc, 30) == 7
 
 
 def test_nsinit_reports_death_by_signal_as_128_plus(tmp_path: Path) -> None:
@@ -168,7 +194,9 @@ def test_app_mode_forwards_signals_and_passes_the_exit_status(tmp_path: Path) ->
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "ready"
     proc.send_signal(signal.SIGUSR2)
-    out, _ = proc.communicate(timeout=60)
+    _wait_or_explain(proc, 60)  # the summary is one short JSON line: the pipe never fills
+    with proc.stdout:
+        out = proc.stdout.read()
     assert proc.returncode == 42 and flag.exists()
     assert json.loads(out)["exit_code"] == 42
     assert not (tmp_path / "criu").exists()
