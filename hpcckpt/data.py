@@ -533,10 +533,7 @@ class LoaderPosition:
                 return iter(())
             # As the pass began: a sampler the loader cannot save (one given to it, as Accelerate's
             # adapter does) is fast-forwarded by drawing its order again, from these states.
-            _set_host(self._rng)
-            for role, g in _generators(self.loader).items():
-                if role in self._rng:
-                    g.set_state(self._rng[role])
+            self._set_rngs(self._rng)
             it, empty = _begun(self.loader)
             if empty and self.taken:
                 self._counted()
@@ -552,9 +549,15 @@ class LoaderPosition:
             # torchdata puts a sampler's generator back to the pass's start and draws the order again,
             # but not the worker seed the pass's iter() drew from the loader's generator after it: the
             # generators are set to their state after that iter(), as in the uninterrupted run.
-            for role, g in _generators(self.loader).items():
-                if role in self._rng_iter:
-                    g.set_state(self._rng_iter[role])
+            self._set_rngs(self._rng_iter)
+
+    def _set_rngs(self, rng: Mapping[str, torch.Tensor]) -> None:
+        """Set each RNG ``rng`` holds a state for: the host's (torch, python, numpy) and the
+        loader's generators, by role."""
+        _set_host(rng)
+        for role, g in _generators(self.loader).items():
+            if role in rng:
+                g.set_state(rng[role])
 
     def _begin(self) -> Iterator[Any]:
         if not self.stateful:
@@ -644,10 +647,7 @@ class LoaderPosition:
         try:
             if earlier:
                 self._replay_passes(earlier)
-            _set_host(self._rng)
-            for role, g in _generators(self.loader).items():
-                if role in self._rng:
-                    g.set_state(self._rng[role])
+            self._set_rngs(self._rng)
             mode = self._mode()
             skipped = 0 if sampler is not None else self.taken
             it, wrapper = self._patched_iter(skipped if mode == "indices" else 0)
@@ -688,10 +688,7 @@ class LoaderPosition:
         try:
             for record in records:
                 rng = record.get("rng") or {}
-                _set_host(rng)
-                for role, g in _generators(self.loader).items():
-                    if role in rng:
-                        g.set_state(rng[role])
+                self._set_rngs(rng)
                 for role, epoch in (record.get("epochs") or {}).items():
                     if role in samplers:
                         samplers[role].set_epoch(epoch)
