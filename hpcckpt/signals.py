@@ -22,6 +22,22 @@ log = logging.getLogger("hpcckpt.signals")
 Handler = Callable[[int, FrameType | None], Any] | int | None
 
 
+def unblock(signals: Iterable[int], who: str = "hpcckpt") -> list[str]:
+    """Unblock ``signals`` in the calling thread's mask; the names of those that were blocked.
+
+    A blocked mask is inherited through fork and exec: a job started by a launcher that
+    blocked SIGTERM (or a thread that did, around a ``fork``) would keep a preemption's
+    signal pending for ever in a single-threaded process, and its handler would never run.
+    Logged once per call when it happens, naming the signals."""
+    wanted = {int(s) for s in signals}
+    was = signal.pthread_sigmask(signal.SIG_UNBLOCK, wanted)
+    blocked = sorted(signal.Signals(s).name for s in wanted & {int(b) for b in was})
+    if blocked:
+        log.warning("%s: %s %s blocked in this process (inherited from what started it); unblocked, "
+                    "so that a stop is seen", who, ", ".join(blocked), "was" if len(blocked) == 1 else "were")
+    return blocked
+
+
 @dataclass(frozen=True)
 class Received:
     signum: int
@@ -60,6 +76,7 @@ class SignalRecorder:
         for sig in self.signals:
             if sig not in self._previous:
                 self._previous[sig] = signal.signal(sig, self._record)
+        unblock(self.signals)
 
     def uninstall(self) -> None:
         for sig, prev in self._previous.items():
@@ -196,6 +213,7 @@ class AfterRun:
             _after_run.disarm()
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
+        unblock(self.signals)
         _after_run = self
         return True
 

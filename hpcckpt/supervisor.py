@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from .exitcodes import EXIT_REQUEUE
+from .signals import unblock
 
 log = logging.getLogger("hpcckpt.supervisor")
 
@@ -84,3 +85,4 @@ class LocalSupervisor:
     def forward_signals(self, signums: Sequence[int] = (_signal.SIGUSR1, _signal.SIGUSR2, _signal.SIGTERM)) -> None:
         for s in signums:
             _signal.signal(s, lambda n, _f: self.signal(n))
+        unblock(signums, "hpcckpt supervisor")  # the command inherits the mask: it must see them too

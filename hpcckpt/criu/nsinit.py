@@ -96,6 +96,9 @@ class Init:
                     signal.signal(sig, self._on_signal)
                 except (OSError, ValueError):
                     pass
+        # A mask blocked by whatever started us would hold every forwarded signal pending
+        # for ever (and the job inherits the mask): PID 1 must see them, SIGCHLD included.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signal.valid_signals())
 
     def _on_signal(self, signum, _frame):
         if self.job is None:

@@ -106,6 +106,7 @@ from ..exitcodes import EXIT_REQUEUE
 from ..lifecycle import identity, requeue
 from ..lifecycle.ledger import Ledger, process_start_time
 from ..policy import bounded_lead_s, warning_wait_s
+from ..signals import unblock
 from ..proc import tree as proctree
 from ..store.commit import Transaction, atomic_write
 from ..store.lock import writer_lock
@@ -232,6 +233,7 @@ class Supervisor:
         for sig in set(FORWARDED) | set(self.opts.dump_signals):
             signal.signal(sig, self._record)
         signal.signal(signal.SIGCHLD, lambda _s, _f: None)
+        unblock(set(FORWARDED) | set(self.opts.dump_signals) | {signal.SIGCHLD}, "hpcckpt run")
 
     def _sleep(self, timeout_s: float) -> None:
         if self.pending:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
@@ -104,12 +104,18 @@ def test_prune_keeps_newest_and_latest_and_drops_stale_temp_dirs(tmp_path: Path)
     assert [im.seq for im in images.committed(root)] == [2, 3]
 
 
-def _nsinit(tmp_path: Path, script: str) -> tuple[subprocess.Popen, Path]:
+def _blocking(*signums: int) -> Callable[[], None]:
+    """A ``preexec_fn`` starting the child with ``signums`` blocked, as a launcher that blocked
+    them would (the mask is kept across exec)."""
+    return lambda: signal.pthread_sigmask(signal.SIG_BLOCK, set(signums)) and None
+
+
+def _nsinit(tmp_path: Path, script: str, *, blocked: tuple[int, ...] = ()) -> tuple[subprocess.Popen, Path]:
     body = tmp_path / "child.py"
     body.write_text(script)
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-I", "-S", str(NSINIT), "start", str(out), str(tmp_path / "err"), "--",
-                             sys.executable, str(body)])
+                             sys.executable, str(body)], preexec_fn=_blocking(*blocked) if blocked else None)
     deadline = time.monotonic() + 30
     while "ready" not in (out.read_text() if out.exists() else ""):
         assert time.monotonic() < deadline and proc.poll() is None
@@ -143,11 +149,14 @@ def _wait_or_explain(proc: subprocess.Popen, timeout: float) -> int:
         raise AssertionError(f"no exit {timeout} s after the signal; {why}") from None
 
 
-def test_nsinit_forwards_signals_and_returns_the_status(tmp_path: Path) -> None:
+@pytest.mark.parametrize("blocked", [(), (signal.SIGTERM, signal.SIGCHLD)], ids=["mask-clear", "started-blocked"])
+def test_nsinit_forwards_signals_and_returns_the_status(tmp_path: Path, blocked: tuple[int, ...]) -> None:
+    # Started with SIGTERM blocked (inherited from a launcher), PID 1 unblocks what it forwards
+    # and reaps; the job inherits the cleared mask and sees the signal too.
     proc, out = _nsinit(tmp_path, "import signal, sys, time\n"
                                   "signal.signal(signal.SIGTERM, lambda s, f: sys.exit(7))\n"
                                   "print('ready', flush=True)\n"
-                                  "time.sleep(60)\n")
+                                  "time.sleep(60)\n", blocked=blocked)
     proc.send_signal(signal.SIGTERM)
     assert _wait_or_explain(proc, 30) == 7
 
@@ -183,14 +192,16 @@ def test_run_cli_parses_options() -> None:
     assert (opts.keep, opts.on_restore_failure, opts.mode) == (3, "fresh", "criu")
 
 
-def test_app_mode_forwards_signals_and_passes_the_exit_status(tmp_path: Path) -> None:
+@pytest.mark.parametrize("blocked", [(), (signal.SIGUSR2,)], ids=["mask-clear", "started-blocked"])
+def test_app_mode_forwards_signals_and_passes_the_exit_status(tmp_path: Path, blocked: tuple[int, ...]) -> None:
     flag = tmp_path / "got"
     script = ("import signal, sys, time, pathlib\n"
               f"signal.signal(signal.SIGUSR2, lambda s, f: (pathlib.Path({str(flag)!r}).write_text('x'), sys.exit(42)))\n"
               "print('ready', flush=True)\n"
               "time.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-m", "hpcckpt.cli", "run", "--mode", "app", "--dir", str(tmp_path),
-                             "--json", "--", sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+                             "--json", "--", sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            preexec_fn=_blocking(*blocked) if blocked else None)
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "ready"
     proc.send_signal(signal.SIGUSR2)
