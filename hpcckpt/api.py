@@ -137,6 +137,8 @@ class Checkpointer:
         self._handles: list[SaveHandle] = []
         self._started = False
         self._closed = False
+        self._driven = 0  # step boundaries run and training passes opened: epochs() tells a full-batch epoch by it
+        self._epoch_steps_logged = False
         usable_root(self.root)  # made if needed; a ConfigError naming it and the fix, never a raw OSError
         me = identity.current()
         self._lease = WriterLease(self.root, job_id=me.raw_job_id, restart=me.restart, job=me.job_id)
@@ -438,7 +440,8 @@ class Checkpointer:
         Resumes at the epoch in progress when the checkpoint was taken; the epoch's code runs
         as written (evaluation, ``scheduler.step()``, ``sampler.set_epoch``). When the last
         epoch ends, the final state is checkpointed and the run is marked finished; a re-run
-        says so and yields nothing.
+        says so and yields nothing. An epoch that trains without ``batches``/``loop``/``step_done``
+        (full-batch training) is one step, its end the step's boundary (``_epoch_was_a_step``).
         """
         epochs = _epoch_range(bounds)
         self._begin()
@@ -448,10 +451,27 @@ class Checkpointer:
                                f"(step {self.step})")
         for i in range(first, len(epochs)):
             self.progress.epoch = i
+            driven = self._driven
             yield epochs[i]
+            if self._driven == driven:
+                self._epoch_was_a_step(i)
         self.progress.epoch = len(epochs)
         self._finish()
         self.close()
+
+    def _epoch_was_a_step(self, i: int) -> None:
+        """An epoch that ran no step boundary and opened no ``ckpt.batches`` pass (full-batch
+        training: one optimizer step an epoch, as pytorch/examples' gcn and gat) is one step,
+        and its end the step's boundary: periodic saves count epochs, and a stop (signal,
+        time limit, maintenance) is taken there with the next epoch as the resume point.
+        Before, such a loop never reached a boundary: a stop was recorded and never taken,
+        and the job was killed with nothing saved since it started."""
+        if not self._epoch_steps_logged:
+            self._epoch_steps_logged = True
+            log.info("hpcckpt: epoch %d ran no step of ckpt.batches/loop/step_done: each epoch counts as one "
+                     "step (saves and stops at epoch ends)", i)
+        self.progress.epoch = i + 1  # what a save here resumes at
+        self.step_done()
 
     def step_done(self) -> None:
         """One training step finished (a loop hpcckpt does not drive: ``while``, callbacks).
@@ -550,6 +570,7 @@ class Checkpointer:
         self._loss = None
 
     def _boundary(self) -> None:
+        self._driven += 1
         self.signals.guard_children()
         if self._jit is not None:
             self._jit.at_boundary(self.step)  # the small state of this boundary, for a JIT save
@@ -948,6 +969,7 @@ class Batches:
 
     def _pass(self, start: int | None, mine: list[Any] | None) -> Iterator[Any]:
         ck = self._ckpt
+        ck._driven += 1  # an epoch of ckpt.epochs() that opens a pass is not itself a step, even if it is empty
         pos = ck._position(self._loader, self._name, skip=self._skip)
         ck._begin()
         ck._resume_point()

@@ -137,6 +137,39 @@ def test_step_done_loop_resumes_exactly(tmp_path: Path) -> None:
     assert losses == ref and same_state(o, ref_o)
 
 
+def full_batch_loop(ckdir: Path, kind: str, losses: list[str], stop_at: int | None = None,
+                    every_steps: int | None = None) -> dict[str, Any]:
+    """pytorch/examples gcn's shape: the whole data set each epoch, one optimizer step, no loader:
+    only ``ckpt.epochs()`` is integrated. Dropout draws from the RNG every epoch."""
+    o = setup(kind)
+    x, y = o["loader"].dataset.tensors
+    ck = Checkpointer(ckdir, every_steps=every_steps)
+    ck.register(model=o["model"], opt=o["opt"], sched=o["sched"])
+    for epoch in ck.epochs(1, 13):
+        step(o, (x, y), losses)
+        o["sched"].step()
+        losses[-1] += f" epoch {epoch}"
+        signal_if(ck, stop_at)
+    return o
+
+
+def test_a_full_batch_epoch_loop_stops_at_an_epoch_end_and_resumes_at_the_next(tmp_path: Path) -> None:
+    # Before, no boundary ever ran in such a loop: the stop signal was recorded and never taken
+    # (the run trained to its end, or in a job was killed with nothing saved).
+    ref: list[str] = []
+    ref_o = full_batch_loop(tmp_path / "ref", "shuffle", ref)
+    assert len(ref) == 12
+    losses, o = resumed(full_batch_loop, tmp_path / "run", "shuffle", [5, 9])  # after epochs 5 and 9
+    assert losses == ref and same_state(o, ref_o)
+    assert o["sched"].last_epoch == ref_o["sched"].last_epoch == 12
+    starts = [e for e in Ledger(tmp_path / "run").read() if e["event"] == "start"]
+    assert [s["resumed_from"] for s in starts] == [None, 5, 9]
+    periodic: list[str] = []
+    full_batch_loop(tmp_path / "every", "shuffle", periodic, every_steps=4)  # saves count epochs
+    assert periodic == ref
+    assert sorted(p.name for p in (tmp_path / "every").glob("step-*")) == ["step-12", "step-4", "step-8"]
+
+
 @pytest.mark.parametrize("name", list(LOOPS))
 def test_rerunning_a_finished_job_says_so_and_trains_nothing(name: str, tmp_path: Path,
                                                              caplog: pytest.LogCaptureFixture) -> None:
