@@ -137,6 +137,8 @@ class Checkpointer:
         self._handles: list[SaveHandle] = []
         self._started = False
         self._closed = False
+        # A trainer whose own loop resumes its data (set by the integrations): no loose-iterator warning.
+        self.data_resumed_by: str | None = None
         self._driven = 0  # step boundaries run and training passes opened: epochs() tells a full-batch epoch by it
         self._epoch_steps_logged = False
         usable_root(self.root)  # made if needed; a ConfigError naming it and the fix, never a raw OSError
@@ -553,6 +555,19 @@ class Checkpointer:
             from .check import append_trace
             append_trace(self._trace, {"note": "unsaved", "what": lines})
 
+    def _warn_loose_iterators(self) -> None:
+        """At the first step of a run that takes no batch through ``ckpt.batches``/``loop``:
+        name the DataLoader iterators the script keeps (``coverage.loose_loader_iterators``)."""
+        if not self.ranks.is_coordinator:
+            return
+        from .coverage import loose_loader_iterators
+        lines = loose_loader_iterators(self.state.objects)
+        for line in lines:
+            log.warning("hpcckpt: not saved: %s", line)
+        if lines and self._trace is not None:
+            from .check import append_trace
+            append_trace(self._trace, {"note": "unsaved", "what": lines})
+
     def report_loss(self, loss: Any) -> None:
         """Optional: this step's loss, compared step by step by ``hpcckpt check`` (else unused)."""
         if self._trace is not None:
@@ -571,6 +586,8 @@ class Checkpointer:
 
     def _boundary(self) -> None:
         self._driven += 1
+        if self.step == self._start_step + 1 and not self.progress.positions and self.data_resumed_by is None:
+            self._warn_loose_iterators()
         self.signals.guard_children()
         if self._jit is not None:
             self._jit.at_boundary(self.step)  # the small state of this boundary, for a JIT save

@@ -17,6 +17,7 @@ gradient scaler, a sampler or a data loader), it may save them itself, and nothi
 """
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -126,3 +127,35 @@ def unsaved(objects: Mapping[str, Any]) -> list[str]:
             lines.append(f"optimizer {name!r} trains {_values(trained)} that nothing registered saves: a resume "
                          "would bring back its state without them. Register the module they belong to")
     return lines + accumulation
+
+
+def loose_loader_iterators(objects: Mapping[str, Any]) -> list[str]:
+    """One line per live DataLoader iterator (``iter(loader)`` kept by the script), for a run
+    whose training takes no batch through ``ckpt.batches``/``loop``: hpcckpt does not know
+    such an iterator's place, and a resumed run makes a new one, whose pass starts again
+    (another order when shuffled; batches trained before the stop come again, others are
+    never seen). Looked for once, at the first step boundary (one ``gc.get_objects()``, ~45 ms
+    with transformers imported). The iterator of a registered loader that saves its own place
+    (torchdata's ``StatefulDataLoader``) is not one."""
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+    stateful = any(isinstance(o, torch.utils.data.DataLoader) and hasattr(o, "load_state_dict")
+                   for o in objects.values())
+    lines = []
+    for obj in gc.get_objects():
+        # type(), not isinstance(): isinstance reads __class__, which some objects answer with a
+        # warning (torch.distributed's deprecated reduce_op)
+        if not issubclass(type(obj), _BaseDataLoaderIter) or (stateful and hasattr(obj, "state_dict")):
+            continue
+        dataset = type(getattr(obj, "_dataset", None)).__name__
+        sampler = getattr(obj, "_index_sampler", None)
+        inner = getattr(sampler, "sampler", sampler)
+        shuffled = isinstance(inner, (torch.utils.data.RandomSampler, torch.utils.data.SubsetRandomSampler,
+                                      torch.utils.data.WeightedRandomSampler))
+        taken = int(getattr(obj, "_num_yielded", 0))
+        lines.append(f"the place in its pass of a DataLoader iterator over {dataset} ({taken} "
+                     f"batch{'' if taken == 1 else 'es'} taken so far), which training takes its batches from "
+                     "outside ckpt.batches/loop: a resumed run makes a new iterator, whose pass starts again"
+                     f"{' in another order' if shuffled else ''} (batches trained before the stop come again, "
+                     "others are never seen). Take them from `for step, batch in ckpt.loop(loader, total_steps):`, "
+                     "or `ckpt.batches(loader)` each epoch")
+    return lines

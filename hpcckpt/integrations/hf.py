@@ -141,6 +141,7 @@ class HpcckptTrainerCallback(TrainerCallback):  # type: ignore[misc,valid-type] 
         if kwargs.get("train_dataloader") is not None:  # its workers start with the first epoch, after this
             quiet_workers(kwargs["train_dataloader"], self.ckpt.signals.signals)
         total = int(state.max_steps) if state.max_steps and state.max_steps > 0 else 2**62
+        self.ckpt.data_resumed_by = "the Hugging Face Trainer"  # it skips the trained batches itself
         self._steps = self.ckpt.steps(total)
         try:
             next(self._steps)

@@ -216,6 +216,7 @@ class HpcckptCallback(pl.Callback):  # type: ignore[name-defined]  # pl is found
         self.ckpt.signals.install()
         for loader in getattr(getattr(trainer.fit_loop, "_combined_loader", None), "flattened", None) or ():
             quiet_workers(loader, self.ckpt.signals.signals)  # where its workers have not started yet
+        self.ckpt.data_resumed_by = "Lightning"  # its restored fit loop resumes its loaders
         self._steps = self.ckpt.steps(_total_steps(trainer))
         try:
             next(self._steps)
