@@ -17,6 +17,7 @@ has already ended the job).
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import sys
@@ -978,6 +979,17 @@ class Batches:
         mine.append(weakref.ref(it))
         return it
 
+    @property
+    def start(self) -> int:
+        """The number of batches of this epoch trained before the stop when the epoch resumes
+        (the number its first batch had in the uninterrupted run), else 0: for a loop that
+        numbers the batches a wrapper of its own yields, ``enumerate(log_every(batches),
+        start=batches.start)``. Read it before the epoch's pass begins."""
+        ck = self._ckpt
+        ck._begin()
+        pos = ck._position(self._loader, self._name, skip=self._skip)
+        return pos.taken if pos.pending else 0
+
     def enumerate(self, start: int = 0) -> Iterator[tuple[int, Any]]:
         """``enumerate(batches, start)`` numbered as in the uninterrupted run: in a resumed
         epoch the first batch gets the index it had there (``start`` plus the batches trained
@@ -1002,14 +1014,52 @@ class Batches:
             ck.step_done()
 
 
+def _next_index(e: enumerate) -> int | None:
+    """The number an ``enumerate`` gives its next item (its ``start`` before its first)."""
+    try:
+        return int(e.__reduce__()[1][1])
+    except (TypeError, IndexError, ValueError):
+        return None
+
+
+def _enumerated(it: Any, taken: int) -> str | None:
+    """Whether an ``enumerate()`` numbers the batches of the pass ``it``: wrapping it, or a
+    generator that runs on top of it in this call (torchvision references' ``MetricLogger.log_every``,
+    ``tqdm``). The wrappers are running, so their hold on the pass is on their value stacks,
+    which the collector does not see: they are told by their code objects on the call stack.
+    One that counts from ``taken`` (``enumerate(..., start=batches.start)``) numbers them right."""
+    import gc
+    import sys
+    import types
+    if any(type(r) is enumerate and _next_index(r) != taken for r in gc.get_referrers(it)):
+        return "direct"
+    running: set[types.CodeType] = set()
+    frame = sys._getframe(1)
+    for _ in range(16):  # the generators between the pass and the loop that numbers the batches
+        frame = frame.f_back  # type: ignore[assignment]  # None ends the walk below
+        if frame is None:
+            break
+        if frame.f_code.co_flags & (inspect.CO_GENERATOR | inspect.CO_ASYNC_GENERATOR):
+            running.add(frame.f_code)
+    if not running:
+        return None
+    for obj in gc.get_objects():
+        if type(obj) is not enumerate or _next_index(obj) == taken:
+            continue
+        inner = gc.get_referents(obj)
+        if any(type(g) is types.GeneratorType and g.gi_running and g.gi_code in running for g in inner):
+            return "wrapped"
+    return None
+
+
 def _warn_if_enumerated(ck: Checkpointer, it: Any, taken: int, loader: Any) -> None:
     """A resumed epoch iterated through ``enumerate()``: its count starts at 0 again, ``taken``
     batches short of the uninterrupted run's, so code that depends on it (sampling from the
     model in train mode every N batches: BatchNorm statistics) diverges silently. Found once
     a resumed pass, at its first batch, among the objects that refer to the pass (~17 ms for
     170,000 objects)."""
-    import gc
-    if it is None or not any(type(r) is enumerate for r in gc.get_referrers(it)):
+    how = _enumerated(it, taken) if it is not None else None
+    if how is None:
         return
     try:
         of = f" of {len(loader)}"
@@ -1019,8 +1069,12 @@ def _warn_if_enumerated(ck: Checkpointer, it: Any, taken: int, loader: Any) -> N
                 "enumerate(), which counts from 0 again: code that depends on that number (logging or "
                 "sampling every N batches, an i == 0 branch) runs at other batches than in the uninterrupted "
                 "run, and where that code changes the model (a forward pass in train mode updates BatchNorm "
-                "statistics) the run diverges. Number them with `for i, batch in ckpt.batches(loader)"
-                ".enumerate():` (the uninterrupted run's numbers)", taken, of)
+                "statistics) the run diverges. %s", taken, of,
+                "Number them with `for i, batch in ckpt.batches(loader).enumerate():` (the uninterrupted run's "
+                "numbers)" if how == "direct" else
+                "It numbers what a generator of the script yields from ckpt.batches(loader) (a logger's "
+                "log_every, tqdm): start its count where the epoch resumes, `batches = ckpt.batches(loader)` "
+                "then `enumerate(wrapper(batches), start=batches.start)`")
     if ck._trace is not None and ck.ranks.is_coordinator:
         from .check import append_trace
         append_trace(ck._trace, {"note": "enumerate", "taken": taken})

@@ -30,7 +30,9 @@ NON_PERSISTENT = " (non-persistent buffers)"
 ENUMERATE_HINT = ("a batch number from enumerate(ckpt.batches(loader)), which counts from 0 again in a resumed "
                   "epoch: code run every N batches (a sample from the model in train mode updates its BatchNorm "
                   "statistics) runs at other batches; number them with "
-                  "`for i, batch in ckpt.batches(loader).enumerate():`")
+                  "`for i, batch in ckpt.batches(loader).enumerate():`, or, where enumerate() numbers what a "
+                  "wrapper yields (a logger's log_every, tqdm), with "
+                  "`enumerate(wrapper(batches), start=batches.start)`")
 RNG_HINT = ("random numbers drawn between register() and the first step (data made there: negative labels, a "
             "random split, masks): register() puts the saved RNG back at once, so that code draws other numbers "
             "than it did in the uninterrupted run (ckpt.steps/batches/loop set the RNG again where training resumes, "

@@ -195,6 +195,12 @@ def test_resuming_past_a_smaller_total_says_so(tmp_path: Path, caplog: pytest.Lo
     assert len(said) == 1 and "step 32 of total_steps=24" in said[0] and "HPCCKPT_DIR" in said[0], said
 
 
+def log_every(iterable: Any) -> Any:
+    """A generator of the script's own between the batches and the loop's enumerate()."""
+    for obj in iterable:
+        yield obj
+
+
 def sampling_loop(ckdir: Path, numbered: str, log: list[str], stop_at: int | None = None) -> dict[str, Any]:
     """DCGAN's loop: every 5th batch of an epoch (by its number) samples from the model in
     train mode, which updates its BatchNorm statistics; the numbers are logged."""
@@ -206,7 +212,15 @@ def sampling_loop(ckdir: Path, numbered: str, log: list[str], stop_at: int | Non
     ck.register(model=o["model"], opt=o["opt"])
     for epoch in ck.epochs(EPOCHS):
         batches = ck.batches(o["loader"])
-        for i, batch in (enumerate(batches) if numbered == "enumerate" else batches.enumerate()):
+        if numbered == "enumerate":
+            numbering = enumerate(batches)
+        elif numbered == "wrapped":  # torchvision references' MetricLogger.log_every, tqdm
+            numbering = enumerate(log_every(batches))
+        elif numbered == "wrapped-start":
+            numbering = enumerate(log_every(batches), start=batches.start)
+        else:
+            numbering = batches.enumerate()
+        for i, batch in numbering:
             step(o, batch, log)
             log.append(f"{epoch}/{i}")
             if i % 5 == 0:
@@ -215,7 +229,7 @@ def sampling_loop(ckdir: Path, numbered: str, log: list[str], stop_at: int | Non
     return o
 
 
-@pytest.mark.parametrize("numbered", ["enumerate", "batches.enumerate"])
+@pytest.mark.parametrize("numbered", ["enumerate", "batches.enumerate", "wrapped", "wrapped-start"])
 def test_a_resumed_epoch_numbered_by_enumerate_says_so_and_batches_enumerate_keeps_the_numbers(
         numbered: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """Both runs traced as ``hpcckpt check`` traces them: with enumerate() its hint comes first."""
@@ -229,10 +243,11 @@ def test_a_resumed_epoch_numbered_by_enumerate_says_so_and_batches_enumerate_kee
     said = [r.getMessage() for r in caplog.records if "enumerate()" in r.getMessage()]
     (a, _, _), (b, _, notes) = read_trace(tmp_path / "ref.jsonl"), read_trace(tmp_path / "run.jsonl")
     checked = compare(a, b, [19], 1, notes)
-    if numbered == "enumerate":
+    if numbered in ("enumerate", "wrapped"):
         # its count starts at 0 again: the samples move, the BatchNorm statistics differ
         assert "1/0" in losses[losses.index("0/15") + 1:] and not same_state(o, ref_o)
-        assert len(said) == 1 and "batch 3 of 16" in said[0] and ".enumerate()" in said[0], said
+        fix = ".enumerate()" if numbered == "enumerate" else "start=batches.start"
+        assert len(said) == 1 and "batch 3 of 16" in said[0] and fix in said[0], said
         assert notes == ["enumerate"] and not checked.identical and checked.first_diverging_step == 20
         assert checked.hints[0] == ENUMERATE_HINT
     else:
