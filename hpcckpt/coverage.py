@@ -153,9 +153,9 @@ def loose_loader_iterators(objects: Mapping[str, Any]) -> list[str]:
                                       torch.utils.data.WeightedRandomSampler))
         taken = int(getattr(obj, "_num_yielded", 0))
         lines.append(f"the place in its pass of a DataLoader iterator over {dataset} ({taken} "
-                     f"batch{'' if taken == 1 else 'es'} taken so far), which training takes its batches from "
+                     f"batch{'' if taken == 1 else 'es'} taken so far), which the script takes batches from "
                      "outside ckpt.batches/loop: a resumed run makes a new iterator, whose pass starts again"
                      f"{' in another order' if shuffled else ''} (batches trained before the stop come again, "
-                     "others are never seen). Take them from `for step, batch in ckpt.loop(loader, total_steps):`, "
-                     "or `ckpt.batches(loader)` each epoch")
+                     "others are never seen). For training, take them from `for step, batch in ckpt.loop(loader, "
+                     "total_steps):` or `ckpt.batches(loader)` each epoch")
     return lines
