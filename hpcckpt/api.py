@@ -53,6 +53,12 @@ log = logging.getLogger("hpcckpt")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+# Time between the end of an epoch's training pass and the next pass (its evaluation and other
+# per-epoch code) from which the pass's end is checkpointed: a stop that comes in such a stretch
+# (a preemption's TERM, whose grace is Slurm's KillWait, 30 s by default, or the site's GraceTime)
+# waits for the next step boundary, and a job killed before it comes back from there.
+LONG_TAIL_S = 30.0
+
 
 class RequeueExit(SystemExit):
     """Raised after the final checkpoint is durable (and the job requeued): exit 75."""
@@ -131,6 +137,8 @@ class Checkpointer:
         self._already_finished = False
         self._progress_restored = False
         self._last_step_t: float | None = None
+        self._tail_from: float | None = None  # when the last training pass of ckpt.batches ended
+        self._tail_s: float | None = None  # how long the code between two passes took, last measured
         self._loader_names: dict[int, str] = {}
         self._fresh_ok = False
         self._jit: Any = None  # hpcckpt.jit.JitGuard with jit=True, from the first step on
@@ -475,6 +483,23 @@ class Checkpointer:
                      "step (saves and stops at epoch ends)", i)
         self.progress.epoch = i + 1  # what a save here resumes at
         self.step_done()
+
+    def _pass_ended(self) -> None:
+        """A training pass of ``ckpt.batches`` has ended. When the code between the previous
+        two passes (an evaluation, per-epoch work) took ``LONG_TAIL_S`` or more, this state is
+        checkpointed now (every rank, when any measured so): a stop that comes during that code
+        is only taken at the next step boundary, and a job killed before it would lose the
+        epoch (with no periodic saves, the run). A resume from here runs the epoch's code again
+        from its start, as after a stop at the epoch's last batch."""
+        self._tail_from = time.monotonic()
+        long_tail = self._tail_s is not None and self._tail_s >= LONG_TAIL_S
+        if not self.ranks.max(int(long_tail)):
+            return
+        if self.committed_step == self.step or any(h.step == self.step for h in self._handles):
+            return  # a periodic save of this step already
+        log.info("hpcckpt: checkpointing the end of this epoch's training (step %d): the code between epochs "
+                 "took %.0fs last time, and a stop during it waits for the next step", self.step, self._tail_s or 0)
+        self.save()
 
     def step_done(self) -> None:
         """One training step finished (a loop hpcckpt does not drive: ``while``, callbacks).
@@ -1005,6 +1030,8 @@ class Batches:
         it = pos.open()
         ck.signals.guard_children()  # its workers may be the first of the process (torch's SIGCHLD handler)
         ck._last_step_t = time.monotonic()
+        if ck._tail_from is not None:
+            ck._tail_s, ck._tail_from = ck._last_step_t - ck._tail_from, None
         if mine and pos.taken:
             _warn_if_enumerated(ck, mine[0](), pos.taken, self._loader)
         for batch in it:
@@ -1012,6 +1039,7 @@ class Batches:
             pos.took()
             yield batch if start is None else (start + index, batch)
             ck.step_done()
+        ck._pass_ended()
 
 
 def _next_index(e: enumerate) -> int | None:
