@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import pytest
 
@@ -104,18 +104,22 @@ def test_prune_keeps_newest_and_latest_and_drops_stale_temp_dirs(tmp_path: Path)
     assert [im.seq for im in images.committed(root)] == [2, 3]
 
 
-def _blocking(*signums: int) -> Callable[[], None]:
-    """A ``preexec_fn`` starting the child with ``signums`` blocked, as a launcher that blocked
-    them would (the mask is kept across exec)."""
-    return lambda: signal.pthread_sigmask(signal.SIG_BLOCK, set(signums)) and None
+def _blocking(*signums: int) -> list[str]:
+    """A command prefix that starts what follows with ``signums`` blocked, as a launcher that
+    blocked them would (the mask is kept across exec; no ``preexec_fn`` in a threaded worker)."""
+    if not signums:
+        return []
+    code = ("import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, {%s}); "
+            "os.execv(sys.argv[1], sys.argv[1:])" % ", ".join(str(int(n)) for n in signums))
+    return [sys.executable, "-c", code]
 
 
 def _nsinit(tmp_path: Path, script: str, *, blocked: tuple[int, ...] = ()) -> tuple[subprocess.Popen, Path]:
     body = tmp_path / "child.py"
     body.write_text(script)
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-I", "-S", str(NSINIT), "start", str(out), str(tmp_path / "err"), "--",
-                             sys.executable, str(body)], preexec_fn=_blocking(*blocked) if blocked else None)
+    proc = subprocess.Popen([*_blocking(*blocked), sys.executable, "-I", "-S", str(NSINIT), "start", str(out),
+                             str(tmp_path / "err"), "--", sys.executable, str(body)])
     deadline = time.monotonic() + 30
     while "ready" not in (out.read_text() if out.exists() else ""):
         assert time.monotonic() < deadline and proc.poll() is None
@@ -199,9 +203,9 @@ def test_app_mode_forwards_signals_and_passes_the_exit_status(tmp_path: Path, bl
               f"signal.signal(signal.SIGUSR2, lambda s, f: (pathlib.Path({str(flag)!r}).write_text('x'), sys.exit(42)))\n"
               "print('ready', flush=True)\n"
               "time.sleep(60)\n")
-    proc = subprocess.Popen([sys.executable, "-m", "hpcckpt.cli", "run", "--mode", "app", "--dir", str(tmp_path),
-                             "--json", "--", sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                            preexec_fn=_blocking(*blocked) if blocked else None)
+    proc = subprocess.Popen([*_blocking(*blocked), sys.executable, "-m", "hpcckpt.cli", "run", "--mode", "app",
+                             "--dir", str(tmp_path), "--json", "--", sys.executable, "-c", script],
+                            stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "ready"
     proc.send_signal(signal.SIGUSR2)
