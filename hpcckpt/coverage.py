@@ -141,6 +141,7 @@ def loose_loader_iterators(objects: Mapping[str, Any]) -> list[str]:
     stateful = any(isinstance(o, torch.utils.data.DataLoader) and hasattr(o, "load_state_dict")
                    for o in objects.values())
     lines = []
+    gc.collect()  # iterators only a reference cycle still holds (a finished loop's frame) are gone
     for obj in gc.get_objects():
         # type(), not isinstance(): isinstance reads __class__, which some objects answer with a
         # warning (torch.distributed's deprecated reduce_op)
