@@ -25,7 +25,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
@@ -933,13 +933,30 @@ def _stopped_after_run(got: Received, *, step: int, committed_step: int | None,
         ledger.append("stop", reason="after_run", step=step, committed_step=committed_step, requeue=True,
                       final_saved=True, signame=got.name, signal_time=got.wall_s)
         _requeue_logged(cluster, root, ledger, StopReason.SIGNAL.cause, committed_step)
-    if not threading.main_thread().is_alive():
+    if _script_returned():
         # The script has returned: the interpreter is joining its threads or running atexit
         # callbacks, where a SystemExit is printed and ignored and the process would exit 0,
         # so the requeue just recorded would not happen where exit 75 is how it is made (a
         # local supervisor). End here with 75, as a stop inside the script would.
         flush_and_exit(EXIT_REQUEUE)
     raise RequeueExit("after_run", step)
+
+
+def _script_returned() -> bool:
+    """Whether the interpreter is past the script's last line. The main thread is marked
+    stopped only near the end of ``threading._shutdown`` (after the threading atexit calls,
+    e.g. joining executors' workers), so a signal handled before that also looks for the
+    ``_shutdown`` frame on the interrupted stack."""
+    if not threading.main_thread().is_alive():
+        return True
+    shutdown = getattr(threading, "_shutdown", None)
+    code = getattr(shutdown, "__code__", None)
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _requeue_logged(cluster: Cluster, root: Path, ledger: Ledger, cause: str,

@@ -400,15 +400,28 @@ threading.Thread(target=linger).start()
 """
 
 
-def test_a_stop_signal_after_the_script_returned_still_exits_75(ckdir: Path) -> None:
-    """A stop signal while the interpreter joins the script's threads (after its last line):
-    Python prints and ignores a SystemExit raised there, so the process exited 0 though the
-    ledger said the job was requeued, and under a local supervisor it never came back. It
-    exits 75, the requeue recorded."""
+EXECUTOR_SHUTDOWN_SCRIPT = LATE_SIGNAL_SCRIPT + """
+import concurrent.futures, threading
+def linger():  # a task of the script's executor: the interpreter waits for it in threading._shutdown,
+    # before the main thread is marked stopped (threading.main_thread().is_alive() is still True)
+    while not concurrent.futures.thread._shutdown:
+        threading.Event().wait(0.01)
+    print("joining", flush=True)
+    threading.Event().wait(60)
+concurrent.futures.ThreadPoolExecutor(1).submit(linger)
+"""
+
+
+@pytest.mark.parametrize("script", [SHUTDOWN_SCRIPT, EXECUTOR_SHUTDOWN_SCRIPT], ids=["thread", "executor"])
+def test_a_stop_signal_after_the_script_returned_still_exits_75(ckdir: Path, script: str) -> None:
+    """A stop signal while the interpreter joins the script's threads or executors (after its
+    last line): Python prints and ignores a SystemExit raised there, so the process exited 0
+    though the ledger said the job was requeued, and under a local supervisor it never came
+    back. It exits 75, the requeue recorded."""
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-c", SHUTDOWN_SCRIPT, str(ckdir)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", script, str(ckdir)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
     assert proc.stdout is not None
     assert [proc.stdout.readline().strip() for _ in range(2)] == ["finished", "joining"], proc.communicate()[1]
