@@ -139,7 +139,9 @@ class Checkpointer:
         self._last_step_t: float | None = None
         self._tail_from: float | None = None  # when the last training pass of ckpt.batches ended
         self._tail_s: float | None = None  # how long the code between two passes took, last measured
-        self._loader_names: dict[int, str] = {}
+        self._loader_names: dict[int, str] = {}  # id of a loader object -> its key (``_loader_key``)
+        self._keys_used: tuple[Any, set[str]] = (None, set())  # (epoch, keys whose pass began in it)
+        self._legacy_keys: bool | None = None  # a run begun before call-site keys: "loader<N>" by first use
         self._fresh_ok = False
         self._jit: Any = None  # hpcckpt.jit.JitGuard with jit=True, from the first step on
         self._initialized: list[torch.optim.Optimizer] = []  # optimizers whose state a restore created
@@ -518,12 +520,9 @@ class Checkpointer:
         self._boundary()
 
     def _position(self, loader: Any, name: str | None, **options: Any) -> Any:
-        """The saved pass of ``loader`` (``data.LoaderPosition``), by name or by first use."""
-        key = self._loader_names.get(id(loader))
-        if key is None:
-            key = name or f"loader{len(self._loader_names)}"
-            self._loader_names[id(loader)] = key
-            quiet_workers(loader, self.signals.signals)  # before its workers start
+        """The saved pass of ``loader`` (``data.LoaderPosition``), by ``_loader_key``."""
+        self._begin()  # the saved positions are restored there
+        key = self._loader_key(loader, name)
         fresh = key not in self.progress.positions
         pos = self.progress.position(key, loader, **options)
         sampler = find_resumable(loader)
@@ -531,6 +530,50 @@ class Checkpointer:
         if fresh and sampler is not None and self.resumed_from is not None and not self._progress_restored:
             pos.load_state_dict({"passes": 1, "taken": 0})  # a checkpoint from before positions were saved
         return pos
+
+    def _loader_key(self, loader: Any, name: str | None) -> str:
+        """The name a loader's passes are saved under, the same in every run of the script.
+
+        The same object is the same loader. Another object is named by ``name``, else by where
+        the script hands it over (file and function of the first caller outside hpcckpt) and
+        its order among the loaders that began a pass there in this epoch of ``epochs()``:
+        a loader made anew each epoch (``ckpt.batches(range(...))``, a ``DataLoader`` or a
+        ``tqdm`` built in the epoch's code) keeps its name from epoch to epoch and from run to
+        run, two loaders trained in turn keep theirs. Before, a new object was the next
+        ``loader<N>``: a resumed run gave its interrupted pass another loader's saved
+        position (it trained none of that epoch's remaining batches, and skipped the next
+        epoch's first ones), unless memory reuse happened to give the new object the old
+        one's ``id``. Without ``epochs()`` a loader made anew each epoch needs ``name``.
+        A run whose checkpoint names its loaders the old way keeps the old way."""
+        if self._legacy_keys is None:
+            saved = [k for k in self.progress.restored_loader_names() if k.startswith("loader")]
+            self._legacy_keys = bool(saved) and all(k[6:].isdigit() for k in saved)
+        known = self._loader_names.get(id(loader))
+        if known is not None:
+            pos = self.progress.positions.get(known)
+            if self._legacy_keys or pos is not None and pos.loader is loader:
+                self._use_key(known)
+                return known
+        quiet_workers(loader, self.signals.signals)  # before its workers start
+        if name:
+            key = name
+        elif self._legacy_keys:
+            key = f"loader{len(self._loader_names)}"
+        else:
+            site, used = _caller_site(), self._use_key(None)
+            key = next(k for k in (f"{site}#{j}" for j in range(len(used) + 1)) if k not in used)
+        self._loader_names[id(loader)] = key
+        self._use_key(key)
+        return key
+
+    def _use_key(self, key: str | None) -> set[str]:
+        """The loader keys whose pass began in the current epoch (``key`` added)."""
+        epoch = self.progress.epoch
+        if self._keys_used[0] != epoch:
+            self._keys_used = (epoch, set())
+        if key is not None:
+            self._keys_used[1].add(key)
+        return self._keys_used[1]
 
     def _resume_point(self) -> None:
         """Training resumes here: the RNG becomes the saved one again, whatever ran since
@@ -959,6 +1002,17 @@ def _script_returned() -> bool:
     return False
 
 
+def _caller_site() -> str:
+    """``file.py:function`` of the innermost caller outside hpcckpt (where a loader is handed over)."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and str(frame.f_globals.get("__name__", "")).partition(".")[0] == "hpcckpt":
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    code = frame.f_code
+    return f"{os.path.basename(code.co_filename)}:{getattr(code, 'co_qualname', code.co_name)}"
+
+
 def _requeue_logged(cluster: Cluster, root: Path, ledger: Ledger, cause: str,
                     committed_step: int | None) -> dict[str, Any]:
     """The lifecycle's requeue on the Checkpointer's behalf, its decision logged."""
@@ -1039,10 +1093,13 @@ class Batches:
     def _pass(self, start: int | None, mine: list[Any] | None) -> Iterator[Any]:
         ck = self._ckpt
         ck._driven += 1  # an epoch of ckpt.epochs() that opens a pass is not itself a step, even if it is empty
+        ck._begin()  # first: the saved positions are restored there
         pos = ck._position(self._loader, self._name, skip=self._skip)
-        ck._begin()
         ck._resume_point()
+        resumed = pos.pending
         it = pos.open()
+        if not resumed:
+            pos.in_epoch = ck.progress.epoch
         ck.signals.guard_children()  # its workers may be the first of the process (torch's SIGCHLD handler)
         ck._last_step_t = time.monotonic()
         if ck._tail_from is not None:

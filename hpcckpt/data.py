@@ -476,6 +476,7 @@ class LoaderPosition:
         self._worker_passes: list[dict[str, Any]] = []
         self._restored: Mapping[str, Any] | None = None
         self._epoch_counter: int | None = None  # an adapter's pass count as the current pass began
+        self.in_epoch: int | None = None  # the epoch of Checkpointer.epochs() the current pass began in
 
     @property
     def resumable(self) -> ResumableSampler | None:
@@ -748,6 +749,8 @@ class LoaderPosition:
             state["loader"] = self.loader.state_dict()
         if self._epoch_counter is not None:
             state["iteration"] = self._epoch_counter
+        if self.in_epoch is not None:
+            state["in_epoch"] = self.in_epoch
         return state
 
     @staticmethod
@@ -760,6 +763,8 @@ class LoaderPosition:
             raise CheckpointCorrupt(f"loader position lacks {missing}; the checkpoint's data position is damaged")
         if not all(_is_int(state[k]) and state[k] >= 0 for k in ("passes", "taken")):
             raise CheckpointCorrupt(f"loader position has passes={state['passes']!r}, taken={state['taken']!r}")
+        if state.get("in_epoch") is not None and not (_is_int(state["in_epoch"]) and state["in_epoch"] >= 0):
+            raise CheckpointCorrupt(f"loader position has in_epoch={state['in_epoch']!r}")
         workers = state.get("workers")
         records: list[Any] = []
         if workers is not None:
@@ -793,6 +798,20 @@ class LoaderPosition:
         self._workers_from = int(workers.get("from", 0))
         self._worker_passes = [dict(r) for r in workers.get("passes", [])]
         self._epoch_counter = int(state["iteration"]) if "iteration" in state else None
+        self.in_epoch = int(state["in_epoch"]) if state.get("in_epoch") is not None else None
+
+    def settle(self) -> None:
+        """The restored pass began in an earlier epoch than the one resuming (a second loader
+        of the epoch, whose pass of this epoch had not begun at the save): it is over, and
+        the next ``open()`` begins this epoch's pass instead of resuming it (which would
+        skip it whole)."""
+        self._restored = None
+        if _persistent(self.loader):
+            log.warning("hpcckpt: this DataLoader keeps its worker processes across epochs (persistent_workers="
+                        "True) and had not begun this epoch's pass when the checkpoint was taken: its workers start "
+                        "anew, so random augmentation in them differs from the uninterrupted run from here on. For an "
+                        "exact resume use persistent_workers=False for it, or seed augmentation from the sample "
+                        "index and epoch")
 
 
 class Progress:
@@ -822,7 +841,13 @@ class Progress:
             saved = self._restored_loaders.pop(name, None)
             if saved is not None:
                 pos.load_state_dict(saved)
+                if self.epoch is not None and pos.in_epoch is not None and pos.in_epoch != self.epoch:
+                    pos.settle()
         return pos
+
+    def restored_loader_names(self) -> list[str]:
+        """The loaders the restored checkpoint holds positions of, still unclaimed."""
+        return list(self._restored_loaders)
 
     def state_dict(self) -> dict[str, Any]:
         loaders = {**self._restored_loaders, **{n: p.state_dict() for n, p in self.positions.items()}}
