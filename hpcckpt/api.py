@@ -142,6 +142,7 @@ class Checkpointer:
         self._loader_names: dict[int, str] = {}  # id of a loader object -> its key (``_loader_key``)
         self._keys_used: tuple[Any, set[str]] = (None, set())  # (epoch, keys whose pass began in it)
         self._legacy_keys: bool | None = None  # a run begun before call-site keys: "loader<N>" by first use
+        self._sites_warned: set[str] = set()
         self._fresh_ok = False
         self._jit: Any = None  # hpcckpt.jit.JitGuard with jit=True, from the first step on
         self._initialized: list[torch.optim.Optimizer] = []  # optimizers whose state a restore created
@@ -562,6 +563,13 @@ class Checkpointer:
         else:
             site, used = _caller_site(), self._use_key(None)
             key = next(k for k in (f"{site}#{j}" for j in range(len(used) + 1)) if k not in used)
+            if self.progress.epoch is None and not key.endswith("#0") and site not in self._sites_warned:
+                self._sites_warned.add(site)
+                log.warning("hpcckpt: %s hands ckpt.batches another loader object than before, and no ckpt.epochs() "
+                            "loop tells its epochs apart: its passes are saved as another loader's (%s). Loaders "
+                            "trained in turn need nothing; a loader made anew each epoch needs `for epoch in "
+                            "ckpt.epochs(...)` or a name (ckpt.batches(loader, name=\"train\")), else a resumed run "
+                            "resumes another pass than the one stopped", site, key)
         self._loader_names[id(loader)] = key
         self._use_key(key)
         return key

@@ -219,6 +219,33 @@ def test_a_loader_made_anew_each_epoch_resumes_its_interrupted_pass(kind: str, t
     assert losses == ref and same_state(o, ref_o)
 
 
+def own_epochs_loop(ckdir: Path, kind: str, losses: list[str], stop_at: int | None = None) -> dict[str, Any]:
+    """No epoch loop of ckpt.epochs(): passes over a loader made anew each time until a step
+    budget is spent, the loader with a name (``kind="named"``) or without."""
+    o = setup("shuffle")
+    data = o["loader"].dataset
+    with Checkpointer(ckdir, every_steps=None) as ck:
+        ck.register(model=o["model"], opt=o["opt"])
+        while ck.step < EPOCHS * PER_EPOCH:  # a step budget, passes as many as it takes
+            batches = ck.batches(range(0, len(data), 4), name="train" if kind == "named" else None)
+            for i in batches:
+                step(o, data[i:i + 4], losses)
+                signal_if(ck, stop_at)
+    return o
+
+
+def test_a_loader_made_anew_without_ckpt_epochs_is_named_in_the_log_and_a_name_resumes_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="hpcckpt"):
+        own_epochs_loop(tmp_path / "anon", "anon", [])
+    said = [r.getMessage() for r in caplog.records if "another loader object" in r.getMessage()]
+    assert len(said) == 1 and "own_epochs_loop" in said[0] and 'name="train"' in said[0], said
+    ref: list[str] = []
+    ref_o = own_epochs_loop(tmp_path / "ref", "named", ref)
+    losses, o = resumed(own_epochs_loop, tmp_path / "run", "named", [21])
+    assert losses == ref and same_state(o, ref_o)
+
+
 @pytest.mark.parametrize("name", list(LOOPS))
 def test_rerunning_a_finished_job_says_so_and_trains_nothing(name: str, tmp_path: Path,
                                                              caplog: pytest.LogCaptureFixture) -> None:
