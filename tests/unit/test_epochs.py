@@ -246,6 +246,29 @@ def test_a_loader_made_anew_without_ckpt_epochs_is_named_in_the_log_and_a_name_r
     assert losses == ref and same_state(o, ref_o)
 
 
+def test_a_checkpoint_naming_its_loaders_by_first_use_resumes_with_that_naming(tmp_path: Path) -> None:
+    """Checkpoints written before call-site names name an unnamed loader ``loader<N>`` by first
+    use: a run resumed from one keeps that naming (here the first run names its loader so
+    by hand, as the earlier hpcckpt did), else its interrupted pass would begin again."""
+    def run(ckdir: Path, losses: list[str], name: str | None, stop_at: int | None = None) -> dict[str, Any]:
+        o = setup("shuffle")
+        ck = Checkpointer(ckdir, every_steps=None)
+        ck.register(model=o["model"], opt=o["opt"])
+        for _ in ck.epochs(EPOCHS):
+            for batch in ck.batches(o["loader"], name=name):
+                step(o, batch, losses)
+                signal_if(ck, stop_at)
+        return o
+
+    ref: list[str] = []
+    ref_o = run(tmp_path / "ref", ref, None)
+    losses: list[str] = []
+    with pytest.raises(RequeueExit):
+        run(tmp_path / "run", losses, "loader0", 21)
+    o = run(tmp_path / "run", losses, None)
+    assert losses == ref and same_state(o, ref_o)
+
+
 @pytest.mark.parametrize("name", list(LOOPS))
 def test_rerunning_a_finished_job_says_so_and_trains_nothing(name: str, tmp_path: Path,
                                                              caplog: pytest.LogCaptureFixture) -> None:
