@@ -408,7 +408,7 @@ def _listing(root: Path) -> list[tuple[int, bool, str, int]]:
                 digits = name[5:]
                 if digits.isascii() and digits.isdigit() and (digits[0] != "0" or digits == "0"):
                     # STEP_RE without the regex: a root keeping thousands of checkpoints lists
-                    # them at every resume and prune (1.9 ms for 2,000 with the match, 1.1 without)
+                    # them at every resume and prune (2,000: 1.9 ms a listing with the match, 1.6 without)
                     found.append((int(digits), True, name, e.inode()))
                 elif m := tmp_re(name):
                     found.append((int(m.group(1)), False, name, e.inode()))
