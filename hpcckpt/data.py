@@ -315,6 +315,12 @@ def _sampler_unknown(loader: Any) -> bool:
              ResumableSampler, _Skip)
     found = [getattr(holder, "sampler", None), getattr(holder, "batch_sampler", None),
              getattr(getattr(holder, "batch_sampler", None), "sampler", None)]
+    if all(s is None for s in found):
+        # No sampler at all: a generator or an iterable of the script's own, which may draw its
+        # order as its pass begins (`np.random.permutation`, `random.shuffle`: batch generators
+        # of many scripts); a resumed pass that draws it from the resume point's RNGs takes
+        # another order. Containers draw nothing.
+        return not isinstance(holder, (range, list, tuple, str, bytes, torch.Tensor, np.ndarray))
     return any(s is not None and not isinstance(s, known) for s in found)
 
 

@@ -219,6 +219,47 @@ def test_a_loader_made_anew_each_epoch_resumes_its_interrupted_pass(kind: str, t
     assert losses == ref and same_state(o, ref_o)
 
 
+def shuffled_batches(data: Any, rng: str) -> Any:
+    """A batch generator of the script's own that shuffles as its pass begins, with ``rng``."""
+    import random
+
+    import numpy as np
+    n = len(data)
+    order = (torch.randperm(n).tolist() if rng == "torch" else random.sample(range(n), n) if rng == "python"
+             else np.random.permutation(n).tolist())
+    for i in range(0, n, 4):
+        yield data[order[i:i + 4]]
+
+
+def generator_loop(ckdir: Path, rng: str, losses: list[str], stop_at: int | None = None) -> dict[str, Any]:
+    import random
+
+    import numpy as np
+    random.seed(1)
+    np.random.seed(1)
+    o = setup("shuffle")
+    data = o["loader"].dataset
+    ck = Checkpointer(ckdir, every_steps=None)
+    ck.register(model=o["model"], opt=o["opt"])
+    for _ in ck.epochs(EPOCHS):
+        for batch in ck.batches(shuffled_batches(data, rng)):
+            step(o, batch, losses)
+            losses[-1] += f" {random.random()} {np.random.rand()}"  # training draws from them too
+            signal_if(ck, stop_at)
+    return o
+
+
+@pytest.mark.parametrize("rng", ["torch", "python", "numpy"])
+def test_a_batch_generator_shuffling_as_its_pass_begins_resumes_in_its_order(rng: str, tmp_path: Path) -> None:
+    # Before, the start of a pass over a generator recorded only the torch RNG: one shuffling
+    # with `random` or NumPy (np.random.permutation in many scripts' batch_iter) drew another
+    # order in a resumed epoch, from the resume point's RNGs.
+    ref: list[str] = []
+    ref_o = generator_loop(tmp_path / "ref", rng, ref)
+    losses, o = resumed(generator_loop, tmp_path / "run", rng, [21, 40])
+    assert losses == ref and same_state(o, ref_o)
+
+
 def own_epochs_loop(ckdir: Path, kind: str, losses: list[str], stop_at: int | None = None) -> dict[str, Any]:
     """No epoch loop of ckpt.epochs(): passes over a loader made anew each time until a step
     budget is spent, the loader with a name (``kind="named"``) or without."""
