@@ -111,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         result = {"param_digest": digest(model), "global_step": int(trainer.state.global_step),
                   "world_size": int(args.world_size)}
         (run.dir / "result.json").write_text(json.dumps(result))
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # The Trainer made the process group and leaves it: torch 2.13's gloo group, left to the
+        # interpreter's exit, aborted a rank now and then ("terminate called without an active
+        # exception", exit -6) after the run had finished (as pytorch/examples' DDP scripts, end it).
+        torch.distributed.barrier()  # both ranks end it together (one rank alone in it waited for ever)
+        torch.distributed.destroy_process_group()
     return 0
 
 
