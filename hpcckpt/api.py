@@ -1087,9 +1087,7 @@ class Batches:
         (the number its first batch had in the uninterrupted run), else 0: for a loop that
         numbers the batches a wrapper of its own yields, ``enumerate(log_every(batches),
         start=batches.start)``. Read it before the epoch's pass begins."""
-        ck = self._ckpt
-        ck._begin()
-        pos = ck._position(self._loader, self._name, skip=self._skip)
+        pos = self._ckpt._position(self._loader, self._name, skip=self._skip)
         return pos.taken if pos.pending else 0
 
     def enumerate(self, start: int = 0) -> Iterator[tuple[int, Any]]:
@@ -1101,8 +1099,7 @@ class Batches:
     def _pass(self, start: int | None, mine: list[Any] | None) -> Iterator[Any]:
         ck = self._ckpt
         ck._driven += 1  # an epoch of ckpt.epochs() that opens a pass is not itself a step, even if it is empty
-        ck._begin()  # first: the saved positions are restored there
-        pos = ck._position(self._loader, self._name, skip=self._skip)
+        pos = ck._position(self._loader, self._name, skip=self._skip)  # begins the run first (the restore)
         ck._resume_point()
         resumed = pos.pending
         it = pos.open()
