@@ -112,11 +112,20 @@ def main(argv: list[str] | None = None) -> int:
                   "world_size": int(args.world_size)}
         (run.dir / "result.json").write_text(json.dumps(result))
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        # The Trainer made the process group and leaves it: torch 2.13's gloo group, left to the
-        # interpreter's exit, aborted a rank now and then ("terminate called without an active
-        # exception", exit -6) after the run had finished (as pytorch/examples' DDP scripts, end it).
-        torch.distributed.barrier()  # both ranks end it together (one rank alone in it waited for ever)
-        torch.distributed.destroy_process_group()
+        # The Trainer made the process group and leaves it to the interpreter's exit, where torch
+        # 2.13's gloo backend races with itself: its worker thread, still destroying a finished
+        # collective's work, waits for the GIL to drop a Python tensor, while the main thread,
+        # holding the GIL, destroys the DDP reducer -> ProcessGroupGloo, whose destructor joins
+        # that worker: a deadlock (py-spy: MainThread in ~ProcessGroupGloo / std::thread::join,
+        # the gloo thread in ~AsyncAllgatherWork / gil_scoped_acquire; 1 run in 5 with a CPU-bound
+        # process beside it). Left without a barrier it aborted instead ("terminate called without
+        # an active exception"). Both ranks meet once everything is written, then leave without
+        # the interpreter's teardown, as the run is complete: nothing of the group is destroyed
+        # while its threads still work.
+        torch.distributed.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
