@@ -202,7 +202,9 @@ def _meta(meta: Any, step: int, tensors: Mapping[str, Any], where: str,
 
 
 def _rank(rank: int, rec: Any, step: int, files: Mapping[str, Any], shared: Mapping[str, Any], *,
-          meta: bool = True) -> None:
+          meta: bool = True) -> tuple[str, Any, str]:
+    """One rank's record checked; returns (its file, its checked tensors, its format), for
+    ``_bounded`` of that file with every other rank's record that lists it."""
     where = f"rank {rank}"
     rec = _dict(rec, f"{where} record")
     fname = safe_relpath(rec.get("file"), f"{where} file")
@@ -219,10 +221,9 @@ def _rank(rank: int, rec: Any, step: int, files: Mapping[str, Any], shared: Mapp
         tensors = _dict(tensors, f"{where} tensors")
         for name, e in tensors.items():
             _tensor(name, e, fmt, file_bytes, where)
-    if fmt == "torch" or "crc32c" in files[fname]:  # a file read whole: no bigger than what it holds
-        _bounded(fname, file_bytes, tensors, fmt, where)
     if meta:
         _meta(rec.get("meta"), step, tensors, where, shared)
+    return fname, tensors, fmt
 
 
 def _table(t: TensorTable, fmt: str, file_bytes: int, where: str) -> None:
@@ -248,15 +249,39 @@ ARCHIVE_SLACK_BYTES = 1 << 20  # a rank file's bytes beyond its tensors': header
 TENSOR_SLACK_BYTES = 64 << 10  # ... and per tensor (zip/HDF5 records, 4 KiB alignment, its name)
 
 
-def _bounded(fname: str, file_bytes: int, tensors: Mapping[str, Any], fmt: str, where: str) -> None:
+def _bounded(fname: str, file_bytes: int, listed: list[tuple[int, Any, str]]) -> None:
     """A rank file that is read whole (whole-file crc32c) is at most its tensors' bytes plus
     bounded overhead: verify and a resume stay proportional to the bytes the manifest lists,
-    whatever size a crafted manifest gives a (sparse) file."""
-    # records already checked one by one, or a checked table
-    held = TensorTable.from_records(tensors).held_bytes(summed=fmt == "torch")
-    limit = held + ARCHIVE_SLACK_BYTES + TENSOR_SLACK_BYTES * len(tensors)
+    whatever size a crafted manifest gives a (sparse) file.
+
+    ``listed``: (rank, checked tensors, format) of every rank record that names the file. A
+    file is bounded by all the tensors they list, each name once: a JIT checkpoint's one
+    ``jit.pt`` holds every rank's tensors while each rank's record lists only its own (and
+    the replicated ones in the writer's record alone)."""
+    if len(listed) == 1:  # the usual case, a file per rank: its table as it is
+        rank, tensors, fmt = listed[0]
+        held = TensorTable.from_records(tensors).held_bytes(summed=fmt == "torch")
+        count = len(tensors)
+    else:
+        summed = any(fmt == "torch" for _r, _t, fmt in listed)
+        sizes: dict[str, int] = {}  # name -> the most bytes any record gives it
+        ends = 0  # where the last range that holds bytes ends (files with offsets)
+        for _r, tensors, _fmt in listed:
+            table = TensorTable.from_records(tensors)
+            for name, nb in zip(table.names, table.nbytes):
+                if nb > sizes.get(name, -1):
+                    sizes[name] = nb
+            if not summed:
+                ends = max(ends, table.held_bytes(summed=False))
+        held = sum(sizes.values()) if summed else ends
+        count = len(sizes)
+        rank = listed[0][0]
+    limit = held + ARCHIVE_SLACK_BYTES + TENSOR_SLACK_BYTES * count
     if file_bytes > limit:
-        raise Invalid(f"{where} file {fname!r} is listed as {file_bytes} bytes, but its tensors account for "
+        whose = f"rank {rank}"
+        if len(listed) > 1:
+            whose = f"ranks {', '.join(str(r) for r, _t, _f in listed[:5])}{' ...' if len(listed) > 5 else ''}"
+        raise Invalid(f"{whose} file {fname!r} is listed as {file_bytes} bytes, but its tensors account for "
                       f"{held}; at most {limit} is plausible")
 
 
@@ -334,8 +359,14 @@ def validate(manifest: Mapping[str, Any], *, step: int | None, meta: bool = True
                       f"({', '.join((FORMAT_V1, *DISTRIBUTED_FORMATS))}); "
                       "upgrade hpcckpt")
     shared = _dict(manifest.get("shared", {}), "manifest shared") if fmt in DISTRIBUTED_FORMATS else {}
+    listed: dict[str, list[tuple[int, Any, str]]] = {}
     for r in range(world):
-        _rank(r, ranks[str(r)], m_step, files, shared, meta=meta)
+        fname, tensors, rfmt = _rank(r, ranks[str(r)], m_step, files, shared, meta=meta)
+        listed.setdefault(fname, []).append((r, tensors, rfmt))
+    for fname, recs in listed.items():
+        # a file read whole (a torch archive, or a whole-file crc32c): no bigger than what it holds
+        if any(rfmt == "torch" for _r, _t, rfmt in recs) or "crc32c" in files[fname]:
+            _bounded(fname, files[fname]["bytes"], recs)
     for name, spec in shared.items():
         _shared(name, spec, ranks, world)
 

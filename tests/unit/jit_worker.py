@@ -11,7 +11,9 @@ forward pass, before the gradient all-reduce), "stop" (SIGSTOP there), "kill_bou
 rank leaves through the guard's close); ``kill_writer_in_save``: the rank that writes the
 JIT checkpoint is killed after writing its file, before the commit; ``sched_first``: the
 scheduler steps first in each step (before the forward pass and the optimizer), so a failure that interrupts
-the step leaves the live learning rate one step ahead of the last completed step. The victim writes
+the step leaves the live learning rate one step ahead of the last completed step; ``engine`` (default "sync");
+``width``/``depth``: ``depth`` hidden layers of ``width`` units instead of the tiny MLP (a model
+of realistic size: many tensors, tens of MB). The victim writes
 ROOT/fault-time.json just before the fault. A rank that finishes writes
 ROOT/final-RANK.pt (model and optimizer state) and ROOT/result-RANK.json.
 """
@@ -77,12 +79,15 @@ def main() -> None:
     loader = DataLoader(data, batch_size=8, sampler=sampler)
     # find_unused_parameters=True keeps DDP from rebuilding its gradient buckets after its first
     # step: a resumed run's first step then sums gradients in the same order as the uninterrupted run.
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)),
-                find_unused_parameters=True)
+    width, depth = int(cfg.get("width", 16)), int(cfg.get("depth", 0))
+    layers: list[torch.nn.Module] = [torch.nn.Linear(8, width), torch.nn.ReLU()]
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    model = DDP(torch.nn.Sequential(*layers, torch.nn.Linear(width, 4)), find_unused_parameters=True)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
     active = False
-    with Checkpointer(root / "ckpt", engine="sync", every_steps=cfg.get("every"), keep=10, jit=True,
+    with Checkpointer(root / "ckpt", engine=cfg.get("engine", "sync"), every_steps=cfg.get("every"), keep=10, jit=True,
                       jit_timeout_s=float(cfg["timeout"])) as ck:
         resumed = ck.register(model=model, optimizer=opt, scheduler=sched, sampler=sampler)
         for step, (x, y) in ck.loop(loader, int(cfg["total"])):
