@@ -104,7 +104,8 @@ class Checkpointer:
         # With levels, periodic saves are node-local ones; the shared level's are drained from them.
         self.policy = Policy(self.options.local_every_steps or self.options.every_steps, margin_s=self.options.deadline_margin_s,
                              auto=AutoInterval(overhead_bound=self.options.overhead_bound)
-                             if self.options.auto_interval else None)
+                             if self.options.auto_interval else None,
+                             background=bool(getattr(self.cluster, "remote", False)))
         self.figures = Figures.read(self.root)  # costs measured by earlier allocations
         self.policy.seed(self.figures)
         self.policy.warning_window_s = env_value("warning_window_s", 300.0)
@@ -327,12 +328,18 @@ class Checkpointer:
         if self.levels is not None:  # the fastest level holding the newest complete step
             found = level_restore.prepare(self.levels, self.ranks)
             if found is not None:
+                step = found[0]
                 outcome = load_newest(self.levels.local, self.ranks, into=live, on_skip=self._skipped,
-                                      accept=accept, only_step=found[0])
+                                      accept=accept, only_step=step)
                 where, self.restored_level = self.levels.local, found[1]
+                if outcome.flat is None:  # its damaged files mended from the partner copies, before an older level
+                    found = level_restore.prepare(self.levels, self.ranks, verify=step)
+                    if found is not None:
+                        outcome = load_newest(self.levels.local, self.ranks, into=live, on_skip=self._skipped,
+                                              accept=accept, only_step=step)
+                        self.restored_level = found[1]
                 if outcome.flat is None:
-                    log.warning("hpcckpt: node-local step %d could not be restored; trying the shared level",
-                                found[0])
+                    log.warning("hpcckpt: node-local step %d could not be restored; trying the shared level", step)
                     outcome, where, self.restored_level = None, self.root, None
         if outcome is None:
             outcome = load_newest(self.root, self.ranks, into=live, on_skip=self._skipped, accept=accept)
@@ -890,7 +897,8 @@ class Checkpointer:
         # A deadline that came from a pulled-in end time is what Slurm does at a GraceTime
         # preemption; the cluster's record (PreemptTime) confirms it or makes it a shortened limit.
         cause = Cause.PREEMPTION if reason is StopReason.DEADLINE and self.policy.end_moved_earlier else reason.cause
-        return _requeue_logged(self.cluster, self.root, self.ledger, cause, self.committed_step)
+        return _requeue_logged(self.cluster, self.root, self.ledger, cause, self.committed_step,
+                               within_s=self.policy.time_left())
 
     def _finish(self) -> None:
         """The run ended: its final state is checkpointed (a re-run then says it finished)."""
@@ -1022,10 +1030,10 @@ def _caller_site() -> str:
 
 
 def _requeue_logged(cluster: Cluster, root: Path, ledger: Ledger, cause: str,
-                    committed_step: int | None) -> dict[str, Any]:
+                    committed_step: int | None, *, within_s: float | None = None) -> dict[str, Any]:
     """The lifecycle's requeue on the Checkpointer's behalf, its decision logged."""
     outcome = requeue(cluster=cluster, state_dir=root, cause=cause, committed_step=committed_step, ledger=ledger,
-                      source="checkpointer").as_dict()
+                      source="checkpointer", within_s=within_s).as_dict()
     log.warning("hpcckpt: requeue decision: %s", outcome)
     return outcome
 

@@ -3,7 +3,9 @@ time (minus the measured save cost), before a maintenance reservation, or when
 the node is being drained.
 
 Scheduler queries are rate-limited (they cost a call into slurmctld) and run on
-the coordinator only; ranks then agree on the outcome.
+the coordinator only; ranks then agree on the outcome. In a training process they run
+off the training thread (``Policy(background=True)``): a slow or frozen controller never
+makes a step wait; the step reads the last answer.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import logging
 import math
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -219,6 +222,12 @@ class Policy:
     _draining: bool = field(default=False, init=False)
 
     _last_save_step: int = field(default=0, init=False)
+    # Off the training thread: the query in flight, and its answer (or error) once it came.
+    background: bool = False
+    _query: threading.Thread | None = field(default=None, init=False, repr=False)
+    _answer: tuple[float | None, float | None, bool] | Exception | None = field(default=None, init=False,
+                                                                              repr=False)
+    _answer_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def periodic_due(self, step: int) -> bool:
         """This rank's wish to save at ``step``. With ``auto`` it rests on this rank's own timings,
@@ -268,23 +277,59 @@ class Policy:
         return {"auto": self.auto.report()} if self.auto is not None else {}
 
     def poll(self, cluster: Any, *, force: bool = False) -> None:
-        """Refresh end time, maintenance and drain state (rate limited unless ``force``)."""
+        """Refresh end time, maintenance and drain state (rate limited unless ``force``).
+
+        With ``background`` the queries run on a thread of their own, one at a time, and this
+        call takes the answer the last one brought: a step never waits on the scheduler. A
+        forced poll (a decision that needs the end time now: a warning signal, the start) waits
+        for a fresh answer at most ``FORCED_WAIT_S``, then goes on with the last one."""
+        self._take_answer()
         now = self.clock()
         if not force and now - self._last_poll < self.poll_s:
             return
         self._last_poll = now
+        if not self.background:
+            try:
+                self._apply(_ask(cluster))
+            except Exception as exc:  # noqa: BLE001 - a scheduler hiccup must not kill training
+                log.warning("hpcckpt: could not query the scheduler (%s); keeping the previous answers", exc)
+            return
+        query = self._query
+        if query is None or not query.is_alive():
+            query = threading.Thread(target=self._ask_in_background, args=(cluster,), daemon=True,
+                                     name="hpcckpt-scheduler-poll")
+            self._query = query
+            query.start()
+        if force:
+            query.join(FORCED_WAIT_S)
+            if query.is_alive():
+                log.warning("hpcckpt: the scheduler did not answer within %.0fs; going on with its last answers",
+                            FORCED_WAIT_S)
+            self._take_answer()
+
+    def _ask_in_background(self, cluster: Any) -> None:
         try:
-            end = cluster.end_time()
-            if end is not None and self._end_time is not None and end < self._end_time - 1.0:
-                log.warning("hpcckpt: the job's end time moved %.0fs earlier (preemption or a shortened "
-                            "limit): stopping at the next step", self._end_time - end)
-                self._moved_earlier = True
-            self._end_time = end
-            starts = [r.start_s for r in cluster.reservations() if r.is_maintenance]
-            self._maint_start = min(starts) if starts else None
-            self._draining = "DRAIN" in (cluster.node_state() or "").upper()
-        except Exception as exc:  # a scheduler hiccup must not kill training
-            log.warning("hpcckpt: could not query the scheduler (%s); keeping the previous answers", exc)
+            answer: tuple[float | None, float | None, bool] | Exception = _ask(cluster)
+        except Exception as exc:  # noqa: BLE001 - reported by the training thread (_take_answer)
+            answer = exc
+        with self._answer_lock:
+            self._answer = answer
+
+    def _take_answer(self) -> None:
+        with self._answer_lock:
+            answer, self._answer = self._answer, None
+        if isinstance(answer, Exception):
+            log.warning("hpcckpt: could not query the scheduler (%s); keeping the previous answers", answer)
+        elif answer is not None:
+            self._apply(answer)
+
+    def _apply(self, answer: tuple[float | None, float | None, bool]) -> None:
+        end, self._maint_start, self._draining = answer
+        if end is not None and self._end_time is not None and end < self._end_time - 1.0:
+            log.warning("hpcckpt: the job's end time moved %.0fs earlier (preemption or a shortened "
+                        "limit): stopping at the next step", self._end_time - end)
+            self._moved_earlier = True
+        self._end_time = end
 
     @property
     def end_moved_earlier(self) -> bool:
@@ -321,6 +366,16 @@ class Policy:
             return None
         return (f"{left:.0f}s before the end time: the stop is scheduled {self.lead_figures()} before it; "
                 "a preemption or TERM still stops at the next step")
+
+
+FORCED_WAIT_S = 10.0  # Policy.poll(force=True) in the background: how long a decision waits for Slurm
+
+
+def _ask(cluster: Any) -> tuple[float | None, float | None, bool]:
+    """(end time, the start of the first maintenance reservation overlapping the job, draining)."""
+    end = cluster.end_time()
+    starts = [r.start_s for r in cluster.reservations() if r.is_maintenance]
+    return end, (min(starts) if starts else None), "DRAIN" in (cluster.node_state() or "").upper()
 
 
 def warning_wait_s(left_s: float | None, lead_s: float, *, window_s: float,

@@ -40,6 +40,7 @@ from hpcckpt.cluster.base import Cause
 from hpcckpt.errors import ConfigError
 from hpcckpt.exitcodes import EXIT_REQUEUE
 from hpcckpt.lifecycle import requeue
+from hpcckpt.lifecycle.requeue import CANCELLED
 from hpcckpt.lifecycle.identity import Identity, current
 from hpcckpt.lifecycle.ledger import Ledger
 
@@ -187,6 +188,10 @@ def run(args: argparse.Namespace) -> int:
         if decided is not None:
             return decided
     stop, done = _newest_run(ledger, who)
+    if done is not None and done.get("method") == CANCELLED:
+        emit(args, {**{k: done.get(k) for k in ("requeued", "method", "detail")}, "already": True},
+             f"hpcckpt requeue: the job was cancelled; not requeued: {done.get('detail')}")
+        return 0
     if done is not None and done.get("requeued") is True and done.get("method") != "exit":
         info = {k: done.get(k) for k in ("requeued", "method", "detail", "successor_job_id", "evidence")}
         emit(args, {**info, "already": True},

@@ -113,6 +113,9 @@ class ClusterBase:
     """What every backend shares: the job's environment."""
 
     name = "base"
+    # Whether a query is a call into a scheduler (slurmctld), which may be slow or down: the
+    # training thread then never makes it itself (``Policy(background=True)``).
+    remote = False
 
     def __init__(self, env: JobEnv | None = None) -> None:
         self.env = env or JobEnv()

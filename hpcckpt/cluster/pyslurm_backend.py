@@ -45,6 +45,7 @@ class PySlurmCluster(SlurmCli):
     """SlurmCli with pyslurm for job reads; verbs that change the job stay on the CLI."""
 
     name = "pyslurm"
+    remote = True
 
     def __init__(self, module: ModuleType, env: JobEnv | None = None) -> None:
         super().__init__(env)

@@ -1,19 +1,24 @@
 """Slurm command-line backend: scontrol/squeue/sbatch, parsed as plain text.
 
-Slurm 22.05 has no ``--json`` for ``scontrol show``, so the one-line ``-o`` form is
-parsed. Free-text values (job name, paths) may contain spaces, quotes and ``=``;
-the parser splits only at keys Slurm itself prints, which keeps those values whole.
+Slurm 22.05 has no ``--json`` for ``scontrol show``. A job's name, comment and paths are
+its user's words and may hold anything (spaces, ``=``, newlines, a whole forged record), so
+what decisions read of a job comes from ``squeue`` fields that hold none of them
+(``show_job``), and each free-text value a successor needs is read alone, exactly. Other
+records (nodes, reservations, partitions) are parsed from the one-line ``-o`` form, split only
+at keys Slurm itself prints.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
 import re
 import shutil
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from hpcckpt.cluster.base import Cause, ClusterBase, Reservation, RequeueOutcome, node_is_draining
@@ -31,19 +36,32 @@ KNOWN_KEYS = frozenset(["JobId", "ArrayJobId", "ArrayTaskId", "ArrayTaskThrottle
 _KEY_RE = re.compile(r"(?:^|(?<=\s))([A-Za-z][A-Za-z0-9_:/]*)=")
 
 
-def parse_kv_line(line: str) -> dict[str, str]:
-    """Parse one ``scontrol show ... -o`` line into {key: value} (values stripped)."""
+def parse_kv_line(line: str, *, exact: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Parse one ``scontrol show ... -o`` line into {key: value} (values stripped).
+
+    ``exact``: free-text values known exactly (``show_job`` reads them alone): the parse steps
+    over each whole, so a key written inside one (a job named 'x JobState=PENDING') is never
+    taken for Slurm's. Without it, a free-text value is cut at the next key Slurm prints."""
+    exact = exact or {}
     found = [m for m in _KEY_RE.finditer(line) if m.group(1) in KNOWN_KEYS]
     # A free-text value that contains the very next key (a job name ending in
     # " UserId=x") shows up as that key twice in a row: the last one is Slurm's.
     cuts = [m for i, m in enumerate(found)
             if i + 1 >= len(found) or found[i + 1].group(1) != m.group(1)]
     out: dict[str, str] = {}
+    skip_to = 0
     for i, match in enumerate(cuts):
-        end = cuts[i + 1].start() if i + 1 < len(cuts) else len(line)
-        value = line[match.end():end]
+        key = match.group(1)
+        if match.start() < skip_to:
+            continue  # inside a free-text value read exactly
+        known = exact.get(key)
+        if known is not None and key not in out and line.startswith(known, match.end()):
+            out[key] = known
+            skip_to = match.end() + len(known)
+            continue
+        end = next((m.start() for m in cuts[i + 1:] if m.start() >= match.end()), len(line))
         # A single space separates pairs; any other whitespace belongs to the value.
-        out.setdefault(match.group(1), value.removesuffix(" "))
+        out.setdefault(key, line[match.end():end].removesuffix(" "))
     return out
 
 
@@ -108,17 +126,41 @@ def parse_config(text: str) -> dict[str, str]:
     return out
 
 
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("hpcckpt_slurm_deadline", default=None)
+
+
+@contextlib.contextmanager
+def within(seconds: float) -> Iterator[None]:
+    """Every Slurm command this thread runs in the block ends within ``seconds`` of its start, all
+    of them together (an outer bound that ends sooner stays): the stop path's calls fit the
+    time the job has left, however slow or absent slurmctld is."""
+    outer = _DEADLINE.get()
+    deadline = time.monotonic() + max(0.0, seconds)
+    token = _DEADLINE.set(deadline if outer is None else min(outer, deadline))
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
+
+
 def run_slurm(args: Sequence[str], *, timeout_s: float = COMMAND_TIMEOUT_S,
               environ: Mapping[str, str] | None = None) -> str:
     """Run a Slurm command; its stdout, or ClusterError naming the command and Slurm's words."""
     if shutil.which(args[0]) is None:
         raise ClusterError(f"'{args[0]}' is not on PATH; install the Slurm client tools "
                            "(slurm/install-deps) or run outside Slurm")
+    deadline = _DEADLINE.get()
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0.05:
+            raise ClusterError(f"'{' '.join(args)}' not run: the time this stop had for Slurm's answers is spent; "
+                               "is slurmctld up (scontrol ping)?")
+        timeout_s = min(timeout_s, left)
     try:
         proc = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout_s,
                               env=dict(environ) if environ is not None else None, check=False)
     except subprocess.TimeoutExpired as err:
-        raise ClusterError(f"'{' '.join(args)}' did not answer within {timeout_s:.0f}s; "
+        raise ClusterError(f"'{' '.join(args)}' did not answer within {timeout_s:.1f}s; "
                            "is slurmctld up (scontrol ping)?") from err
     if proc.returncode != 0:
         raise ClusterError(f"'{' '.join(args)}' failed (exit {proc.returncode}): "
@@ -139,12 +181,52 @@ def unanswered(error: str) -> bool:
     return not any(word in low for word in _REFUSALS)
 
 
-def show_job(job_id: str) -> dict[str, str]:
-    """``scontrol show job -o ID`` as a dict; ClusterError when Slurm no longer knows the job."""
-    recs = parse_records(run_slurm(["scontrol", "show", "job", "-o", job_id]))
-    if not recs:
-        raise ClusterError(f"scontrol knows no job {job_id} (finished longer than MinJobAge ago?)")
-    return recs[0]
+# What every decision reads of a job (its state, restarts, times, partition), from ``squeue``:
+# none of these fields holds text a user chose, and '|' occurs in none of them, so a job name,
+# comment or path can never forge one (``scontrol show job`` prints the name among them: a job
+# named 'x JobState=PENDING' reads as pending there). Keys are scontrol's, for one vocabulary.
+_SQUEUE_FIELDS = (("JobId", "JobID"), ("JobState", "State"), ("Reason", "Reason"), ("Restarts", "RestartCnt"),
+                  ("SubmitTime", "SubmitTime"), ("StartTime", "StartTime"), ("EndTime", "EndTime"),
+                  ("PreemptTime", "PreemptTime"), ("Partition", "Partition"), ("TimeLimit", "TimeLimit"),
+                  ("ArrayJobId", "ArrayJobID"), ("ArrayTaskId", "ArrayTaskID"), ("NumNodes", "NumNodes"),
+                  ("NumCPUs", "NumCPUs"), ("Requeue", "Requeue"), ("BatchFlag", "BatchFlag"),
+                  ("NodeList", "NodeList"))
+# Free-text fields (a job's own words) the successor needs: each read alone, so its value is
+# all of squeue's answer (less the final newline) whatever it holds, newlines and '=' included.
+# The output paths are not among them: squeue shows their patterns ('%j'), scontrol the paths
+# this job wrote, which the successor appends to; they follow every field read exactly.
+_FREE_TEXT = (("JobName", "Name"), ("Command", "Command"), ("WorkDir", "WorkDir"), ("Comment", "Comment"))
+
+
+def parse_squeue_fields(text: str) -> dict[str, str] | None:
+    """One ``squeue -h -O F1:|,F2:|,...`` line of ``_SQUEUE_FIELDS`` -> {scontrol key: value};
+    None when squeue printed no job."""
+    line = text.strip("\n").split("\n")[0] if text.strip() else ""
+    values = line.split("|")
+    if len(values) < len(_SQUEUE_FIELDS):
+        return None
+    return {key: value.strip() for (key, _), value in zip(_SQUEUE_FIELDS, values)}
+
+
+def _squeue(job_id: str, fmt: str, timeout_s: float) -> str:
+    return run_slurm(["squeue", "-h", "--states=all", "-j", job_id, "-O", fmt], timeout_s=timeout_s)
+
+
+def show_job(job_id: str, *, free_text: bool = False, timeout_s: float = COMMAND_TIMEOUT_S) -> dict[str, str]:
+    """The job's record as a dict of scontrol's keys, read so that nothing in it can be forged by
+    the job's own words (``_SQUEUE_FIELDS``); with ``free_text`` also every field of
+    ``scontrol show job`` (what a successor is submitted with), its free-text values each read
+    exactly on its own. ClusterError when Slurm no longer knows the job."""
+    fmt = ",".join(f"{field}:|" for _, field in _SQUEUE_FIELDS)
+    record = parse_squeue_fields(_squeue(job_id, fmt, timeout_s))
+    if record is None:
+        raise ClusterError(f"Slurm knows no job {job_id} (finished longer than MinJobAge ago?)")
+    if not free_text:
+        return record
+    exact = {key: _squeue(job_id, f"{field}:0", timeout_s).removesuffix("\n") for key, field in _FREE_TEXT}
+    line = next((ln for ln in run_slurm(["scontrol", "show", "job", "-o", job_id], timeout_s=timeout_s).split("\n")
+                 if ln.startswith("JobId=")), "")
+    return {**parse_kv_line(line, exact=exact), **exact, **record}
 
 
 def show_config() -> dict[str, str]:
@@ -314,6 +396,8 @@ def refine_cause(cause: str, job: Mapping[str, str] | None, restarts_before: int
         return Cause.TIME_LIMIT.value  # a job being ended shows COMPLETING, with the reason
     if job_state(job) == "NODE_FAIL":
         return Cause.NODE_FAILURE.value
+    if cancelled(job, restarts_before):
+        return Cause.USER_CANCEL.value
     requeued = job_state(job) in REQUEUED_STATES or (
         restarts_before is not None and requeue_evidence(job, restarts_before) is not None)
     if requeued and Cause.parse(cause) in {Cause.SIGNAL, Cause.UNKNOWN, Cause.TIME_LIMIT}:
@@ -327,6 +411,27 @@ def refine_cause(cause: str, job: Mapping[str, str] | None, restarts_before: int
 # the job we run in is a requeue, e.g. PreemptMode=REQUEUE or an operator's requeue).
 REQUEUED_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"})
 CONFIRM_WAIT_S = 3.0  # how long a requeue Slurm accepted may take to show in its record
+
+
+def cancelled(job: Mapping[str, str] | None, restarts_before: int | None) -> bool:
+    """Whether Slurm's record says the job was cancelled (``scancel``, by its user or an
+    operator) and will not run again. A cancelled job reads CANCELLED, or COMPLETING while its
+    processes end (Slurm prints that flag before the state), with no preemption (PreemptTime),
+    no time limit (Reason=TimeLimit) and no requeue (pending again, or more restarts than this
+    run started with: ``scontrol requeue`` reads COMPLETING too, with Restarts one higher).
+    Without the restart count a COMPLETING record cannot be told from a requeue: False."""
+    if job is None:
+        return False
+    state = job_state(job)
+    if state == "CANCELLED":
+        return True
+    if state != "COMPLETING" or restarts_before is None:
+        return False
+    if job.get("PreemptTime", "None") not in {"None", "", "N/A", "Unknown"}:
+        return False
+    if job.get("Reason", "None") not in {"None", ""}:
+        return False
+    return requeue_evidence(job, restarts_before) is None
 
 
 def job_state(job: Mapping[str, str]) -> str:
@@ -352,6 +457,7 @@ class SlurmCli(ClusterBase):
     """Cluster backend over the Slurm command-line tools (the path that always works)."""
 
     name = "slurm-cli"
+    remote = True
 
     def _job_id(self) -> str:
         job_id = self.env.job_id
@@ -439,7 +545,7 @@ class SlurmCli(ClusterBase):
         Returns the successor's id as Slurm names it (``A_T`` for an array task)."""
         job_id = self._job_id()
         after = dependency_job_id or job_id
-        job = show_job(job_id)
+        job = show_job(job_id, free_text=True)
         script = self._saved_batch_script(job_id, Path(job.get("WorkDir") or "."))
         script_args = batch_script_args(self.env.environ, self.env.raw_job_id)
         if script_args is None:
