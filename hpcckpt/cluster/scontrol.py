@@ -214,8 +214,9 @@ def _squeue(job_id: str, fmt: str, timeout_s: float) -> str:
 
 def show_job(job_id: str, *, free_text: bool = False, timeout_s: float = COMMAND_TIMEOUT_S) -> dict[str, str]:
     """The job's record as a dict of scontrol's keys, read so that nothing in it can be forged by
-    the job's own words (``_SQUEUE_FIELDS``); with ``free_text`` also every field of
-    ``scontrol show job`` (what a successor is submitted with), its free-text values each read
+    the job's own words (``_SQUEUE_FIELDS``); with ``free_text``, ``scontrol show job``'s
+    record (what a successor is submitted with, in scontrol's spelling: ``TimeLimit`` of an
+    unlimited job is its 365 days there), parsed stepping over its free-text values, each read
     exactly on its own. ClusterError when Slurm no longer knows the job."""
     fmt = ",".join(f"{field}:|" for _, field in _SQUEUE_FIELDS)
     record = parse_squeue_fields(_squeue(job_id, fmt, timeout_s))
@@ -226,7 +227,7 @@ def show_job(job_id: str, *, free_text: bool = False, timeout_s: float = COMMAND
     exact = {key: _squeue(job_id, f"{field}:0", timeout_s).removesuffix("\n") for key, field in _FREE_TEXT}
     line = next((ln for ln in run_slurm(["scontrol", "show", "job", "-o", job_id], timeout_s=timeout_s).split("\n")
                  if ln.startswith("JobId=")), "")
-    return {**parse_kv_line(line, exact=exact), **exact, **record}
+    return {**record, **parse_kv_line(line, exact=exact), **exact}
 
 
 def show_config() -> dict[str, str]:

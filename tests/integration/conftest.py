@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests import stacks
 from tests.helpers import built_once
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,13 +54,24 @@ class SlurmCluster:
         return out.stdout.strip().split(";")[0]
 
     def job(self, job_id: str) -> dict[str, str]:
-        from hpcckpt.cluster.scontrol import parse_kv_line
+        """The job's record as scontrol shows it, read so that its name cannot forge a field
+        ({} once Slurm no longer knows it)."""
+        from hpcckpt.cluster.scontrol import show_job
+        from hpcckpt.errors import ClusterError
 
-        text = self.run(["scontrol", "show", "job", "-o", job_id], check=False)
-        return parse_kv_line(text.strip()) if "JobId=" in text else {}
+        try:
+            return show_job(job_id, free_text=True, timeout_s=60)
+        except ClusterError:
+            return {}
 
     def state(self, job_id: str) -> str:
-        return self.job(job_id).get("JobState", "UNKNOWN")
+        from hpcckpt.cluster.scontrol import show_job
+        from hpcckpt.errors import ClusterError
+
+        try:
+            return show_job(job_id, timeout_s=60).get("JobState", "UNKNOWN")  # one squeue call
+        except ClusterError:
+            return "UNKNOWN"
 
     def wait_for(self, job_id: str, states: set[str], timeout_s: float, out: Path | None = None) -> str:
         deadline = time.monotonic() + timeout_s
@@ -70,7 +82,8 @@ class SlurmCluster:
                 return state
             time.sleep(0.5)
         tail = out.read_text(errors="replace")[-3000:] if out and out.exists() else "(no output)"
-        raise AssertionError(f"job {job_id} still {state} after {timeout_s:.0f}s, wanted {states}\n{tail}")
+        raise AssertionError(f"job {job_id} still {state} after {timeout_s:.0f}s, wanted {states}\n{tail}\n"
+                             + stacks.job_stacks(job_id))
 
     def wait_done(self, job_id: str, timeout_s: float, out: Path | None = None) -> str:
         return self.wait_for(job_id, TERMINAL, timeout_s, out)
