@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,7 +38,7 @@ def _jobs_named(name: str) -> list[str]:
 @pytest.mark.parametrize("requeue_option", ["--requeue", "--no-requeue"])
 def test_scancel_of_a_running_job_ends_it(slurm_cluster: SlurmCluster, tmp_path: Path, requeue_option: str) -> None:
     run_dir = tmp_path / "run"
-    name = f"hpcckpt-cancel-{tmp_path.name}"
+    name = f"hpcckpt-cancel-{uuid.uuid4().hex[:12]}"
     job = slurm_cluster.submit_demo("single", run_dir, "-p", "low", requeue_option, "-J", name, steps=400)
     out = run_dir / f"slurm-{job}.out"
     slurm_cluster.wait_for(job, {"RUNNING"}, 240, out)
@@ -99,7 +100,7 @@ def test_scancel_of_a_criu_job_ends_it(slurm_cluster: SlurmCluster, criu_ok: Non
     run_dir, result = tmp_path / "run", tmp_path / "result.json"
     run_dir.mkdir()
     template = Path(__file__).resolve().parents[2] / "jobscripts" / "criu.sbatch"
-    name = f"hpcckpt-criu-cancel-{tmp_path.name}"
+    name = f"hpcckpt-criu-cancel-{uuid.uuid4().hex[:12]}"
     job = slurm_cluster.run(["sbatch", "--parsable", "--time=10:00", "-p", "criu", "-J", name,
                              f"--output={run_dir}/slurm-%j.out", f"--export=ALL,HPCCKPT_RUN_DIR={run_dir}",
                              str(template), sys.executable, str(TRAIN), "--steps", "400", "--out", str(result),
