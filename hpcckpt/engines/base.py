@@ -169,13 +169,19 @@ class Engine(ABC):
         with its entries (``Transaction``'s ``recycled``); the concurrent engine's recycler."""
         return False
 
+    @property
+    def write_root(self) -> Path:
+        """Where a save is written: ``ctx.root``; with levels, ``Levels.write_root`` (this node's
+        node-local root, or the shared level once the node-local one failed)."""
+        return self.ctx.levels.write_root if self.ctx.levels is not None else self.ctx.root
+
     def temp_path(self, step: int) -> Path:
         """The shared temporary directory of this save (same name on every rank; collective)."""
-        return Transaction.temp_path(self.ctx.root, catalog.step_name(step), self.ranks.token())
+        return Transaction.temp_path(self.write_root, catalog.step_name(step), self.ranks.token())
 
     def temp_dir(self, step: int) -> Path:
         """``temp_path``, created (collective)."""
-        return Transaction.temp_dir(self.ctx.root, catalog.step_name(step), self.ranks.token())
+        return Transaction.temp_dir(self.write_root, catalog.step_name(step), self.ranks.token())
 
     def commit_step(self, step: int, tmp: Path, record: dict[str, Any] | None,
                     error: BaseException | None, started: float, *, ranks: Ranks | None = None,

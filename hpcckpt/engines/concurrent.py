@@ -448,7 +448,7 @@ class ConcurrentEngine(Engine):
 
     def _build_staging(self, key: Key) -> Staging:
         """Layout and staging memory for ``key``; the preparation thread or the main thread."""
-        return build_staging(key, self.ctx.root, staging_bytes=self.staging_bytes,
+        return build_staging(key, self.write_root, staging_bytes=self.staging_bytes,
                              ring_chunk_bytes=self.ring_chunk_bytes, slot_count=self._slot_count, stats=self.stats)
 
     def _install(self, staging: Staging) -> None:
