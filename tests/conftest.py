@@ -8,7 +8,10 @@ from typing import Iterator
 
 import pytest
 
+from tests import stacks
+
 REPO = Path(__file__).resolve().parents[1]
+stacks.install()  # a wait on a process that runs out says where that process was
 
 
 @pytest.fixture
