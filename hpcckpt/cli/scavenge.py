@@ -1,6 +1,8 @@
 """``hpcckpt scavenge LOCAL_ROOT``: commit to the shared level the newest checkpoint of a
 node-local level that the shared level lacks (slurm/epilog runs it on every node of a job,
-as the job's user, after the job ends).
+as the job's user, after the job ends: ``python -I -m hpcckpt.cli scavenge`` from ``/``, so
+nothing in the user's directories is on its import path, in a PID namespace and a session of
+its own that end whole at its limit, HPCCKPT_SCAVENGE_TIMEOUT).
 
 LOCAL_ROOT is a node-local root of a checkpoint directory, e.g. ``<staging>/levels/<key>/``
 or ``/dev/shm/hpcckpt-$UID/<key>/``: it holds ``.hpcckpt-level.json`` naming the shared

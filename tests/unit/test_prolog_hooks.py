@@ -355,7 +355,7 @@ def test_epilog_scavenges_as_the_jobs_user_never_as_root(tmp_path: Path) -> None
 
         ran = _run(EPILOG, tmp_path, root, env_changes=nobody)
         assert ran.returncode == 0, ran.stderr
-        assert record.read_text().splitlines() == [f"65534 -m hpcckpt.cli scavenge {mine}"], ran.stderr
+        assert record.read_text().splitlines() == [f"65534 -I -m hpcckpt.cli scavenge {mine}"], ran.stderr
         assert f"scavenge {mine}: committed: (fake) (exit 0)" in ran.stderr
         assert not staging.exists() and (secret / "levels").is_dir()
     finally:
@@ -376,7 +376,7 @@ def test_epilog_without_a_job_uid_or_with_scavenge_off_runs_no_python(tmp_path: 
     assert _run(PROLOG, tmp_path, root).returncode == 0
     root_dir = _pointed_root(root / "job-123", "c" * 16, python, tmp_path / "shared")
     ran = _run(EPILOG, tmp_path, root)
-    assert record.read_text().splitlines() == [f"{os.getuid()} -m hpcckpt.cli scavenge {root_dir}"], ran.stderr
+    assert record.read_text().splitlines() == [f"{os.getuid()} -I -m hpcckpt.cli scavenge {root_dir}"], ran.stderr
 
 
 def test_epilog_scavenges_only_within_slurmds_prolog_epilog_timeout(tmp_path: Path) -> None:
