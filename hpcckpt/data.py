@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import Sampler
 
 from .errors import CheckpointCorrupt, ConfigError
+from .proc.workers import track_iterator
 
 log = logging.getLogger("hpcckpt")
 
@@ -422,6 +423,7 @@ def _begun(loader: Any) -> tuple[Iterator[Any], bool]:
     RNGs where the pass begins, and its batch is handed out first."""
     it = iter(loader)
     if not inspect.isgenerator(it):
+        track_iterator(it)  # quieted workers of a pass still open at the exit end with it
         return it, False
     first = next(it, _END)
     if first is _END:

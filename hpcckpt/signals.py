@@ -16,6 +16,7 @@ from types import FrameType
 from typing import Any, Callable, Iterable
 
 from .config import parse_signals
+from .proc.workers import QuietWorkers, track_loader
 
 log = logging.getLogger("hpcckpt.signals")
 
@@ -147,19 +148,6 @@ class SignalRecorder:
         return new
 
 
-class QuietWorkers:
-    """The ``worker_init_fn`` that ``quiet_workers`` gives a DataLoader trained through hpcckpt:
-    each worker process ignores the stop signals, then runs the loader's own function."""
-
-    def __init__(self, inner: Callable[[int], Any] | None, signums: tuple[int, ...]) -> None:
-        self.inner, self.signums = inner, signums
-
-    def __call__(self, worker_id: int) -> Any:
-        for signum in self.signums:
-            signal.signal(signum, signal.SIG_IGN)
-        return self.inner(worker_id) if self.inner is not None else None
-
-
 def quiet_workers(loader: Any, signals: Iterable[signal.Signals]) -> None:
     """Let ``loader``'s future worker processes ignore the stop signals.
 
@@ -169,7 +157,8 @@ def quiet_workers(loader: Any, signals: Iterable[signal.Signals]) -> None:
     where it stops. Ignoring them, the workers serve until the main process has taken the
     final checkpoint; its exit ends them (torch's shutdown, or their watchdog of the
     parent). Workers already running keep what they had; a loader without workers, or one
-    that refuses the attribute, is left as it is."""
+    that refuses the attribute, is left as it is. The quieted workers end at the process's
+    exit all the same (``proc.workers``: a loader's persistent workers would hang it)."""
     from .data import iterating_loader
     loader = iterating_loader(loader)  # an adapter's workers are those of the loader it iterates
     workers = getattr(loader, "num_workers", 0)
@@ -182,6 +171,7 @@ def quiet_workers(loader: Any, signals: Iterable[signal.Signals]) -> None:
         loader.worker_init_fn = QuietWorkers(inner, tuple(int(s) for s in signals))
     except (AttributeError, TypeError, ValueError):
         return
+    track_loader(loader)
 
 
 class AfterRun:
