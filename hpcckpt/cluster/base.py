@@ -124,6 +124,11 @@ class ClusterBase:
     def is_coordinator(self) -> bool:
         return self.env.is_coordinator
 
+    def grace_time_s(self) -> float | None:
+        """The GraceTime of this job's partition (how long a preemption's notice runs before
+        Slurm's TERM), None when unknown or there is no scheduler."""
+        return None
+
 
 @runtime_checkable
 class Cluster(Protocol):

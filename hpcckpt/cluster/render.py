@@ -83,6 +83,10 @@ def render(name: str, overrides: dict[str, str] | None = None) -> str:
     tpl = get(name)
     values = {**tpl.defaults, **(overrides or {})}
     unknown = set(overrides or {}) - set(tpl.defaults)
+    if name == "criu" and "NODES" in unknown and str((overrides or {})["NODES"]).strip() != "1":
+        raise ConfigError("template 'criu' runs on one node: CRIU dumps the process tree of one node, and the "
+                          "ranks on other nodes run outside it. For several nodes use an in-process template: "
+                          "hpcckpt template ddp (srun) or hpcckpt template torchrun, with hpcckpt's Checkpointer")
     if unknown:
         raise ConfigError(f"template {name!r} has no parameter(s) {sorted(unknown)}; "
                           f"it takes {sorted(tpl.defaults)}")

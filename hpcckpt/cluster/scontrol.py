@@ -592,3 +592,11 @@ class SlurmCli(ClusterBase):
 
     def node_draining(self) -> bool:
         return node_is_draining(self.node_state())
+
+    def grace_time_s(self) -> float | None:
+        partition = self.env.partition
+        if not partition:
+            return None
+        recs = parse_records(run_slurm(["scontrol", "show", "partition", "-o", partition]))
+        value = recs[0].get("GraceTime", "") if recs else ""
+        return float(value) if value.isdigit() else None

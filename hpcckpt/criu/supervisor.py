@@ -101,6 +101,7 @@ from types import FrameType
 from typing import Any, Callable
 
 from ..cluster import detect
+from ..cluster.scontrol import within
 from ..errors import CheckpointCorrupt, CriuError, CudaCheckpointError, HpcckptError, NoCheckpoint
 from ..exitcodes import EXIT_REQUEUE
 from ..lifecycle import identity, requeue
@@ -124,6 +125,8 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signa
 # signals that trigger a dump (RunOptions.dump_signals), nor config.STOP_SIGNALS.
 ENDING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGXCPU)
 CONSUMED = "CONSUMED"
+RECORD_S = 10.0  # how long a stop's record waits for the scheduler's reading of its cause
+OWN_SAVE = "OWN-SAVE"  # the image named in it is behind the job's own save (it exited 75 after it)
 # When the dumpability check runs (seconds after the job starts or is restored): early,
 # and again once a launcher such as torchrun has started its workers.
 CHECK_AT_S = (5.0, 45.0)
@@ -193,6 +196,14 @@ def exit_code_of(status: int) -> int:
     return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
+def multi_node_refusal(nodes: int) -> str:
+    """Why CRIU mode does not take a job on several nodes (the one message of the template, the
+    supervisor and doctor)."""
+    return (f"this job has {nodes} nodes, and CRIU mode dumps the process tree of one node: the other nodes' "
+            "ranks run under slurmstepd outside it, so no image holds the job. For several nodes use the "
+            "in-process templates (hpcckpt template ddp, or torchrun) with hpcckpt's Checkpointer")
+
+
 def _incarnation() -> str:
     me = identity.current()
     return f"{me.job_id or 'local'}-r{me.restart_count}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
@@ -223,6 +234,7 @@ class Supervisor:
         self._dump_at: float | None = None  # a deferred time-limit dump (monotonic)
         self._shortened = False  # the end time was pulled in too far ahead for a preemption: a shorter limit
         self._began = time.time()  # about when this allocation started (the batch shell exec's us)
+        self._heard: tuple[signal.Signals, str] | None = None  # a stop the job's own processes heard too
 
     # -- signals: record only -------------------------------------------------
     def _record(self, signum: int, _frame: FrameType | None) -> None:
@@ -260,7 +272,12 @@ class Supervisor:
     def _run(self) -> CriuOutcome:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._install_signals()
-        if self.opts.mode == "app":
+        nodes = detect().env.num_nodes if self.opts.mode == "criu" else 1
+        if nodes > 1:
+            why = multi_node_refusal(nodes)
+            self.log(f"NOT IN CRIU MODE: {why}; the command runs on untouched, with no image and no requeue")
+            self.ledger.append("criu_refused", reason=why, nodes=nodes)
+        if self.opts.mode == "app" or nodes > 1:
             proc = subprocess.Popen(list(self.opts.cmd))
             job = ops.Job(init_pid=proc.pid, app_pid=proc.pid, wait_pid=proc.pid, stdout=Path("/dev/stdout"),
                           stderr=Path("/dev/stderr"), proc=proc)
@@ -310,6 +327,16 @@ class Supervisor:
         self.outcome.action = "exited"
         if self.opts.mode != "criu" or dumped:
             return code
+        if code == EXIT_REQUEUE:
+            return self._own_save_requeue()
+        if self._heard is not None and code != 0:
+            sig, cause = self._heard
+            cause = self._as_slurm_recorded(cause)
+            self.log(f"the job ended (status {code}) of the {sig.name} it heard, with no image of that end: "
+                     "requeueing; the next run restores the newest committed image (what ran since it is lost)")
+            self._stop_record(cause, image=None, exit_code=code, signame=sig.name, heard=True)
+            self._close_tee()
+            return self._requeue(None, cause, what=f"after the job ended of the {sig.name} it heard (status {code})")
         if self._killed_from_outside(code):
             self.log(f"the job was killed from outside (status {code}) without a dump: not its natural end; the "
                      "newest image stays the one the next run restores (what it did since is lost)")
@@ -319,6 +346,35 @@ class Supervisor:
         self._mark_consumed()
         return code
 
+    def _own_save_requeue(self) -> int:
+        """Exit 75: the job saved itself and asks for a requeue, as in every mode. No image of the
+        exit is made or restored: the next run starts the command afresh and it resumes from its
+        own save."""
+        sig, cause = self._heard if self._heard is not None else (None, self._exit_cause())
+        cause = self._as_slurm_recorded(cause)
+        self.log(f"the job exited 75 (its own save: requeue me){f' after {sig.name}' if sig else ''}: requeueing; "
+                 "the next run starts the command afresh and it resumes from its own checkpoint")
+        self._mark_consumed(OWN_SAVE)
+        self._stop_record(cause, image=None, exit_code=EXIT_REQUEUE, own_save=True,
+                          signame=sig.name if sig else None)
+        self._close_tee()
+        return self._requeue(None, cause, what="after the job's own save (exit 75)")
+
+    def _as_slurm_recorded(self, cause: str) -> str:
+        """The stop's cause as the scheduler recorded it (a TERM at a GraceTime=0 preemption is
+        the preemption's), asked within ``RECORD_S``; the supervisor's own reading otherwise."""
+        try:
+            with within(RECORD_S):
+                return detect().stop_cause(cause)
+        except Exception as exc:  # noqa: BLE001 - the record keeps the supervisor's reading
+            self.log(f"could not ask the scheduler why the job stopped ({exc}); recording {cause}")
+            return cause
+
+    def _exit_cause(self) -> str:
+        """Why a job that exited 75 by itself stopped: the signal it was sent, else its own choice."""
+        pending = self._ending_signals()
+        return self._stop_cause(pending[0]) if pending else "signal"
+
     def _killed_from_outside(self, code: int) -> bool:
         return code > 128 and (code - 128 in (signal.SIGKILL, *ENDING_SIGNALS) or self._told_to_stop())
 
@@ -327,12 +383,14 @@ class Supervisor:
         self.ledger.append("stop", reason=reason, mode="criu", step=None,
                            progress_s=self.acct.now() if progress_s is None else progress_s, **fields)
 
-    def _mark_consumed(self) -> None:
+    def _mark_consumed(self, marker: str = CONSUMED) -> None:
+        """The newest image is not to be restored: its run finished (``CONSUMED``), or the job
+        saved itself after it and exited 75 (``OWN_SAVE``)."""
         try:
             latest = images.newest(self.root)
         except NoCheckpoint:
             return
-        atomic_write(self.root / CONSUMED, (latest.name + "\n").encode())
+        atomic_write(self.root / marker, (latest.name + "\n").encode())
 
     def _consumed(self) -> str | None:
         return self._marker(CONSUMED)
@@ -405,7 +463,25 @@ class Supervisor:
         if self.opts.end_poll_s > 0:
             cluster = detect()
             if cluster.name != "local":  # a scheduler that can move the end time
-                self._watch = EndTimeWatch(cluster.end_time, poll_s=self.opts.end_poll_s)
+                self._watch = EndTimeWatch(cluster.end_time, poll_s=self._end_poll_s(cluster))
+
+    def _end_poll_s(self, cluster: Any) -> float:
+        """How often the end time is read: ``--end-poll-s``, and at most a third of the partition's
+        GraceTime, so that a preemption is seen early in its grace, with time left to dump
+        (a 10 s poll on a 10 s grace saw it with 0 s left)."""
+        poll = self.opts.end_poll_s
+        try:
+            with within(RECORD_S):
+                grace = cluster.grace_time_s()
+        except Exception as exc:  # noqa: BLE001 - the poll stays as given
+            self.log(f"could not read the partition's GraceTime ({exc}); reading the end time every {poll:.0f} s")
+            return poll
+        if grace is not None and grace > 0 and grace / 3 < poll:
+            poll = max(1.0, grace / 3)
+            self.log(f"the partition's GraceTime is {grace:.0f} s: reading the end time every {poll:.1f} s "
+                     f"(--end-poll-s {self.opts.end_poll_s:.0f} would see a preemption late in its grace)")
+            self.ledger.append("end_poll", poll_s=poll, grace_s=grace)
+        return poll
 
     def _close_tee(self) -> None:
         if self._tee is not None:
@@ -424,6 +500,10 @@ class Supervisor:
             self.log(f"{image.path} belongs to a run that already finished; starting the command from the "
                      "beginning")
             return self._start_fresh(None)
+        if self._marker(OWN_SAVE) == image.name:
+            self.log(f"the job saved itself and exited 75 after {image.name}: the command starts afresh and "
+                     "resumes from its own checkpoint")
+            return self._start_fresh(None, no_image="the job's own save (exit 75)")
         if self._stale(image):
             return self._restore_failed(image, CriuError(
                 f"{image.name} is stale: a later dump ended the job but could not be committed, so the job "
@@ -673,6 +753,12 @@ class Supervisor:
         cause = cause or self._stop_cause(sig)
         if self._defer(sig, cause, received):
             return None
+        if received and self._heard is not None and sig in ENDING_SIGNALS:
+            return None  # the job heard the stop already: its end decides
+        heard = self._heard_by(job, sig) if received else []
+        if heard:
+            self._yield_to_job(sig, cause, heard)
+            return None
         said = f"received {sig.name}" if received else f"{cause.replace('_', ' ')} notice"
         self.log(f"{said} ({cause}): dumping the job with criu")
         self.ledger.append("signal", signum=int(sig) if received else None, signame=sig.name if received else None,
@@ -699,6 +785,32 @@ class Supervisor:
         self._stop_record(cause, image=name, signame=sig.name if received else None, progress_s=self._dumped_at_s)
         self._close_tee()
         return self._requeue(name, cause)
+
+    def _heard_by(self, job: ops.Job, sig: signal.Signals) -> list[str]:
+        """The job's processes that heard ``sig`` as the supervisor did: under Slurm a stop's TERM
+        reaches every process of the job at once, and one that does not ignore it (the job
+        starts with it ignored) handles it (its own save, then an exit) or dies of it (a
+        DataLoader worker): an image of it would be of a process that is ending."""
+        if sig not in ENDING_SIGNALS or not identity.current().in_slurm:
+            return []  # a warning, or a signal only the supervisor was sent (outside Slurm)
+        heard = []
+        for pid in proctree.tree(job.app_pid):
+            how = proctree.disposition(pid, sig)
+            if how in ("caught", "default"):
+                heard.append(f"{proctree.inner_pid(pid) or pid} {how} ({proctree.command(pid, limit=60)})")
+        return heard
+
+    def _yield_to_job(self, sig: signal.Signals, cause: str, heard: list[str]) -> None:
+        """The job heard the stop itself: no image of it now. Its end decides (``_job_exited``):
+        exit 75 after its own save is a requeue that resumes from that save; another end of a
+        stopped job is a requeue from the newest committed image; exit 0 is its natural end."""
+        self._heard = (sig, cause)
+        self.log(f"received {sig.name} ({cause}); the job's own processes heard it too (inner PID, what it does "
+                 f"with {sig.name}: {'; '.join(heard)}): no image is made of a process handling or dying of it. "
+                 "Waiting for the job's end: exit 75 (its own save) requeues and resumes from that save; any "
+                 "other end of the stopped job requeues from the newest committed image")
+        self.ledger.append("signal", signum=int(sig), signame=sig.name, step=None, source="criu-supervisor",
+                           cause=cause, heard_by=heard, progress_s=self.acct.now())
 
     def _how_gone(self, code: int | None) -> str:
         if code is None:
@@ -923,10 +1035,10 @@ class Supervisor:
                           "ext_unix_sk": self.opts.dump.ext_unix_sk})
 
     # -- requeue -----------------------------------------------------------------------
-    def _requeue(self, image: str | None, cause: str) -> int:
+    def _requeue(self, image: str | None, cause: str, *, what: str | None = None) -> int:
         """Hand the job back to the scheduler; with Slurm ``scontrol requeue`` kills us."""
         self.outcome.action = "requeue"
-        what = f"after CRIU image {image}" if image else "after a failed CRIU dump that ended the job"
+        what = what or (f"after CRIU image {image}" if image else "after a failed CRIU dump that ended the job")
         self.log(f"requeueing ({what})")
         try:
             outcome = requeue(cluster=detect(), state_dir=self.dir, cause=cause, committed_step=None,

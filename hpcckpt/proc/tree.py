@@ -70,6 +70,16 @@ def max_inner_id(root: int) -> int:
     return top
 
 
+def disposition(pid: int, sig: int) -> str | None:
+    """What ``pid`` does with ``sig``: "ignored" (SigIgn), "caught" (SigCgt: a handler of its
+    own), "default" (the kernel's action: TERM ends it); None when it is gone."""
+    ignored, caught = status_field(pid, "SigIgn"), status_field(pid, "SigCgt")
+    if ignored is None or caught is None:
+        return None
+    bit = 1 << (sig - 1)
+    return "ignored" if int(ignored, 16) & bit else "caught" if int(caught, 16) & bit else "default"
+
+
 def catches(pid: int, sig: int) -> bool:
     """True when ``pid`` has a handler installed for ``sig`` (SigCgt in /proc/PID/status)."""
     value = status_field(pid, "SigCgt")

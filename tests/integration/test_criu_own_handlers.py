@@ -1,0 +1,117 @@
+"""CRIU mode with scripts that handle Slurm's signals themselves (real Slurm, real CRIU).
+
+On a GraceTime=0 partition (``criu0``) Slurm's TERM reaches every process of the job as it
+reaches the supervisor: a script with its own TERM handler saves and exits 75, DataLoader
+workers die of it. No image is made of such an ending process: exit 75 is a requeue that
+resumes from the script's own save; any other end of the stopped job is a requeue from the
+newest committed image (or the start). On a partition with grace (``criu``) the end time
+moves first and the supervisor dumps before any TERM. The job always ends COMPLETED.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from .test_criu_local import TRAIN, criu_ok  # noqa: F401  (fixture)
+
+if TYPE_CHECKING:
+    from conftest import SlurmCluster
+
+pytestmark = [pytest.mark.criu, pytest.mark.slurm, pytest.mark.slow]
+
+TEMPLATE = Path(__file__).resolve().parents[2] / "jobscripts" / "criu.sbatch"
+OWN = Path(__file__).with_name("own_save_train.py")
+STEPS = 150
+
+
+def _own_cmd(run_dir: Path, out: Path) -> list[str]:
+    return [sys.executable, str(OWN), "--steps", str(STEPS), "--dir", str(run_dir / "own"), "--out", str(out),
+            "--every", "1000", "--step-sleep-s", "0.1"]
+
+
+@pytest.fixture(scope="module")
+def own_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    d = tmp_path_factory.mktemp("own-reference")
+    subprocess.run(_own_cmd(d, d / "ref.json"), check=True, stdout=subprocess.DEVNULL, timeout=600)
+    return dict(json.loads((d / "ref.json").read_text()))
+
+
+def _submit(cluster: SlurmCluster, run_dir: Path, partition: str, cmd: list[str]) -> tuple[str, Path]:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    job = cluster.run(["sbatch", "--parsable", "--time=10:00", "-p", partition, f"--output={run_dir}/slurm-%j.out",
+                       f"--export=ALL,HPCCKPT_RUN_DIR={run_dir}", str(TEMPLATE), *cmd]).strip().split(";")[0]
+    return job, run_dir / f"slurm-{job}.out"
+
+
+def _steps_seen(run_dir: Path, job: str, run: int) -> int:
+    seen = 0
+    for p in (run_dir / "criu" / "stdio").glob(f"{job}-r{run}-*.out"):
+        for line in p.read_text(errors="replace").splitlines():
+            if line.startswith("step "):
+                seen = max(seen, int(line.split()[1]))
+    return seen
+
+
+def _preempt_in_run(cluster: SlurmCluster, run_dir: Path, job: str, run: int, step: int) -> None:
+    cluster.wait_until(lambda: _steps_seen(run_dir, job, run) >= step, 300, f"job {job} run {run} at step {step}")
+    high = cluster.preempt()
+    cluster.wait_for(high, {"RUNNING", "COMPLETING", "COMPLETED"}, 240)
+
+
+@pytest.mark.long(150)
+def test_a_script_that_saves_on_term_and_exits_75_on_a_graceless_partition(
+        slurm_cluster: SlurmCluster, criu_ok: None, own_reference: dict, tmp_path: Path) -> None:  # noqa: F811
+    run_dir, out = tmp_path / "run", tmp_path / "result.json"
+    job, slurm_out = _submit(slurm_cluster, run_dir, "criu0", _own_cmd(run_dir, out))
+    try:
+        _preempt_in_run(slurm_cluster, run_dir, job, 0, 10)
+        _preempt_in_run(slurm_cluster, run_dir, job, 1, 10)  # run 1 resumed from the script's own save
+        slurm_cluster.wait_completed(job, 600, slurm_out)
+    finally:
+        slurm_cluster.cancel(job)
+    assert json.loads(out.read_text()) == own_reference, "not bit-identical to the uninterrupted run"
+    ledger = slurm_cluster.read_ledger(run_dir)
+    stops = [e for e in ledger if e["event"] == "stop"]
+    own = [s for s in stops if s.get("own_save")]
+    assert len(own) == 2 and all(s["exit_code"] == 75 and s["reason"] == "preemption" for s in own), stops
+    assert not [e for e in ledger if e["event"] == "criu_dump"], "an image of an ending process was made"
+    requeues = [e for e in ledger if e["event"] == "requeue"]
+    assert len(requeues) == 2 and all(r["requeued"] for r in requeues), requeues
+    assert slurm_cluster.job(job)["Restarts"] == "2"
+
+
+def test_a_script_with_its_own_handler_is_dumped_in_the_grace(
+        slurm_cluster: SlurmCluster, criu_ok: None, own_reference: dict, tmp_path: Path) -> None:  # noqa: F811
+    run_dir, out = tmp_path / "run", tmp_path / "result.json"
+    job, slurm_out = _submit(slurm_cluster, run_dir, "criu", _own_cmd(run_dir, out))
+    try:
+        _preempt_in_run(slurm_cluster, run_dir, job, 0, 10)
+        slurm_cluster.wait_completed(job, 600, slurm_out)
+    finally:
+        slurm_cluster.cancel(job)
+    assert json.loads(out.read_text()) == own_reference, "not bit-identical to the uninterrupted run"
+    ledger = slurm_cluster.read_ledger(run_dir)
+    assert [e["event"] for e in ledger].count("criu_restore") == 1, "the grace's dump was restored"
+    assert slurm_cluster.job(job)["Restarts"] == "1"
+
+
+def test_dataloader_workers_killed_by_the_stop_never_fail_the_job(
+        slurm_cluster: SlurmCluster, criu_ok: None, tmp_path: Path) -> None:  # noqa: F811
+    run_dir, out = tmp_path / "run", tmp_path / "result.json"
+    cmd = [sys.executable, str(TRAIN), "--steps", "120", "--out", str(out), "--workers", "2", "--step-sleep-s", "0.2"]
+    job, slurm_out = _submit(slurm_cluster, run_dir, "criu0", cmd)
+    try:
+        _preempt_in_run(slurm_cluster, run_dir, job, 0, 5)
+        slurm_cluster.wait_completed(job, 600, slurm_out)
+    finally:
+        slurm_cluster.cancel(job)
+    ledger = slurm_cluster.read_ledger(run_dir)
+    assert not [e for e in ledger if e["event"] == "criu_restore"], "an image of a dying job was restored"
+    stops = [e for e in ledger if e["event"] == "stop" and e.get("reason") != "done"]
+    assert stops and stops[0].get("heard") is True, stops
+    assert out.exists()
