@@ -205,9 +205,36 @@ def trial(cmd: list[str], *, wait_s: float, run_dir: Path) -> list[Check]:
                                  f"could be looked at; its output: {stdio.with_suffix('.err')}")]
         return [_job_check("criu trial", job.app_pid)]
     finally:
+        _end_launchers(job.init_pid)
         ops.kill_tree(job)
         if job.proc is not None:
             job.proc.wait(timeout=30)
+
+
+# Launchers whose work runs elsewhere: killed, they leave it running there (an allocation
+# and its step on every node until the time limit); sent TERM, they cancel it and return.
+REMOTE_LAUNCHERS = ("srun", "salloc")
+LAUNCHERS_END_S = 20.0  # srun waits for its step's tasks (KillWait, then a few seconds) before it returns
+
+
+def _end_launchers(init_pid: int, *, wait_s: float = LAUNCHERS_END_S) -> list[int]:
+    """TERM to every remote launcher of the trial (``srun``, ``salloc``), and wait for them to
+    return (bounded) before the namespace is killed; returns the pids sent TERM. Nothing else
+    of the trial is signalled: a script's own TERM handler would save and requeue."""
+    import signal
+    import time
+    sent = []
+    for pid in proctree.tree(init_pid)[1:]:
+        if proctree.status_field(pid, "Name") in REMOTE_LAUNCHERS:
+            try:
+                os.kill(pid, signal.SIGTERM)
+                sent.append(pid)
+            except ProcessLookupError:
+                continue
+    deadline = time.monotonic() + wait_s
+    while any(proctree.alive(pid) for pid in sent) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return sent
 
 
 def checks() -> list[Check]:
