@@ -214,7 +214,11 @@ def seal_manifest(manifest: dict[str, Any]) -> bytes:
     return head + f',\n "{SEAL_KEY}": {crc32c(head)}\n}}\n'.encode()
 
 
-_COMPACT = json.JSONEncoder(sort_keys=True, separators=(", ", ": "))  # one encoder, not one per value
+# One encoder, not one per value. Below the second level keys keep their order: a rank's metadata
+# tree is the registered objects' state_dict()s, whose key order is part of what a restore gives
+# back (an optimizer's per-parameter state lists step, exp_avg, exp_avg_sq as it made them; a
+# torch.save of the restored state_dict() is the uninterrupted run's bytes only in that order).
+_COMPACT = json.JSONEncoder(sort_keys=False, separators=(", ", ": "))
 
 
 def readable_json(obj: dict[str, Any]) -> str:
