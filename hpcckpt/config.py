@@ -223,6 +223,12 @@ TUNABLES: dict[str, Tunable] = {t.env.removeprefix("HPCCKPT_").lower(): t for t 
     Tunable("HPCCKPT_POLL_S", parse_float, lambda v: _is_num(v) and 0.5 <= v <= 600,
             "seconds from 0.5 to 600 between the job's reads of its end time, maintenance reservations "
             "and drain state from Slurm (keep it under the partition's GraceTime)", "5"),
+    Tunable("HPCCKPT_NOTICE", str, lambda v: isinstance(v, str),
+            "how a supervised script hears the stop: a signal name or 'file PATH' (set by hpcckpt run --mode own)",
+            "SIGTERM"),
+    Tunable("HPCCKPT_NOTICE_FILE", str, lambda v: isinstance(v, str),
+            "a file path written at the stop's notice (set by hpcckpt run --mode own --notice file)",
+            "/scratch/run/STOP-NOTICE"),
     Tunable("HPCCKPT_CHECK_TRACE", str, lambda v: isinstance(v, str),
             "a file path: each step's state digests are appended there (set by hpcckpt check)", "/tmp/trace.jsonl"),
     Tunable("HPCCKPT_STAGING_ROOT", str, _is_path,

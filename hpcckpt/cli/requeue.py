@@ -44,6 +44,7 @@ from hpcckpt.lifecycle.requeue import CANCELLED
 from hpcckpt.lifecycle.identity import Identity, current
 from hpcckpt.lifecycle.ledger import Ledger
 
+RAN_S = 30.0  # a command that ran this long was not stopped in its start-up (--ran-s)
 _STOP_REASON_CAUSE = {"deadline": Cause.TIME_LIMIT, "maintenance": Cause.MAINTENANCE,
                       "drain": Cause.MAINTENANCE, "signal": Cause.SIGNAL, "error": Cause.FAILURE,
                       "rank_failure": Cause.RANK_FAILURE}
@@ -61,6 +62,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the command ended with status RC (not 75) after a TERM (forwarded by this script, "
                         "or 143: it died of one): "
                         "requeue only if the run never began training (killed in its start-up)")
+    p.add_argument("--ran-s", type=float, default=None, metavar="SECONDS",
+                   help="with --stopped-status: how long the command ran (the templates pass $SECONDS). A "
+                        f"command that ran {RAN_S:.0f} s or more and recorded nothing of hpcckpt's (a script "
+                        "that keeps its own checkpoints) was stopped in its training, not its start-up: it is "
+                        "requeued and resumes from its own last save")
     add_json(p)
     p.set_defaults(func=run)
 
@@ -160,6 +166,19 @@ def _stopped_before_start(args: argparse.Namespace, state_dir: Path, ledger: Led
         cause = Cause.parse(cluster.stop_cause(Cause.SIGNAL.value))
     except Exception:  # noqa: BLE001 - the scheduler could not be asked: a bare stop signal
         cause = Cause.SIGNAL
+    ran_s = args.ran_s if isinstance(args.ran_s, (int, float)) and args.ran_s >= 0 else None
+    if ran_s is not None and ran_s >= RAN_S:
+        # Judged from how long it ran, never from a missing `start`: a script with its own
+        # checkpoints records nothing of hpcckpt's, and was stopped in its training.
+        note = (f"the command ran {ran_s:.0f} s and was stopped ({status}); it recorded nothing of hpcckpt's "
+                "(a script with its own checkpoints?): it resumes from its own last save")
+        outcome = requeue(cluster=cluster, state_dir=state_dir, cause=cause.value, source="cli",
+                          committed_step=seen.committed_step, ledger=ledger, note=note)
+        emit(args, outcome.as_dict(), f"hpcckpt requeue: {note}: "
+             f"{'requeued' if outcome.requeued else 'NOT requeued'} ({outcome.method}): {outcome.detail}")
+        if outcome.method == "exit":
+            return EXIT_REQUEUE
+        return 0 if outcome.requeued else failed
     if cause is Cause.TIME_LIMIT and seen.in_row >= 1:
         why = (f"this run was stopped at its time limit before it began training ({status}), as was the run "
                "before it: its start-up does not fit the allocation. Give the job a longer time limit (--time) "

@@ -1,4 +1,10 @@
-"""``hpcckpt run [--mode criu|app] --dir DIR [options] -- CMD ARGS``: supervise a job.
+"""``hpcckpt run [--mode criu|own|app] --dir DIR [options] -- CMD ARGS``: supervise a job.
+
+``--mode own`` (a script that keeps its own checkpoints): CMD runs unchanged; hpcckpt gives
+it one notice at the lead before the deadline (the time-limit warning --signal, a preemption
+seen on the end time, or the end nearer than --lead-s) the way it listens (--notice TERM,
+USR1, USR2, or file[:PATH]), requeues the job when it exits 75 (--requeue-on) or is ended by
+the stop, and records every allocation for `hpcckpt history`.
 
 ``--mode criu`` (transparent): CMD runs unchanged as PID 2 of its own PID + mount namespaces; on the
 dump signal the whole process tree is dumped with CRIU (CUDA state first, through
@@ -23,12 +29,23 @@ from .common import add_json, directory, emit, positive_int, positive_seconds
 
 if TYPE_CHECKING:
     from ..criu.supervisor import RunOptions
+    from ..own.supervise import OwnOptions
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run a job under the hpcckpt supervisor (CRIU or app mode)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=("criu", "app"), default="criu")
+    p.add_argument("--mode", choices=("criu", "own", "app"), default="criu",
+                   help="criu: dump the whole process tree; own: the script keeps its own checkpoints "
+                        "(hpcckpt notices, requeues, records); app: forward every signal")
+    p.add_argument("--notice", default="TERM", metavar="SIGNAL|file[:PATH]",
+                   help="--mode own: how the script hears the stop: a signal it catches (default TERM), or a "
+                        "file it polls (HPCCKPT_NOTICE_FILE; hpcckpt.own.should_stop() reads it)")
+    p.add_argument("--requeue-on", default="75", metavar="CODES",
+                   help="--mode own: exit statuses after a notice that mean 'requeue me' (default 75)")
+    p.add_argument("--saves", default=None, metavar="GLOB",
+                   help="--mode own: the script's checkpoint files (e.g. 'ckpt/*.pt'): the newest one's time is "
+                        "its last save, from which `hpcckpt history` counts what a stop lost")
     p.add_argument("--dir", type=Path, required=True, help="run directory (images go to DIR/criu/)")
     p.add_argument("--signal", default="USR2,TERM",
                    help="signal(s) that trigger a dump, comma-separated (default USR2,TERM: match "
@@ -93,8 +110,32 @@ def non_negative_seconds(text: str) -> float:
     return value
 
 
+def own_options(args: argparse.Namespace) -> OwnOptions:
+    from ..config import env_value, parse_signals
+    from ..own.supervise import Notice, OwnOptions
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    run_dir = directory(args.dir, option="--dir", must_exist=False)
+    try:
+        codes = frozenset(int(c) for c in str(args.requeue_on).split(",") if c.strip())
+    except ValueError:
+        raise ConfigError(f"--requeue-on {args.requeue_on!r}: exit statuses, comma-separated, e.g. 75 or 75,3") from None
+    warning = tuple(s for s in parse_signals(args.signal, option="--signal") if s.name not in ("SIGTERM", "SIGINT"))
+    return OwnOptions(dir=run_dir, cmd=tuple(cmd), notice=Notice.parse(args.notice, run_dir), warning=warning,
+                      lead_s=args.lead_s if args.lead_s is not None else 180.0, requeue_on=codes,
+                      end_poll_s=args.end_poll_s if args.end_poll_s is not None else env_value("poll_s", 10.0),
+                      saves=args.saves)
+
+
 def run(args: argparse.Namespace) -> int:
     from ..criu.supervisor import Supervisor
+
+    if args.mode == "own":
+        from ..own.supervise import run_own
+
+        return run_own(own_options(args))
 
     if args.mode == "app" and not identity.current().in_slurm:
         return run_app_locally(args)

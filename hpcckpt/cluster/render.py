@@ -60,6 +60,10 @@ TEMPLATES: dict[str, Template] = {t.name: t for t in (
     Template(name="criu", source="criu.sbatch.in", output_name="criu.sbatch",
              description="transparent mode: hpcckpt run --mode criu around an unmodified command",
              defaults={**_COMMON, "JOB_NAME": "hpcckpt-criu", "CPUS_PER_TASK": "2", "DUMP_EVERY_S": "0"}),
+    Template(name="own", source="own.sbatch.in", output_name="own.sbatch",
+             description="a script that keeps its own checkpoints: one notice at the lead, requeue on exit 75",
+             defaults={**_COMMON, "JOB_NAME": "hpcckpt-own", "NOTICE": "TERM", "REQUEUE_ON": "75",
+                       "SAVES": "", "COMMAND": 'python train.py --resume "$HPCCKPT_RUN_DIR/checkpoint.pt"'}),
     Template(name="submitit", source="submitit.py.in", output_name="submitit_launcher.py",
              description="submitit AutoExecutor launcher (Checkpointable + @preemptible)",
              defaults={"JOB_NAME": "hpcckpt-train", "TIME_MIN": "240", "LEAD_S": "180",
@@ -103,7 +107,7 @@ def render(name: str, overrides: dict[str, str] | None = None) -> str:
 _SBATCH_VALUES = {"JOB_NAME", "OUTPUT"}
 # Values that land inside a double-quoted shell string: `$` stays live on purpose
 # (the default RUN_DIR is "$PWD/..."), everything else is taken literally.
-_SHELL_DQ_VALUES = {"RUN_DIR"}
+_SHELL_DQ_VALUES = {"RUN_DIR", "NOTICE", "REQUEUE_ON", "SAVES"}
 
 
 _SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^(?i:unlimited|infinite)$")
@@ -132,6 +136,11 @@ def _check_value(key: str, value: str) -> None:
     elif key == "REQUEUE" and value not in REQUEUE_MODES:
         raise ConfigError(f"template parameter REQUEUE={value!r}: plain (#SBATCH --requeue) or expedite "
                           "(--requeue=expedite, Slurm >= 25.11), e.g. REQUEUE=expedite")
+    elif key == "REQUEUE_ON" and not re.fullmatch(r"\d{1,3}(,\d{1,3})*", value):
+        raise ConfigError(f"template parameter REQUEUE_ON={value!r}: exit statuses, comma-separated, e.g. 75 or 75,3")
+    elif key == "NOTICE" and not re.fullmatch(r"(SIG)?(TERM|INT|USR1|USR2|HUP)|file(:.+)?", value):
+        raise ConfigError(f"template parameter NOTICE={value!r}: the signal the script catches (TERM, USR1, USR2, "
+                          "INT) or file[:PATH] (a file it polls), e.g. NOTICE=TERM")
     elif key == "DUMP_EVERY_S" and not re.fullmatch(r"\d+(\.\d+)?", value):
         raise ConfigError(f"template parameter DUMP_EVERY_S={value!r}: seconds >= 0 (0: off), e.g. 600")
 

@@ -390,3 +390,24 @@ def test_a_stop_signal_blocked_by_the_launcher_still_stops_the_run(tmp_path: Pat
     assert "trained to the end" not in got.stdout
     assert "SIGTERM was blocked in this process" in got.stderr
     assert (tmp_path / "ck" / "step-4").is_dir()
+
+
+def test_a_script_with_its_own_checkpoints_is_judged_by_how_long_it_ran(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """pytorch/examples imagenet under the single template: it records nothing of hpcckpt's and
+    trained a whole minute each time before the limit's TERM; the second such stop was refused
+    as "its start-up does not fit the allocation" (the job TIMEOUT with epochs left)."""
+    from hpcckpt.cli import requeue as cli_requeue
+    monkeypatch.setattr(cli_requeue, "detect", _TimedOut)
+    for restart in range(3):
+        _in_job(monkeypatch, restart)
+        assert main(["requeue", "--dir", str(tmp_path), "--stopped-status", "143", "--ran-s", "58"]) == 75
+    reqs = [e for e in Ledger(tmp_path).events() if e["event"] == "requeue"]
+    assert [(e["restart_count"], e.get("unstarted"), e["cause"]) for e in reqs] == \
+        [(0, None, "time_limit"), (1, None, "time_limit"), (2, None, "time_limit")]
+    assert "ran 58 s" in reqs[-1]["note"]
+    # the same stop after 3 s of running: a start-up, refused at the second in a row
+    _in_job(monkeypatch, 3)
+    assert main(["requeue", "--dir", str(tmp_path), "--stopped-status", "143", "--ran-s", "3"]) == 75
+    _in_job(monkeypatch, 4)
+    assert main(["requeue", "--dir", str(tmp_path), "--stopped-status", "143", "--ran-s", "3"]) == 143

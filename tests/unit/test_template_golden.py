@@ -32,6 +32,9 @@ PARAMS = {
     "lightning": {"NODES": "2", "TASKS_PER_NODE": "4", "TIME": "12:00:00", "RUN_DIR": "/scratch/my run",
                   "COMMAND": "python train.py --ckpt \"$HPCCKPT_DIR\""},
     "criu": {"TIME": "2:00:00", "LEAD_S": "600", "RUN_DIR": "/scratch/my run", "JOB_NAME": "criu job"},
+    "own": {"TIME": "6:00:00", "LEAD_S": "300", "RUN_DIR": "/scratch/my run", "NOTICE": "USR1",
+            "SAVES": "$HPCCKPT_RUN_DIR/checkpoint*.pth.tar",
+            "COMMAND": 'python main.py --resume "$HPCCKPT_RUN_DIR/checkpoint.pth.tar" /data/imagenet'},
 }
 
 
@@ -83,13 +86,13 @@ def test_hostile_values_are_quoted_or_refused() -> None:
         render.render("single", {"TIME": "1\n#SBATCH --x"})
     with pytest.raises(ConfigError, match="no parameter"):
         render.render("single", {"NODES": "2"})
-    with pytest.raises(ConfigError, match="available: criu, ddp, lightning, single, submitit, torchrun"):
+    with pytest.raises(ConfigError, match="available: criu, ddp, lightning, own, single, submitit, torchrun"):
         render.get("nope")
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (slurm/install-deps)")
 def test_rendered_scripts_are_shellcheck_clean(tmp_path: Path) -> None:
-    for name in ("single", "ddp", "criu", "lightning", "torchrun"):
+    for name in ("single", "ddp", "criu", "lightning", "torchrun", "own"):
         for params in ({}, PARAMS[name]):
             script = tmp_path / f"{name}.sbatch"
             script.write_text(render.render(name, params))
@@ -142,7 +145,7 @@ echo "$* term_ignored=$ignored" >> "$STUB_LOG"
 @pytest.mark.parametrize(("command", "status", "called"), [
     # The command dies of a TERM this shell never got (Slurm signals a job's processes one at
     # a time): a stop all the same, decided by `hpcckpt requeue --stopped-status`.
-    ("kill -TERM $$", 0, "requeue --dir {ck} --stopped-status 143 term_ignored=1"),
+    ("kill -TERM $$", 0, "requeue --dir {ck} --stopped-status 143 --ran-s 0 term_ignored=1"),
     ("exit 75", 0, "requeue --dir {ck} term_ignored=1"),
     ("exit 3", 3, None),
 ])

@@ -1,0 +1,132 @@
+"""Scripts that keep their own checkpoints, under `hpcckpt template own` (real Slurm): they
+never import hpcckpt. One saves on the notice (TERM) and exits 75; one ignores it and saves
+every 50 steps. Preempted and stopped by 1-minute time limits, both end COMPLETED; the first
+is bit-identical with nothing lost, its save (5.5 s) longer than the local KillWait (5 s);
+the second comes back from its own last save each time; `history` counts every stop with
+Slurm's cause and what it lost."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from conftest import SlurmCluster
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+OWN = Path(__file__).with_name("own_save_train.py")
+STEPS = 1000
+
+
+def _args(run_dir: str, *extra: str) -> list[str]:
+    return ["--steps", str(STEPS), "--dir", f"{run_dir}/own", "--out", f"{run_dir}/result.json", *extra]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    d = tmp_path_factory.mktemp("own-slurm-reference")
+    subprocess.run([sys.executable, str(OWN), *_args(str(d), "--every", "1000")], check=True,
+                   stdout=subprocess.DEVNULL, timeout=600)
+    return dict(json.loads((d / "result.json").read_text()))
+
+
+def _submit(cluster: SlurmCluster, run_dir: Path, *script_args: str) -> tuple[str, Path]:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    command = " ".join([sys.executable, str(OWN), *_args('"$HPCCKPT_RUN_DIR"', *script_args)])
+    script = cluster.render("own", run_dir / "own.sbatch", TIME="1", LEAD_S="20", RUN_DIR=str(run_dir),
+                            OUTPUT=f"{run_dir}/slurm-%j.out", COMMAND=command, NOTICE="TERM",
+                            SAVES="$HPCCKPT_RUN_DIR/own/ckpt-*.pt", JOB_NAME="hpcckpt-own")
+    job = cluster.sbatch(script, "-p", "low", "--exclusive")
+    return job, run_dir / f"slurm-{job}.out"
+
+
+def _runs(out: Path, job: str) -> list[str]:
+    """The job's output, one piece per allocation."""
+    text = out.read_text(errors="replace") if out.exists() else ""
+    return re.split(rf"^hpcckpt: job {job} run \d+ ", text, flags=re.M)[1:]
+
+
+def _last_step(piece: str) -> int:
+    steps = [int(m) for m in re.findall(r"^step (\d+) ", piece, flags=re.M)]
+    return max(steps, default=0)
+
+
+def _preempt_in_run(cluster: SlurmCluster, out: Path, job: str, run: int, steps: int) -> None:
+    def far_enough() -> bool:
+        runs = _runs(out, job)
+        if len(runs) <= run:
+            return False
+        first = re.search(r"^step (\d+) ", runs[run], flags=re.M)
+        return first is not None and _last_step(runs[run]) >= int(first.group(1)) + steps
+
+    cluster.wait_until(far_enough, 300, f"job {job} run {run} to train {steps} steps")
+    high = cluster.preempt()
+    cluster.wait_for(high, {"RUNNING", "COMPLETING", "COMPLETED"}, 240)
+
+
+def _own_stops(run_dir: Path) -> list[dict]:
+    return [e for e in SlurmClusterLedger.read(run_dir) if e["event"] == "stop" and e.get("mode") == "own"]
+
+
+class SlurmClusterLedger:
+    @staticmethod
+    def read(run_dir: Path) -> list[dict]:
+        path = run_dir / "hpcckpt" / "ledger.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+@pytest.mark.long(300)
+def test_a_script_saving_on_the_notice_loses_nothing(slurm_cluster: SlurmCluster, tmp_path: Path,
+                                                     reference: dict) -> None:
+    run_dir = tmp_path / "run"
+    job, out = _submit(slurm_cluster, run_dir, "--every", "1000", "--step-sleep-s", "0.1", "--save-sleep-s", "5.5")
+    try:
+        _preempt_in_run(slurm_cluster, out, job, 0, 10)
+        _preempt_in_run(slurm_cluster, out, job, 1, 10)
+        slurm_cluster.wait_completed(job, 900, out)
+    finally:
+        slurm_cluster.cancel(job)
+    assert json.loads((run_dir / "result.json").read_text()) == reference, "not bit-identical"
+    runs = _runs(out, job)
+    # each allocation resumed exactly where the one before saved: no step trained twice
+    starts = [int(m.group(1)) for r in runs[1:] if (m := re.search(r"resumed from ckpt-\d+\.pt at step (\d+)", r))]
+    ends = [_last_step(r) for r in runs[:-1]]
+    assert starts == ends, (starts, ends)
+    stops = [s for s in _own_stops(run_dir) if s["reason"] != "done"]
+    causes = [s["reason"] for s in stops]
+    assert causes[:2] == ["preemption", "preemption"] and causes.count("time_limit") >= 2, causes
+    assert all(s["exit_code"] == 75 and s["lost_s"] is not None and s["lost_s"] < 5 for s in stops), stops
+    history = slurm_cluster.history(run_dir / "hpcckpt")
+    assert history["finished"] is True
+    assert [r["cause"] for r in history["rows"]] == causes, history["rows"]
+    assert int(slurm_cluster.job(job)["Restarts"]) == len(stops)
+
+
+@pytest.mark.long(200)
+def test_a_script_ignoring_the_notice_comes_back_from_its_own_saves(slurm_cluster: SlurmCluster, tmp_path: Path,
+                                                                    reference: dict) -> None:
+    run_dir = tmp_path / "run"
+    job, out = _submit(slurm_cluster, run_dir, "--ignore-term", "--every", "50", "--step-sleep-s", "0.1")
+    try:
+        _preempt_in_run(slurm_cluster, out, job, 0, 70)
+        slurm_cluster.wait_completed(job, 900, out)
+    finally:
+        slurm_cluster.cancel(job)
+    assert json.loads((run_dir / "result.json").read_text()) == reference, "not bit-identical"
+    runs = _runs(out, job)
+    assert len(runs) >= 3, "a preemption and a time limit"
+    for piece in runs[1:]:
+        assert re.search(r"resumed from ckpt-\d+\.pt", piece), piece[:500]
+    stops = [s for s in _own_stops(run_dir) if s["reason"] != "done"]
+    assert [s["reason"] for s in stops][:2] == ["preemption", "time_limit"], stops
+    assert all(s["lost_s"] is not None and s["lost_s"] > 0 for s in stops), stops
+    history = slurm_cluster.history(run_dir / "hpcckpt")
+    assert history["finished"] is True and history["lost_s_total"] and history["lost_s_total"] > 0, history
+    assert [r["cause"] for r in history["rows"]][:2] == ["preemption", "time_limit"], history["rows"]
