@@ -16,6 +16,7 @@ has already ended the job).
 """
 from __future__ import annotations
 
+import dis
 import functools
 import inspect
 import logging
@@ -132,6 +133,13 @@ class Checkpointer:
         # registered modules' parameters, cleared by the optimizers' post-hook (_hook_steps). A
         # boundary where it is set falls inside a gradient accumulation.
         self._accumulating = False
+        self._trained = 0  # optimizer steps and gradient accumulations seen (a left pass's batch was trained)
+        # A step whose boundary is still to run: the loop left a ckpt.batches pass after training its
+        # batch ("boundary": counted, its boundary runs at the next boundary point), or an exception
+        # left it ("count": counted there, if the script gets there). See Checkpointer._left_pass.
+        self._owed: str | None = None
+        self._last_epoch = False  # the epoch of ckpt.epochs() in progress is its last
+        self._tail_step: int | None = None  # the step of the last epoch's end of training, committed
         self._step_hooks: dict[int, Any] = {}
         self._grad_hooks: dict[int, Any] = {}
         self._resume_rng: dict[str, Any] | None = None  # the saved RNG, set again where training resumes
@@ -261,9 +269,11 @@ class Checkpointer:
 
     def _stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._accumulating = False
+        self._trained += 1
 
     def _accumulated(self, param: Any) -> None:
         self._accumulating = True
+        self._trained += 1
 
     def _accumulated_grads(self) -> dict[str, dict[str, torch.Tensor]]:
         """The gradients of the registered modules when this boundary falls inside a gradient
@@ -469,16 +479,45 @@ class Checkpointer:
         first = (self.progress.epoch or 0) if self.resumed_from is not None else 0
         if self.resumed_from is not None and (self._already_finished or first >= len(epochs)):
             self._nothing_left(f"epoch {len(epochs) if self._already_finished else first} of {len(epochs)} "
-                               f"(step {self.step})")
+                               f"(step {self.step})", replay=self._already_finished and first < len(epochs))
         for i in range(first, len(epochs)):
             self.progress.epoch = i
+            self._last_epoch = i == len(epochs) - 1
             driven = self._driven
-            yield epochs[i]
+            try:
+                yield epochs[i]
+            except GeneratorExit:
+                self._epochs_left(sys._getframe(), len(epochs))
+                raise
+            self._settle_owed(epoch_done=i)
             if self._driven == driven:
                 self._epoch_was_a_step(i)
+        self._last_epoch = False
         self.progress.epoch = len(epochs)
         self._finish()
         self.close()
+
+    def _epochs_left(self, frame: FrameType, total: int) -> None:
+        """The loop over ``epochs()`` was left inside an epoch (its generator closed there). By a
+        ``break`` or ``return`` (early stopping): the run ended there, as at the last epoch's end
+        (``_finish``: the final checkpoint, with nothing left for a re-run, and the guard of the
+        code after the loop). By an exception: nothing (the script fails as it would have)."""
+        if self._closed or not _left_by_loop(frame):
+            return
+        try:
+            if self._owed == "count":
+                self._count_step()
+            self._owed = None
+            self._last_epoch = False
+            self.progress.epoch = total
+            self._finish()
+            self.close()
+        except SystemExit as exc:  # a stop signal that came before the break: requeued by the guard
+            # This runs while the generator is closed, where an exception would only be printed.
+            self.close()
+            flush_and_exit(exc.code if isinstance(exc.code, int) else EXIT_REQUEUE)
+        except Exception:  # noqa: BLE001 - printed and ignored where it was raised (a closing generator)
+            log.exception("hpcckpt: ending the run after the loop left ckpt.epochs() failed")
 
     def _epoch_was_a_step(self, i: int) -> None:
         """An epoch that ran no step boundary and opened no ``ckpt.batches`` pass (full-batch
@@ -500,8 +539,12 @@ class Checkpointer:
         checkpointed now (every rank, when any measured so): a stop that comes during that code
         is only taken at the next step boundary, and a job killed before it would lose the
         epoch (with no periodic saves, the run). A resume from here runs the epoch's code again
-        from its start, as after a stop at the epoch's last batch."""
+        from its start, as after a stop at the epoch's last batch. In the last epoch of
+        ``epochs()`` the run's end of training is checkpointed (``_training_ended``)."""
         self._tail_from = time.monotonic()
+        if self._last_epoch:
+            self._training_ended()
+            return
         long_tail = self._tail_s is not None and self._tail_s >= LONG_TAIL_S
         if not self.ranks.max(int(long_tail)):
             return
@@ -510,6 +553,75 @@ class Checkpointer:
         log.info("hpcckpt: checkpointing the end of this epoch's training (step %d): the code between epochs "
                  "took %.0fs last time, and a stop during it waits for the next step", self.step, self._tail_s or 0)
         self.save()
+
+    def _training_ended(self) -> None:
+        """A training pass of the last epoch of ``epochs()`` ended (or the loop left it, a break at
+        max_steps): this state, marked finished, is the run's final checkpoint. A re-run of the
+        finished run (the requeue of a stop in the code after the loop, or the script started
+        again) resumes here, trains nothing and runs the last epoch's code after its training
+        again (its evaluation: what the code after the loop uses is set as in the uninterrupted
+        run), then the code after the loop. A checkpoint of this step (a periodic one, or the one
+        this run resumed from) is the same place already."""
+        if self._already_finished:
+            return
+        if self.committed_step == self.step or any(h.step == self.step for h in self._handles):
+            self._tail_step = self.step
+            return
+        self.progress.finished = True
+        try:
+            self._save_final()
+            self._tail_step = self.step
+        except (HpcckptError, OSError) as exc:
+            log.error("hpcckpt: the checkpoint of the end of training (step %d) failed: %s", self.step, exc)
+        finally:
+            self.progress.finished = False
+
+    def _left_pass(self, pos: Any, *, trained: bool, by_loop: bool) -> None:
+        """The loop left a pass of ``ckpt.batches`` at a batch it had taken (the pass's generator
+        was closed there, so that batch's boundary, which runs when the loop asks for the next
+        batch, did not run). The pass is over (a resume of it yields nothing). When the batch was
+        trained (a registered optimizer stepped, or a registered module accumulated gradients,
+        since it was handed out; without those, it counts as trained) it is a step: by a
+        ``break``/``return`` (a loop that ends at max_steps mid-epoch) it is counted now, so
+        that the code after the loop sees ``ckpt.step`` right and the end of training is
+        checkpointed with its true number, and its boundary (stop, periodic save) runs at the
+        next boundary point (the epoch's end in ``epochs()``, or the next pass); by an exception
+        it is counted there, if the script gets there."""
+        pos.leave("left")
+        try:
+            if trained and not by_loop:
+                self._owed = "count"
+                return
+            if trained:
+                self._count_step()
+                self._owed = "boundary"
+            if by_loop:
+                self._pass_ended()
+        except Exception:  # noqa: BLE001 - printed and ignored where it was raised (a closing generator)
+            log.exception("hpcckpt: the step of the batch the loop left ckpt.batches at could not be completed")
+
+    def _count_step(self) -> None:
+        """One more step done, without its boundary (``_left_pass``)."""
+        now = time.monotonic()
+        if self._last_step_t is not None:
+            self.policy.observe_step(now - self._last_step_t)
+        self._last_step_t = now
+        self.step += 1
+        self._trace_step()
+
+    def _settle_owed(self, *, epoch_done: int | None = None) -> None:
+        """The boundary of a step the loop left ``ckpt.batches`` at (``_left_pass``), at the next
+        boundary point: the end of the epoch's code (``epoch_done``: a save here resumes at the
+        next epoch) or the next pass. Not saved again where this step is already."""
+        owed, self._owed = self._owed, None
+        if owed is None:
+            return
+        if owed == "count":
+            self._count_step()
+        if epoch_done is not None:
+            self.progress.epoch = epoch_done + 1
+        again = self.committed_step == self.step or any(h.step == self.step for h in self._handles)
+        self._boundary(trace=False, periodic=not again)
 
     def step_done(self) -> None:
         """One training step finished (a loop hpcckpt does not drive: ``while``, callbacks).
@@ -597,10 +709,12 @@ class Checkpointer:
             set_rng_state(self._resume_rng)
             self._resume_rng = None
 
-    def _nothing_left(self, where: str) -> None:
-        log.warning("hpcckpt: this run resumed at %s under %s: nothing left to train%s. To start fresh, move "
+    def _nothing_left(self, where: str, *, replay: bool = False) -> None:
+        log.warning("hpcckpt: this run resumed at %s under %s: nothing left to train%s%s. To start fresh, move "
                     "%s aside or give another directory (dir=... or HPCCKPT_DIR)", where, self.root,
-                    " (it finished before)" if self._already_finished else "", self.root)
+                    " (it finished before)" if self._already_finished else "",
+                    "; the last epoch's code after its training (its evaluation) runs again, then the code after "
+                    "the loop" if replay else "", self.root)
         if self.ranks.is_coordinator:
             self.ledger.append("nothing_left", step=self.step, where=where, finished=self._already_finished)
 
@@ -666,14 +780,15 @@ class Checkpointer:
         append_trace(self._trace, {"step": self.step, "digests": digests, "loss": self._loss})
         self._loss = None
 
-    def _boundary(self) -> None:
+    def _boundary(self, *, trace: bool = True, periodic: bool = True) -> None:
         self._driven += 1
         if self.step == self._start_step + 1 and not self.progress.positions and self.data_resumed_by is None:
             self._warn_loose_iterators()
         self.signals.guard_children()
         if self._jit is not None:
             self._jit.at_boundary(self.step)  # the small state of this boundary, for a JIT save
-        self._trace_step()
+        if trace:
+            self._trace_step()
         self._reap()
         new = self.signals.log_new()  # every rank logs what it received
         local, warned = self._signal_reason()
@@ -690,7 +805,7 @@ class Checkpointer:
             local = self.policy.stop_reason()
         # One collective decides both: ranks judge a periodic save from their own timings
         # (every_steps="auto"), and a rank that saved alone would wait in the commit exchange.
-        agreed = self.ranks.max(int(local) * 4 + int(warned) * 2 + int(self.policy.periodic_due(self.step)))
+        agreed = self.ranks.max(int(local) * 4 + int(warned) * 2 + int(periodic and self.policy.periodic_due(self.step)))
         reason = StopReason(agreed // 4)
         if agreed & 2:
             self._warned = True  # a rank holds a warning: the coordinator judges it at the next boundary
@@ -905,7 +1020,11 @@ class Checkpointer:
         self._settle_quietly(list(self._handles))
         # A run with checkpoints (or an epoch loop, whose resume would run the last epoch's end
         # again) keeps its final state: a re-run then resumes there and says it finished.
-        if not self._already_finished and (self.committed_step is not None or self.progress.epoch is not None):
+        if not self._already_finished and self._tail_step == self.step == self.committed_step:
+            # The last epoch's end of training is the final checkpoint (``_training_ended``): a re-run
+            # runs that epoch's code after its training again, then the code after the loop.
+            self.progress.finished = True
+        elif not self._already_finished and (self.committed_step is not None or self.progress.epoch is not None):
             self.progress.finished = True
             try:
                 self._save_final()
@@ -1106,6 +1225,7 @@ class Batches:
 
     def _pass(self, start: int | None, mine: list[Any] | None) -> Iterator[Any]:
         ck = self._ckpt
+        ck._settle_owed()  # the loop left the previous pass at a step whose boundary is still to run
         ck._driven += 1  # an epoch of ckpt.epochs() that opens a pass is not itself a step, even if it is empty
         pos = ck._position(self._loader, self._name, skip=self._skip)  # begins the run first (the restore)
         ck._resume_point()
@@ -1117,14 +1237,50 @@ class Batches:
         ck._last_step_t = time.monotonic()
         if ck._tail_from is not None:
             ck._tail_s, ck._tail_from = ck._last_step_t - ck._tail_from, None
-        if mine and pos.taken:
+        if mine and pos.taken and pos.over is None:
             _warn_if_enumerated(ck, mine[0](), pos.taken, self._loader)
-        for batch in it:
-            index = pos.taken
-            pos.took()
-            yield batch if start is None else (start + index, batch)
-            ck.step_done()
+        mark = ck._trained
+        try:
+            for batch in it:
+                index = pos.taken
+                pos.took()
+                mark = ck._trained
+                yield batch if start is None else (start + index, batch)
+                ck.step_done()
+        except GeneratorExit:  # the loop left the pass at this batch (a break), or an exception did
+            ck._left_pass(pos, trained=ck._trained != mark or not (ck._step_hooks or ck._grad_hooks),
+                          by_loop=_left_by_loop(sys._getframe()))
+            raise
+        pos.leave("end")
         ck._pass_ended()
+
+
+# What the frame that drops a generator is doing when a loop over it ended without an exception:
+# popping the loop's iterator (a break or a return inside the loop: POP_TOP, or POP_ITER from 3.14),
+# or finding that an iterator wrapping it stopped (itertools.islice: FOR_ITER, END_FOR).
+_LOOP_LEFT_OPS = frozenset(dis.opmap[n] for n in ("POP_TOP", "POP_ITER", "END_FOR", "FOR_ITER") if n in dis.opmap)
+_SUSPENDED_OPS = frozenset(dis.opmap[n] for n in ("YIELD_VALUE", "SEND") if n in dis.opmap)
+
+
+def _left_by_loop(frame: FrameType) -> bool:
+    """Whether the generator running in ``frame`` (in its ``except GeneratorExit``) is closed
+    because a loop over it ended without an exception: a ``break`` or ``return`` inside the loop,
+    or a wrapper that stopped (``islice``), possibly through generators of the script that are
+    closed with it. False for an exception that unwinds the loop (its iterator is dropped then
+    too), an explicit ``close()``, or a collection at another point: told by the instruction the
+    frame that dropped it was at."""
+    f = frame.f_back
+    for _ in range(64):
+        if f is None:
+            return False
+        code, at = f.f_code.co_code, f.f_lasti
+        if not 0 <= at < len(code):
+            return False
+        if code[at] in _SUSPENDED_OPS and f.f_code.co_flags & (inspect.CO_GENERATOR | inspect.CO_ASYNC_GENERATOR):
+            f = f.f_back  # a wrapper generator of the script, closed with it
+            continue
+        return code[at] in _LOOP_LEFT_OPS
+    return False
 
 
 def _next_index(e: enumerate) -> int | None:

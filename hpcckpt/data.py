@@ -194,6 +194,7 @@ class ResumableSampler(Sampler[int]):
 # --- any DataLoader: the position of its training pass, replayed exactly ----------------------
 
 SKIP_MODES = ("auto", "indices", "fetch")
+OVER = ("left", "end")  # how a saved pass was over (LoaderPosition.over)
 _END = object()
 
 
@@ -485,6 +486,9 @@ class LoaderPosition:
         self._restored: Mapping[str, Any] | None = None
         self._epoch_counter: int | None = None  # an adapter's pass count as the current pass began
         self.in_epoch: int | None = None  # the epoch of Checkpointer.epochs() the current pass began in
+        # The current pass is over: "left" (the loop left it, a break at max_steps) or "end" (it ended,
+        # saved as such for loaders without persistent workers); a resume of it yields nothing.
+        self.over: str | None = None
 
     @property
     def resumable(self) -> ResumableSampler | None:
@@ -597,6 +601,7 @@ class LoaderPosition:
         self._epoch_counter = _epoch_counter(self.loader)
         self.passes += 1
         self.taken = 0
+        self.over = None
         it, _ = _begun(self.loader)
         self._rng_iter = {k: g.get_state() for k, g in gens.items()} if self.stateful else {}
         return self._watch_end(it)
@@ -629,8 +634,13 @@ class LoaderPosition:
         return {"rng": rng, "epochs": {role: int(s.epoch) for role, s in _epoch_samplers(self.loader).items()}}
 
     def _resume(self, state: Mapping[str, Any]) -> Iterator[Any]:
-        """Replay the saved pass's start, skip what was trained on; the global RNG is left as found."""
+        """Replay the saved pass's start, skip what was trained on; the global RNG is left as found.
+        A pass saved as over (``over``) yields nothing: its iterator is made again as it began (the
+        order and worker seed it drew from the loader's generators are drawn as then, so the next
+        pass draws what it drew in the uninterrupted run) and dropped."""
         self.passes, self.taken = int(state["passes"]), int(state["taken"])
+        over = state.get("over")
+        self.over = over if over in OVER else None
         self._rng = dict(state.get("rng") or {})
         self._rng_iter = dict(state.get("rng_iter") or {})
         workers = state.get("workers") or {}
@@ -640,12 +650,13 @@ class LoaderPosition:
             # The adapter tells its samplers this pass's epoch (set_epoch) as it begins it.
             self.loader.iteration = self._epoch_counter = int(state["iteration"])
         if self.stateful:
-            return self._resume_stateful(state)
+            return self._dropped(self._resume_stateful(state)) if self.over else self._resume_stateful(state)
         sampler = self.resumable
         if sampler is not None:
             if self.saves_sampler and "sampler" in state:
                 sampler.load_state_dict(state["sampler"])
-            sampler.resume_next_iter()
+            if not self.over:
+                sampler.resume_next_iter()
         if self.set_epochs and sampler is None and hasattr(getattr(self.loader, "sampler", None), "set_epoch"):
             self.loader.sampler.set_epoch(self.passes - 1)
         _drop_unused_iterator(self.loader)
@@ -659,6 +670,8 @@ class LoaderPosition:
             self._set_rngs(self._rng)
             mode = self._mode()
             skipped = 0 if sampler is not None else self.taken
+            if self.over:
+                mode = "indices"  # nothing of the pass is loaded: what it drew as it began is drawn again
             it, wrapper = self._patched_iter(skipped if mode == "indices" else 0)
             for _ in range(skipped if mode == "fetch" else 0):
                 if next(it, _END) is _END:
@@ -666,7 +679,26 @@ class LoaderPosition:
             wrapper.prime()
         finally:
             _set_host(boundary)
-        return self._watch_end(it)
+        return self._dropped(it) if self.over else self._watch_end(it)
+
+    def _dropped(self, it: Iterator[Any]) -> Iterator[Any]:
+        """The iterator of a resumed pass that was over at the save, dropped: no batch of it is left."""
+        del it
+        if self.over == "end":
+            self._counted()  # an adapter (Accelerate's) counted the uninterrupted pass at its end
+        elif _persistent(self.loader):
+            log.warning("hpcckpt: this DataLoader keeps its worker processes across epochs (persistent_workers=True) "
+                        "and the loop left its pass %d before its end (a break): its workers' random streams after "
+                        "that cannot be brought back, so random augmentation in them differs from the uninterrupted "
+                        "run from here on. For an exact resume use persistent_workers=False for it, or seed "
+                        "augmentation from the sample index and epoch", self.passes)
+        return iter(())
+
+    def leave(self, how: str) -> None:
+        """The current pass is over (``OVER``): a resume of it yields nothing. A pass that ended is
+        saved as over only without persistent workers: their streams are brought back by replaying it."""
+        if self.over is None and (how == "left" or not _persistent(self.loader)):
+            self.over = how
 
     def _earlier_passes(self, state: Mapping[str, Any]) -> list[dict[str, Any]]:
         """The records of the passes persistent workers ran before the resumed one (to replay);
@@ -759,6 +791,8 @@ class LoaderPosition:
             state["iteration"] = self._epoch_counter
         if self.in_epoch is not None:
             state["in_epoch"] = self.in_epoch
+        if self.over is not None:
+            state["over"] = self.over
         return state
 
     @staticmethod
@@ -773,6 +807,8 @@ class LoaderPosition:
             raise CheckpointCorrupt(f"loader position has passes={state['passes']!r}, taken={state['taken']!r}")
         if state.get("in_epoch") is not None and not (_is_int(state["in_epoch"]) and state["in_epoch"] >= 0):
             raise CheckpointCorrupt(f"loader position has in_epoch={state['in_epoch']!r}")
+        if state.get("over") is not None and state["over"] not in OVER:
+            raise CheckpointCorrupt(f"loader position has over={state['over']!r}, not one of {', '.join(OVER)}")
         workers = state.get("workers")
         records: list[Any] = []
         if workers is not None:
@@ -807,6 +843,7 @@ class LoaderPosition:
         self._worker_passes = [dict(r) for r in workers.get("passes", [])]
         self._epoch_counter = int(state["iteration"]) if "iteration" in state else None
         self.in_epoch = int(state["in_epoch"]) if state.get("in_epoch") is not None else None
+        self.over = state["over"] if state.get("over") in OVER else None
 
     def settle(self) -> None:
         """The restored pass began in an earlier epoch than the one resuming (a second loader
