@@ -305,11 +305,14 @@ class OwnSupervisor:
             pattern = self.opts.saves if os.path.isabs(self.opts.saves) else str(Path.cwd() / self.opts.saves)
             for path in glob.glob(pattern):
                 try:
-                    mtime = os.stat(path).st_mtime
+                    st = os.stat(path)
                 except OSError:
                     continue
-                if when is None or mtime > when:
-                    when, what = mtime, os.path.basename(path)
+                # ctime: when the file became what it is (a save written aside and renamed into
+                # place changes it at the rename, its commit), not when its bytes were written
+                done = max(st.st_mtime, st.st_ctime)
+                if when is None or done > when:
+                    when, what = done, os.path.basename(path)
         return when, what
 
     def _start_record(self) -> None:
