@@ -43,7 +43,7 @@ from .lifecycle import identity, requeue
 from .lifecycle.history import record_superseded
 from .lifecycle.ledger import Ledger, process_start_time
 from .cluster.base import Cause, Cluster
-from .policy import WARNING_SIGNALS, AutoInterval, Figures, Policy, StopReason
+from .policy import WARNING_SIGNALS, AutoInterval, Figures, Policy, StopReason, estimate_save_s
 from .ranks import Ranks
 from .resume import Outcome, load_newest
 from .signals import AfterRun, Received, SignalRecorder, quiet_workers
@@ -982,6 +982,8 @@ class Checkpointer:
         verdict: list[str] | None = None
         if self.ranks.is_coordinator:
             self.policy.poll(self.cluster, force=True)
+            if self.policy.time_left() is not None and not self.policy.measured:
+                self._estimate_save()
             left, lead = self.policy.time_left(), self.policy.lead_s()
             if left is not None and left < lead:
                 startup = self._startup_s or 0.0
@@ -1006,6 +1008,25 @@ class Checkpointer:
         # most the first step of a step_done() loop in memory (labelled step 0, a checkpoint of
         # it would be wrong); the next allocation starts from the same place.
         self._stop(StopReason.DEADLINE, save=False)
+
+    def _estimate_save(self) -> None:
+        """No save was measured yet (the first allocation) and the end time is known: the stop's
+        reserve comes from this state's size and the checkpoint directory's rate, measured now
+        (``policy.estimate_save_s``), not from the assumed ``save_cost_s`` default (10 s, which
+        made a 1-minute allocation stop without training for a 0.02 s save, and is too little
+        for a state of tens of GB). The first save measured replaces the estimate."""
+        try:
+            flat = self.state.capture(step=self.step)  # what this rank writes (aliases, no copy)
+            nbytes = sum(t.numel() * t.element_size() for t in flat.tensors.values())
+            save_s, rate = estimate_save_s(self.root, nbytes)
+        except (OSError, HpcckptError) as exc:
+            log.warning("hpcckpt: could not measure the checkpoint directory's write rate (%s); the stop's reserve "
+                        "assumes a %.0fs save until one is measured", exc, self.policy.save_cost_s)
+            return
+        self.policy.assume_save(save_s)
+        log.info("hpcckpt: no save measured yet: the final save of this state (%.1f MB) is estimated at %.2fs "
+                 "(%.0f MB/s measured under %s); the stop comes %s before the end time", nbytes / 1e6, save_s,
+                 rate / 1e6, self.root, self.policy.lead_figures())
 
     def _requeue(self, reason: StopReason) -> dict[str, Any]:
         """The lifecycle's requeue (coordinator only; it records the outcome); exit 75 follows either way."""

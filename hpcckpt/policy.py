@@ -255,6 +255,18 @@ class Policy:
         if self.auto is not None:
             self.auto.observe_save(save_s if stall_s is None else stall_s, save_s)
 
+    @property
+    def measured(self) -> bool:
+        """Whether ``save_cost_s`` is a measured save (this allocation's or an earlier one's)."""
+        return self._measured
+
+    def assume_save(self, save_s: float) -> None:
+        """The save's cost as estimated before any save was measured (``estimate_save_s``, the
+        first allocation): used instead of the assumed default until the first measurement,
+        which replaces it whatever it says (``observe_save``)."""
+        if not self._measured and math.isfinite(save_s) and save_s > 0:
+            self.save_cost_s = save_s
+
     def seed(self, figures: Figures) -> None:
         """Start from what earlier allocations measured instead of the defaults."""
         if figures.save_s is not None:
@@ -369,6 +381,53 @@ class Policy:
 
 
 FORCED_WAIT_S = 10.0  # Policy.poll(force=True) in the background: how long a decision waits for Slurm
+
+# The first allocation's estimate of its save (``estimate_save_s``): a probe file of the state's size,
+# at least PROBE_MIN_BYTES (a write's fixed costs show) and at most PROBE_MAX_BYTES (the rate is
+# measured; a bigger state is scaled from it).
+PROBE_MIN_BYTES = 1 << 20
+PROBE_MAX_BYTES = 64 << 20
+PROBE_NAME = ".hpcckpt.probe"
+
+
+def estimate_save_s(root: Path, state_bytes: int, *,
+                    clock: Callable[[], float] = time.monotonic) -> tuple[float, float]:
+    """(seconds, bytes per second): what a save of ``state_bytes`` should take in ``root``,
+    measured: a probe file of the state's size (within ``PROBE_MIN_BYTES`` and ``PROBE_MAX_BYTES``)
+    written, fsynced and removed in ``root`` (opened as a directory, the file created in it with
+    ``O_EXCL|O_NOFOLLOW``, private), and the directory fsynced twice, as a commit does (its
+    manifest and renames). The write's time scales with the state beyond the probe's size; the
+    directory's fsyncs are added once more for the manifest's and the commit's own writes.
+    For the first allocation, which has no save measured yet (``Policy.assume_save``); an
+    OSError if the directory cannot be written."""
+    size = max(PROBE_MIN_BYTES, min(PROBE_MAX_BYTES, int(state_bytes)))
+    block = os.urandom(min(size, 1 << 20))  # not zeros: a compressing file system would not write them
+    name = f"{PROBE_NAME}-{os.getpid()}-{os.urandom(4).hex()}"
+    dfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        t0 = clock()
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+        try:
+            left = size
+            while left > 0:
+                chunk = block if left >= len(block) else block[:left]
+                write_all(fd, chunk)
+                left -= len(chunk)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        write_s = clock() - t0
+        t1 = clock()
+        try:
+            os.unlink(name, dir_fd=dfd)
+        finally:
+            os.fsync(dfd)
+        dir_s = clock() - t1
+    finally:
+        os.close(dfd)
+    write_s = max(write_s, 1e-6)
+    rate = size / write_s
+    return write_s * max(1.0, state_bytes / size) + 2 * dir_s, rate
 
 
 def _ask(cluster: Any) -> tuple[float | None, float | None, bool]:
