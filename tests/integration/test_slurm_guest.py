@@ -146,3 +146,39 @@ def test_a_frozen_slurmctld_never_holds_the_training(slurm_cluster: SlurmCluster
         os.kill(ctld, signal.SIGCONT)
     slurm_cluster.wait_completed(job, 400, run_dir / f"slurm-{job}.out")
     assert slurm_cluster.result_digest(run_dir) == reference_digest(steps)
+
+
+def test_the_stop_path_with_slurmctld_stopped_ends_and_says_so(slurm_cluster: SlurmCluster, tmp_path: Path,
+                                                               reference_digest: Callable[[int], str]) -> None:
+    """A stop while slurmctld cannot answer (SIGSTOP): the final checkpoint, then every call into
+    Slurm fits the stop's bound (30 s in all, here), an honest record, exit 75; once slurmctld is
+    back, the batch script's `hpcckpt requeue` puts the job back and it finishes bit-identical.
+    Unbounded, the stop path spent 30 s on each of its calls."""
+    import os
+    import signal
+
+    from tests.stacks import job_pids
+
+    steps = 60
+    run_dir = tmp_path / "run"
+    job = slurm_cluster.submit_demo("single", run_dir, "-p", "low", steps=steps, sleep_s=0.25)
+    slurm_cluster.wait_for(job, {"RUNNING"}, 240, run_dir / f"slurm-{job}.out")
+    slurm_cluster.wait_until(lambda: slurm_cluster.trace_steps(run_dir) >= 5, 120, "5 training steps")
+    [trainer] = [p for p in job_pids(job) if b"hpcckpt.demo.train" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    ctld = int((slurm_cluster.state_dir / "run" / "slurmctld.pid").read_text().strip())
+    os.kill(ctld, signal.SIGSTOP)
+    try:
+        os.kill(trainer, signal.SIGTERM)
+        slurm_cluster.wait_until(lambda: not Path(f"/proc/{trainer}").exists(), 120,
+                                 "the training process to end while slurmctld is stopped")
+        requeues = [e for e in slurm_cluster.read_ledger(run_dir / "ckpt") if e["event"] == "requeue"]
+    finally:
+        os.kill(ctld, signal.SIGCONT)
+    assert len(requeues) == 1 and requeues[0]["requeued"] is False, requeues
+    assert "slurmctld" in str(requeues[0]["detail"]), requeues
+    stops = [e for e in slurm_cluster.read_ledger(run_dir / "ckpt") if e["event"] == "stop"]
+    assert stops[0]["committed_step"] == stops[0]["step"], "the final checkpoint was taken"
+    slurm_cluster.wait_completed(job, 400, run_dir / f"slurm-{job}.out")
+    assert slurm_cluster.result_digest(run_dir) == reference_digest(steps)
+    assert [e["requeued"] for e in slurm_cluster.read_ledger(run_dir / "ckpt") if e["event"] == "requeue"] == \
+        [False, True], "the batch script's requeue, once slurmctld answered"
