@@ -68,6 +68,7 @@ FORGED_NAMES = ["x JobState=PENDING Restarts=3 EndTime=2001-01-01T00:00:00 Parti
                 "r4 Restarts=3\nJobState=PENDING"]
 
 
+@pytest.mark.long(120)
 def test_jobs_named_like_slurm_fields_come_back_with_their_own(
         slurm_cluster: SlurmCluster, tmp_path: Path, reference_digest: Callable[[int], str]) -> None:
     steps = 60
@@ -122,6 +123,7 @@ def test_scancel_of_a_criu_job_ends_it(slurm_cluster: SlurmCluster, criu_ok: Non
     assert not result.exists()
 
 
+@pytest.mark.long(90)
 def test_a_frozen_slurmctld_never_holds_the_training(slurm_cluster: SlurmCluster, tmp_path: Path,
                                                      reference_digest: Callable[[int], str]) -> None:
     """slurmctld stopped (SIGSTOP) mid-run: the steps go on at their pace, the end-time polls
@@ -148,6 +150,7 @@ def test_a_frozen_slurmctld_never_holds_the_training(slurm_cluster: SlurmCluster
     assert slurm_cluster.result_digest(run_dir) == reference_digest(steps)
 
 
+@pytest.mark.long(90)
 def test_the_stop_path_with_slurmctld_stopped_ends_and_says_so(slurm_cluster: SlurmCluster, tmp_path: Path,
                                                                reference_digest: Callable[[int], str]) -> None:
     """A stop while slurmctld cannot answer (SIGSTOP): the final checkpoint, then every call into
