@@ -18,6 +18,13 @@ Hugging Face Trainer's ``control.should_save`` let it::
 
 ``should_stop()`` is cheap (a flag and at most one ``stat``) and never raises; outside the
 supervisor it is False until a TERM arrives. ``saved()`` does nothing outside it.
+
+For the Hugging Face ``Trainer``, ``hf_callback()`` is the same as a callback: at the notice it
+asks the Trainer for its own checkpoint (``control.should_save``), reports it, and exits 75
+once it is written::
+
+    trainer = Trainer(..., callbacks=[own.hf_callback()])
+    trainer.train(resume_from_checkpoint=last_checkpoint)   # the script's own resume
 """
 from __future__ import annotations
 
@@ -27,7 +34,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-__all__ = ["saved", "should_stop"]
+__all__ = ["hf_callback", "saved", "should_stop"]
 
 _flag = threading.Event()
 _installed = False
@@ -69,3 +76,27 @@ def saved(step: int | None, path: str | os.PathLike[str] | None = None, **meta: 
     from ..lifecycle.ledger import Ledger
 
     Ledger(Path(root)).append("saved", step=step, path=None if path is None else str(path), **meta)
+
+
+def hf_callback() -> Any:
+    """A ``transformers.TrainerCallback``: at the notice, the Trainer saves its own checkpoint
+    at the end of the step, ``saved()`` reports it, and the process exits 75."""
+    from transformers import TrainerCallback
+
+    class _StopAndSave(TrainerCallback):
+        stopping = False
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            if should_stop():
+                self.stopping = True
+                control.should_save = True
+            return control
+
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            if self.stopping:
+                step = int(state.global_step)
+                saved(step, os.path.join(str(args.output_dir), f"checkpoint-{step}"))
+                raise SystemExit(75)
+            return control
+
+    return _StopAndSave()

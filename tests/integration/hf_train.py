@@ -50,6 +50,7 @@ class TracingTrainer(Trainer):
         if not model.training:
             return loss  # evaluation
         step = int(self.state.global_step)
+        time.sleep(self.run.step_sleep)
         if self.args.process_index == 0:
             with (self.run.dir / "trace.jsonl").open("a") as f:
                 f.write(json.dumps({"step": step, "loss": float(loss.detach()).hex()}) + "\n")
@@ -75,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--dir", required=True, type=Path)
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--mode", default="hpcckpt", choices=["hpcckpt", "plain"])
+    p.add_argument("--mode", default="hpcckpt", choices=["hpcckpt", "plain", "own"],
+                   help="own: the Trainer's own checkpoints, with hpcckpt.own.hf_callback() (under hpcckpt run --mode own)")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each training step sleeps (a slower job)")
     p.add_argument("--stop-at", type=int, default=None)
     p.add_argument("--hold-at", type=int, default=None)
     p.add_argument("--every", type=int, default=None, help="periodic checkpoint interval (default: none)")
@@ -101,10 +104,16 @@ def main(argv: list[str] | None = None) -> int:
         from hpcckpt.integrations.hf import HpcckptTrainerCallback
         cb = HpcckptTrainerCallback(dir=run.dir / "ckpt", every_steps=run.every)
         callbacks.append(cb)
+    if run.mode == "own":
+        import hpcckpt.own as own
+        from transformers.trainer_utils import get_last_checkpoint
+
+        callbacks.append(own.hf_callback())
+        resume = get_last_checkpoint(str(run.dir / "hf-out")) if (run.dir / "hf-out").exists() else None
     trainer = TracingTrainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks,
                              eval_dataset=Tokens() if run.eval_every else None,
                              run=run, first_run=first_run)
-    if callbacks:
+    if callbacks and run.mode == "hpcckpt":
         resume = callbacks[0].resume_point(trainer)
     trainer.train(resume_from_checkpoint=resume)
     if args.process_index == 0:

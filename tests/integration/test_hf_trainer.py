@@ -169,3 +169,36 @@ def test_hf_trainer_preempted_under_sbatch_resumes_identically(
     history = slurm_cluster.history(run_dir / "ckpt")
     assert history["finished"] is True and history["lost_steps_total"] == 0
     assert [r["cause"] for r in history["rows"]] == ["preemption"], history["rows"]
+
+
+def test_own_checkpoints_with_the_callback_under_the_own_supervisor(tmp_path: Path, reference: Path) -> None:
+    """The Trainer keeping its own checkpoints (hpcckpt.own.hf_callback(), the script's own
+    get_last_checkpoint resume) under `hpcckpt run --mode own` (the local supervisor): a TERM to
+    the supervisor becomes the notice; the Trainer saves its checkpoint at the step's end, the
+    script exits 75, is run again, resumes from its own checkpoint and ends as an uninterrupted
+    run does."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "hpcckpt.cli", "run", "--mode", "own", "--dir", str(run_dir / "own"),
+                             "--notice", "TERM", "--", sys.executable, str(JOB), "--dir", str(run_dir), "--steps",
+                             str(STEPS), "--mode", "own", "--step-sleep", "0.2"], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        trace = run_dir / "trace.jsonl"
+        deadline = time.monotonic() + 300
+        while not (trace.exists() and len(trace.read_text().splitlines()) >= 5) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert "exited 75" in out and "hpcckpt run: the command exited with status 0" in out, out[-3000:]
+    _assert_identical(run_dir, reference)
+    events = _ledger(run_dir / "own")
+    saved = [e for e in events if e["event"] == "saved"]
+    assert len(saved) == 1 and str(saved[0]["path"]).endswith(f"checkpoint-{saved[0]['step']}"), saved
+    assert [e["event"] for e in events].count("start") == 2
