@@ -1,17 +1,19 @@
 """``hpcckpt history DIR``: one row per interruption of the run checkpointed in DIR.
 
 ``--goodput``: the job's wall time split into productive training and badput buckets,
-per run (allocation) and in total."""
+per run (allocation) and in total. ``--plot FILE.png``: the requeue chain as a timeline
+(each allocation, its stop and cause, restores, lost work, queue waits; goodput in the title)."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from pathlib import Path
 
 from hpcckpt.cli.common import add_json, directory, emit
-from hpcckpt.errors import NoCheckpoint
+from hpcckpt.errors import ConfigError, NoCheckpoint
 from hpcckpt.cluster.causes import slurm_runs
 from hpcckpt.lifecycle.history import BUCKETS, Fold, Interruption, goodput, interruptions, load, summary
 
@@ -23,6 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--goodput", action="store_true",
                    help="the wall time split into productive training and badput (save, restore, lost "
                         "progress, requeue and queue wait, start-up), per allocation and in total")
+    p.add_argument("--plot", type=Path, metavar="FILE",
+                   help="also draw the requeue chain as a timeline into FILE (.png, .svg or .pdf): each allocation, "
+                        "its stop and cause, restores, work done again, queue waits; goodput in the title")
     add_json(p)
     p.set_defaults(func=run)
 
@@ -46,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
     if not folded.runs:
         raise NoCheckpoint(f"{args.dir}/ledger.jsonl is missing or empty: no run has started "
                            "with this checkpoint directory (check the path)")
+    if args.plot is not None:
+        _plot(args, folded)
     if args.goodput:
         return _goodput(args, folded)
     rows = interruptions(folded)
@@ -74,6 +81,19 @@ def run(args: argparse.Namespace) -> int:
     emit(args, {"dir": str(args.dir), **info, "rows": [r.as_dict() for r in rows], "failed_dumps": failed},
          "\n".join(lines))
     return 0
+
+
+def _plot(args: argparse.Namespace, folded: Fold) -> None:
+    """``--plot FILE``: the timeline, written before the table (the table goes to stdout as ever)."""
+    from hpcckpt.lifecycle.plot import plot
+
+    out = args.plot
+    if out.suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise ConfigError(f"--plot {out}: give a file ending in .png, .svg or .pdf")
+    if not out.parent.is_dir():
+        raise ConfigError(f"--plot {out}: its directory {out.parent} does not exist")
+    plot(folded, out, slurm=slurm_runs(folded.slurm_ids()), title=f"hpcckpt history {args.dir}")
+    print(f"hpcckpt history: wrote {out}", file=sys.stderr)
 
 
 def _requeue(r: Interruption) -> str:
