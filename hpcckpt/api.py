@@ -179,6 +179,8 @@ class Checkpointer:
             self._lease.release()
             raise
         self.signals.install()
+        self.progress.worker_seeds.install()  # until close(): the seeds evaluation loaders' workers take
+        self.progress.worker_seeds.on_unsure = self._note_loader_seed
 
     def _take_lease(self) -> None:
         """The coordinator holds the directory's writer lease until ``close``; every rank learns a refusal."""
@@ -756,6 +758,12 @@ class Checkpointer:
             from .check import append_trace
             append_trace(self._trace, {"note": "unsaved", "what": lines})
 
+    def _note_loader_seed(self, signature: str) -> None:
+        """hpcckpt check: an evaluation loader's workers drew their seed where the uninterrupted run's may not have."""
+        if self._trace is not None and self.ranks.is_coordinator:
+            from .check import append_trace
+            append_trace(self._trace, {"note": "loader_seed", "what": signature})
+
     def _warn_loose_iterators(self) -> None:
         """At the first step of a run that takes no batch through ``ckpt.batches``/``loop``:
         name the DataLoader iterators the script keeps (``coverage.loose_loader_iterators``)."""
@@ -1105,6 +1113,7 @@ class Checkpointer:
         self._grad_hooks.clear()
         self.ranks.close()
         self.signals.uninstall()
+        self.progress.worker_seeds.uninstall()
         self._lease.release()  # last: saves in flight are durable before another writer may start
 
     def __enter__(self) -> Checkpointer:

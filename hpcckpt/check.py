@@ -37,6 +37,10 @@ RNG_HINT = ("random numbers drawn between register() and the first step (data ma
             "random split, masks): register() puts the saved RNG back at once, so that code draws other numbers "
             "than it did in the uninterrupted run (ckpt.steps/batches/loop set the RNG again where training resumes, "
             "but what was drawn before stays); call register() after such code, right before the training loop")
+LOADER_SEED_HINT = ("a DataLoader with persistent_workers=True iterated outside ckpt.batches (an evaluation loader) "
+                    "draws its workers' seed from the global torch RNG at its first pass; hpcckpt gives it back after "
+                    "a resume, except where the script makes such loaders anew and keeps one: make it once before the "
+                    "training loop, or give it a generator of its own (DataLoader(..., generator=torch.Generator()))")
 HINTS = (
     "a Python value that changes during training (a learning rate annealed by hand, the best "
     "validation loss, an early-stopping counter, an epoch counter of your own): keep it in ckpt.user_meta",
@@ -284,6 +288,8 @@ def _hints(differing: Sequence[str], notes: Sequence[str] = ()) -> list[str]:
         hints.insert(0, RNG_HINT)
     if "enumerate" in notes:
         hints.insert(0, ENUMERATE_HINT)
+    if "loader_seed" in notes:
+        hints.insert(0, LOADER_SEED_HINT)
     return list(dict.fromkeys(hints))
 
 
