@@ -480,8 +480,10 @@ class Checkpointer:
         self._begin()
         first = (self.progress.epoch or 0) if self.resumed_from is not None else 0
         if self.resumed_from is not None and (self._already_finished or first >= len(epochs)):
-            self._nothing_left(f"epoch {len(epochs) if self._already_finished else first} of {len(epochs)} "
-                               f"(step {self.step})", replay=self._already_finished and first < len(epochs))
+            replay = self._already_finished and first < len(epochs)
+            self._nothing_left(f"the end of training in epoch {first + 1} of {len(epochs)} (step {self.step})"
+                               if replay else f"epoch {len(epochs) if self._already_finished else first} of "
+                               f"{len(epochs)} (step {self.step})", replay=replay)
         for i in range(first, len(epochs)):
             self.progress.epoch = i
             self._last_epoch = i == len(epochs) - 1
