@@ -12,7 +12,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from ..doctor import Check
+from ..doctor import REMOTE_LAUNCHERS, Check, Trial, TrialRefused, dispositions
+from ..doctor import _who
 from ..errors import CudaCheckpointError, CriuError
 from ..proc import tree as proctree
 from .locate import check, find_criu, tracks_memory
@@ -168,11 +169,13 @@ def _running_jobs() -> list[Check]:
 
 def _job_check(name: str, root: int) -> Check:
     """What in the tree under ``root`` a dump would fail on: the CUDA limits and the
-    resources criu refuses (the same look the supervisor takes soon after a job starts)."""
+    resources criu refuses (the same look the supervisor takes soon after a job starts).
+    A remote launcher's (srun's) own sockets are left to ``_launcher_check``: its tasks are
+    not in the tree at all, and no criu option changes that."""
     from . import dumpable
 
     problems = unsupported(root)
-    refused = dumpable.problems(root)
+    refused = [p for p in dumpable.problems(root) if proctree.status_field(p.pid, "Name") not in REMOTE_LAUNCHERS]
     detail = "; ".join(problems + [p.text() for p in refused])
     fix = dumpable.fix(refused) if refused else ("NCCL, CUDA IPC, UVM managed memory, MIG and MPS cannot be "
                                                   "checkpointed: run such a job with --mode app")
@@ -183,58 +186,134 @@ def _job_check(name: str, root: int) -> Check:
                  fix=fix if bad else "", data={"problems": [p.as_dict() for p in refused]})
 
 
-def trial(cmd: list[str], *, wait_s: float, run_dir: Path) -> list[Check]:
+def _launcher_check(pids: list[int]) -> list[Check]:
+    """srun/salloc in the job: their tasks run under slurmstepd, outside the tree CRIU mode dumps."""
+    launchers = [p for p in pids if proctree.status_field(p, "Name") in REMOTE_LAUNCHERS]
+    if not launchers:
+        return []
+    return [Check(name="criu trial: launcher", ok=False, level="warn",
+                  detail=f"{', '.join(_who(p) for p in launchers)} starts a job step: its tasks run under slurmstepd, "
+                         "outside the process tree CRIU mode dumps, so no image holds them (and across nodes CRIU "
+                         "mode refuses the job)",
+                  fix="run the training command itself under hpcckpt run --mode criu (no srun), or use the "
+                      "in-process templates (hpcckpt template ddp / torchrun) with hpcckpt's Checkpointer")]
+
+
+def _term_check(pids: list[int]) -> tuple[Check, list[int]]:
+    """What the job's processes do with TERM, which Slurm sends to every one of them at a
+    stop's deadline, and what CRIU mode then does; returns the check and the PIDs that hear it."""
+    import signal
+
+    own = [p for p in pids if proctree.status_field(p, "Name") not in REMOTE_LAUNCHERS]
+    how = dispositions(own, signal.SIGTERM)
+    heard = [p for p, d in how.items() if d != "ignored"]
+    if not heard:
+        return Check(name="criu trial: TERM", ok=True,
+                     detail="every process of the job ignores TERM (as CRIU mode starts it): a stop's TERM is the "
+                            "supervisor's alone, and it dumps the job",
+                     data={"term": how}), []
+    said = "; ".join(f"{_who(p)} {'catches it (a handler of its own)' if how[p] == 'caught' else 'dies of it'}"
+                     for p in heard)
+    dies = [p for p in heard if how[p] == "default"]
+    return Check(name="criu trial: TERM", ok=not dies, level="warn" if dies else "info",
+                 detail=f"{said}. Slurm's TERM (a GraceTime=0 preemption, the end of a grace, scancel, the time "
+                        "limit) reaches every process of the job: CRIU mode then makes no image (it would be of a "
+                        "process that is ending) and waits for the job's own end: exit 75 after its own save "
+                        "requeues, and the next allocation starts the command afresh to resume from that save; any "
+                        "other end requeues from the newest committed image (periodic ones: --dump-every; without "
+                        "one the command starts over). A stop noticed before that TERM (the --signal=B:USR2 "
+                        "warning, a GraceTime preemption read on the end time) is dumped as usual",
+                 fix="" if not dies else "take periodic images (--dump-every SECONDS) so such an end loses little; "
+                                         "or let those processes ignore TERM (DataLoader workers: have the main "
+                                         "process handle it and exit 75 after its own save)",
+                 data={"term": how}), heard
+
+
+def _rehearse(job: Trial, heard: list[int], *, stop_wait_s: float) -> Check:
+    """Slurm's TERM to every process of the job (those that ignore it ignore it), and what
+    its end then says: what CRIU mode would do with it."""
+    import signal
+    import time
+
+    for pid in heard:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    t0 = time.monotonic()
+    code = job.wait(stop_wait_s)
+    took = time.monotonic() - t0
+    if code is None:
+        return Check(name="criu trial: stop", ok=False, level="warn",
+                     detail=f"sent TERM to the processes that hear it; the job had not ended {stop_wait_s:.0f} s later: "
+                            "under Slurm KILL follows KillWait after TERM, and the job is requeued from the newest "
+                            "committed image",
+                     fix="exit 75 soon after the save your TERM handler starts, or take periodic images "
+                         "(--dump-every)", data={"exit_code": None})
+    if code == 75:
+        return Check(name="criu trial: stop", ok=True,
+                     detail=f"sent TERM to the processes that hear it; the job exited 75 {took:.1f} s later: CRIU mode "
+                            "requeues it, makes no image of that exit, and the next allocation starts the command "
+                            "afresh to resume from its own save",
+                     data={"exit_code": 75, "exit_after_term_s": round(took, 3)})
+    if code == 0:
+        return Check(name="criu trial: stop", ok=False, level="warn",
+                     detail=f"sent TERM to the processes that hear it; the job exited 0 {took:.1f} s later: that is its "
+                            "natural end to CRIU mode, so a stop would end the job for good with its training cut short",
+                     fix="exit 75 after the save on TERM (hpcckpt's 'requeue me')", data={"exit_code": 0})
+    return Check(name="criu trial: stop", ok=False, level="warn",
+                 detail=f"sent TERM to the processes that hear it; the job ended with status {code} {took:.1f} s later: "
+                        "CRIU mode requeues it from the newest committed image (what ran since is lost; without "
+                        "periodic images it starts over)",
+                 fix="take periodic images (--dump-every SECONDS), or let the job save and exit 75 on TERM",
+                 data={"exit_code": code})
+
+
+def trial(cmd: list[str], *, wait_s: float, run_dir: Path | None = None, stop_wait_s: float = 0.0,
+          cwd: Path | None = None) -> list[Check]:
     """``hpcckpt doctor --mode criu -- CMD``: start CMD as CRIU mode would (its own PID + mount
-    namespaces), give it ``wait_s`` to set itself up, look at what it holds, and end this
-    trial instance (never a real job: that one is only looked at)."""
+    namespaces, USR2 and TERM ignored), without side effects (``hpcckpt.doctor.Trial``: its
+    writes go to a scratch overlay, Slurm's acting commands are blocked), give it ``wait_s``
+    to set itself up, look at what it holds and what its processes do with TERM, then (when
+    ``stop_wait_s`` > 0 and some process hears TERM) send TERM as Slurm would and see how
+    it ends, and end every process of the trial (never a real job: that one is only looked at).
+    ``run_dir``: where the trial's scratch goes (default: TMPDIR)."""
     import signal
     import time
 
-    from . import ops
-
-    stdio = run_dir / "doctor-trial"
-    job = ops.launch(cmd, stdout=stdio.with_suffix(".out"), stderr=stdio.with_suffix(".err"),
-                     log=stdio.with_suffix(".log"), ignore=(signal.SIGUSR2, signal.SIGTERM))
     try:
+        job = Trial(cmd, cwd=cwd, ignore=(signal.SIGUSR2, signal.SIGTERM), scratch_base=run_dir)
+    except TrialRefused as exc:
+        return [Check(name="criu trial", ok=False, level="warn", detail=f"not run: {exc}")]
+    try:
+        try:
+            job.start()
+        except TrialRefused as exc:
+            return [Check(name="criu trial", ok=False, level="warn", detail=f"not run: {exc}",
+                          fix="CRIU mode needs root on the compute node; run doctor there (TMPDIR on a local disk)")]
         deadline = time.monotonic() + wait_s
-        while job.poll() is None and time.monotonic() < deadline:
+        while job.running() and time.monotonic() < deadline:
             time.sleep(0.2)
-        if job.poll() is not None:
+        if not job.running():
+            code = job.wait(0)
+            job.end()
             return [Check(name="criu trial", ok=True, level="info",
-                          detail=f"{' '.join(cmd)!r} ended (status {job.poll()}) within {wait_s:.0f} s, before it "
-                                 f"could be looked at; its output: {stdio.with_suffix('.err')}")]
-        return [_job_check("criu trial", job.app_pid)]
+                          detail=f"{' '.join(cmd)!r} ended (status {code}) within {wait_s:.0f} s, before it could be "
+                                 f"looked at; its last output: {job.stderr_tail() or '(none)'}",
+                          fix="give it longer: --trial-s"),
+                    job.sandbox_check("criu trial sandbox")]
+        assert job.app_pid is not None
+        pids = job.tree()
+        out = [_job_check("criu trial", job.app_pid), *_launcher_check(pids)]
+        term, heard = _term_check(pids)
+        out.append(term)
+        if heard and stop_wait_s > 0:
+            out.append(_rehearse(job, heard, stop_wait_s=stop_wait_s))
+        job.end()
+        out.append(job.sandbox_check("criu trial sandbox"))
+        return out
     finally:
-        _end_launchers(job.init_pid)
-        ops.kill_tree(job)
-        if job.proc is not None:
-            job.proc.wait(timeout=30)
-
-
-# Launchers whose work runs elsewhere: killed, they leave it running there (an allocation
-# and its step on every node until the time limit); sent TERM, they cancel it and return.
-REMOTE_LAUNCHERS = ("srun", "salloc")
-LAUNCHERS_END_S = 20.0  # srun waits for its step's tasks (KillWait, then a few seconds) before it returns
-
-
-def _end_launchers(init_pid: int, *, wait_s: float = LAUNCHERS_END_S) -> list[int]:
-    """TERM to every remote launcher of the trial (``srun``, ``salloc``), and wait for them to
-    return (bounded) before the namespace is killed; returns the pids sent TERM. Nothing else
-    of the trial is signalled: a script's own TERM handler would save and requeue."""
-    import signal
-    import time
-    sent = []
-    for pid in proctree.tree(init_pid)[1:]:
-        if proctree.status_field(pid, "Name") in REMOTE_LAUNCHERS:
-            try:
-                os.kill(pid, signal.SIGTERM)
-                sent.append(pid)
-            except ProcessLookupError:
-                continue
-    deadline = time.monotonic() + wait_s
-    while any(proctree.alive(pid) for pid in sent) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return sent
+        job.close()
 
 
 def checks() -> list[Check]:

@@ -254,11 +254,11 @@ URING_JOB = ("import ctypes, time\n"
 def test_doctor_mode_criu_tries_a_command_and_names_what_criu_refuses(tmp_path: Path) -> None:
     from hpcckpt.criu.doctor import trial
 
-    [check] = trial([sys.executable, "-c", URING_JOB], wait_s=5, run_dir=tmp_path)
+    check, *_ = trial([sys.executable, "-c", URING_JOB], wait_s=5, run_dir=tmp_path)  # then TERM, sandbox
     if check.ok and "io_uring" not in check.detail:
         pytest.skip("io_uring is disabled on this kernel")
     assert check.severity == "warn" and "io_uring" in check.detail and "torchrun" in check.fix
-    [quiet] = trial(["sleep", "30"], wait_s=1, run_dir=tmp_path)
+    quiet, *_ = trial(["sleep", "30"], wait_s=1, run_dir=tmp_path)
     assert quiet.ok and "nothing criu refuses" in quiet.detail
 
 
