@@ -212,10 +212,18 @@ def _term_check(pids: list[int]) -> tuple[Check, list[int]]:
                      detail="every process of the job ignores TERM (as CRIU mode starts it): a stop's TERM is the "
                             "supervisor's alone, and it dumps the job",
                      data={"term": how}), []
-    said = "; ".join(f"{_who(p)} {'catches it (a handler of its own)' if how[p] == 'caught' else 'dies of it'}"
-                     for p in heard)
-    dies = [p for p in heard if how[p] == "default"]
-    return Check(name="criu trial: TERM", ok=not dies, level="warn" if dies else "info",
+    root = pids[0] if pids else None
+
+    def what(pid: int) -> str:
+        if how[pid] == "default":
+            return "dies of it"
+        return "catches it (a handler of its own)" if pid == root else (
+            "catches it (a child's own handler: torch's DataLoader workers exit on TERM, and the loader then "
+            "fails the job)")
+
+    said = "; ".join(f"{_who(p)} {what(p)}" for p in heard)
+    workers = [p for p in heard if p != root]  # below the root: their end may end the job
+    return Check(name="criu trial: TERM", ok=not workers, level="warn" if workers else "info",
                  detail=f"{said}. Slurm's TERM (a GraceTime=0 preemption, the end of a grace, scancel, the time "
                         "limit) reaches every process of the job: CRIU mode then makes no image (it would be of a "
                         "process that is ending) and waits for the job's own end: exit 75 after its own save "
@@ -223,7 +231,7 @@ def _term_check(pids: list[int]) -> tuple[Check, list[int]]:
                         "other end requeues from the newest committed image (periodic ones: --dump-every; without "
                         "one the command starts over). A stop noticed before that TERM (the --signal=B:USR2 "
                         "warning, a GraceTime preemption read on the end time) is dumped as usual",
-                 fix="" if not dies else "take periodic images (--dump-every SECONDS) so such an end loses little; "
+                 fix="" if not workers else "take periodic images (--dump-every SECONDS) so such an end loses little; "
                                          "or let those processes ignore TERM (DataLoader workers: have the main "
                                          "process handle it and exit 75 after its own save)",
                  data={"term": how}), heard
