@@ -44,7 +44,22 @@ def build_parser() -> argparse.ArgumentParser:
         mod = importlib.import_module(f"hpcckpt.cli.{info.name}")
         if hasattr(mod, "register"):
             mod.register(sub)
+    for verb, verb_parser in sub.choices.items():
+        page = DOCS.get(verb, "docs/reference/cli.md")
+        more = f"Read next: {page} (and docs/reference/cli.md#{verb})."
+        verb_parser.epilog = f"{verb_parser.epilog}\n\n{more}" if verb_parser.epilog else more
     return parser
+
+
+# The page to read after each verb's --help (the docs site's source, in the repository).
+DOCS = {
+    "bench": "docs/performance.md", "check": "docs/guides/integrate.md", "cuda": "docs/guides/gpu.md",
+    "demo": "docs/getting-started.md", "doctor": "docs/guides/troubleshooting.md", "epilog": "docs/guides/admins.md",
+    "export": "docs/on-disk.md", "history": "docs/guides/slurm.md", "inspect": "docs/on-disk.md",
+    "ls": "docs/on-disk.md", "prolog": "docs/guides/admins.md", "requeue": "docs/guides/slurm.md",
+    "run": "docs/own-checkpoints.md", "scavenge": "docs/guides/admins.md", "template": "docs/guides/slurm.md",
+    "verify": "docs/on-disk.md",
+}
 
 
 def _code(exc: BaseException) -> int:
