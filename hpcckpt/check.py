@@ -285,6 +285,7 @@ class CheckOutcome:
     # models, modules, optimizers, RNGs and losses agree at every step) or "diverged"
     verdict: str = "identical"
     fields: list[FieldDiff] = field(default_factory=list)
+    objects: dict[str, str] = field(default_factory=dict)  # registered object -> its kind (see _kinds)
 
     @property
     def training_agrees(self) -> bool:
@@ -329,13 +330,14 @@ class CheckOutcome:
                    "optimizers, RNGs and the reported losses agree at every step and at the end; only state "
                    "the training does not read within this run differs:"]
         elif self.first_diverging_step is not None:
-            out = [f"hpcckpt check: NOT identical: the training diverged: stopped at step(s) {stops}; the first "
-                   f"diverging step is {self.first_diverging_step}, where these differ: {', '.join(self.differing)}"]
+            out = [f"hpcckpt check: NOT identical: stopped at step(s) {stops}; the first diverging step is "
+                   f"{self.first_diverging_step}, where these differ: {', '.join(self.differing)}"]
         else:
             out = [f"hpcckpt check: NOT identical: stopped at step(s) {stops}; what is registered matches, but "
                    "not all that training changes is registered"]
         if self.verdict == "diverged" and self.fields:
-            agree = [k for k in ("model", "optimizer") if not any(f.kind == k for f in self.fields)]
+            agree = [k for k in ("model", "optimizer") if k in self.objects.values()
+                     and not any(f.kind == k for f in self.fields)]
             if agree:
                 out.append(f"  the registered {' and '.join(a + 's' for a in agree)} agree at every step")
         out += self._field_lines()
@@ -347,7 +349,7 @@ class CheckOutcome:
             out.append(f"  the reported losses first differ at step {self.loss_first_diverging_step}")
         if self.final_differs:
             out.append(f"  at the end ({self.steps}): {', '.join(self.final_differs)} differ")
-        out.append("  likely causes (from what differs):")
+        out.append("  usual causes (state a resume does not bring back), from what differs:")
         out += [f"  - {h}" for h in self.hints]
         return out
 
@@ -580,6 +582,7 @@ def compare(a: Mapping[int, Any], b: Mapping[int, Any], stops: list[int], restar
     if out.unsaved:
         out.identical = False  # what is not saved cannot have come back, whatever the digests say
     out.fields = field_diffs(a, b, skip)
+    out.objects = dict((a[total].get("digests") or {}).get(KINDS, {}))
     if not out.identical:
         trained = any(f.trained for f in out.fields)
         out.verdict = "diverged" if trained or missing or out.unsaved or out.loss_first_diverging_step is not None \
