@@ -390,6 +390,9 @@ def _where_it_hangs(pid: int, log: Path) -> str:
                 continue
             if r.returncode == 0 and r.stdout.strip():
                 parts.append(f"py-spy dump --pid {p}:\n{r.stdout.rstrip()}")
+        if not parts:
+            parts.append(f"(py-spy could not read process {pid}: it may need ptrace permission, "
+                         "e.g. sudo, or kernel.yama.ptrace_scope=0)")
     else:
         parts.append("(install py-spy to see the stacks of the hung processes)")
     tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:]) if log.exists() else ""
@@ -613,7 +616,7 @@ def _hints(differing: Sequence[str], notes: Sequence[str] = (), fields: Sequence
             offset = values[1] - values[0]
             hints.append(COUNTER_HINT.format(field=f.name, offset=f"{abs(offset):g} {'ahead' if offset > 0 else 'behind'}"))
         elif f.kind == "module" and (trained_first is None or trained_first > f.steps[0]):
-            hints.append(COPY_HINT.format(field=f.name))
+            hints.append(COPY_HINT.format(field=f.object))  # one hint per copy, not per tensor
         elif f.kind not in TRAINED and f.kind not in ("rng", "buffers") and isinstance(values[0], float) \
                 and isinstance(values[1], float):
             hints.append(AVERAGE_HINT.format(field=f.name))
