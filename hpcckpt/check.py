@@ -83,7 +83,7 @@ def digest(tensors: Mapping[str, torch.Tensor], meta: Any) -> str:
 
 
 FIELDS = "__fields__"  # in a trace record's digests: object -> field -> value ("=json") or digest
-KINDS = "__kinds__"  # object -> model | module | optimizer | scheduler | other
+KINDS = "__kinds__"  # object -> model | module | optimizer | scaler | scheduler | other
 
 
 def _short(data: bytes) -> str:
@@ -137,7 +137,7 @@ def _fields(node: Any, path: str, tensors: Mapping[str, Any], out: dict[str, str
 
 def _kinds(objects: Mapping[str, Any]) -> dict[str, str]:
     """What each registered object is to the check: a model (a module a registered optimizer
-    trains), a module none trains (an EMA/SWA copy), an optimizer, a scheduler, other."""
+    trains), a module none trains (an EMA/SWA copy), an optimizer, a scaler, a scheduler, other."""
     trained = {id(p) for o in objects.values() if isinstance(o, torch.optim.Optimizer)
                for g in o.param_groups for p in g["params"]}
     kinds: dict[str, str] = {}
@@ -147,6 +147,8 @@ def _kinds(objects: Mapping[str, Any]) -> dict[str, str]:
             kinds[name] = "model" if not trained or any(p in trained for p in params) else "module"
         elif isinstance(obj, torch.optim.Optimizer):
             kinds[name] = "optimizer"
+        elif "GradScaler" in type(obj).__name__:  # its scale decides which steps the optimizer takes
+            kinds[name] = "scaler"
         elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or "scheduler" in type(obj).__name__.lower():
             kinds[name] = "scheduler"
         else:
@@ -215,7 +217,7 @@ def read_trace(path: Path) -> tuple[dict[int, dict[str, Any]], list[str], list[s
 
 # --- the check ------------------------------------------------------------------------------
 
-TRAINED = ("model", "module", "optimizer")  # kinds whose difference is a divergence of training
+TRAINED = ("model", "module", "optimizer", "scaler")  # kinds whose difference is a divergence of training
 COUNTER_HINT = ("{field} is a counter {offset} in the resumed run: a number derived from the batch index "
                 "(`epoch * updates_per_epoch + batch_idx`, an EMA's warm-up count) counts from 0 again in a "
                 "resumed epoch; number the batches from `batches.start` "
@@ -244,7 +246,7 @@ class FieldDiff:
     """One field (a state_dict key, a tensor name, a user_meta key) that differs between the runs."""
     object: str
     field: str
-    kind: str  # model, module, optimizer, scheduler, other, rng, user_meta, buffers
+    kind: str  # model, module, optimizer, scaler, scheduler, other, rng, user_meta, buffers
     steps: list[int]
     at_end: bool
     values: list[Any] | None = None  # [uninterrupted, stopped] at its first differing step, if plain values

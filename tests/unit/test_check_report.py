@@ -163,3 +163,33 @@ def test_a_run_that_does_not_end_is_reported_as_hung_with_where(tmp_path: Path) 
     assert out["hung"] is True and out["type"] == "RunTimeout", out
     assert "did not end within 5 s" in out["error"] and "traced step 4" in out["error"], out
     assert "about to wait for a thread that never ends" in out["error"], out
+
+
+def test_what_counts_as_training_state_comes_from_what_each_object_is() -> None:
+    """In process, on hand-made traces: a scheduler's field alone is bookkeeping; a GradScaler's
+    scale, an EMA copy (a module no optimizer trains) or an RNG alone is a divergence."""
+    import torch
+
+    from hpcckpt.check import FIELDS, KINDS, _kinds, compare
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kinds = _kinds({"model": model, "opt": opt, "ema": torch.nn.Linear(2, 2), "scaler": torch.amp.GradScaler("cpu"),
+                    "sched": torch.optim.lr_scheduler.StepLR(opt, 2)})
+    assert kinds == {"model": "model", "opt": "optimizer", "ema": "module", "scaler": "scaler", "sched": "scheduler"}
+
+    def trace(changed: str | None) -> dict[int, dict]:
+        out = {}
+        for step in (1, 2, 3):
+            fields = {name: {"x": "=1"} for name in kinds}
+            if changed and step == 3 and changed in fields:
+                fields[changed] = {"x": "=2"}
+            digests = {name: str(f) for name, f in fields.items()}
+            digests["rng.torch"] = "r2" if changed == "rng.torch" and step == 3 else "r"
+            out[step] = {"step": step, "digests": {**digests, FIELDS: fields, KINDS: kinds}, "loss": None}
+        return out
+
+    for changed, verdict in [("sched", "bookkeeping"), ("scaler", "diverged"), ("ema", "diverged"),
+                             ("rng.torch", "diverged")]:
+        got = compare(trace(None), trace(changed), [2], 1)
+        assert got.verdict == verdict and [f.object for f in got.fields] == [changed], (changed, got)
+        assert got.fields[0].at_end and got.fields[0].steps == [3]
