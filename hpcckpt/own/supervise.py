@@ -238,7 +238,9 @@ class OwnSupervisor:
             assert notice.signal is not None
             told = self._send(notice.signal)
         self._stop.notice_at = time.time()
-        self.log(f"{why}: notice to the command ({told}); it saves and exits, 75 for a requeue")
+        then = ("it saves and exits, 75 for a requeue" if "not sent" not in told else
+                "it trains on until the scheduler ends it, then comes back from its own last save")
+        self.log(f"{why}: notice to the command ({told}); {then}")
         self.ledger.append("signal", signum=int(sig) if sig else None, signame=sig.name if sig else None, step=None,
                            source="own-supervisor", cause=cause, notice=notice.describe(), detail=why,
                            signal_time=self._stop.at)
