@@ -287,7 +287,7 @@ def build_context(*, script: Path | None, ckpt_dir: Path | None, mode: str | Non
     costs: tuple[float, ...] = ()
     exits: tuple[float, ...] = ()
     if ckpt_dir is not None:
-        from hpcckpt.ledger import Ledger
+        from hpcckpt.lifecycle.ledger import Ledger
 
         events = list(Ledger(ckpt_dir).events())
         costs = tuple(float(e["save_s"]) for e in events

@@ -152,7 +152,7 @@ def run_app_locally(args: argparse.Namespace) -> int:
     and said on stderr; it stops at ``--max-restarts``, or when the job's own requeue was
     refused (its budget: the ledger's last ``requeue`` says ``requeued: false``).
     """
-    from ..ledger import Ledger
+    from ..lifecycle.ledger import Ledger
     from ..supervisor import LocalSupervisor as Restarter
 
     cmd = [c for c in args.cmd[1 if args.cmd[:1] == ["--"] else 0:]]

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import ConfigError, HpcckptError
-from ..ledger import Ledger
+from ..lifecycle.ledger import Ledger
 from ..supervisor import LocalSupervisor
 from .runtime import child_env, module_cmd, work_dir
 

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ..ledger import Ledger
+from ..lifecycle.ledger import Ledger
 
 
 def last_run(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

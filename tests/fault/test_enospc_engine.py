@@ -12,7 +12,7 @@ import torch
 from hpcckpt.api import Checkpointer
 from hpcckpt.engines import load_rank
 from hpcckpt.errors import CheckpointFailed
-from hpcckpt.ledger import Ledger
+from hpcckpt.lifecycle.ledger import Ledger
 from hpcckpt.store import catalog
 
 pytestmark = [pytest.mark.native, pytest.mark.fault]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hpcckpt.api import EXIT_REQUEUE, Checkpointer, RequeueExit
-from hpcckpt.ledger import Ledger
+from hpcckpt.lifecycle.ledger import Ledger
 from hpcckpt.store import catalog
 
 pytestmark = [pytest.mark.native, pytest.mark.fault]

@@ -35,7 +35,7 @@ import torch
 
 from hpcckpt.api import EXIT_REQUEUE, Checkpointer, RequeueExit
 from hpcckpt.levels import POINTER
-from hpcckpt.ledger import Ledger
+from hpcckpt.lifecycle.ledger import Ledger
 from hpcckpt.store import catalog
 from hpcckpt.store.scavenge import level_key
 from tests.conftest import REPO

@@ -14,7 +14,7 @@ import torch
 
 from hpcckpt.api import EXIT_REQUEUE, Checkpointer, RequeueExit
 from hpcckpt.errors import CheckpointCorrupt, ConfigError
-from hpcckpt.ledger import Ledger
+from hpcckpt.lifecycle.ledger import Ledger
 from hpcckpt.store import catalog
 from tests.helpers import tiny_state, train_step
 

@@ -116,7 +116,7 @@ def test_non_utf8_latest_and_ledger_line_break_nothing(ckdir: Path) -> None:
     code, out = cli("requeue", "--dir", str(ckdir), "--json")
     assert code == 75 and json.loads(out)["requeued"] is True, out  # local backend: exit 75 = restart me
     # the next append starts on a line of its own: the torn line costs nothing else
-    from hpcckpt.ledger import Ledger
+    from hpcckpt.lifecycle.ledger import Ledger
     Ledger(ckdir).append("probe", step=1)
     assert Ledger(ckdir).read()[-1]["event"] == "probe"
     objs = tiny_state(3)
@@ -128,7 +128,7 @@ def test_non_utf8_latest_and_ledger_line_break_nothing(ckdir: Path) -> None:
 
 
 def test_history_says_what_became_of_the_job_when_its_criu_dump_failed(tmp_path: Path) -> None:
-    from hpcckpt.ledger import Ledger
+    from hpcckpt.lifecycle.ledger import Ledger
     ledger = Ledger(tmp_path)
     ledger.append("start", restart_count=0)
     ledger.append("criu_dump_failed", error="no space", job_ended=False, fix="free some space")

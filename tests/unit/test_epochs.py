@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hpcckpt.api import Checkpointer, RequeueExit
 from hpcckpt.data import ResumableSampler
-from hpcckpt.ledger import Ledger
+from hpcckpt.lifecycle.ledger import Ledger
 
 pytestmark = pytest.mark.native
 

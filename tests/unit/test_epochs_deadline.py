@@ -18,7 +18,7 @@ import pytest
 from hpcckpt.api import Checkpointer, RefusedExit, RequeueExit
 from hpcckpt.errors import ConfigError
 from hpcckpt.exitcodes import EXIT_PROBLEM, EXIT_REQUEUE
-from hpcckpt.ledger import Ledger
+from hpcckpt.lifecycle.ledger import Ledger
 from hpcckpt.policy import Figures
 from hpcckpt.store import catalog
 from tests.helpers import tiny_state, train_step

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hpcckpt.api import Checkpointer, RequeueExit
-from hpcckpt.ledger import Ledger
+from hpcckpt.lifecycle.ledger import Ledger
 from hpcckpt.policy import PROBE_MAX_BYTES, PROBE_NAME, Figures, estimate_save_s
 from hpcckpt.store import catalog
 from tests.helpers import tiny_state, train_step

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from hpcckpt.exitcodes import EXIT_REQUEUE
-from hpcckpt.ledger import Ledger
+from hpcckpt.lifecycle.ledger import Ledger
 from hpcckpt.store import catalog
 from tests.conftest import REPO
 from tests.helpers import built_once

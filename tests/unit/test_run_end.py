@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hpcckpt.api import Checkpointer, RequeueExit
 from hpcckpt.check import read_trace
-from hpcckpt.ledger import Ledger
+from hpcckpt.lifecycle.ledger import Ledger
 from hpcckpt.store import catalog
 
 pytestmark = pytest.mark.native

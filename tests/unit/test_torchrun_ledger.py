@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hpcckpt.integrations.torchrun import main, should_requeue
-from hpcckpt.ledger import Ledger
+from hpcckpt.lifecycle.ledger import Ledger
 
 
 def test_requeue_only_after_a_committed_stop_of_the_newest_run(tmp_path: Path) -> None:
