@@ -24,6 +24,8 @@ import torch
 from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
+import group_exit  # beside this script
+
 VOCAB, SEQ, SAMPLES = 32, 8, 64
 
 
@@ -120,21 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {"param_digest": digest(model), "global_step": int(trainer.state.global_step),
                   "world_size": int(args.world_size)}
         (run.dir / "result.json").write_text(json.dumps(result))
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        # The Trainer made the process group and leaves it to the interpreter's exit, where torch
-        # 2.13's gloo backend races with itself: its worker thread, still destroying a finished
-        # collective's work, waits for the GIL to drop a Python tensor, while the main thread,
-        # holding the GIL, destroys the DDP reducer -> ProcessGroupGloo, whose destructor joins
-        # that worker: a deadlock (py-spy: MainThread in ~ProcessGroupGloo / std::thread::join,
-        # the gloo thread in ~AsyncAllgatherWork / gil_scoped_acquire; 1 run in 5 with a CPU-bound
-        # process beside it). Left without a barrier it aborted instead ("terminate called without
-        # an active exception"). Both ranks meet once everything is written, then leave without
-        # the interpreter's teardown, as the run is complete: nothing of the group is destroyed
-        # while its threads still work.
-        torch.distributed.barrier()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    group_exit.leave()  # the Trainer left its process group to the interpreter's exit
     return 0
 
 

@@ -33,6 +33,8 @@ import lightning.pytorch as pl
 
 from hpcckpt import ResumableSampler
 
+import group_exit  # beside this script
+
 VOCAB, SEQ, SAMPLES, BATCH = 32, 8, 64, 8
 
 
@@ -142,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {"param_digest": digest(model), "global_step": int(trainer.global_step),
                   "epoch": int(trainer.current_epoch), "world_size": world}
         (args.dir / "result.json").write_text(json.dumps(result))
+    group_exit.leave()  # Lightning's DDP strategy left its process group to the interpreter's exit
     return 0
 
 
