@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from .cluster.base import Cause
 from .fsio import write_all
+from .lifecycle.causes import stop_cause
 from .store.commit import read_regular
 
 log = logging.getLogger("hpcckpt.policy")
@@ -41,9 +42,7 @@ class StopReason(IntEnum):
     @property
     def cause(self) -> Cause:
         """The ``Cause`` this stop is charged to (per-cause requeue budgets, history)."""
-        return {StopReason.SIGNAL: Cause.SIGNAL, StopReason.DEADLINE: Cause.TIME_LIMIT,
-                StopReason.MAINTENANCE: Cause.MAINTENANCE, StopReason.DRAIN: Cause.MAINTENANCE,
-                StopReason.NONE: Cause.DONE}[self]
+        return stop_cause(self.name.lower(), default=Cause.DONE)  # NONE: no interruption
 
 
 @dataclass

@@ -40,14 +40,12 @@ from hpcckpt.cluster.base import Cause
 from hpcckpt.errors import ConfigError
 from hpcckpt.exitcodes import EXIT_REQUEUE
 from hpcckpt.lifecycle import requeue
+from hpcckpt.lifecycle.causes import stop_cause
 from hpcckpt.lifecycle.requeue import CANCELLED
 from hpcckpt.lifecycle.identity import Identity, current
 from hpcckpt.lifecycle.ledger import Ledger
 
 RAN_S = 30.0  # a command that ran this long was not stopped in its start-up (--ran-s)
-_STOP_REASON_CAUSE = {"deadline": Cause.TIME_LIMIT, "maintenance": Cause.MAINTENANCE,
-                      "drain": Cause.MAINTENANCE, "signal": Cause.SIGNAL, "error": Cause.FAILURE,
-                      "rank_failure": Cause.RANK_FAILURE}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -217,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
              f"hpcckpt requeue: already done by the run itself ({done.get('method')}): {done.get('detail')}")
         return 0
     cause = (_cause(args.cause) if args.cause
-             else _STOP_REASON_CAUSE.get(str(stop.get("reason")) if stop else "", Cause.SIGNAL))
+             else stop_cause(stop.get("reason") if stop else None, default=Cause.SIGNAL))
     committed = stop.get("committed_step") if stop else None
     outcome = requeue(cluster=detect(), state_dir=state_dir, cause=cause.value, source="cli",
                       committed_step=committed if isinstance(committed, int) else None, ledger=ledger)
