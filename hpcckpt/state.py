@@ -67,7 +67,7 @@ class Flat:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     meta: Any = None
     shared: dict[str, dict[str, Any]] = field(default_factory=dict)
-    pieces: dict[str, int] = field(default_factory=dict)
+    pieces: dict[str, Any] = field(default_factory=dict)  # name -> start byte, or a DTensor shard's region
     fingerprints: dict[str, int] = field(default_factory=dict)  # check_replicas: crc32c of each replica
 
 

@@ -7,7 +7,8 @@ tensor's (or piece's) crc32c as it reads, and none unpickles anything.
   number of ranks.
 - ``hpcckpt/2`` (``store.placement``): distributed tensors are pieces spread over the
   rank files. Any world size can resume: rank ``r`` reads every piece it needs
-  (all of a replicated tensor, only the rows of its own shard for a live DTensor)
+  (all of a replicated tensor, only the pieces that overlap its own shard for a live
+  DTensor, whatever the mesh and placements that saved it: resharding, ``regions``)
   from whichever files hold them, and takes its local state and metadata tree from
   saved rank ``r % saved_world``.
 """
@@ -20,11 +21,11 @@ import torch
 
 from ..errors import CheckpointCorrupt, ConfigError
 from ..state import Flat
-from . import catalog, hdf5, rankfile
+from . import catalog, hdf5, rankfile, regions
 from .hdf5 import TensorEntry
 from .hostmem import one_cuda_device
 from .manifest import DISTRIBUTED_FORMATS
-from .placement import _is_dtensor, dtensor_range
+from .placement import _is_dtensor, dtensor_region
 from .shared import source_rank
 
 
@@ -104,8 +105,9 @@ def _read_local(info: catalog.CheckpointInfo, rec: Mapping[str, Any], entries: d
 
 
 def _target(name: str, spec: Mapping[str, Any], live: Any, *, overwrite: bool,
-            home: torch.device | None) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
-    """(result, contiguous destination, its first byte in the global tensor, in place) for one shared tensor.
+            home: torch.device | None) -> tuple[torch.Tensor, torch.Tensor, regions.Region, bool]:
+    """(result, contiguous destination, the region of the global tensor it holds, in place) for one
+    shared tensor.
 
     ``overwrite=False``: the live tensor only gives shape, device and DTensor placement;
     the bytes go to new memory. ``home``: the device of new memory for optimizer state
@@ -117,27 +119,42 @@ def _target(name: str, spec: Mapping[str, Any], live: Any, *, overwrite: bool,
         if tuple(live.shape) != shape or live.dtype != dtype:
             raise ConfigError(f"state tensor {name!r} is {tuple(live.shape)} {live.dtype} now and was saved as "
                               f"{shape} {dtype}; the model must have the same shapes to resume")
-        local, start, _ = dtensor_range(live, name)
+        local, region, _ = dtensor_region(live, name)
         if overwrite:
             if not local.is_contiguous():
                 raise ConfigError(f"state tensor {name!r}: its local shard is not contiguous; cannot restore into it")
-            return live, local, start, True
+            return live, local, region, True
         from torch.distributed.tensor import DTensor
         fresh = torch.empty(local.shape, dtype=dtype, device=local.device)
         built = DTensor.from_local(fresh, live.device_mesh, live.placements, run_check=False,
                                    shape=live.shape, stride=live.stride())
-        return built, fresh, start, False
+        return built, fresh, region, False
     if (overwrite and isinstance(live, torch.Tensor) and live.layout == torch.strided and live.dtype == dtype
             and tuple(live.shape) == shape and live.is_contiguous() and not live.is_conj() and not live.is_neg()):
-        return live, live, 0, True
+        return live, live, regions.whole(shape), True
     device = live.device if isinstance(live, torch.Tensor) and tuple(live.shape) == shape else home
     fresh = torch.empty(shape, dtype=dtype, device=device)
-    return fresh, fresh, 0, False
+    return fresh, fresh, regions.whole(shape), False
+
+
+def _piece_regions(p: Mapping[str, Any], shape: tuple[int, ...], itemsize: int) -> list[regions.Region]:
+    """The region a manifest piece holds, as boxes or one region laid out in the piece's order."""
+    if regions.has_region(p):
+        return [regions.piece_region(p, shape)]
+    start, nbytes = int(p["start"]), int(p["nbytes"])
+    return regions.range_boxes(shape, start // itemsize, (start + nbytes) // itemsize)
 
 
 def _read_shared(info: catalog.CheckpointInfo, manifest: Mapping[str, Any], shared: Mapping[str, Any],
                  into: Mapping[str, Any] | None, acc: dict[str, Any], meta: Any) -> dict[str, torch.Tensor]:
-    """Every distributed tensor this rank needs, piece by piece, from the files that hold them."""
+    """Every distributed tensor this rank needs, piece by piece, from the files that hold them.
+
+    Only the pieces that overlap this rank's destination are read (whole: a piece's
+    crc32c covers all of it), straight into the destination when the piece is a part of
+    it laid out as there (a byte range inside a destination that is one range of the
+    tensor, or the same region), else into a temporary from which the overlapping
+    blocks are copied (another mesh or placement: ``regions.overlaps``).
+    """
     overwrite = getattr(into, "overwrite", True)
     homes = _home_devices(meta, {n: TensorEntry(n, str(sp["dtype"]), tuple(int(d) for d in sp["shape"]), 0,
                                                 sum(int(p["nbytes"]) for p in sp["pieces"]))
@@ -145,45 +162,77 @@ def _read_shared(info: catalog.CheckpointInfo, manifest: Mapping[str, Any], shar
     out: dict[str, torch.Tensor] = {}
     jobs: dict[int, list[tuple[str, TensorEntry, torch.Tensor, Any]]] = {}  # writer rank -> reads
     spans: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (temp piece, destination bytes, offset)
+    blocks: list[tuple[torch.Tensor, torch.Tensor, tuple[slice, ...], tuple[slice, ...]]] = []  # (piece, dest, ...)
     for name, spec in shared.items():
-        result, dest, lo, live = _target(name, spec, (into or {}).get(name), overwrite=overwrite,
-                                         home=homes.get(name))
+        result, dest, region, live = _target(name, spec, (into or {}).get(name), overwrite=overwrite,
+                                             home=homes.get(name))
         out[name] = result
-        flat = dest.detach().reshape(-1).view(torch.uint8)
-        hi = lo + flat.numel()
+        shape = tuple(int(d) for d in spec["shape"])
         itemsize = dest.element_size()
+        span = regions.as_range(shape, region) if dest.numel() else None
+        flat = dest.detach().reshape(-1).view(torch.uint8)
         if live:
             acc["in_place_bytes"] = acc.get("in_place_bytes", 0) + flat.numel()
+        if not dest.numel():
+            continue
         for p in spec["pieces"]:
             r, start, nbytes = int(p["rank"]), int(p["start"]), int(p["nbytes"])
-            if start >= hi or start + nbytes <= lo:
-                continue
             held = manifest["ranks"][str(r)]["tensors"][name]
             entry = TensorEntry(name, str(spec["dtype"]), (nbytes // itemsize,), int(held.get("offset", 0)),
                                 nbytes, int(held.get("crc32c", 0)))
-            if lo <= start and start + nbytes <= hi:  # the whole piece lands in the destination
-                view = dest.detach().reshape(-1)[(start - lo) // itemsize:(start - lo + nbytes) // itemsize]
-                jobs.setdefault(r, []).append((name, entry, view, None))
-            else:  # a piece that straddles the shard: read it whole (its checksum covers all of it)
-                temp = torch.empty(nbytes // itemsize, dtype=dest.dtype)
-                jobs.setdefault(r, []).append((name, entry, temp, None))
-                a, b = max(start, lo), min(start + nbytes, hi)
-                spans.append((temp.view(torch.uint8)[a - start:b - start], flat, a - lo))
+            try:
+                got = _piece_regions(p, shape, itemsize)
+            except ValueError as exc:
+                raise CheckpointCorrupt(f"{info.path}: shared tensor {name!r}: piece of rank {r}: {exc}") from None
+            piece_span = regions.as_range(shape, got[0]) if len(got) == 1 else None
+            if not regions.has_region(p):
+                piece_span = (start // itemsize, (start + nbytes) // itemsize)
+            if span is not None and piece_span is not None:  # both ranges of the row-major bytes
+                lo, hi = span[0] * itemsize, span[1] * itemsize
+                a, b = piece_span[0] * itemsize, piece_span[1] * itemsize
+                if a >= hi or b <= lo:
+                    continue
+                if lo <= a and b <= hi:  # the whole piece lands in the destination
+                    view = dest.detach().reshape(-1)[(a - lo) // itemsize:(b - lo) // itemsize]
+                    jobs.setdefault(r, []).append((name, entry, view, None))
+                else:  # a piece that straddles the destination: read it whole (its checksum covers all of it)
+                    temp = torch.empty(nbytes // itemsize, dtype=dest.dtype)
+                    jobs.setdefault(r, []).append((name, entry, temp, None))
+                    x, y = max(a, lo), min(b, hi)
+                    spans.append((temp.view(torch.uint8)[x - a:y - a], flat, x - lo))
+                continue
+            if not any(regions.intersects(g, region) for g in got):
+                continue
+            if len(got) == 1 and got[0] == region:  # this rank's own shard, as it was saved
+                jobs.setdefault(r, []).append((name, entry, dest.detach().reshape(-1), None))
+                continue
+            temp = torch.empty(nbytes // itemsize, dtype=dest.dtype)
+            jobs.setdefault(r, []).append((name, entry, temp, None))
+            pos = 0
+            for g in got:  # a range's boxes lie one after another in the piece
+                n = regions.volume(g)
+                part = temp[pos:pos + n].view(regions.lengths(g))
+                pos += n
+                for src, dst in regions.overlaps(g, region):
+                    blocks.append((part, dest, src, dst))
     for r, reads in sorted(jobs.items()):
         rec = manifest["ranks"][str(r)]
         path = info.path / rec["file"]
         stats: dict[str, Any] = {}
         try:
-            got = rankfile.read(path, rec, {n: e for n, e, _, _ in reads}, into={n: t for n, _, t, _ in reads},
-                                stats=stats)
+            got_t = rankfile.read(path, rec, {n: e for n, e, _, _ in reads}, into={n: t for n, _, t, _ in reads},
+                                  stats=stats)
         finally:
             stats.pop("in_place_bytes", None)  # counted above, once per destination
             _add_stats(acc, stats)
         for name, _, target, _ in reads:
-            if got[name] is not target:  # not read in place (an archive, a CUDA or odd target): copy it
-                target.copy_(got[name].reshape(target.shape))
-    for src, flat, offset in spans:
-        flat[offset:offset + src.numel()].copy_(src)
+            if got_t[name] is not target:  # not read in place (an archive, a CUDA or odd target): copy it
+                target.copy_(got_t[name].reshape(target.shape))
+    for src_t, flat, offset in spans:
+        flat[offset:offset + src_t.numel()].copy_(src_t)
+    with torch.no_grad():
+        for part, dest, src, dst in blocks:
+            dest[dst].copy_(part[src])
     return out
 
 

@@ -10,6 +10,7 @@ import json
 from typing import Any, Mapping
 
 from ..errors import CheckpointFailed
+from . import regions
 from .entry import dtype_itemsize
 
 REPLICATED, SHARDED = "replicated", "sharded"
@@ -38,9 +39,13 @@ def merge_shared(records: list[dict[str, Any]]) -> dict[str, Any]:
         _check_fingerprints(records)
     out = {name: {**spec, "pieces": []} for name, spec in table.items()}
     for r, rec in enumerate(records):
-        for name, start in (rec.pop("pieces", None) or {}).items():
+        for name, where in (rec.pop("pieces", None) or {}).items():
             nbytes = int(rec["tensors"][name]["nbytes"])
-            out[name]["pieces"].append({"rank": r, "start": int(start), "nbytes": nbytes})
+            if isinstance(where, dict):  # a DTensor's shard: its region of the global tensor
+                out[name]["pieces"].append({"rank": r, "start": int(where["start"]), "nbytes": nbytes,
+                                            **{k: v for k, v in where.items() if k != "start"}})
+            else:
+                out[name]["pieces"].append({"rank": r, "start": int(where), "nbytes": nbytes})
         rec.pop("shared", None)
         rec.pop("shared_digest", None)
         rec.pop("fingerprints", None)
@@ -75,7 +80,15 @@ def global_nbytes(spec: Mapping[str, Any]) -> int:
 
 
 def tiling_problem(spec: Mapping[str, Any]) -> str | None:
-    """Why ``spec``'s pieces do not cover its bytes exactly once (None when they do)."""
+    """Why ``spec``'s pieces do not cover its bytes exactly once (None when they do).
+
+    Pieces are byte ranges of the row-major tensor, or (a DTensor's shards on any mesh)
+    regions: global ``offsets``/``lengths`` in every dimension, or ``runs`` of indices
+    (``regions``); a region's ``nbytes`` is its volume's and its ``start`` the byte of its
+    first element.
+    """
+    if any(regions.has_region(p) for p in spec["pieces"]):
+        return _region_tiling_problem(spec)
     cursor = 0
     for p in spec["pieces"]:
         if p["start"] != cursor:
@@ -86,6 +99,28 @@ def tiling_problem(spec: Mapping[str, Any]) -> str | None:
     if cursor != total:
         return f"pieces cover {cursor} of its {total} bytes"
     return None
+
+
+def _region_tiling_problem(spec: Mapping[str, Any]) -> str | None:
+    shape = [int(d) for d in spec["shape"]]
+    itemsize = dtype_itemsize(spec["dtype"]) or 1
+    found: list[regions.Region] = []
+    for p in spec["pieces"]:
+        try:
+            if regions.has_region(p):
+                region = [regions.piece_region(p, shape)]
+            else:
+                region = regions.range_boxes(shape, int(p["start"]) // itemsize,
+                                             (int(p["start"]) + int(p["nbytes"])) // itemsize)
+        except (ValueError, TypeError, KeyError) as exc:
+            return f"piece of rank {p.get('rank')!r} has no readable region ({exc})"
+        n = sum(regions.volume(r) for r in region) * itemsize
+        if n != int(p["nbytes"]):
+            return f"piece of rank {p.get('rank')!r} holds {p['nbytes']} bytes, its region {n}"
+        if region and int(p["start"]) != regions.first_index(shape, region[0]) * itemsize:
+            return f"piece of rank {p.get('rank')!r} starts at byte {p['start']}, not at its region's first element"
+        found.extend(region)
+    return regions.tiling_problem(shape, found)
 
 
 def written_bytes(manifest: Mapping[str, Any]) -> dict[int, int]:

@@ -1,0 +1,129 @@
+"""FSDP2 x tensor parallelism on a 2x2 mesh (CPU, gloo, 4 local processes): every DTensor
+placement the pair produces is saved once, by its owners, and resumed on other meshes;
+a ``dcp.save`` checkpoint resumes under hpcckpt; an hpcckpt checkpoint exported to DCP is
+read back by DCP's own reader (issue 58).
+
+The ranks are tests/integration/fsdp_tp_train.py (a 128 -> 1022 -> 40 MLP: ``ColwiseParallel``
+then ``RowwiseParallel`` on ``tp``, ``fully_shard`` on ``dp``, AdamW; 2 MB of state, so that
+the ranks' own small tensors, RNG states, stay under 5% of it). 1022 rows over 2 x 2 ranks
+are uneven shards (256 and 255 rows); the first layer's parameters are placed
+``(_StridedShard(0), Shard(0))``, the second's weight ``(Shard(0), Shard(1))`` and its bias
+``(Shard(0), Replicate())``. The saved state is compared with full tensors gathered by
+``DTensor.full_tensor()`` in the ranks that saved it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hpcckpt.store import catalog
+from hpcckpt.store.shared import state_bytes, written_bytes
+from tests.conftest import REPO
+from tests.prefork import Child
+
+pytestmark = [pytest.mark.slow]
+
+TIMEOUT_S = 240  # a hang guard only: each world finishes in seconds
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_world(out: Path, mesh: str, *args: str) -> None:
+    """Run one world of ``fsdp_tp_train`` on ``mesh`` (``DPxTP``); every rank must exit 0."""
+    dp, tp = (int(x) for x in mesh.split("x"))
+    world = dp * tp
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPCCKPT_", "SLURM_"))}
+    env.update(HPCCKPT_CLUSTER="local", OMP_NUM_THREADS="1")
+    out.mkdir(parents=True, exist_ok=True)
+    phase = args[args.index("--phase") + 1]
+    logs = [out / f"log-{phase}-{mesh}-r{r}.txt" for r in range(world)]
+    procs = [Child(["-m", "tests.integration.fsdp_tp_train", "--rank", str(r), "--world", str(world),
+                    "--port", str(port), "--out", str(out), "--mesh", mesh, *args],
+                   cwd=REPO, env=env, output=logs[r]) for r in range(world)]
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        for p in procs:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(60)
+    codes = [p.returncode for p in procs]
+    assert codes == [0] * world, f"{phase} on {mesh}: exit codes {codes}:\n" + "\n".join(
+        f"--- rank {r}:\n{log.read_text()[-3000:]}" for r, log in enumerate(logs))
+
+
+def dump(out: Path, kind: str, rank: int = 0) -> dict[str, torch.Tensor]:
+    return dict(torch.load(out / f"state-{kind}-r{rank}.pt"))
+
+
+def result(out: Path, phase: str, rank: int = 0) -> dict[str, Any]:
+    return dict(json.loads((out / f"result-{phase}-r{rank}.json").read_text()))
+
+
+def assert_equal_states(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    assert sorted(got) == sorted(want), f"{what}: tensors {sorted(got)} != {sorted(want)}"
+    differ = [k for k in want if not (got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]))]
+    assert not differ, f"{what}: {len(differ)} of {len(want)} tensors differ: {differ}"
+
+
+@pytest.fixture(scope="module")
+def saved_2x2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("fsdp_tp")
+    run_world(out, "2x2", "--phase", "save", "--engine", "sync", "--steps", "3")
+    return out
+
+
+def test_fsdp_tp_2x2_saves_each_byte_once_with_the_regions_of_every_placement(saved_2x2: Path) -> None:
+    m = catalog.find(saved_2x2 / "ckpt", None).manifest
+    assert m is not None and m["step"] == 3 and m["world_size"] == 4, m and (m["step"], m["world_size"])
+    shared = m["shared"]
+    names = [n for n in shared if n.startswith(("objects/model/", "objects/optimizer/state/"))]
+    assert len(names) == 4 + 4 * 2, sorted(shared)  # 4 parameters, their exp_avg and exp_avg_sq
+    assert {shared[n]["kind"] for n in names} == {"sharded"}
+    # the column-wise layer: 1022 rows, TP halves of 511, FSDP shards of 256 and 255 within each
+    w0 = shared["objects/model/0.weight"]
+    assert sorted((p["rank"], p["offsets"], p["lengths"]) for p in w0["pieces"]) == [
+        (0, [0, 0], [256, 128]), (1, [511, 0], [256, 128]), (2, [256, 0], [255, 128]),
+        (3, [767, 0], [255, 128])], w0["pieces"]
+    # the row-wise layer's weight: columns split by TP, rows by FSDP
+    w2 = shared["objects/model/2.weight"]
+    assert sorted((p["rank"], p["offsets"], p["lengths"]) for p in w2["pieces"]) == [
+        (0, [0, 0], [20, 511]), (1, [0, 511], [20, 511]), (2, [20, 0], [20, 511]),
+        (3, [20, 511], [20, 511])], w2["pieces"]
+    # its bias is replicated over TP: written once, by the first replica of each FSDP shard
+    b2 = shared["objects/model/2.bias"]
+    assert sorted((p["rank"], p["offsets"]) for p in b2["pieces"]) == [(0, [0]), (2, [20])], b2["pieces"]
+    written = sum(written_bytes(m).values())
+    assert written <= 1.05 * state_bytes(m), (written, state_bytes(m))
+
+
+@pytest.mark.parametrize("mesh", ["4x1", "1x2"])
+def test_fsdp_tp_2x2_checkpoint_resumes_on_another_mesh(saved_2x2: Path, mesh: str,
+                                                        tmp_path: Path) -> None:
+    import shutil
+    shutil.copytree(saved_2x2 / "ckpt", tmp_path / "ckpt")
+    run_world(tmp_path, mesh, "--phase", "resume", "--engine", "concurrent", "--steps", "2")
+    want = dump(saved_2x2, "saved")
+    world = 4 if mesh == "4x1" else 2
+    for r in range(world):
+        assert result(tmp_path, "resume", r)["step_restored"] == 3
+        assert_equal_states(dump(tmp_path, "restored", r), want, f"2x2 -> {mesh}: rank {r} restored vs saved")
+    res = result(tmp_path, "resume")
+    assert res["committed_step"] == 5 and all(torch.isfinite(torch.tensor(res["losses"]))), res
