@@ -127,3 +127,35 @@ def test_fsdp_tp_2x2_checkpoint_resumes_on_another_mesh(saved_2x2: Path, mesh: s
         assert_equal_states(dump(tmp_path, "restored", r), want, f"2x2 -> {mesh}: rank {r} restored vs saved")
     res = result(tmp_path, "resume")
     assert res["committed_step"] == 5 and all(torch.isfinite(torch.tensor(res["losses"]))), res
+
+
+def test_a_dcp_checkpoint_of_fsdp_tp_resumes_under_hpcckpt_at_its_step(tmp_path: Path) -> None:
+    """A run checkpointed with ``dcp.save`` (2x2) is adopted by a Checkpointer on 4x1: the same
+    parameters, optimizer state and step; training goes on, and hpcckpt's own checkpoint follows."""
+    run_world(tmp_path, "2x2", "--phase", "dcp-save", "--steps", "3")
+    run_world(tmp_path, "4x1", "--phase", "dcp-resume", "--steps", "2")
+    want = dump(tmp_path, "saved")
+    for r in range(4):
+        res = result(tmp_path, "dcp-resume", r)
+        assert res["restored"] is None and res["adopted"] == 3 and res["step_restored"] == 3, res
+        assert_equal_states(dump(tmp_path, "restored", r), want, f"dcp.save 2x2 -> hpcckpt 4x1: rank {r}")
+    m = catalog.find(tmp_path / "ckpt", None).manifest
+    assert m is not None and m["step"] == 5, m and m["step"]
+
+
+def test_an_hpcckpt_checkpoint_exported_to_dcp_reads_back_equal(saved_2x2: Path, tmp_path: Path) -> None:
+    """``hpcckpt.interop.dcp.export`` of the 2x2 checkpoint, read by DCP's own reader
+    (``dcp_to_torch_save``): every parameter and optimizer tensor equal to the saved state."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from hpcckpt.interop.dcp import export
+    got = export(saved_2x2 / "ckpt", tmp_path / "dcp")
+    assert got["step"] == 3 and got["objects"] == ["model", "optimizer"], got
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "read.pt")
+    sd = torch.load(tmp_path / "read.pt", weights_only=False)
+    assert sd["step"] == 3
+    flat = {f"param/{k}": v for k, v in sd["model"].items()}
+    for idx, st in sd["optimizer"]["state"].items():
+        for key, v in st.items():
+            flat[f"optim/{idx}/{key}"] = v
+    assert_equal_states(flat, dump(saved_2x2, "saved"), "hpcckpt 2x2 -> DCP export")

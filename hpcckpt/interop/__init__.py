@@ -1,0 +1,1 @@
+"""Interoperation with other checkpoint formats: ``dcp`` (torch.distributed.checkpoint)."""
