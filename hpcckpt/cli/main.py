@@ -48,7 +48,35 @@ def build_parser() -> argparse.ArgumentParser:
         page = DOCS.get(verb, "docs/reference/cli.md")
         more = f"Read next: {page} (and docs/reference/cli.md#{verb})."
         verb_parser.epilog = f"{verb_parser.epilog}\n\n{more}" if verb_parser.epilog else more
+    _list_by_group(parser, sub)
     return parser
+
+
+# How users meet the verbs: ``hpcckpt --help`` lists a job's own verbs first, then these
+# groups (every verb keeps its name: ``hpcckpt prolog`` is still ``hpcckpt prolog``).
+GROUPS = {
+    "node and admin verbs (Slurm's Prolog=/Epilog= as root, or an administrator)": ("prolog", "epilog", "scavenge"),
+    "developer verbs (hpcckpt itself: a demonstration, measurements, a probe)": ("bench", "demo", "cuda"),
+}
+USER_VERBS = "verbs"
+
+
+def verb_groups(verbs: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """(title, verbs) in the order ``hpcckpt --help`` lists them: the user's verbs, then ``GROUPS``."""
+    grouped = {v for names in GROUPS.values() for v in names}
+    return [(USER_VERBS, [v for v in verbs if v not in grouped]),
+            *((title, [v for v in names if v in verbs]) for title, names in GROUPS.items())]
+
+
+def _list_by_group(parser: argparse.ArgumentParser, sub: argparse._SubParsersAction) -> None:
+    """List the verbs in ``--help`` by group: each group is a section of its own, showing the
+    verbs' one-line help; parsing is not changed (one namespace of verbs, as before)."""
+    rows = {row.dest: row for row in sub._choices_actions}
+    parser._positionals._group_actions.remove(sub)  # in the usage line still; its rows are shown below
+    for title, verbs in verb_groups(list(sub.choices)):
+        parser.add_argument_group(title)._group_actions.extend(rows[v] for v in verbs if v in rows)
+    # the options (-h, -v) after the verbs
+    parser._action_groups.append(parser._action_groups.pop(parser._action_groups.index(parser._optionals)))
 
 
 # The page to read after each verb's --help (the docs site's source, in the repository).
