@@ -17,6 +17,11 @@ Phases:
 - ``resume``: a model built with another seed registers (hpcckpt restores it, on this
   mesh whatever mesh saved it), dumps ``state-restored-rR.pt``, trains ``--steps`` more
   steps (``state-end-rR.pt``).
+- ``run``: a job as Slurm runs it: from scratch or from the newest checkpoint to
+  ``--total``; ``--signal-at K`` has rank 0 send itself SIGUSR2 during step K-1 of a run
+  that restored nothing (a preemption: the ranks agree on the stop, save, and leave with
+  ``RequeueExit``, recorded as ``requeue_step``). Dumps ``state-end-rR.pt`` at the end.
+- ``reference``: the same training without hpcckpt, uninterrupted to ``--total``.
 - ``dcp-save``: train ``--steps`` steps without hpcckpt and ``dcp.save`` the state as DCP
   users do (``get_state_dict``; ``{"model", "optim", "step"}``) into ``OUT/dcp``; dump.
 - ``dcp-resume``: a fresh model under a Checkpointer with no checkpoint adopts ``OUT/dcp``
@@ -90,7 +95,10 @@ def main() -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--mesh", default="2x2")
-    p.add_argument("--phase", choices=("save", "resume", "dcp-save", "dcp-resume"), required=True)
+    p.add_argument("--phase", choices=("save", "resume", "dcp-save", "dcp-resume", "run", "reference"),
+                   required=True)
+    p.add_argument("--total", type=int, default=None)
+    p.add_argument("--signal-at", type=int, default=None)
     p.add_argument("--engine", choices=("sync", "concurrent"), default="sync")
     p.add_argument("--steps", type=int, default=3)
     a = p.parse_args()
@@ -119,6 +127,9 @@ def run(a: argparse.Namespace, dp: int, tp: int) -> None:
     fresh = a.phase in ("save", "dcp-save")
     model, opt = build(dp, tp, seed=0 if fresh else 1000 + rank)
     result: dict[str, Any] = {"rank": rank, "mesh": a.mesh}
+    if a.phase in ("run", "reference"):
+        run_job(a, model, opt, result)
+        return
     if a.phase == "dcp-save":
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -151,6 +162,33 @@ def run(a: argparse.Namespace, dp: int, tp: int) -> None:
         ck.close()
     dump(model, opt, a.out / f"state-{'saved' if fresh else 'end'}-r{rank}.pt")
     (a.out / f"result-{a.phase}-r{rank}.json").write_text(json.dumps(result))
+
+
+def run_job(a: argparse.Namespace, model: torch.nn.Module, opt: torch.optim.Optimizer, result: dict[str, Any]) -> None:
+    if a.phase == "reference":
+        for step in range(a.total):
+            train_step(model, opt, step)
+    else:
+        import signal
+
+        from hpcckpt.api import Checkpointer, RequeueExit
+        ck = Checkpointer(a.out / "ckpt", engine=a.engine, keep=5)
+        try:
+            result["restored"] = restored = ck.register(model=model, optimizer=opt)
+            try:
+                for step in ck.steps(a.total):
+                    if restored is None and a.rank == 0 and a.signal_at is not None and step == a.signal_at - 1:
+                        os.kill(os.getpid(), signal.SIGUSR2)
+                    train_step(model, opt, step)
+            except RequeueExit as exc:
+                for sig in (signal.SIGTERM, signal.SIGUSR2):
+                    signal.signal(sig, signal.SIG_IGN)
+                result["requeue_step"] = exc.step
+            result["committed_step"] = ck.committed_step
+        finally:
+            ck.close()
+    dump(model, opt, a.out / f"state-{a.phase}-r{a.rank}.pt")
+    (a.out / f"result-{a.phase}-r{a.rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

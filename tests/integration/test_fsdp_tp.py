@@ -129,6 +129,33 @@ def test_fsdp_tp_2x2_checkpoint_resumes_on_another_mesh(saved_2x2: Path, mesh: s
     assert res["committed_step"] == 5 and all(torch.isfinite(torch.tensor(res["losses"]))), res
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("fsdp_tp_reference")
+    run_world(out, "2x2", "--phase", "reference", "--total", "6")
+    return out
+
+
+@pytest.mark.parametrize("engine", ["sync", "concurrent"])
+def test_fsdp_tp_preempted_mid_run_is_bit_identical_to_an_uninterrupted_run(reference: Path, engine: str,
+                                                                            tmp_path: Path) -> None:
+    """A preemption (SIGUSR2 on rank 0 during step 2) stops all four ranks at step 3 with a
+    checkpoint; the requeued run resumes it on the same 2x2 mesh and ends at step 6 equal,
+    bit for bit, to a run that was never interrupted."""
+    run_world(tmp_path, "2x2", "--phase", "run", "--engine", engine, "--total", "6", "--signal-at", "3")
+    first = [result(tmp_path, "run", r) for r in range(4)]
+    assert all(r["requeue_step"] == 3 and r["committed_step"] == 3 for r in first), first
+    m = catalog.find(tmp_path / "ckpt", None).manifest
+    assert m is not None and m["step"] == 3 and m["engine"] == engine
+    assert sum(written_bytes(m).values()) <= 1.05 * state_bytes(m)
+    run_world(tmp_path, "2x2", "--phase", "run", "--engine", engine, "--total", "6")
+    for r in range(4):
+        res = result(tmp_path, "run", r)
+        assert res["restored"] == 3 and res["committed_step"] == 6 and "requeue_step" not in res, res
+        assert_equal_states(dump(tmp_path, "run", r), dump(reference, "reference", r),
+                            f"{engine}: rank {r} at step 6, preempted at 3, vs uninterrupted")
+
+
 def test_a_dcp_checkpoint_of_fsdp_tp_resumes_under_hpcckpt_at_its_step(tmp_path: Path) -> None:
     """A run checkpointed with ``dcp.save`` (2x2) is adopted by a Checkpointer on 4x1: the same
     parameters, optimizer state and step; training goes on, and hpcckpt's own checkpoint follows."""
