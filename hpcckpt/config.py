@@ -23,6 +23,13 @@ T = TypeVar("T")
 log = logging.getLogger("hpcckpt.config")
 
 ENGINES = ("sync", "concurrent")
+# What Checkpointer(dir) and @preemptible use with no options: the concurrent engine (a save
+# blocks training for milliseconds and persists near the disk's speed) with staging_bytes="auto"
+# (a ring of a quarter of the state: never a second copy of the job's state). "sync"
+# (torch.save + fsync) is the baseline, named explicitly.
+DEFAULT_ENGINE = "concurrent"
+DEFAULT_STAGING = "auto"
+STAGING = ("auto", "full")  # staging_bytes besides a byte count
 ON_BUSY = ("wait", "skip")
 ON_CORRUPT = ("raise", "fresh")  # when every checkpoint is damaged: stop and say so, or start fresh as asked
 CLUSTERS = ("local", "slurm-cli", "pyslurm")
@@ -121,6 +128,12 @@ def parse_bytes(raw: str) -> int:
     return int(number * _UNITS[unit])
 
 
+def parse_staging(raw: str) -> int | str:
+    """'auto', 'full' or a byte count ('1GiB') -> the concurrent engine's staging_bytes."""
+    low = raw.strip().lower()
+    return low if low in STAGING else parse_bytes(raw)
+
+
 def check_on_busy(value: str) -> str:
     """``value`` if it is a valid on_busy policy, else a ConfigError naming the choices."""
     if value not in ON_BUSY:
@@ -186,8 +199,10 @@ TUNABLES: dict[str, Tunable] = {t.env.removeprefix("HPCCKPT_").lower(): t for t 
             "seconds from 0.5 to 3600 a silent rank may take before it counts as failed", "5"),
     Tunable("HPCCKPT_MEMORY_BUDGET_BYTES", parse_bytes, lambda v: v is None or (_is_int(v) and v > 0),
             "a positive byte count (K, M, G, T suffixes are binary)", "4GiB"),
-    Tunable("HPCCKPT_STAGING_BYTES", parse_bytes, lambda v: v is None or (_is_int(v) and v > 0),
-            "a positive byte count of host staging per rank, a ring when below the state's size", "1GiB"),
+    Tunable("HPCCKPT_STAGING_BYTES", parse_staging, lambda v: v is None or v in STAGING or (_is_int(v) and v > 0),
+            "auto (a quarter of the state, a full copy up to 64 MiB, within the node's available memory), "
+            "full (a copy of the state per save in flight), or a positive byte count of host staging per rank, "
+            "a ring when below the state's size", "1GiB"),
     Tunable("HPCCKPT_CHUNK_BYTES", parse_bytes, lambda v: _is_int(v) and 4096 <= v <= 1 << 32,
             "a byte count from 4 KiB to 4 GiB", "8M"),
     Tunable("HPCCKPT_RING_CHUNK_BYTES", parse_bytes, lambda v: v is None or (_is_int(v) and 8192 <= v <= 1 << 32),
@@ -306,7 +321,7 @@ class CheckpointOptions:
     """Where, how and how often to checkpoint (resolved; see ``resolve``)."""
 
     dir: Path
-    engine: str = "sync"
+    engine: str = DEFAULT_ENGINE
     every_steps: int | None = None
     auto_interval: bool = False
     overhead_bound: float = 0.03
@@ -318,7 +333,9 @@ class CheckpointOptions:
     # concurrent engine: what a save does while max_async are in flight; staging cap; O_DIRECT writes
     on_busy: str = "wait"
     memory_budget_bytes: int | None = None
-    staging_bytes: int | None = None  # concurrent engine: staging ring smaller than the state (None: full copies)
+    # concurrent engine: "auto" (a ring of a quarter of the state; a full copy of a small one),
+    # "full" (a full copy per save in flight; None too) or a byte count (a ring when below the state)
+    staging_bytes: int | str | None = DEFAULT_STAGING
     direct: bool = True
     on_corrupt: str = "raise"
     replicated: str = "auto"
@@ -394,6 +411,12 @@ def warn_if_shared(root: Path) -> bool:
     return True
 
 
+def _staging(explicit: int | str | None) -> int | str:
+    """``staging_bytes`` as given, else HPCCKPT_STAGING_BYTES, else ``DEFAULT_STAGING``."""
+    default: int | str = DEFAULT_STAGING
+    return pick(explicit, "STAGING_BYTES", default, parse_staging)
+
+
 def resolve_options(
     dir: str | os.PathLike[str] | None = None,
     *,
@@ -407,7 +430,7 @@ def resolve_options(
     writer_threads: int | None = None,
     on_busy: str | None = None,
     memory_budget_bytes: int | None = None,
-    staging_bytes: int | None = None,
+    staging_bytes: int | str | None = None,
     direct: bool | None = None,
     on_corrupt: str | None = None,
     replicated: str | None = None,
@@ -436,7 +459,7 @@ def resolve_options(
     warn_if_shared(root)
     return CheckpointOptions(
         dir=root,
-        engine=pick(engine, "ENGINE", "sync", str),
+        engine=pick(engine, "ENGINE", DEFAULT_ENGINE, str),
         every_steps=every_n,
         auto_interval=auto,
         overhead_bound=pick(overhead_bound, "OVERHEAD_BOUND", 0.03, parse_float),
@@ -447,7 +470,7 @@ def resolve_options(
         writer_threads=pick(writer_threads, "WRITER_THREADS", 0, parse_int),
         on_busy=pick(on_busy, "ON_BUSY", "wait", str),
         memory_budget_bytes=pick(memory_budget_bytes, "MEMORY_BUDGET_BYTES", None, parse_bytes),
-        staging_bytes=pick(staging_bytes, "STAGING_BYTES", None, parse_bytes),
+        staging_bytes=_staging(staging_bytes),
         direct=pick(direct, "DIRECT", True, parse_bool),
         on_corrupt=pick(on_corrupt, "ON_CORRUPT", "raise", str),
         replicated=pick(replicated, "REPLICATED", "auto", str),
@@ -464,7 +487,7 @@ def resolve_options(
 
 
 #: the concurrent engine's keyword arguments that HPCCKPT_* variables set, with their defaults
-_CONCURRENT_FROM_ENV: dict[str, Any] = {"on_busy": "wait", "memory_budget_bytes": None, "staging_bytes": None,
+_CONCURRENT_FROM_ENV: dict[str, Any] = {"on_busy": "wait", "memory_budget_bytes": None, "staging_bytes": DEFAULT_STAGING,
                                         "direct": True, "chunk_bytes": CHUNK_BYTES, "ring_chunk_bytes": None}
 
 

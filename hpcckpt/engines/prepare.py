@@ -29,14 +29,20 @@ import torch
 
 from ..store.layout import Layout
 from ..store.hostmem import make_slots
-from .staging import EngineStats, Key, Ring, Staging, ring_shape
+from ..store.prefetch import mem_available
+from .staging import EngineStats, Key, Ring, Staging, auto_staging_bytes, local_ranks, ring_shape
 
 log = logging.getLogger("hpcckpt.engines.prepare")
 
 
-def build_staging(key: Key, root: Path, *, staging_bytes: int | None, ring_chunk_bytes: int | None,
-                  slot_count: Callable[[int], int], stats: EngineStats) -> Staging:
-    """Plan the HDF5 layout (in a scratch file under ``root``) and allocate staging. Any thread."""
+def build_staging(key: Key, root: Path, *, staging_bytes: int | str | None, ring_chunk_bytes: int | None,
+                  slot_count: Callable[[int], int], stats: EngineStats,
+                  memory_budget_bytes: int | None = None) -> Staging:
+    """Plan the HDF5 layout (in a scratch file under ``root``) and allocate staging. Any thread.
+
+    ``staging_bytes``: a ring's byte count, None or "full" (full slots), or "auto" (chosen
+    now from the state's size and the node's available memory: ``auto_staging_bytes``).
+    """
     t0 = time.monotonic()
     specs, device = key
     pin = device is not None
@@ -49,8 +55,14 @@ def build_staging(key: Key, root: Path, *, staging_bytes: int | None, ring_chunk
         os.unlink(scratch)
     # Pinning on this (maybe background) thread must use the training device's context,
     # not create one on device 0.
+    if staging_bytes == "auto":
+        staging_bytes = auto_staging_bytes(layout.state_bytes, available=mem_available(), ranks_here=local_ranks(),
+                                           budget=memory_budget_bytes)
+        stats.staging_auto = True
+    elif staging_bytes == "full":
+        staging_bytes = None
     with torch.cuda.device(device) if pin else contextlib.nullcontext():
-        if staging_bytes is None:
+        if not isinstance(staging_bytes, int):
             n = slot_count(layout.slot_bytes)
             staging = Staging(key, layout, make_slots(n, layout.slot_bytes, pin=pin), None)
         else:

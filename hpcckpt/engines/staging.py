@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import os
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
@@ -40,8 +41,8 @@ from ..store.entry import ALIGN, TensorEntry
 from ..store.hostmem import Piece, Slot, make_slots, plan_rounds, round_up
 from ..store.layout import Layout, Spec
 
-__all__ = ["ALIGN", "EngineStats", "Key", "Piece", "Ring", "RingStream", "Slot", "Staging", "flat_bytes",
-           "plan_rounds", "ring_shape"]
+__all__ = ["ALIGN", "EngineStats", "Key", "Piece", "Ring", "RingStream", "Slot", "Staging", "auto_staging_bytes",
+           "flat_bytes", "plan_rounds", "ring_shape"]
 
 # A staging's identity: (name, dtype, shape) of each tensor, and the CUDA device whose
 # copies it serves (pinned then), or None when nothing is on a GPU.
@@ -51,6 +52,40 @@ log = logging.getLogger("hpcckpt.engines.staging")
 
 RING_CHUNK_BYTES = 64 << 20  # default size of one ring chunk: big enough for full-speed pwrite
 MIN_RING_CHUNKS = 2  # one chunk being written while the next is filled
+
+# staging_bytes="auto" (the default through a Checkpointer): a ring of a quarter of the state,
+# so the engine never holds a second copy of the job's state; a full copy up to AUTO_FULL_BYTES
+# (a small state's copy costs little memory, and a ring would make each save wait for its
+# persist); never more than a share of the memory the node has available now.
+AUTO_STAGING_FRACTION = 0.25
+AUTO_FULL_BYTES = 64 << 20
+AUTO_NODE_SHARE = 0.25  # of MemAvailable, split between the node's ranks
+STAGING_CHOICES = ("auto", "full")
+
+
+def local_ranks() -> int:
+    """Ranks on this node as the launcher says (torchrun, Slurm); 1 when it does not."""
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        raw = os.environ.get(var, "").split("(")[0].split(",")[0].strip()
+        if raw.isdigit() and int(raw) > 0:
+            return int(raw)
+    return 1
+
+
+def auto_staging_bytes(state_bytes: int, *, available: int | None, ranks_here: int = 1,
+                       budget: int | None = None) -> int | None:
+    """The staging ``staging_bytes="auto"`` gives a state of ``state_bytes``: None for a full copy,
+    else a ring's byte count.
+
+    ``available``: the node's ``MemAvailable`` (None: unknown, not a limit); ``ranks_here``:
+    the ranks sharing it; ``budget``: ``memory_budget_bytes`` when set (a cap as well).
+    """
+    want = max(min(state_bytes, AUTO_FULL_BYTES), int(state_bytes * AUTO_STAGING_FRACTION))
+    if available is not None:  # never below 2 chunks of 4 MiB: the least ring worth streaming through
+        want = min(want, max(MIN_RING_CHUNKS * (4 << 20), int(available * AUTO_NODE_SHARE) // max(1, ranks_here)))
+    if budget is not None:
+        want = min(want, budget)
+    return None if want >= state_bytes else want
 
 
 def ring_shape(staging_bytes: int, state_bytes: int, chunk_bytes: int | None = None) -> tuple[int, int]:
@@ -217,7 +252,8 @@ class EngineStats:
     - ``prepare_s``: seconds spent laying out files and allocating (and pinning)
       staging, in the background or, when it was not ready, inside ``save()``.
     - ``staging_bytes`` / ``staging_pinned``: host staging held now (0 after close);
-      ``ring_chunks`` / ``ring_chunk_bytes``: its ring shape (0 without a budget).
+      ``ring_chunks`` / ``ring_chunk_bytes``: its ring shape (0 without a budget);
+      ``staging_auto``: the shape was chosen by ``staging_bytes="auto"``.
     """
 
     saves: int = 0
@@ -231,6 +267,7 @@ class EngineStats:
     persist_s: list[float] = field(default_factory=list)
     prepare_s: float = 0.0
     staging_bytes: int = 0
+    staging_auto: bool = False  # the staging's shape was chosen by staging_bytes="auto"
     staging_pinned: bool = False
     ring_chunks: int = 0
     ring_chunk_bytes: int = 0
