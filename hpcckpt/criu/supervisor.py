@@ -90,31 +90,28 @@ nothing: the dump fails with the job running.
 from __future__ import annotations
 
 import os
-import select
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any, Callable
 
 from ..cluster import detect
-from ..cluster.scontrol import within
 from ..errors import CheckpointCorrupt, CriuError, CudaCheckpointError, HpcckptError, NoCheckpoint
 from ..exitcodes import EXIT_REQUEUE
 from ..lifecycle import identity, requeue
 from ..lifecycle.ledger import Ledger, process_start_time
+from ..lifecycle.supervise import EndTimeWatch, SignalInbox, as_recorded, end_poll_s
 from ..policy import bounded_lead_s, warning_wait_s
-from ..signals import unblock
 from ..proc import tree as proctree
 from ..store.commit import Transaction, atomic_write
 from ..store.lock import writer_lock
 from ..store.manifest import build_image
 from . import images, ops
 from .locate import Criu, find_criu
-from .watch import RUN_OPENERS, EndTimeWatch, Progress, Tee
+from .watch import RUN_OPENERS, Progress, Tee
 
 MODES = ("criu", "app")
 FALLBACKS = ("app", "fresh", "fail")
@@ -125,7 +122,6 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signa
 # signals that trigger a dump (RunOptions.dump_signals), nor config.STOP_SIGNALS.
 ENDING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGXCPU)
 CONSUMED = "CONSUMED"
-RECORD_S = 10.0  # how long a stop's record waits for the scheduler's reading of its cause
 OWN_SAVE = "OWN-SAVE"  # the image named in it is behind the job's own save (it exited 75 after it)
 # When the dumpability check runs (seconds after the job starts or is restored): early,
 # and again once a launcher such as torchrun has started its workers.
@@ -218,8 +214,8 @@ class Supervisor:
         self.root = images.criu_root(self.dir)
         self.ledger = Ledger(self.dir)
         self.log = log or (lambda msg: print(f"hpcckpt run: {msg}", file=sys.stderr, flush=True))
-        self.pending: list[signal.Signals] = []
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.inbox = SignalInbox()
+        self.pending = self.inbox.pending  # the signals recorded, in order
         self._criu: Criu | None = None
         self.outcome = CriuOutcome(exit_code=1, action="exited")
         self.tag = _incarnation()
@@ -236,28 +232,6 @@ class Supervisor:
         self._began = time.time()  # about when this allocation started (the batch shell exec's us)
         self._heard: tuple[signal.Signals, str] | None = None  # a stop the job's own processes heard too
 
-    # -- signals: record only -------------------------------------------------
-    def _record(self, signum: int, _frame: FrameType | None) -> None:
-        self.pending.append(signal.Signals(signum))
-
-    def _install_signals(self) -> None:
-        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
-        for sig in set(FORWARDED) | set(self.opts.dump_signals):
-            signal.signal(sig, self._record)
-        signal.signal(signal.SIGCHLD, lambda _s, _f: None)
-        unblock(set(FORWARDED) | set(self.opts.dump_signals) | {signal.SIGCHLD}, "hpcckpt run")
-
-    def _sleep(self, timeout_s: float) -> None:
-        if self.pending:
-            return
-        ready, _, _ = select.select([self._wake_r], [], [], timeout_s)
-        if ready:
-            try:
-                while os.read(self._wake_r, 512):
-                    pass
-            except BlockingIOError:
-                pass
-
     # -- entry ------------------------------------------------------------------
     def run(self) -> CriuOutcome:
         try:
@@ -271,7 +245,7 @@ class Supervisor:
 
     def _run(self) -> CriuOutcome:
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._install_signals()
+        self.inbox.install({*FORWARDED, *self.opts.dump_signals}, "hpcckpt run")
         nodes = detect().env.num_nodes if self.opts.mode == "criu" else 1
         if nodes > 1:
             why = multi_node_refusal(nodes)
@@ -320,7 +294,7 @@ class Supervisor:
                 else:
                     self.log(f"forwarding {sig.name} to the job (PID {job.init_pid})")
                     ops.kill_tree(job, sig)
-            self._sleep(1.0)
+            self.inbox.sleep(1.0)
 
     def _job_exited(self, code: int, *, dumped: bool) -> int:
         self.log(f"job exited with status {code}")
@@ -331,7 +305,7 @@ class Supervisor:
             return self._own_save_requeue()
         if self._heard is not None and code != 0:
             sig, cause = self._heard
-            cause = self._as_slurm_recorded(cause)
+            cause = as_recorded(cause, log=self.log)
             self.log(f"the job ended (status {code}) of the {sig.name} it heard, with no image of that end: "
                      "requeueing; the next run restores the newest committed image (what ran since it is lost)")
             self._stop_record(cause, image=None, exit_code=code, signame=sig.name, heard=True)
@@ -351,7 +325,7 @@ class Supervisor:
         exit is made or restored: the next run starts the command afresh and it resumes from its
         own save."""
         sig, cause = self._heard if self._heard is not None else (None, self._exit_cause())
-        cause = self._as_slurm_recorded(cause)
+        cause = as_recorded(cause, log=self.log)
         self.log(f"the job exited 75 (its own save: requeue me){f' after {sig.name}' if sig else ''}: requeueing; "
                  "the next run starts the command afresh and it resumes from its own checkpoint")
         self._mark_consumed(OWN_SAVE)
@@ -359,16 +333,6 @@ class Supervisor:
                           signame=sig.name if sig else None)
         self._close_tee()
         return self._requeue(None, cause, what="after the job's own save (exit 75)")
-
-    def _as_slurm_recorded(self, cause: str) -> str:
-        """The stop's cause as the scheduler recorded it (a TERM at a GraceTime=0 preemption is
-        the preemption's), asked within ``RECORD_S``; the supervisor's own reading otherwise."""
-        try:
-            with within(RECORD_S):
-                return detect().stop_cause(cause)
-        except Exception as exc:  # noqa: BLE001 - the record keeps the supervisor's reading
-            self.log(f"could not ask the scheduler why the job stopped ({exc}); recording {cause}")
-            return cause
 
     def _exit_cause(self) -> str:
         """Why a job that exited 75 by itself stopped: the signal it was sent, else its own choice."""
@@ -463,25 +427,8 @@ class Supervisor:
         if self.opts.end_poll_s > 0:
             cluster = detect()
             if cluster.name != "local":  # a scheduler that can move the end time
-                self._watch = EndTimeWatch(cluster.end_time, poll_s=self._end_poll_s(cluster))
-
-    def _end_poll_s(self, cluster: Any) -> float:
-        """How often the end time is read: ``--end-poll-s``, and at most a third of the partition's
-        GraceTime, so that a preemption is seen early in its grace, with time left to dump
-        (a 10 s poll on a 10 s grace saw it with 0 s left)."""
-        poll = self.opts.end_poll_s
-        try:
-            with within(RECORD_S):
-                grace = cluster.grace_time_s()
-        except Exception as exc:  # noqa: BLE001 - the poll stays as given
-            self.log(f"could not read the partition's GraceTime ({exc}); reading the end time every {poll:.0f} s")
-            return poll
-        if grace is not None and grace > 0 and grace / 3 < poll:
-            poll = max(1.0, grace / 3)
-            self.log(f"the partition's GraceTime is {grace:.0f} s: reading the end time every {poll:.1f} s "
-                     f"(--end-poll-s {self.opts.end_poll_s:.0f} would see a preemption late in its grace)")
-            self.ledger.append("end_poll", poll_s=poll, grace_s=grace)
-        return poll
+                self._watch = EndTimeWatch(cluster.end_time, poll_s=end_poll_s(cluster, self.opts.end_poll_s, log=self.log,
+                                                                           ledger=self.ledger))
 
     def _close_tee(self) -> None:
         if self._tee is not None:

@@ -1,11 +1,6 @@
-"""What the CRIU supervisor watches besides signals: the job's end time, its output.
+"""What the CRIU supervisor watches besides signals: its output, its progress.
 
-``EndTimeWatch``: under Slurm a preemption with GraceTime sends nothing at its start
-(Slurm 22.05; later ones send the job's ``--signal`` only with
-``PreemptParameters=send_user_signal``): it pulls the job's end time in to now + GraceTime,
-and only at the end of the grace does TERM reach every process, KillWait seconds before
-KILL. Reading the end time every ``poll_s`` seconds turns the moved end time into a
-dump while the grace period still runs.
+(The job's end time is watched by ``lifecycle.supervise.EndTimeWatch``, as in every mode.)
 
 ``Tee``: the job writes to its per-run files under DIR/criu/stdio (criu must find them
 unchanged at restore; nothing else may write to them); a thread copies what it appends
@@ -15,61 +10,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from ..fsio import write_all
-
-# An end time pulled in by at least this much is a preemption (or an operator's shorter
-# limit); less is rounding of the scheduler's clock.
-MOVED_S = 2.0
-
-
-class EndTimeWatch:
-    """Polls the job's end time; ``moved()`` says once that it was pulled in."""
-
-    def __init__(self, read: Callable[[], float | None], *, poll_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._read, self.poll_s, self._clock = read, poll_s, clock
-        self._next = 0.0
-        self.first: float | None = None
-        self.last: float | None = None
-
-    def _poll(self) -> float | None:
-        try:
-            return self._read()
-        except Exception:  # noqa: BLE001 - a scheduler that does not answer now is no notice
-            return None
-
-    def moved(self) -> bool:
-        """True (once per move) when the end time is now earlier than at start."""
-        now = self._clock()
-        if self.poll_s <= 0 or now < self._next:
-            return False
-        self._next = now + self.poll_s
-        end = self._poll()
-        if end is None:
-            return False
-        if self.first is None:
-            self.first = self.last = end
-            return False
-        moved = end < (self.last or end) - MOVED_S
-        self.last = end
-        return moved
-
-    def refresh(self) -> bool:
-        """Read the end time now (at a signal): True when it was pulled in since the last poll."""
-        self._next = 0.0
-        return self.moved()
-
-    @property
-    def pulled_in(self) -> bool:
-        return self.first is not None and self.last is not None and self.last < self.first - MOVED_S
-
-    def remaining_s(self) -> float | None:
-        return None if self.last is None else self.last - time.time()
-
 
 class Tee(threading.Thread):
     """Copies what the job appends to its files to our fds (1 and 2), until ``close()``."""

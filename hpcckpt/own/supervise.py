@@ -25,33 +25,28 @@ from __future__ import annotations
 
 import glob
 import os
-import select
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any, Callable
 
 from ..cluster import detect
-from ..cluster.scontrol import within
-from ..criu.watch import EndTimeWatch
 from ..errors import ConfigError
 from ..exitcodes import EXIT_REQUEUE
 from ..lifecycle import identity, requeue
 from ..lifecycle.ledger import Ledger, process_start_time
+from ..lifecycle.supervise import EndTimeWatch, SignalInbox, as_recorded, end_poll_s
 from ..policy import bounded_lead_s
 from ..proc import tree as proctree
-from ..signals import unblock
 
 MODE = "own"
 NOTICE_FILE_ENV = "HPCCKPT_NOTICE_FILE"  # where the notice is written, for a script that polls
 NOTICE_ENV = "HPCCKPT_NOTICE"  # how the notice comes: a signal's name, or "file PATH"
 ENDING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGXCPU)
 WATCHED = (*ENDING, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM, signal.SIGCONT)
-RECORD_S = 10.0  # how long a record waits for the scheduler's answer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,39 +106,16 @@ class OwnSupervisor:
         self.dir = Path(opts.dir).resolve()
         self.ledger = Ledger(self.dir)
         self.log = log or (lambda msg: print(f"hpcckpt run: {msg}", file=sys.stderr, flush=True))
-        self.pending: list[signal.Signals] = []
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.inbox = SignalInbox()
         self._stop: _Stop | None = None
         self._watch: EndTimeWatch | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._started_at = time.time()
 
-    # -- signals: recorded, acted on in the loop ------------------------------------------
-    def _record(self, signum: int, _frame: FrameType | None) -> None:
-        self.pending.append(signal.Signals(signum))
-
-    def _install_signals(self) -> None:
-        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
-        for sig in WATCHED:
-            signal.signal(sig, self._record)
-        signal.signal(signal.SIGCHLD, lambda _s, _f: None)
-        unblock({*WATCHED, signal.SIGCHLD}, "hpcckpt run")
-
-    def _sleep(self, timeout_s: float) -> None:
-        if self.pending:
-            return
-        ready, _, _ = select.select([self._wake_r], [], [], timeout_s)
-        if ready:
-            try:
-                while os.read(self._wake_r, 512):
-                    pass
-            except BlockingIOError:
-                pass
-
     # -- the run ----------------------------------------------------------------------------
     def run(self) -> int:
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._install_signals()
+        self.inbox.install(WATCHED, "hpcckpt run")
         env = dict(os.environ)
         env.setdefault("HPCCKPT_DIR", str(self.dir))  # hpcckpt.own.saved() records there
         env[NOTICE_ENV] = self.opts.notice.describe()  # hpcckpt.own.should_stop() listens for it
@@ -156,24 +128,16 @@ class OwnSupervisor:
                  f"hears the stop as {self.opts.notice.describe()}")
         cluster = detect()
         if cluster.name != "local" and self.opts.end_poll_s > 0:
-            self._watch = EndTimeWatch(cluster.end_time, poll_s=self._end_poll_s(cluster))
+            self._watch = EndTimeWatch(cluster.end_time, poll_s=end_poll_s(cluster, self.opts.end_poll_s, log=self.log,
+                                                                           ledger=self.ledger))
         while True:
             code = self._proc.poll()
             if code is not None:
                 return self._exited(code)
-            while self.pending:
-                self._on_signal(self.pending.pop(0))
+            while self.inbox.pending:
+                self._on_signal(self.inbox.pending.pop(0))
             self._duties()
-            self._sleep(1.0)
-
-    def _end_poll_s(self, cluster: Any) -> float:
-        poll = self.opts.end_poll_s
-        try:
-            with within(RECORD_S):
-                grace = cluster.grace_time_s()
-        except Exception:  # noqa: BLE001 - the poll stays as given
-            return poll
-        return max(1.0, grace / 3) if grace and grace / 3 < poll else poll
+            self.inbox.sleep(1.0)
 
     def _duties(self) -> None:
         """The end time: pulled in (a preemption's grace), or nearer than the lead."""
@@ -278,7 +242,7 @@ class OwnSupervisor:
             self.log("the command finished (status 0) after the notice: the run is done")
             self._stop_record("done", code, stop)
             return 0
-        cause = self._as_recorded(stop.cause)
+        cause = as_recorded(stop.cause, log=self.log)
         how = ("exited 75: its own save is what the next allocation resumes from" if code in self.opts.requeue_on
                else f"ended with status {code} after the stop: it resumes from its last own save")
         self.log(f"the command {how}; requeueing")
@@ -289,13 +253,6 @@ class OwnSupervisor:
         if outcome.exit_code is not None:
             return int(outcome.exit_code)
         return 0 if outcome.requeued else (code if code not in self.opts.requeue_on else 1)
-
-    def _as_recorded(self, cause: str) -> str:
-        try:
-            with within(RECORD_S):
-                return detect().stop_cause(cause)
-        except Exception:  # noqa: BLE001 - the supervisor's reading stands
-            return cause
 
     def _last_save(self) -> tuple[float | None, Any]:
         """When the script last saved (and what), from its own report or its files; (None, None)."""

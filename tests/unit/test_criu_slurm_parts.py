@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from hpcckpt.criu import dumpable, images, ops
-from hpcckpt.criu.watch import EndTimeWatch, Progress, Tee
+from hpcckpt.criu.watch import Progress, Tee
+from hpcckpt.lifecycle.supervise import EndTimeWatch
 from hpcckpt.errors import CheckpointCorrupt, ConfigError
 
 

@@ -1,0 +1,143 @@
+"""What every supervisor around a command shares (``hpcckpt run``: CRIU, app, own checkpoints).
+
+A supervisor runs the user's command as a child and decides, for it, when the allocation
+stops. Three things it needs are the same in every mode, so they are said once here:
+
+- ``SignalInbox``: the signals it watches are only *recorded* by their handlers (a handler
+  that acted would run in the middle of whatever the loop was doing); the loop sleeps on a
+  wakeup fd and takes them in order.
+- ``EndTimeWatch``: under Slurm a preemption with GraceTime sends nothing at its start
+  (Slurm 22.05; later ones send the job's ``--signal`` only with
+  ``PreemptParameters=send_user_signal``): it pulls the job's end time in to now +
+  GraceTime, and only at the end of the grace does TERM reach every process, KillWait
+  seconds before KILL. Reading the end time every ``poll_s`` seconds turns the moved end
+  time into a stop while the grace period still runs. ``end_poll_s`` picks that period.
+- ``as_recorded``: a stop's cause as the scheduler recorded it, asked within ``RECORD_S``.
+"""
+from __future__ import annotations
+
+import os
+import select
+import signal
+import time
+from collections.abc import Callable, Iterable
+from types import FrameType
+from typing import Any
+
+from ..cluster import detect
+from ..cluster.scontrol import within
+from ..signals import unblock
+
+RECORD_S = 10.0  # how long a record waits for the scheduler's answer
+# An end time pulled in by at least this much is a preemption (or an operator's shorter
+# limit); less is rounding of the scheduler's clock.
+MOVED_S = 2.0
+
+
+class SignalInbox:
+    """Signals recorded by their handlers, taken in order by the supervisor's loop."""
+
+    def __init__(self) -> None:
+        self.pending: list[signal.Signals] = []
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def _record(self, signum: int, _frame: FrameType | None) -> None:
+        self.pending.append(signal.Signals(signum))
+
+    def install(self, watched: Iterable[signal.Signals], who: str) -> None:
+        """Record ``watched``; SIGCHLD only wakes the loop (a child ended)."""
+        watched = set(watched)
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        for sig in watched:
+            signal.signal(sig, self._record)
+        signal.signal(signal.SIGCHLD, lambda _s, _f: None)
+        unblock(watched | {signal.SIGCHLD}, who)
+
+    def sleep(self, timeout_s: float) -> None:
+        """Until a signal comes or ``timeout_s`` passes; at once if one is pending."""
+        if self.pending:
+            return
+        ready, _, _ = select.select([self._wake_r], [], [], timeout_s)
+        if ready:
+            try:
+                while os.read(self._wake_r, 512):
+                    pass
+            except BlockingIOError:
+                pass
+
+
+class EndTimeWatch:
+    """Polls the job's end time; ``moved()`` says once that it was pulled in."""
+
+    def __init__(self, read: Callable[[], float | None], *, poll_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._read, self.poll_s, self._clock = read, poll_s, clock
+        self._next = 0.0
+        self.first: float | None = None
+        self.last: float | None = None
+
+    def _poll(self) -> float | None:
+        try:
+            return self._read()
+        except Exception:  # noqa: BLE001 - a scheduler that does not answer now is no notice
+            return None
+
+    def moved(self) -> bool:
+        """True (once per move) when the end time is now earlier than at start."""
+        now = self._clock()
+        if self.poll_s <= 0 or now < self._next:
+            return False
+        self._next = now + self.poll_s
+        end = self._poll()
+        if end is None:
+            return False
+        if self.first is None:
+            self.first = self.last = end
+            return False
+        moved = end < (self.last or end) - MOVED_S
+        self.last = end
+        return moved
+
+    def refresh(self) -> bool:
+        """Read the end time now (at a signal): True when it was pulled in since the last poll."""
+        self._next = 0.0
+        return self.moved()
+
+    @property
+    def pulled_in(self) -> bool:
+        return self.first is not None and self.last is not None and self.last < self.first - MOVED_S
+
+    def remaining_s(self) -> float | None:
+        return None if self.last is None else self.last - time.time()
+
+
+def end_poll_s(cluster: Any, poll_s: float, *, log: Callable[[str], None],
+               ledger: Any | None = None, option: str = "--end-poll-s") -> float:
+    """How often the end time is read: ``poll_s``, and at most a third of the partition's
+    GraceTime, so that a preemption is seen early in its grace, with time left to act
+    (a 10 s poll on a 10 s grace saw it with 0 s left)."""
+    try:
+        with within(RECORD_S):
+            grace = cluster.grace_time_s()
+    except Exception as exc:  # noqa: BLE001 - the poll stays as given
+        log(f"could not read the partition's GraceTime ({exc}); reading the end time every {poll_s:.0f} s")
+        return poll_s
+    if grace is None or grace <= 0 or grace / 3 >= poll_s:
+        return poll_s
+    poll = max(1.0, grace / 3)
+    log(f"the partition's GraceTime is {grace:.0f} s: reading the end time every {poll:.1f} s "
+        f"({option} {poll_s:.0f} would see a preemption late in its grace)")
+    if ledger is not None:
+        ledger.append("end_poll", poll_s=poll, grace_s=grace)
+    return poll
+
+
+def as_recorded(cause: str, *, log: Callable[[str], None]) -> str:
+    """The stop's cause as the scheduler recorded it (a TERM at a GraceTime=0 preemption is
+    the preemption's), asked within ``RECORD_S``; the supervisor's own reading otherwise."""
+    try:
+        with within(RECORD_S):
+            return str(detect().stop_cause(cause))
+    except Exception as exc:  # noqa: BLE001 - the record keeps the supervisor's reading
+        log(f"could not ask the scheduler why the job stopped ({exc}); recording {cause}")
+        return cause
