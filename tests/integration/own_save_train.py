@@ -9,7 +9,11 @@ run trains. The end writes ``--out`` (the losses and a SHA-256 of every paramete
 optimizer tensor). One line per step on stdout ("step N loss L").
 
 usage: python own_save_train.py --steps N --dir CKPT_DIR --out FILE [--every K] [--step-sleep-s T]
-       [--save-sleep-s T] [--ignore-term]
+       [--save-sleep-s T] [--ignore-term] [--hold-at S,S...]
+
+``--hold-at``: at each of those steps (reached in a run that started before it) the script
+waits for its TERM before it goes on, so a test's stop lands there by construction, however
+slowly the scheduler acts (at most 600 s; then it goes on).
 """
 from __future__ import annotations
 
@@ -61,7 +65,9 @@ def main() -> int:
     p.add_argument("--step-sleep-s", type=float, default=0.0)
     p.add_argument("--save-sleep-s", type=float, default=0.0)
     p.add_argument("--ignore-term", action="store_true", help="no TERM handler: save only every --every steps")
+    p.add_argument("--hold-at", default="", help="steps at which to wait for the TERM (comma-separated)")
     a = p.parse_args()
+    holds = {int(x) for x in a.hold_at.split(",") if x}
     if not a.ignore_term:
         signal.signal(signal.SIGTERM, lambda s, f: STOP.update(asked=True))
     torch.manual_seed(0)
@@ -87,6 +93,11 @@ def main() -> int:
         losses.append(float(loss).hex())
         print(f"step {step} loss {float(loss):.6f}", flush=True)
         time.sleep(a.step_sleep_s)
+        if step in holds:
+            print(f"holding at step {step}", flush=True)
+            waited = time.monotonic()
+            while not STOP["asked"] and time.monotonic() - waited < 600:
+                time.sleep(0.05)
         if STOP["asked"] and step < a.steps:
             save(a.dir, step, model, opt, losses, a.save_sleep_s)
             print(f"stopping at step {step} for a requeue", flush=True)

@@ -29,9 +29,9 @@ OWN = Path(__file__).with_name("own_save_train.py")
 STEPS = 150
 
 
-def _own_cmd(run_dir: Path, out: Path) -> list[str]:
+def _own_cmd(run_dir: Path, out: Path, *extra: str) -> list[str]:
     return [sys.executable, str(OWN), "--steps", str(STEPS), "--dir", str(run_dir / "own"), "--out", str(out),
-            "--every", "1000", "--step-sleep-s", "0.1"]
+            "--every", "1000", "--step-sleep-s", "0.1", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +67,12 @@ def _preempt_in_run(cluster: SlurmCluster, run_dir: Path, job: str, run: int, st
 def test_a_script_that_saves_on_term_and_exits_75_on_a_graceless_partition(
         slurm_cluster: SlurmCluster, criu_ok: None, own_reference: dict, tmp_path: Path) -> None:  # noqa: F811
     run_dir, out = tmp_path / "run", tmp_path / "result.json"
-    job, slurm_out = _submit(slurm_cluster, run_dir, "criu0", _own_cmd(run_dir, out))
+    # The script waits at steps 10 and 30 for the TERM, so each preemption lands there however
+    # slowly a loaded scheduler acts (the whole run is 15 s of steps).
+    job, slurm_out = _submit(slurm_cluster, run_dir, "criu0", _own_cmd(run_dir, out, "--hold-at", "10,30"))
     try:
         _preempt_in_run(slurm_cluster, run_dir, job, 0, 10)
-        _preempt_in_run(slurm_cluster, run_dir, job, 1, 10)  # run 1 resumed from the script's own save
+        _preempt_in_run(slurm_cluster, run_dir, job, 1, 30)  # run 1 resumed from the script's own save at 10
         slurm_cluster.wait_completed(job, 600, slurm_out)
     finally:
         slurm_cluster.cancel(job)

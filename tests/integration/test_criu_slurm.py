@@ -132,3 +132,45 @@ def test_torchrun_under_the_criu_template_is_named_undumpable_and_runs_to_its_en
     assert "io_uring" in text and "hpcckpt template torchrun" in text, text[-3000:]
     assert "torchrun job finished" in job_output(run_dir)
     assert not events(slurm_cluster, run_dir, "criu_dump")
+
+
+MULTI_NODE = """import os, sys, time
+rank, restarts = os.environ.get("SLURM_PROCID", "?"), int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+for step in range(1, 9):
+    print(f"rank {rank} step {step}", flush=True)
+    while step == 3 and restarts == 0:  # the first run waits here for its preemption
+        time.sleep(0.1)
+print(f"rank {rank} done", flush=True)
+"""
+
+
+def test_a_two_node_job_is_refused_at_its_start_and_comes_back_from_a_preemption(
+        slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """A user's own 2-node batch script under ``hpcckpt run --mode criu`` (the template refuses
+    NODES > 1; a hand-written script is refused by the supervisor): the job runs on untouched,
+    says why at its start, and a preemption is Slurm's to requeue, never a FAILED job."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (tmp_path / "two_nodes.py").write_text(MULTI_NODE)
+    script = tmp_path / "two_nodes.sbatch"
+    script.write_text("#!/bin/bash\n"
+                      f"exec {sys.executable} -m hpcckpt.cli run --mode criu --dir {run_dir} -- "
+                      f"srun --ntasks-per-node=1 {sys.executable} {tmp_path / 'two_nodes.py'}\n")
+    out = run_dir / "slurm.out"
+    job = slurm_cluster.run(["sbatch", "--parsable", "-N", "2", "-p", "criu0", "--time=5:00",
+                             f"--output={out}", str(script)]).strip().split(";")[0]
+    try:
+        slurm_cluster.wait_until(lambda: out.exists() and out.read_text().count(" step 3") >= 2, 240,
+                                 f"job {job}'s two ranks at step 3")
+        text = out.read_text()
+        assert "NOT IN CRIU MODE" in text and "hpcckpt template ddp" in text, text
+        high = slurm_cluster.preempt()
+        slurm_cluster.wait_for(high, {"RUNNING", "COMPLETING", "COMPLETED"}, 240)
+        slurm_cluster.wait_completed(job, 300, out)
+    finally:
+        slurm_cluster.cancel(job)
+    text = out.read_text()
+    assert "rank 0 done" in text and "rank 1 done" in text, text
+    assert slurm_cluster.job(job)["Restarts"] == "1"
+    assert [e["nodes"] for e in events(slurm_cluster, run_dir, "criu_refused")] == [2, 2]
+    assert not events(slurm_cluster, run_dir, "criu_dump")
