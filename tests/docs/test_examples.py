@@ -2,7 +2,8 @@
 
 - a page's copy of an example (`<!-- example: examples/F -->` above the block) is the file;
 - the blocks marked `<!-- run: NAME -->` (getting started, own checkpoints, CRIU mode) run as
-  they are, in a fresh directory with `examples/` in it and the venv's commands first on PATH;
+  they are, in a fresh directory with `examples/` in it and the venv's commands first on PATH
+  (those named `*-slurm` on the test's local Slurm cluster: tests/integration/test_docs_slurm.py);
 - every `hpcckpt ...` command line in the README and the docs parses with the real parser (a
   renamed verb or option fails here), and the `scripts/`, `slurm/` and `examples/` files the
   blocks name exist;
@@ -21,12 +22,14 @@ import pytest
 from .docs_blocks import REPO, Block, blocks, pages, shell_commands
 
 ALL = [b for page in pages() for b in blocks(page)]
-RUN = [b for b in ALL if b.mark == "run"]
+RUN = [b for b in ALL if b.mark == "run" and not (b.name or "").endswith("-slurm")]
+SLURM_RUN = [b for b in ALL if b.mark == "run" and (b.name or "").endswith("-slurm")]
 
 
 def test_the_pages_have_examples_and_run_blocks() -> None:
     names = {b.name for b in RUN}
     assert {"getting-started-laptop", "getting-started-check", "own-checkpoints-local", "criu-local"} <= names, names
+    assert {b.name for b in SLURM_RUN} >= {"getting-started-slurm"}
     assert {b.name for b in ALL if b.mark == "example"} >= {"examples/train.py", "examples/own_train.py",
                                                             "examples/plain_train.py"}
 
