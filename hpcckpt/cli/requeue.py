@@ -32,7 +32,6 @@ import argparse
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from hpcckpt.cli.common import add_json, directory, emit
 from hpcckpt.cluster import detect
@@ -41,6 +40,7 @@ from hpcckpt.errors import ConfigError
 from hpcckpt.exitcodes import EXIT_REQUEUE
 from hpcckpt.lifecycle import requeue
 from hpcckpt.lifecycle.causes import stop_cause
+from hpcckpt.lifecycle.history import OPENERS, Event, runs
 from hpcckpt.lifecycle.requeue import CANCELLED
 from hpcckpt.lifecycle.identity import Identity, current
 from hpcckpt.lifecycle.ledger import Ledger
@@ -85,7 +85,7 @@ def _cause(text: str) -> Cause:
     return cause
 
 
-def _this_run(ev: dict[str, Any], who: Identity) -> bool:
+def _this_run(ev: Event, who: Identity) -> bool:
     """Whether ``ev`` was recorded by this job's current run (Slurm's restart count, or the
     local supervisor's restart number); outside both, no event can be told to be this run's."""
     if who.in_slurm:
@@ -95,20 +95,22 @@ def _this_run(ev: dict[str, Any], who: Identity) -> bool:
     return False
 
 
-def _newest_run(ledger: Ledger, who: Identity) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """The newest run's last ``stop`` and the ``requeue`` this run recorded after it (streamed).
+def _newest_run(ledger: Ledger, who: Identity) -> tuple[Event | None, Event | None]:
+    """The ledger's last ``stop`` (the newest run's, or an earlier run's when the newest recorded
+    none: its reason and committed step are the last known) and the ``requeue`` this run
+    recorded after it in the newest run (``runs``: streamed).
     A requeue of an earlier run is not this run's: a run killed before it recorded anything
     must not find its predecessor's requeue and take it for its own."""
-    stop: dict[str, Any] | None = None
-    req: dict[str, Any] | None = None
-    for ev in ledger.events():
-        name = ev.get("event")
-        if name in {"start", "criu_restore"}:
-            req = None
-        elif name == "stop":
-            stop, req = ev, None
-        elif name == "requeue":
-            req = ev
+    stop: Event | None = None
+    req: Event | None = None
+    for run in runs(ledger.events()):
+        req = None
+        for ev in run:
+            name = ev.get("event")
+            if name == "stop":
+                stop, req = ev, None
+            elif name == "requeue":
+                req = ev
     if req is not None and (who.in_slurm or who.local_restart is not None) and not _this_run(req, who):
         req = None
     return stop, req
@@ -128,7 +130,9 @@ def _unstarted(ledger: Ledger, who: Identity) -> _Unstarted:
     got = _Unstarted()
     for ev in ledger.events():
         name = ev.get("event")
-        if name in {"start", "criu_restore"}:
+        # OPENERS, not opens_run: a requeue of a run stopped in its start-up opens a run too,
+        # but it is what ``in_row`` counts (below), not a run that began
+        if name in OPENERS:
             got.in_row = 0
             got.began = got.began or _this_run(ev, who)
         elif name == "requeue" and ev.get("unstarted") is True and not _this_run(ev, who):

@@ -8,7 +8,7 @@ batch script (template ``torchrun``) asks the ledger instead, once srun has retu
     python -m hpcckpt.integrations.torchrun should-requeue --dir "$HPCCKPT_DIR" \\
         && exec hpcckpt requeue --dir "$HPCCKPT_DIR"
 
-Exit 0: the newest run (since its last ``start``) ended with a stop that asked for a
+Exit 0: the newest run (``lifecycle.history.newest_run``) ended with a stop that asked for a
 requeue and its final checkpoint committed; 1: it did not (finished, failed, or never
 started). The ranks themselves take their rank and world size from torchrun's
 environment (``RANK``, ``WORLD_SIZE``) through ``torch.distributed``; only global rank
@@ -19,28 +19,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
+from ..lifecycle.history import newest_run
 from ..lifecycle.ledger import Ledger
-
-
-def last_run(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The events of the newest run: everything after the last ``start`` (streamed: only that
-    run's events are kept, whatever the ledger's size)."""
-    run: list[dict[str, Any]] = []
-    for e in events:
-        if e.get("event") == "start":
-            run = [e]
-        elif run:
-            run.append(e)
-    return run
 
 
 def should_requeue(ckpt_dir: Path) -> tuple[bool, str]:
     """Whether the newest run stopped for a requeue with its final checkpoint committed, and why."""
-    run = last_run(Ledger(ckpt_dir).events())
+    # headless=False: records before the first run's opener are no run of this job's ("never started")
+    run = newest_run(Ledger(ckpt_dir).events(), headless=False)
     if not run:
         return False, f"no run recorded in {ckpt_dir}/ledger.jsonl"
     stop = next((e for e in reversed(run) if e.get("event") == "stop"), None)

@@ -12,7 +12,7 @@ records are looked up by the raw job id each event carries.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,9 @@ from .ledger import Ledger
 Event = Mapping[str, Any]
 MAX_FAILED_DUMPS = 100  # failed CRIU dumps (and superseded restarts) listed: the newest
 SUPERSEDED = "superseded"
-OPENERS = ("start", "criu_restore")  # the records that open a run
+# The records that open a run (every mode's: in-process and JIT ``start``, CRIU's restore).
+# Every reader of runs splits the ledger with ``opens_run``/``runs``/``newest_run`` below.
+OPENERS = frozenset({"start", "criu_restore"})
 # Records a run writes while it loads, before its opener: they fold into the run before it
 # (which they do not prolong), and say the next run's process was already running then.
 PRELUDE = frozenset({"skip_corrupt", "fresh_start", "criu_restore_failed"})
@@ -218,8 +220,7 @@ class Fold:
         if ev.get("event") == SUPERSEDED:  # written by a loser while the winner runs: no run of its own
             self.superseded = [*self.superseded[-(MAX_FAILED_DUMPS - 1):], dict(ev)]
             return
-        # A requeue of a run stopped in its start-up (``unstarted``) is that run's only record.
-        if ev.get("event") in OPENERS or not self.runs or _unstarted_requeue(ev):
+        if opens_run(ev) or not self.runs:  # the records before the first opener: a run of their own
             self.runs.append(RunSummary(head=dict(ev)))
         self.runs[-1].add(ev)
         if ev.get("event") == "stop" and ev.get("reason") in ("done", "after_run"):
@@ -230,6 +231,40 @@ class Fold:
 
     def slurm_ids(self) -> set[str]:
         return {r.slurm_job_id or str(r.head["job_id"]) for r in self.runs if r.slurm_job_id or r.head.get("job_id")}
+
+
+def opens_run(ev: Event) -> bool:
+    """Whether ``ev`` is the first record of a run: an opener (``OPENERS``), or the batch
+    script's requeue of a run stopped in its start-up (``unstarted``: that run's only record)."""
+    return ev.get("event") in OPENERS or _unstarted_requeue(ev)
+
+
+def runs(events: Iterable[Event], *, headless: bool = True) -> Iterator[list[Event]]:
+    """The ledger's runs, oldest first, each as its records in order (streamed: one run is held
+    at a time, whatever the ledger's size). A run begins at a record that ``opens_run`` (the
+    rule ``fold`` splits by). The records before the first opener (a ledger that begins inside
+    a run) are a run of their own, or skipped without ``headless``. ``superseded`` records
+    (written by a job refused the directory while another ran) belong to no run."""
+    run: list[Event] = []
+    for ev in events:
+        if ev.get("event") == SUPERSEDED:
+            continue
+        if opens_run(ev):
+            if run:
+                yield run
+            run = [ev]
+        elif run or headless:
+            run.append(ev)
+    if run:
+        yield run
+
+
+def newest_run(events: Iterable[Event], *, headless: bool = True) -> list[Event]:
+    """The records of the ledger's newest run (``runs``); empty when there is none."""
+    newest: list[Event] = []
+    for run in runs(events, headless=headless):
+        newest = run
+    return newest
 
 
 def fold(events: Iterable[Event]) -> Fold:

@@ -105,14 +105,3 @@ def _held_off() -> Iterator[None]:
         for s, handler in saved.items():
             if handler is signal.SIG_DFL:
                 signal.signal(s, handler)
-
-
-def last_requeue(events: Iterator[dict[str, object]]) -> dict[str, object] | None:
-    """The newest run's requeue event, if that run recorded one after its stop (streamed)."""
-    found: dict[str, object] | None = None
-    for ev in events:
-        if ev.get("event") in {"start", "criu_restore"}:
-            found = None
-        elif ev.get("event") == EVENT:
-            found = ev
-    return found

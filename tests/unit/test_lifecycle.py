@@ -23,7 +23,7 @@ from hpcckpt.cluster.local import LocalCluster
 from hpcckpt.cluster.scontrol import parse_kv_line, successor_sbatch_args
 from hpcckpt.lifecycle import current, requeue
 from hpcckpt.lifecycle.budget import BUDGET_FILE, charge
-from hpcckpt.lifecycle.history import interruptions, load, summary
+from hpcckpt.lifecycle.history import fold, interruptions, load, newest_run, runs, summary
 from hpcckpt.lifecycle.ledger import LEDGER, LOCK, Ledger
 
 ARRAY_TASK = (  # `scontrol show job -o 4_1` of `sbatch --array=1-2 --no-requeue --mem=100 --comment=hello`
@@ -155,6 +155,26 @@ def test_history_of_array_tasks_with_causes_successors_and_unknown_losses() -> N
         ("8_1", "unknown", None, None, "8_1"),
         ("4_1", "superseded", 0, None, "8_1")]
     assert summary(ledger, rows)["lost_steps_unknown"] == 1
+
+
+def test_every_reader_splits_the_ledger_into_the_same_runs() -> None:
+    """``runs``/``newest_run`` (the CLI's requeue, torchrun's should-requeue) split as the
+    history's fold does: a start, a CRIU restore and a start-up's requeue each open a run."""
+    ledger = [
+        _ev("commit", 90.0, step=3),  # the ledger begins inside a run
+        _ev("start", 100.0, resumed_from=3),
+        _ev("stop", 111.0, reason="signal", step=9, committed_step=9, requeue=True),
+        _ev("superseded", 112.0, by_job_id="8"),  # no run's
+        _ev("criu_restore", 130.0, image="img-1"),
+        _ev("requeue", 140.0, method="slurm", cause="time_limit", requeued=True, unstarted=True),
+        _ev("start", 150.0, resumed_from=9),
+        _ev("commit", 156.0, step=18),
+    ]
+    heads = [r.head["time"] for r in fold(ledger).runs]
+    assert [run[0]["time"] for run in runs(ledger)] == heads == [90.0, 100.0, 130.0, 140.0, 150.0]
+    assert [run[0]["time"] for run in runs(ledger, headless=False)] == heads[1:]
+    assert [e["event"] for e in newest_run(ledger)] == ["start", "commit"]
+    assert newest_run([]) == [] and newest_run(ledger[:1], headless=False) == []
 
 
 def test_history_counts_what_a_criu_job_lost_in_seconds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
