@@ -9,7 +9,6 @@ makes a step wait; the step reads the last answer.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .cluster.base import Cause
-from .fsio import write_all
+from .fsio import atomic_write, write_all
 from .lifecycle.causes import stop_cause
 from .store.commit import read_regular
 
@@ -146,19 +145,11 @@ class Figures:
         """Atomically (a reader never sees half a file), private (0600), without an fsync on the
         step path: a crash only loses figures that the next allocation measures again.
         ``now``: the monotonic time recorded as this write's (``write_if_moved``)."""
-        tmp = root / f"{FIGURES}.tmp-{os.getpid()}"
         data = json.dumps({"save_s": self.save_s, "step_s": self.step_s, "no_progress": self.no_progress})
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-            try:
-                write_all(fd, data.encode())
-            finally:
-                os.close(fd)
-            os.replace(tmp, root / FIGURES)
+            atomic_write(root / FIGURES, data, mode=0o600, durable=False)
             self._written, self._written_at = self._values(), time.monotonic() if now is None else now
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
             log.warning("hpcckpt: could not keep the measured costs in %s (%s)", root / FIGURES, exc)
 
     def write_if_moved(self, root: Path, *, now: float | None = None, any_change: bool = False) -> bool:

@@ -13,11 +13,10 @@ written to a temporary name in the same directory and renamed into place.
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..fsio import replacing
 from .common import add_json, directory, emit, human_bytes
 
 SAFETENSORS = (".safetensors",)
@@ -128,12 +127,11 @@ def _own(t: Any) -> Any:
 
 
 def _write(path: Path, kind: str, tensors: Mapping[str, Any], metadata: dict[str, str]) -> None:
-    """Write to a temporary file next to ``path``, fsync, rename over it."""
+    """Write to a temporary file next to ``path``, fsync, rename over it (``fsio.replacing``):
+    a file as the user's others are (0666 less the umask); the directory's fsync is best
+    effort (a directory the user may write in but not read)."""
     from ..errors import ConfigError
-    parent = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.tmp-")
-    os.close(fd)
-    try:
+    with replacing(path, mode=0o666, strict=False) as tmp:
         if kind == "safetensors":
             from safetensors.torch import save_file
             try:
@@ -144,28 +142,6 @@ def _write(path: Path, kind: str, tensors: Mapping[str, Any], metadata: dict[str
         else:
             import torch
             torch.save(dict(tensors), tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    try:
-        dfd = os.open(parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
 
 
 def _load(root: Path, step: int | None) -> tuple[Any, Any]:

@@ -22,6 +22,7 @@ from pathlib import Path
 from hpcckpt.cluster.base import Cause
 from hpcckpt.config import env_value
 from hpcckpt.errors import ConfigError
+from hpcckpt.fsio import atomic_write
 from hpcckpt.lifecycle.ledger import LedgerBusy, _flock_bounded, _open_regular
 
 BUDGET_FILE = "requeue-budget.json"
@@ -106,19 +107,8 @@ class _BudgetState:
         doc = {"counts": self.counts, "failures_without_progress": self.failures_without_progress,
                "last_failure_step": self.last_failure_step, "charged": self.charged[-50:],
                "history": self.history[-200:]}
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
         # 0600: the budget is this job's own state, not for other users to read or edit.
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600),
-                  "w", encoding="utf-8") as fh:
-            json.dump(doc, fh, indent=1, sort_keys=True)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        atomic_write(path, json.dumps(doc, indent=1, sort_keys=True), mode=0o600)
 
 
 def charge(state_dir: Path, cause: Cause | str, *, attempt: str,
@@ -171,7 +161,6 @@ def _charge_locked(path: Path, key: str, cause: Cause, attempt: str, committed_s
     try:
         state.save(path)
     except OSError as exc:  # a full disk must not cost the requeue: the decision stands, unrecorded
-        path.with_name(f"{path.name}.tmp-{os.getpid()}").unlink(missing_ok=True)
         logging.getLogger("hpcckpt.lifecycle").error(
             "hpcckpt: could not record the requeue budget in %s (%s); deciding without it", path, exc)
     return decision

@@ -29,13 +29,13 @@ from typing import Any, Iterator
 from .._core import crc32c
 from .._gc import collector_paused
 from ..errors import CheckpointCorrupt
-from ..fsio import write_all
+from ..fsio import TMP_MARK, fsync_path, write_all
+from ..fsio import atomic_write as atomic_write  # the package's one durable write: the store's too
 from .checksum import fd_crc32c
 from .manifest import decode, encode, refuse_newer, safe_relpath
 
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
-TMP_MARK = ".tmp-"
 TRASH_PREFIX = ".trash-"  # directories being deleted: never listed (see ``discard``)
 # A pruned step directory a live engine keeps to write its next save into
 # (``engines/recycle``); never listed, swept once a crash left it this old.
@@ -72,15 +72,6 @@ def _remember(key: tuple[str, int, int], data: dict[str, Any]) -> None:
             _PARSED_SIZE.pop(old, None)
 
 
-def fsync_path(path: Path) -> None:
-    """fsync a file or directory by path (O_RDONLY opens either: no stat to tell them apart)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_new_durable(path: Path, data: bytes) -> None:
     """Create ``path`` (it must not exist) holding ``data``, and fsync it."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -108,14 +99,6 @@ def rewrite_durable(path: Path, data: bytes) -> bool:
     finally:
         os.close(fd)
     return True
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` atomically and durably."""
-    tmp = path.with_name(f"{path.name}{TMP_MARK}{secrets.token_hex(4)}")
-    write_new_durable(tmp, data)
-    os.replace(tmp, path)
-    fsync_path(path.parent)
 
 
 def replace_hint(path: Path, data: bytes) -> None:
