@@ -638,14 +638,7 @@ class LoaderPosition:
         A pass saved as over (``over``) yields nothing: its iterator is made again as it began (the
         order and worker seed it drew from the loader's generators are drawn as then, so the next
         pass draws what it drew in the uninterrupted run) and dropped."""
-        self.passes, self.taken = int(state["passes"]), int(state["taken"])
-        over = state.get("over")
-        self.over = over if over in OVER else None
-        self._rng = dict(state.get("rng") or {})
-        self._rng_iter = dict(state.get("rng_iter") or {})
-        workers = state.get("workers") or {}
-        self._workers_from = int(workers.get("from", 0))
-        self._worker_passes = [dict(r) for r in workers.get("passes", [])]
+        self._take(state)
         if "iteration" in state and _epoch_counter(self.loader) is not None:
             # The adapter tells its samplers this pass's epoch (set_epoch) as it begins it.
             self.loader.iteration = self._epoch_counter = int(state["iteration"])
@@ -835,15 +828,22 @@ class LoaderPosition:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.check_state(state)
         self._restored = state
+        self._take(state)
+        self._epoch_counter = int(state["iteration"]) if "iteration" in state else None
+        self.in_epoch = int(state["in_epoch"]) if state.get("in_epoch") is not None else None
+
+    def _take(self, state: Mapping[str, Any]) -> None:
+        """What a restore (``load_state_dict``) and the resume of its pass (``_resume``) both take
+        from a saved position: its counts, whether its pass was over, the RNG states the pass drew
+        from, and the passes of persistent workers."""
         self.passes, self.taken = int(state["passes"]), int(state["taken"])
+        over = state.get("over")
+        self.over = over if over in OVER else None
         self._rng = dict(state.get("rng") or {})
         self._rng_iter = dict(state.get("rng_iter") or {})
         workers = state.get("workers") or {}
         self._workers_from = int(workers.get("from", 0))
         self._worker_passes = [dict(r) for r in workers.get("passes", [])]
-        self._epoch_counter = int(state["iteration"]) if "iteration" in state else None
-        self.in_epoch = int(state["in_epoch"]) if state.get("in_epoch") is not None else None
-        self.over = state["over"] if state.get("over") in OVER else None
 
     def settle(self) -> None:
         """The restored pass began in an earlier epoch than the one resuming (a second loader
