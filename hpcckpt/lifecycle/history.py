@@ -142,7 +142,9 @@ class RunSummary:
         self.last_time = _float(ev.get("time")) or self.last_time
         self._account(ev)
         self.slurm_job_id = self.slurm_job_id or _str(ev.get("slurm_job_id"))
-        if name == "signal" and self.signal is None:
+        if name == "signal" and (self.signal is None or (self.signal.get("deferred_s") and not ev.get("deferred_s"))):
+            # The signal of the stop: a warning that was deferred (it came long before the end)
+            # gives way to the signal that stopped the run (a later preemption's, the TERM).
             self.signal = dict(ev)
         elif name == "stop":
             self.stop = dict(ev)
@@ -303,22 +305,31 @@ def _unstarted(run: RunSummary) -> bool:
     return _unstarted_requeue(run.head)
 
 
+def _stop_of(run: RunSummary, slurm: Sequence[RunRecord]) -> tuple[str, float | None, RunRecord | None]:
+    """A stopped run's cause (with Slurm's record of it), its signal's time, and that record:
+    what the history's row and the goodput's row both say of the stop."""
+    stop, sig, req = run.stop, run.signal, run.requeue
+    signal_time = _float(sig.get("signal_time") or sig.get("time")) if sig else None
+    when = signal_time or (_float(stop.get("time")) if stop else None) or run.last_time
+    record = match_run(slurm, run.slurm_job_id or _str(run.head.get("job_id")), when)
+    cause = classify(stop, _signame(run), signal_time, record, _str(req.get("cause")) if req else None,
+                     requeued=bool(req.get("requeued") if req else None)).value
+    return cause, signal_time, record
+
+
 def _interruption(index: int, run: RunSummary, nxt: RunSummary | None, slurm: Sequence[RunRecord],
                   resumer: RunSummary | None) -> Interruption:
     stop, sig, req = run.stop, run.signal, run.requeue
     signame = _signame(run)
-    signal_time = _float(sig.get("signal_time") or sig.get("time")) if sig else None
-    when = signal_time or (_float(stop.get("time")) if stop else None) or run.last_time
+    cause, signal_time, record = _stop_of(run, slurm)
     job_id = _str(run.head.get("job_id"))
-    record = match_run(slurm, run.slurm_job_id or job_id, when)
     head_next = nxt.head if nxt else None
     end_time = _float((req or stop or {}).get("time")) or run.last_time
     next_time = _float(head_next.get("time")) if head_next else None
     requeued = req.get("requeued") if req else None
     return Interruption(
         index=index, job_id=job_id, restart_count=_int(run.head.get("restart_count")),
-        cause=classify(stop, signame, signal_time, record, _str(req.get("cause")) if req else None,
-                       requeued=bool(requeued)).value,
+        cause=cause,
         slurm_state=record.state if record else None, signal=signame, signal_time=signal_time,
         step_at_signal=_int(sig.get("step")) if sig else None,
         stop_step=_int(stop.get("step")) if stop else None,
@@ -571,7 +582,7 @@ def goodput(events: Iterable[Event] | Fold, *, slurm: Sequence[RunRecord] | None
     rows, notes = [], []
     for i, span in enumerate(spans):
         nxt = spans[i + 1] if i + 1 < len(spans) else None
-        row, why = _row(i + 1, span, nxt, steps[i] or typical)
+        row, why = _row(i + 1, span, nxt, steps[i] or typical, slurm or ())
         rows.append(row)
         notes += why
     total = {b: sum(r["_us"][b] for r in rows) for b in BUCKETS}
@@ -591,7 +602,8 @@ def goodput(events: Iterable[Event] | Fold, *, slurm: Sequence[RunRecord] | None
             "rows": rows, "notes": notes}
 
 
-def _row(index: int, span: _Span, nxt: _Span | None, step_us: int | None) -> tuple[dict[str, Any], list[str]]:
+def _row(index: int, span: _Span, nxt: _Span | None, step_us: int | None,
+         slurm: Sequence[RunRecord]) -> tuple[dict[str, Any], list[str]]:
     """One run's buckets, over its own span and the gap after it (up to the next run's begin)."""
     run, notes = span.run, []
     b = dict.fromkeys(BUCKETS, 0)
@@ -615,8 +627,12 @@ def _row(index: int, span: _Span, nxt: _Span | None, step_us: int | None) -> tup
     if lost_us is None and lost_steps:
         notes.append(f"run #{index}: {lost_steps} step(s) were trained again but no step time was measured: "
                      "their time is counted as productive")
-    ended = (_str(run.stop.get("reason")) or "stop") if run.stop else "start-up" if _unstarted(run) else (
-        "rank_failure" if run.rank_failure else "vanished" if nxt else "running or vanished")
+    # A stopped run ended for the cause its history row gives (Slurm's record of the stop).
+    if run.stop is not None:
+        ended = _stop_of(run, slurm)[0] if _interrupted(run) else (_str(run.stop.get("reason")) or "stop")
+    else:
+        ended = "start-up" if _unstarted(run) else (
+            "rank_failure" if run.rank_failure else "vanished" if nxt else "running or vanished")
     return {"index": index, "job_id": _str(run.head.get("job_id")), "restart_count": _int(run.head.get("restart_count")),
             "local_restart": _int(run.head.get("local_restart")), "ended": ended,
             "begin_time": span.begin / _US, "end_time": span.end / _US,

@@ -378,7 +378,31 @@ def test_history_counts_a_run_stopped_in_its_start_up_as_an_interruption_that_lo
     assert main(["history", str(tmp_path)]) == 0
     assert "unknown" not in capsys.readouterr().out
     assert main(["history", "--goodput", "--json", str(tmp_path)]) == 0
-    assert [r["ended"] for r in json.loads(capsys.readouterr().out)["rows"]] == ["deadline", "start-up", "done"]
+    # the goodput row of a stopped run says the cause its history row says (Slurm's reading)
+    assert [r["ended"] for r in json.loads(capsys.readouterr().out)["rows"]] == ["time_limit", "start-up", "done"]
+
+
+def test_a_stop_after_a_deferred_warning_is_the_preemptions_in_history_and_goodput(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The time-limit warning came long before the end and was deferred; a preemption (its TERM)
+    stopped the run later: the row's signal, its time and the cause are the preemption's, and
+    the goodput's row says the same cause as the history's (was: USR2 at the warning's time in
+    history, 'signal' in the goodput)."""
+    ledger = [
+        _ev("start", 100.0, restart_count=0, resumed_from=None),
+        _ev("signal", 110.0, signum=12, signame="SIGUSR2", step=5, cause="time_limit", deferred_s=250.0),
+        _ev("signal", 150.0, signum=15, signame="SIGTERM", step=40, cause="preemption"),
+        _ev("stop", 151.0, reason="signal", step=41, committed_step=41, requeue=True),
+        _ev("requeue", 152.0, restart_count=0, method="scontrol", cause="preemption", requeued=True),
+        _ev("start", 200.0, restart_count=1, resumed_from=41),
+        _ev("stop", 230.0, reason="done", step=80, committed_step=80),
+    ]
+    rows = interruptions(ledger, slurm=[])
+    assert [(r.signal, r.signal_time, r.step_at_signal, r.cause) for r in rows] == [
+        ("SIGTERM", 150.0, 40, "preemption")], rows
+    (tmp_path / LEDGER).write_text("".join(json.dumps(e) + "\n" for e in ledger))
+    assert main(["history", "--goodput", "--json", str(tmp_path)]) == 0
+    assert [r["ended"] for r in json.loads(capsys.readouterr().out)["rows"]] == ["preemption", "done"]
 
 
 BLOCKED_STOP = """
