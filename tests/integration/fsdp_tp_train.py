@@ -28,6 +28,13 @@ Phases:
   (``hpcckpt.interop.dcp.adopt``), dumps ``state-restored-rR.pt`` and the step, trains
   ``--steps`` more steps and saves (an hpcckpt checkpoint follows the DCP one).
 
+``--app sharded|full`` registers, instead of the model and optimizer, one object as DCP's
+tutorials write it (``AppState``): its ``state_dict`` is ``get_state_dict(model, opt,
+options=StateDictOptions(...))`` and its ``load_state_dict`` calls ``set_state_dict``;
+``sharded``: the default options (DTensors keyed by parameter name), ``full``:
+``full_state_dict=True, cpu_offload=True, broadcast_from_rank0=True`` (whole tensors on
+rank 0 alone, broadcast on load).
+
 Each rank writes ``result-PHASE-rR.json``.
 """
 from __future__ import annotations
@@ -73,6 +80,36 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) ->
     return float(loss.item())
 
 
+class AppState:
+    """The Stateful wrapper of DCP's tutorials: model and optimizer through get/set_state_dict."""
+
+    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer, mode: str) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+        self.model, self.opt = model, opt
+        self.options = (StateDictOptions() if mode == "sharded" else
+                        StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=True))
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        msd, osd = get_state_dict(self.model, self.opt, options=self.options)
+        return {"model": msd, "optim": osd}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            set_model_state_dict,
+            set_optimizer_state_dict,
+            set_state_dict,
+        )
+        if self.options.broadcast_from_rank0:
+            # Not set_state_dict: given the empty dicts the other ranks hold, it takes them for an
+            # optimizer-only load and skips the model's broadcast that rank 0 starts (torch 2.13).
+            set_model_state_dict(self.model, sd["model"], options=self.options)
+            set_optimizer_state_dict(self.model, self.opt, sd["optim"], options=self.options)
+        else:
+            set_state_dict(self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                           options=self.options)
+
+
 def full(t: Any) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
@@ -99,6 +136,7 @@ def main() -> None:
                    required=True)
     p.add_argument("--total", type=int, default=None)
     p.add_argument("--signal-at", type=int, default=None)
+    p.add_argument("--app", choices=("sharded", "full"), default=None)
     p.add_argument("--engine", choices=("sync", "concurrent"), default="sync")
     p.add_argument("--steps", type=int, default=3)
     a = p.parse_args()
@@ -143,7 +181,10 @@ def run(a: argparse.Namespace, dp: int, tp: int) -> None:
     from hpcckpt.api import Checkpointer
     ck = Checkpointer(a.out / "ckpt", engine=a.engine, keep=5)
     try:
-        result["restored"] = ck.register(model=model, optimizer=opt)
+        if a.app:
+            result["restored"] = ck.register(app=AppState(model, opt, a.app))
+        else:
+            result["restored"] = ck.register(model=model, optimizer=opt)
         if a.phase == "dcp-resume":
             from hpcckpt.interop import dcp as hdcp
             result["adopted"] = hdcp.adopt(ck, a.out / "dcp", keys={"optimizer": "optim"})

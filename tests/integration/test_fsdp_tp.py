@@ -129,6 +129,26 @@ def test_fsdp_tp_2x2_checkpoint_resumes_on_another_mesh(saved_2x2: Path, mesh: s
     assert res["committed_step"] == 5 and all(torch.isfinite(torch.tensor(res["losses"]))), res
 
 
+@pytest.mark.parametrize("app", ["sharded", "full"])
+def test_get_state_dict_and_set_state_dict_register_as_they_are(app: str, tmp_path: Path) -> None:
+    """DCP users' ``AppState`` (``get_state_dict``/``set_state_dict`` with ``StateDictOptions``)
+    registered as one object: saved on 2x2, restored on 4x1 equal to the saved state.
+    ``sharded`` (the default options) saves the DTensor shards once; ``full``
+    (``full_state_dict``, ``cpu_offload``, ``broadcast_from_rank0``) saves rank 0's whole
+    tensors, and ``set_state_dict`` broadcasts them on load."""
+    run_world(tmp_path, "2x2", "--phase", "save", "--app", app, "--steps", "3")
+    m = catalog.find(tmp_path / "ckpt", None).manifest
+    assert m is not None and m["step"] == 3
+    sharded = [n for n, s in m["shared"].items() if s["kind"] == "sharded"]
+    assert len(sharded) == (12 if app == "sharded" else 0), sorted(m["shared"])
+    assert sum(written_bytes(m).values()) <= 1.05 * state_bytes(m)
+    run_world(tmp_path, "4x1", "--phase", "resume", "--app", app, "--steps", "1")
+    want = dump(tmp_path, "saved")
+    for r in range(4):
+        assert result(tmp_path, "resume", r)["step_restored"] == 3
+        assert_equal_states(dump(tmp_path, "restored", r), want, f"AppState({app}) 2x2 -> 4x1: rank {r}")
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fsdp_tp_reference")
