@@ -712,7 +712,7 @@ class Supervisor:
                            step=None, source="criu-supervisor", cause=cause, progress_s=self.acct.now())
         try:
             with writer_lock(self.root):
-                name = self._dump(job, sig)
+                name = self._dump(job, sig, received=received)
         except _CommitFailed as exc:
             return self._job_lost(job, sig, str(exc), cause)
         except (HpcckptError, OSError) as exc:
@@ -910,8 +910,10 @@ class Supervisor:
         depth = len(images.chain(images.Image(path=self.root / self._parent, seq=images.seq_of(self._parent) or 0)))
         return self._parent if depth < MAX_CHAIN else None
 
-    def _dump(self, job: ops.Job, sig: signal.Signals | None) -> str:
-        """One image: at a stop (``sig``: the job ends with the dump) or periodic (None: it runs on)."""
+    def _dump(self, job: ops.Job, sig: signal.Signals | None, *, received: bool = True) -> str:
+        """One image: at a stop (``sig``: the job ends with the dump) or periodic (None: it runs on).
+        A stop noticed on the end time (``received=False``) records no signal: none came."""
+        signame = sig.name if sig is not None and received else None
         self._resume_late()
         criu = self.criu()
         seq = images.next_seq(self.root)
@@ -929,8 +931,9 @@ class Supervisor:
                          track_mem=sig is None and self._tracks_memory())
                 dumped = True
                 dump_s = time.monotonic() - t0
-                commit_s = self._commit(tx, self._manifest(job, seq, sig, criu, dump_s, cuda_inner, gpus,
-                                                           max_inner_id=images.max_task_id(tx.path), parent=parent))
+                commit_s = self._commit(tx, self._manifest(job, seq, signame, criu, dump_s, cuda_inner, gpus,
+                                                           max_inner_id=images.max_task_id(tx.path), parent=parent,
+                                                           periodic=sig is None))
         except BaseException as exc:
             if cuda and (not dumped or sig is None):
                 self._resume_cuda(cu, cuda, exc)
@@ -947,7 +950,7 @@ class Supervisor:
                  + f", dump {dump_s:.2f} s, commit {commit_s:.2f} s"
                  + (f"; removed {len(removed)} old image(s)" if removed else ""))
         self.ledger.append("criu_dump", image=name, bytes=nbytes, dump_s=dump_s, commit_s=commit_s,
-                           cuda_pids=len(cuda), signame=sig.name if sig else None, periodic=sig is None,
+                           cuda_pids=len(cuda), signame=signame, periodic=sig is None,
                            parent=parent, progress_s=self._dumped_at_s)
         return name
 
@@ -967,14 +970,14 @@ class Supervisor:
             self.log(f"{warning}; the image is complete and a restore finds it by its sequence number")
         return time.monotonic() - t1
 
-    def _manifest(self, job: ops.Job, seq: int, sig: signal.Signals | None, criu: Criu, dump_s: float,
+    def _manifest(self, job: ops.Job, seq: int, signame: str | None, criu: Criu, dump_s: float,
                   cuda_inner: list[int], gpus: list[dict[str, Any]], *, max_inner_id: int,
-                  parent: str | None) -> dict[str, Any]:
+                  parent: str | None, periodic: bool) -> dict[str, Any]:
         who = identity.current()
         return build_image(
             kind=images.KIND, seq=seq, job_id=who.job_id, restart_count=who.restart_count,
-            cmd=list(self.opts.cmd), signal=sig.name if sig else None, criu_version=criu.version,
-            dump_s=dump_s, progress_s=self._dumped_at_s, parent=parent, periodic=sig is None,
+            cmd=list(self.opts.cmd), signal=signame, criu_version=criu.version,
+            dump_s=dump_s, progress_s=self._dumped_at_s, parent=parent, periodic=periodic,
             stdio={"stdout": str(job.stdout), "stderr": str(job.stderr)},
             ns_layout=NS_LAYOUT, max_inner_id=max_inner_id, cuda_pids=cuda_inner, gpus=gpus,
             dump_options={"file_locks": self.opts.dump.file_locks,

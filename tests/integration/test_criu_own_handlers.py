@@ -99,6 +99,11 @@ def test_a_script_with_its_own_handler_is_dumped_in_the_grace(
     assert json.loads(out.read_text()) == own_reference, "not bit-identical to the uninterrupted run"
     ledger = slurm_cluster.read_ledger(run_dir)
     assert [e["event"] for e in ledger].count("criu_restore") == 1, "the grace's dump was restored"
+    # noticed on the end time, no signal came: the records name none (they said SIGTERM)
+    dumps = [e for e in ledger if e["event"] == "criu_dump"]
+    assert dumps and all(d["signame"] is None and d["periodic"] is False for d in dumps), dumps
+    rows = slurm_cluster.history(run_dir)["rows"]
+    assert [(r["cause"], r["signal"]) for r in rows] == [("preemption", None)], rows
     assert slurm_cluster.job(job)["Restarts"] == "1"
 
 
