@@ -24,6 +24,7 @@ from typing import Any, Callable
 from .cluster.base import Cause
 from .fsio import atomic_write, write_all
 from .lifecycle.causes import stop_cause
+from .lifecycle.supervise import pulled_in
 from .store.commit import read_regular
 
 log = logging.getLogger("hpcckpt.policy")
@@ -327,9 +328,10 @@ class Policy:
 
     def _apply(self, answer: tuple[float | None, float | None, bool]) -> None:
         end, self._maint_start, self._draining = answer
-        if end is not None and self._end_time is not None and end < self._end_time - 1.0:
+        before = self._end_time
+        if end is not None and before is not None and pulled_in(end, before):
             log.warning("hpcckpt: the job's end time moved %.0fs earlier (preemption or a shortened "
-                        "limit): stopping at the next step", self._end_time - end)
+                        "limit): stopping at the next step", before - end)
             self._moved_earlier = True
         self._end_time = end
 

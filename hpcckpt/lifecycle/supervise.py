@@ -34,6 +34,13 @@ RECORD_S = 10.0  # how long a record waits for the scheduler's answer
 MOVED_S = 2.0
 
 
+def pulled_in(end: float | None, before: float | None) -> bool:
+    """The job's end time was pulled in: ``end`` is earlier than the one read ``before`` by at
+    least ``MOVED_S`` (a preemption's grace, or an operator's shorter limit). The one rule every
+    reader of the end time applies (the supervisors' ``EndTimeWatch``, the in-process ``Policy``)."""
+    return end is not None and before is not None and end < before - MOVED_S
+
+
 class SignalInbox:
     """Signals recorded by their handlers, taken in order by the supervisor's loop."""
 
@@ -94,7 +101,7 @@ class EndTimeWatch:
         if self.first is None:
             self.first = self.last = end
             return False
-        moved = end < (self.last or end) - MOVED_S
+        moved = pulled_in(end, self.last)
         self.last = end
         return moved
 
@@ -105,7 +112,7 @@ class EndTimeWatch:
 
     @property
     def pulled_in(self) -> bool:
-        return self.first is not None and self.last is not None and self.last < self.first - MOVED_S
+        return pulled_in(self.last, self.first)
 
     def remaining_s(self) -> float | None:
         return None if self.last is None else self.last - time.time()
