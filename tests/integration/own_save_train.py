@@ -9,11 +9,12 @@ run trains. The end writes ``--out`` (the losses and a SHA-256 of every paramete
 optimizer tensor). One line per step on stdout ("step N loss L").
 
 usage: python own_save_train.py --steps N --dir CKPT_DIR --out FILE [--every K] [--step-sleep-s T]
-       [--save-sleep-s T] [--ignore-term] [--hold-at S,S...]
+       [--save-sleep-s T] [--ignore-term] [--hold-file F]
 
-``--hold-at``: at each of those steps (reached in a run that started before it) the script
-waits for its TERM before it goes on, so a test's stop lands there by construction, however
-slowly the scheduler acts (at most 600 s; then it goes on).
+``--hold-file F`` (as criu_train.py's): while F, a symlink whose target is a step number S,
+exists, the script parks after printing step S or any later step, until its TERM comes or F
+names a later step or is removed. A test's stop lands there by construction, however slowly
+the scheduler acts; a run restored from an image reads F again.
 """
 from __future__ import annotations
 
@@ -45,6 +46,17 @@ def digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
     return h.hexdigest()
 
 
+def held_at(hold_file: str | None) -> int | None:
+    """The step ``hold_file`` says to park after (None: absent), read without opening a file (a
+    dump that freezes the script here must not find it open)."""
+    if not hold_file:
+        return None
+    try:
+        return int(os.readlink(hold_file))
+    except (OSError, ValueError):
+        return None
+
+
 def save(ckpt_dir: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer, losses: list[str],
          sleep_s: float) -> None:
     tmp = ckpt_dir / f".ckpt-{step:07d}.pt.tmp"
@@ -65,9 +77,8 @@ def main() -> int:
     p.add_argument("--step-sleep-s", type=float, default=0.0)
     p.add_argument("--save-sleep-s", type=float, default=0.0)
     p.add_argument("--ignore-term", action="store_true", help="no TERM handler: save only every --every steps")
-    p.add_argument("--hold-at", default="", help="steps at which to wait for the TERM (comma-separated)")
+    p.add_argument("--hold-file", help="park after the step this symlink names (see the module docstring)")
     a = p.parse_args()
-    holds = {int(x) for x in a.hold_at.split(",") if x}
     if not a.ignore_term:
         signal.signal(signal.SIGTERM, lambda s, f: STOP.update(asked=True))
     torch.manual_seed(0)
@@ -93,11 +104,8 @@ def main() -> int:
         losses.append(float(loss).hex())
         print(f"step {step} loss {float(loss):.6f}", flush=True)
         time.sleep(a.step_sleep_s)
-        if step in holds:
-            print(f"holding at step {step}", flush=True)
-            waited = time.monotonic()
-            while not STOP["asked"] and time.monotonic() - waited < 600:
-                time.sleep(0.05)
+        while not STOP["asked"] and (limit := held_at(a.hold_file)) is not None and step >= limit:
+            time.sleep(0.01)
         if STOP["asked"] and step < a.steps:
             save(a.dir, step, model, opt, losses, a.save_sleep_s)
             print(f"stopping at step {step} for a requeue", flush=True)

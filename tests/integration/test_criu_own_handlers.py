@@ -48,17 +48,31 @@ def _submit(cluster: SlurmCluster, run_dir: Path, partition: str, cmd: list[str]
     return job, run_dir / f"slurm-{job}.out"
 
 
-def _steps_seen(run_dir: Path, job: str, run: int) -> int:
+def _steps_seen(run_dir: Path, job: str) -> int:
+    """The highest step the job printed, in any run (a restored run writes to its first run's file)."""
     seen = 0
-    for p in (run_dir / "criu" / "stdio").glob(f"{job}-r{run}-*.out"):
+    for p in (run_dir / "criu" / "stdio").glob(f"{job}-r*.out"):
         for line in p.read_text(errors="replace").splitlines():
             if line.startswith("step "):
                 seen = max(seen, int(line.split()[1]))
     return seen
 
 
-def _preempt_in_run(cluster: SlurmCluster, run_dir: Path, job: str, run: int, step: int) -> None:
-    cluster.wait_until(lambda: _steps_seen(run_dir, job, run) >= step, 300, f"job {job} run {run} at step {step}")
+def _hold(hold: Path, step: int | None) -> None:
+    """Park the job after ``step`` (None: let it run to its end); see the scripts' --hold-file."""
+    tmp = hold.with_name(hold.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    if step is None:
+        hold.unlink(missing_ok=True)
+        return
+    tmp.symlink_to(str(step))
+    tmp.replace(hold)
+
+
+def _preempt_at(cluster: SlurmCluster, run_dir: Path, job: str, hold: Path, step: int) -> None:
+    """Preempt the job once it has printed ``step`` (where it parks until the stop reaches it)."""
+    _hold(hold, step)
+    cluster.wait_until(lambda: _steps_seen(run_dir, job) >= step, 300, f"job {job} at step {step}")
     high = cluster.preempt()
     cluster.wait_for(high, {"RUNNING", "COMPLETING", "COMPLETED"}, 240)
 
@@ -66,13 +80,12 @@ def _preempt_in_run(cluster: SlurmCluster, run_dir: Path, job: str, run: int, st
 @pytest.mark.long(150)
 def test_a_script_that_saves_on_term_and_exits_75_on_a_graceless_partition(
         slurm_cluster: SlurmCluster, criu_ok: None, own_reference: dict, tmp_path: Path) -> None:  # noqa: F811
-    run_dir, out = tmp_path / "run", tmp_path / "result.json"
-    # The script waits at steps 10 and 30 for the TERM, so each preemption lands there however
-    # slowly a loaded scheduler acts (the whole run is 15 s of steps).
-    job, slurm_out = _submit(slurm_cluster, run_dir, "criu0", _own_cmd(run_dir, out, "--hold-at", "10,30"))
+    run_dir, out, hold = tmp_path / "run", tmp_path / "result.json", tmp_path / "hold"
+    job, slurm_out = _submit(slurm_cluster, run_dir, "criu0", _own_cmd(run_dir, out, "--hold-file", str(hold)))
     try:
-        _preempt_in_run(slurm_cluster, run_dir, job, 0, 10)
-        _preempt_in_run(slurm_cluster, run_dir, job, 1, 30)  # run 1 resumed from the script's own save at 10
+        _preempt_at(slurm_cluster, run_dir, job, hold, 10)
+        _preempt_at(slurm_cluster, run_dir, job, hold, 30)  # run 1 resumed from the script's own save at 10
+        _hold(hold, None)
         slurm_cluster.wait_completed(job, 600, slurm_out)
     finally:
         slurm_cluster.cancel(job)
@@ -87,38 +100,65 @@ def test_a_script_that_saves_on_term_and_exits_75_on_a_graceless_partition(
     assert slurm_cluster.job(job)["Restarts"] == "2"
 
 
+@pytest.mark.long(120)
 def test_a_script_with_its_own_handler_is_dumped_in_the_grace(
         slurm_cluster: SlurmCluster, criu_ok: None, own_reference: dict, tmp_path: Path) -> None:  # noqa: F811
-    run_dir, out = tmp_path / "run", tmp_path / "result.json"
-    job, slurm_out = _submit(slurm_cluster, run_dir, "criu", _own_cmd(run_dir, out))
+    run_dir, out, hold = tmp_path / "run", tmp_path / "result.json", tmp_path / "hold"
+    job, slurm_out = _submit(slurm_cluster, run_dir, "criu", _own_cmd(run_dir, out, "--hold-file", str(hold)))
     try:
-        _preempt_in_run(slurm_cluster, run_dir, job, 0, 10)
+        _preempt_at(slurm_cluster, run_dir, job, hold, 10)
+        _preempt_at(slurm_cluster, run_dir, job, hold, 30)  # restored parked at 10, then on to 30
+        _hold(hold, None)
         slurm_cluster.wait_completed(job, 600, slurm_out)
     finally:
         slurm_cluster.cancel(job)
     assert json.loads(out.read_text()) == own_reference, "not bit-identical to the uninterrupted run"
     ledger = slurm_cluster.read_ledger(run_dir)
-    assert [e["event"] for e in ledger].count("criu_restore") == 1, "the grace's dump was restored"
+    assert [e["event"] for e in ledger].count("criu_restore") == 2, "the grace's dumps were restored"
     # noticed on the end time, no signal came: the records name none (they said SIGTERM)
     dumps = [e for e in ledger if e["event"] == "criu_dump"]
-    assert dumps and all(d["signame"] is None and d["periodic"] is False for d in dumps), dumps
+    assert len(dumps) == 2 and all(d["signame"] is None and d["periodic"] is False for d in dumps), dumps
     rows = slurm_cluster.history(run_dir)["rows"]
-    assert [(r["cause"], r["signal"]) for r in rows] == [("preemption", None)], rows
-    assert slurm_cluster.job(job)["Restarts"] == "1"
+    assert [(r["cause"], r["signal"]) for r in rows] == [("preemption", None)] * 2, rows
+    assert slurm_cluster.job(job)["Restarts"] == "2"
 
 
+@pytest.fixture(scope="module")
+def loader_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    d = tmp_path_factory.mktemp("loader-reference")
+    subprocess.run([sys.executable, str(TRAIN), "--steps", "120", "--out", str(d / "ref.json"), "--workers", "2"],
+                   check=True, stdout=subprocess.DEVNULL, timeout=600)
+    return dict(json.loads((d / "ref.json").read_text()))
+
+
+@pytest.mark.long(120)
+@pytest.mark.parametrize("partition", ["criu0", "criu"])
 def test_dataloader_workers_killed_by_the_stop_never_fail_the_job(
-        slurm_cluster: SlurmCluster, criu_ok: None, tmp_path: Path) -> None:  # noqa: F811
-    run_dir, out = tmp_path / "run", tmp_path / "result.json"
-    cmd = [sys.executable, str(TRAIN), "--steps", "120", "--out", str(out), "--workers", "2", "--step-sleep-s", "0.2"]
-    job, slurm_out = _submit(slurm_cluster, run_dir, "criu0", cmd)
+        slurm_cluster: SlurmCluster, criu_ok: None, loader_reference: dict, tmp_path: Path,  # noqa: F811
+        partition: str) -> None:
+    """A 2-worker DataLoader, preempted twice. With no grace (criu0) Slurm's TERM kills the
+    workers with the job: no image of the dying job is made or restored, each stop is requeued
+    from the newest image (here: the start); with grace (criu) the dump comes first. COMPLETED
+    and bit-identical either way."""
+    run_dir, out, hold = tmp_path / "run", tmp_path / "result.json", tmp_path / "hold"
+    cmd = [sys.executable, str(TRAIN), "--steps", "120", "--out", str(out), "--workers", "2",
+           "--hold-file", str(hold)]
+    job, slurm_out = _submit(slurm_cluster, run_dir, partition, cmd)
     try:
-        _preempt_in_run(slurm_cluster, run_dir, job, 0, 5)
+        _preempt_at(slurm_cluster, run_dir, job, hold, 5)
+        _preempt_at(slurm_cluster, run_dir, job, hold, 15)
+        _hold(hold, None)
         slurm_cluster.wait_completed(job, 600, slurm_out)
     finally:
         slurm_cluster.cancel(job)
+    assert json.loads(out.read_text()) == loader_reference, "not bit-identical to the uninterrupted run"
     ledger = slurm_cluster.read_ledger(run_dir)
-    assert not [e for e in ledger if e["event"] == "criu_restore"], "an image of a dying job was restored"
+    restores = [e for e in ledger if e["event"] == "criu_restore"]
     stops = [e for e in ledger if e["event"] == "stop" and e.get("reason") != "done"]
-    assert stops and stops[0].get("heard") is True, stops
-    assert out.exists()
+    assert len(stops) == 2, stops
+    if partition == "criu0":
+        assert not restores, "an image of a dying job was restored"
+        assert all(s.get("heard") is True for s in stops), stops
+    else:
+        assert len(restores) == 2, restores
+    assert slurm_cluster.job(job)["Restarts"] == "2"
