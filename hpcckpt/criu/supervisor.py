@@ -102,6 +102,7 @@ from ..cluster import detect
 from ..errors import CheckpointCorrupt, CriuError, CudaCheckpointError, HpcckptError, NoCheckpoint
 from ..exitcodes import EXIT_REQUEUE
 from ..lifecycle import identity, requeue
+from ..lifecycle.history import OPENERS
 from ..lifecycle.ledger import Ledger, process_start_time
 from ..lifecycle.supervise import EndTimeWatch, SignalInbox, as_recorded, end_poll_s
 from ..policy import bounded_lead_s, warning_wait_s
@@ -111,7 +112,7 @@ from ..store.lock import writer_lock
 from ..store.manifest import build_image
 from . import images, ops
 from .locate import Criu, find_criu
-from .watch import RUN_OPENERS, Progress, Tee
+from .watch import Progress, Tee
 
 MODES = ("criu", "app")
 FALLBACKS = ("app", "fresh", "fail")
@@ -473,7 +474,7 @@ class Supervisor:
             return f"job {me.job_id or '(local)'} was restarted, restart {me.restart}"
         last: dict[str, Any] | None = None  # the last run's opener, while that run has not finished
         for e in self.ledger.events():  # streamed: a ledger of any size in bounded memory
-            if e.get("event") in RUN_OPENERS:
+            if e.get("event") in OPENERS:
                 last = e
             elif e.get("event") == "stop" and e.get("reason") in ("done", "error"):
                 last = None

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..fsio import write_all
+from ..lifecycle.history import OPENERS
 
 class Tee(threading.Thread):
     """Copies what the job appends to its files to our fds (1 and 2), until ``close()``."""
@@ -79,7 +80,7 @@ class Progress:
         every: Any = None
         furthest: float | None = None
         for e in events:
-            if e.get("event") in RUN_OPENERS:  # a later run: what counts starts again here
+            if e.get("event") in OPENERS:  # a later run: what counts starts again here
                 opened, stopped, every, furthest = True, False, e.get("dump_every_s"), None
                 continue
             if not opened:
@@ -95,5 +96,3 @@ class Progress:
             return {"lost_s": None, "lost_exact": False, **bound}
         return {"lost_s": round(max(0.0, furthest - resumed_s), 3), "lost_exact": stopped, **bound}
 
-
-RUN_OPENERS = ("start", "criu_restore")
