@@ -178,7 +178,8 @@ def test_fsdp_tp_preempted_mid_run_is_bit_identical_to_an_uninterrupted_run(refe
 
 def test_a_dcp_checkpoint_of_fsdp_tp_resumes_under_hpcckpt_at_its_step(tmp_path: Path) -> None:
     """A run checkpointed with ``dcp.save`` (2x2) is adopted by a Checkpointer on 4x1: the same
-    parameters, optimizer state and step; training goes on, and hpcckpt's own checkpoint follows."""
+    parameters, optimizer state and step; training goes on, hpcckpt's own checkpoint follows,
+    and the next run resumes from that one."""
     run_world(tmp_path, "2x2", "--phase", "dcp-save", "--steps", "3")
     run_world(tmp_path, "4x1", "--phase", "dcp-resume", "--steps", "2")
     want = dump(tmp_path, "saved")
@@ -188,6 +189,10 @@ def test_a_dcp_checkpoint_of_fsdp_tp_resumes_under_hpcckpt_at_its_step(tmp_path:
         assert_equal_states(dump(tmp_path, "restored", r), want, f"dcp.save 2x2 -> hpcckpt 4x1: rank {r}")
     m = catalog.find(tmp_path / "ckpt", None).manifest
     assert m is not None and m["step"] == 5, m and m["step"]
+    # requeued again: hpcckpt's own checkpoint (step 5) wins, the DCP one is not read
+    run_world(tmp_path, "4x1", "--phase", "dcp-resume", "--steps", "1")
+    res = result(tmp_path, "dcp-resume")
+    assert res["restored"] == 5 and res["adopted"] is None and res["step_restored"] == 5, res
 
 
 def test_an_hpcckpt_checkpoint_exported_to_dcp_reads_back_equal(saved_2x2: Path, tmp_path: Path) -> None:
