@@ -120,9 +120,7 @@ def _target(name: str, spec: Mapping[str, Any], live: Any, *, overwrite: bool,
             raise ConfigError(f"state tensor {name!r} is {tuple(live.shape)} {live.dtype} now and was saved as "
                               f"{shape} {dtype}; the model must have the same shapes to resume")
         local, region, _ = dtensor_region(live, name)
-        if overwrite:
-            if not local.is_contiguous():
-                raise ConfigError(f"state tensor {name!r}: its local shard is not contiguous; cannot restore into it")
+        if overwrite:  # a strided local shard (a transposed view) is filled block by block
             return live, local, region, True
         from torch.distributed.tensor import DTensor
         fresh = torch.empty(local.shape, dtype=dtype, device=local.device)
@@ -169,12 +167,13 @@ def _read_shared(info: catalog.CheckpointInfo, manifest: Mapping[str, Any], shar
         out[name] = result
         shape = tuple(int(d) for d in spec["shape"])
         itemsize = dest.element_size()
-        span = regions.as_range(shape, region) if dest.numel() else None
-        flat = dest.detach().reshape(-1).view(torch.uint8)
         if live:
-            acc["in_place_bytes"] = acc.get("in_place_bytes", 0) + flat.numel()
+            acc["in_place_bytes"] = acc.get("in_place_bytes", 0) + dest.numel() * itemsize
         if not dest.numel():
             continue
+        contiguous = dest.is_contiguous()  # else only the block copies below can fill it
+        span = regions.as_range(shape, region) if contiguous else None
+        flat = dest.detach().reshape(-1).view(torch.uint8) if contiguous else dest
         for p in spec["pieces"]:
             r, start, nbytes = int(p["rank"]), int(p["start"]), int(p["nbytes"])
             held = manifest["ranks"][str(r)]["tensors"][name]
@@ -203,7 +202,7 @@ def _read_shared(info: catalog.CheckpointInfo, manifest: Mapping[str, Any], shar
                 continue
             if not any(regions.intersects(g, region) for g in got):
                 continue
-            if len(got) == 1 and got[0] == region:  # this rank's own shard, as it was saved
+            if contiguous and len(got) == 1 and got[0] == region:  # this rank's own shard, as it was saved
                 jobs.setdefault(r, []).append((name, entry, dest.detach().reshape(-1), None))
                 continue
             temp = torch.empty(nbytes // itemsize, dtype=dest.dtype)

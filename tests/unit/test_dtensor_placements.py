@@ -102,6 +102,13 @@ def _build(mesh_spec: str, *, zero: bool) -> dict[str, torch.Tensor]:
     for name, codes in LAYOUTS[mesh_spec].items():
         g = global_tensor(name)
         out[name] = distribute_tensor(torch.zeros_like(g) if zero else g, mesh, _placements(codes))
+    if zero and mesh_spec == "2":  # a strided local shard (a transposed view): restored block by block
+        from torch.distributed.tensor import DTensor
+        t = out["cols"]
+        rows, width = t.to_local().shape
+        local = torch.zeros(width, rows, dtype=t.dtype).t()
+        assert not local.is_contiguous()
+        out["cols"] = DTensor.from_local(local, mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
     return out
 
 
