@@ -75,11 +75,16 @@ def test_a_job_killed_in_its_evaluation_resumes_from_the_end_of_that_epochs_trai
     while ["eval", 2] not in (_lines(tmp_path / "run.log") if (tmp_path / "run.log").exists() else []):
         assert killed.poll() is None and time.monotonic() < deadline, (tmp_path / "killed.err").read_text()
         time.sleep(0.02)
+    # The end of epoch 2's training (8 batches an epoch: step 24) was checkpointed before the
+    # evaluation; the default (concurrent) engine makes it durable in the background, so the
+    # kill waits for its commit, as a real evaluation of LONG_TAIL_S or more would.
+    committed_by = time.monotonic() + 120
+    while not (tmp_path / "ck" / "step-24").is_dir():
+        assert killed.poll() is None and time.monotonic() < committed_by, "step 24 was never committed"
+        time.sleep(0.02)
     killed.send_signal(signal.SIGKILL)  # in epoch 2's evaluation (it waits there): no handler runs, nothing saved
     killed.wait()
     assert ref.wait(timeout=120) == 0
-    # the end of epoch 2's training (8 batches an epoch: step 24) is on disk, committed before the evaluation
-    assert (tmp_path / "ck" / "step-24").is_dir()
     resumed = _run(tmp_path, "run", "resumed.err")
     assert resumed.wait(timeout=120) == 0, (tmp_path / "resumed.err").read_text()
     assert "resumed from step 24" in (tmp_path / "resumed.err").read_text()
