@@ -846,6 +846,10 @@ class Checkpointer:
         handle's error first (an engine may have waited on it already).
         """
         if handle in self._handles:
+            # Engines commit in step order: the older saves still listed are accounted for first,
+            # so committed_step and the ledger follow the commits (a final save settled at once
+            # must not be followed by an older periodic one moving committed_step back).
+            self._settle_quietly(self._handles[:self._handles.index(handle)])
             self._handles.remove(handle)
         try:
             handle.wait()
