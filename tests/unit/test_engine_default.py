@@ -139,3 +139,21 @@ def test_an_optimizer_without_step_hooks_is_copied_inside_save(tmp_path: Path) -
     with Checkpointer(tmp_path / "ckpt") as ck:
         assert ck.register(model=model2, optimizer=Opaque(list(model2.parameters()))) is not None
     assert all(torch.equal(saved[k], v) for k, v in model2.state_dict().items())
+
+
+def test_a_final_save_settled_at_once_never_moves_committed_step_back(tmp_path: Path) -> None:
+    """A periodic save still listed when a final one is settled is accounted for first: the
+    ledger's commits follow the steps and committed_step stays at the final step."""
+    from hpcckpt.lifecycle.ledger import Ledger
+
+    model = torch.nn.Linear(8, 8)
+    with Checkpointer(tmp_path / "ckpt", every_steps=None) as ck:
+        ck.register(model=model)
+        ck.step = 1
+        ck.save()  # in the background, not settled yet
+        ck.step = 2
+        ck.save(final=True)  # settled at once
+        ck._reap()
+        assert ck.committed_step == 2 and ck._handles == []
+    commits = [e["step"] for e in Ledger(tmp_path / "ckpt").read() if e["event"] == "commit"]
+    assert commits == [1, 2]
