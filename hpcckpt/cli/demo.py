@@ -9,6 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..config import DEFAULT_ENGINE
 from .common import add_json, emit
 
 
@@ -29,7 +30,8 @@ def step_list(raw: str) -> tuple[int, ...]:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="train, preempt, requeue, resume; check the result is bit-identical",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", default="sync", choices=["sync", "concurrent"])
+    p.add_argument("--engine", default=DEFAULT_ENGINE, choices=["sync", "concurrent"],
+                   help=f"the in-process engine (default: {DEFAULT_ENGINE}, what Checkpointer() uses)")
     p.add_argument("--device", default="auto", help="auto (cuda when a GPU is visible), cuda or cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=60)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from ..config import DEFAULT_ENGINE
 from ..errors import ConfigError, HpcckptError
 from ..lifecycle.ledger import Ledger
 from ..supervisor import LocalSupervisor
@@ -26,7 +27,7 @@ from .runtime import child_env, module_cmd, work_dir
 
 @dataclass(frozen=True, kw_only=True)
 class DemoOptions:
-    engine: str = "sync"
+    engine: str = DEFAULT_ENGINE
     seed: int = 0
     steps: int = 60
     preemptions: int = 1

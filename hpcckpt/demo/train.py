@@ -29,7 +29,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dir", required=True, help="checkpoint directory (also where results go)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--engine", default=None, help="sync | concurrent (default: HPCCKPT_ENGINE or sync)")
+    p.add_argument("--engine", default=None, help="sync | concurrent (default: HPCCKPT_ENGINE or concurrent)")
     p.add_argument("--every", type=int, default=10, help="periodic checkpoint interval in steps")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--d-model", type=int, default=64)
