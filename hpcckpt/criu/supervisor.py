@@ -239,6 +239,7 @@ class Supervisor:
             outcome = self._run()
         finally:
             self._close_tee()
+            self.inbox.quiet()  # decided: a signal now must not kill the batch shell
         driver = sys.modules.get("hpcckpt.cuda.driver")
         if driver is not None:  # should a driver call still be blocked at exit: leave with this status
             driver.set_exit_status(outcome.exit_code)

@@ -47,6 +47,7 @@ class SignalInbox:
     def __init__(self) -> None:
         self.pending: list[signal.Signals] = []
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._watched: set[signal.Signals] = set()
 
     def _record(self, signum: int, _frame: FrameType | None) -> None:
         self.pending.append(signal.Signals(signum))
@@ -54,11 +55,21 @@ class SignalInbox:
     def install(self, watched: Iterable[signal.Signals], who: str) -> None:
         """Record ``watched``; SIGCHLD only wakes the loop (a child ended)."""
         watched = set(watched)
+        self._watched |= watched
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         for sig in watched:
             signal.signal(sig, self._record)
         signal.signal(signal.SIGCHLD, lambda _s, _f: None)
         unblock(watched | {signal.SIGCHLD}, who)
+
+    def quiet(self) -> None:
+        """The supervisor's run is over and its exit status decided: the watched signals are
+        ignored from here. As the process finalizes, Python gives every signal with a Python
+        handler back to SIG_DFL, so a warning that came in that last moment (slurmctld sends
+        ``--signal`` up to a minute early) killed the finished job's batch shell: FAILED with
+        the signal's number (``ExitCode=0:12``) after its command had exited 0."""
+        for sig in self._watched:
+            signal.signal(sig, signal.SIG_IGN)
 
     def sleep(self, timeout_s: float) -> None:
         """Until a signal comes or ``timeout_s`` passes; at once if one is pending."""

@@ -133,7 +133,9 @@ class OwnSupervisor:
         while True:
             code = self._proc.poll()
             if code is not None:
-                return self._exited(code)
+                status = self._exited(code)
+                self.inbox.quiet()  # decided: a signal now must not kill the batch shell
+                return status
             while self.inbox.pending:
                 self._on_signal(self.inbox.pending.pop(0))
             self._duties()

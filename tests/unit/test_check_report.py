@@ -158,10 +158,12 @@ def test_an_ema_counted_from_the_batch_index_diverges_and_the_hint_says_batches_
 
 
 def test_a_run_that_does_not_end_is_reported_as_hung_with_where(tmp_path: Path) -> None:
-    code, out, err = run_check(tmp_path, HANG_SCRIPT, "--timeout", "5")
+    # 30 s: the run must reach its hang (torch's import, 4 steps and the final save) before the
+    # timeout, however loaded the machine; 5 s was not enough beside the suite's other workers.
+    code, out, err = run_check(tmp_path, HANG_SCRIPT, "--timeout", "30")
     assert code == 4, (out, err)
     assert out["hung"] is True and out["type"] == "RunTimeout", out
-    assert "did not end within 5 s" in out["error"] and "traced step 4" in out["error"], out
+    assert "did not end within 30 s" in out["error"] and "traced step 4" in out["error"], out
     assert "about to wait for a thread that never ends" in out["error"], out
 
 

@@ -399,3 +399,23 @@ def test_an_end_time_pulled_in_hours_ahead_is_a_shortened_limit_not_a_preemption
     end[0], clock[0] = time.time() + 30, 30.0  # a preemption with GraceTime 30 s
     assert sup._duties(None) == 0 and dumps == [{"cause": "preemption", "received": False}]  # type: ignore[arg-type]
     assert sup._stop_cause(signal.SIGTERM) == "preemption"
+
+
+def test_a_supervisor_done_ignores_a_late_warning() -> None:
+    """After a supervisor's run is decided, a signal it watched (a time-limit warning that
+    slurmctld sent early) must not kill its process as Python finalizes: the job would end
+    FAILED (ExitCode 0:12) after its command exited 0. A child installs the inbox, quiets it,
+    then receives USR2 and TERM and still exits 0."""
+    code = ("import os, signal\n"
+            "from hpcckpt.lifecycle.supervise import SignalInbox\n"
+            "inbox = SignalInbox()\n"
+            "inbox.install({signal.SIGUSR2, signal.SIGTERM}, 'test')\n"
+            "inbox.quiet()\n"
+            "for sig in (signal.SIGUSR2, signal.SIGTERM):  # what finalization does to Python handlers\n"
+            "    if callable(signal.getsignal(sig)):\n"
+            "        signal.signal(sig, signal.SIG_DFL)\n"
+            "os.kill(os.getpid(), signal.SIGUSR2)\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "print('survived', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0 and "survived" in proc.stdout, (proc.returncode, proc.stderr)
