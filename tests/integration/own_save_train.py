@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from criu_train import held_at  # beside this script: the same --hold-file
+
 STOP = {"asked": False}
 
 
@@ -44,17 +46,6 @@ def digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
             if torch.is_tensor(value):
                 h.update(value.detach().contiguous().numpy().tobytes())
     return h.hexdigest()
-
-
-def held_at(hold_file: str | None) -> int | None:
-    """The step ``hold_file`` says to park after (None: absent), read without opening a file (a
-    dump that freezes the script here must not find it open)."""
-    if not hold_file:
-        return None
-    try:
-        return int(os.readlink(hold_file))
-    except (OSError, ValueError):
-        return None
 
 
 def save(ckpt_dir: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer, losses: list[str],

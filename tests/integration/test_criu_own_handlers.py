@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from .test_criu_local import TRAIN, criu_ok  # noqa: F401  (fixture)
+from .test_criu_local import TRAIN, criu_ok, hold_at, hold_file, release  # noqa: F401  (fixture)
 
 if TYPE_CHECKING:
     from conftest import SlurmCluster
@@ -58,20 +58,9 @@ def _steps_seen(run_dir: Path, job: str) -> int:
     return seen
 
 
-def _hold(hold: Path, step: int | None) -> None:
-    """Park the job after ``step`` (None: let it run to its end); see the scripts' --hold-file."""
-    tmp = hold.with_name(hold.name + ".tmp")
-    tmp.unlink(missing_ok=True)
-    if step is None:
-        hold.unlink(missing_ok=True)
-        return
-    tmp.symlink_to(str(step))
-    tmp.replace(hold)
-
-
-def _preempt_at(cluster: SlurmCluster, run_dir: Path, job: str, hold: Path, step: int) -> None:
+def _preempt_at(cluster: SlurmCluster, run_dir: Path, job: str, step: int) -> None:
     """Preempt the job once it has printed ``step`` (where it parks until the stop reaches it)."""
-    _hold(hold, step)
+    hold_at(run_dir, step)
     cluster.wait_until(lambda: _steps_seen(run_dir, job) >= step, 300, f"job {job} at step {step}")
     high = cluster.preempt()
     cluster.wait_for(high, {"RUNNING", "COMPLETING", "COMPLETED"}, 240)
@@ -80,12 +69,13 @@ def _preempt_at(cluster: SlurmCluster, run_dir: Path, job: str, hold: Path, step
 @pytest.mark.long(150)
 def test_a_script_that_saves_on_term_and_exits_75_on_a_graceless_partition(
         slurm_cluster: SlurmCluster, criu_ok: None, own_reference: dict, tmp_path: Path) -> None:  # noqa: F811
-    run_dir, out, hold = tmp_path / "run", tmp_path / "result.json", tmp_path / "hold"
+    run_dir, out = tmp_path / "run", tmp_path / "result.json"
+    hold = hold_file(run_dir)
     job, slurm_out = _submit(slurm_cluster, run_dir, "criu0", _own_cmd(run_dir, out, "--hold-file", str(hold)))
     try:
-        _preempt_at(slurm_cluster, run_dir, job, hold, 10)
-        _preempt_at(slurm_cluster, run_dir, job, hold, 30)  # run 1 resumed from the script's own save at 10
-        _hold(hold, None)
+        _preempt_at(slurm_cluster, run_dir, job, 10)
+        _preempt_at(slurm_cluster, run_dir, job, 30)  # run 1 resumed from the script's own save at 10
+        release(run_dir)
         slurm_cluster.wait_completed(job, 600, slurm_out)
     finally:
         slurm_cluster.cancel(job)
@@ -103,12 +93,13 @@ def test_a_script_that_saves_on_term_and_exits_75_on_a_graceless_partition(
 @pytest.mark.long(120)
 def test_a_script_with_its_own_handler_is_dumped_in_the_grace(
         slurm_cluster: SlurmCluster, criu_ok: None, own_reference: dict, tmp_path: Path) -> None:  # noqa: F811
-    run_dir, out, hold = tmp_path / "run", tmp_path / "result.json", tmp_path / "hold"
+    run_dir, out = tmp_path / "run", tmp_path / "result.json"
+    hold = hold_file(run_dir)
     job, slurm_out = _submit(slurm_cluster, run_dir, "criu", _own_cmd(run_dir, out, "--hold-file", str(hold)))
     try:
-        _preempt_at(slurm_cluster, run_dir, job, hold, 10)
-        _preempt_at(slurm_cluster, run_dir, job, hold, 30)  # restored parked at 10, then on to 30
-        _hold(hold, None)
+        _preempt_at(slurm_cluster, run_dir, job, 10)
+        _preempt_at(slurm_cluster, run_dir, job, 30)  # restored parked at 10, then on to 30
+        release(run_dir)
         slurm_cluster.wait_completed(job, 600, slurm_out)
     finally:
         slurm_cluster.cancel(job)
@@ -140,14 +131,15 @@ def test_dataloader_workers_killed_by_the_stop_never_fail_the_job(
     workers with the job: no image of the dying job is made or restored, each stop is requeued
     from the newest image (here: the start); with grace (criu) the dump comes first. COMPLETED
     and bit-identical either way."""
-    run_dir, out, hold = tmp_path / "run", tmp_path / "result.json", tmp_path / "hold"
+    run_dir, out = tmp_path / "run", tmp_path / "result.json"
+    hold = hold_file(run_dir)
     cmd = [sys.executable, str(TRAIN), "--steps", "120", "--out", str(out), "--workers", "2",
            "--hold-file", str(hold)]
     job, slurm_out = _submit(slurm_cluster, run_dir, partition, cmd)
     try:
-        _preempt_at(slurm_cluster, run_dir, job, hold, 5)
-        _preempt_at(slurm_cluster, run_dir, job, hold, 15)
-        _hold(hold, None)
+        _preempt_at(slurm_cluster, run_dir, job, 5)
+        _preempt_at(slurm_cluster, run_dir, job, 15)
+        release(run_dir)
         slurm_cluster.wait_completed(job, 600, slurm_out)
     finally:
         slurm_cluster.cancel(job)
