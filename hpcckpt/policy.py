@@ -13,8 +13,8 @@ import json
 import logging
 import math
 import os
+import functools
 import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -24,7 +24,8 @@ from typing import Any, Callable
 from .cluster.base import Cause
 from .fsio import atomic_write, write_all
 from .lifecycle.causes import stop_cause
-from .lifecycle.supervise import pulled_in
+from .lifecycle.supervise import EndTimeWatch
+from .lifecycle.timing import warning_wait_s
 from .store.commit import read_regular
 
 log = logging.getLogger("hpcckpt.policy")
@@ -206,19 +207,13 @@ class Policy:
     warning_window_s: float = 300.0  # a warning with at most this much time left is the time-limit one
     exit_s: float = 5.0  # after the final save: the requeue call and the exit of every rank
     _measured: bool = field(default=False, init=False)  # save_cost_s is a measurement, not the default
-    _last_poll: float = field(default=float("-inf"), init=False)
-    _end_time: float | None = field(default=None, init=False)
     _moved_earlier: bool = field(default=False, init=False)
-    _maint_start: float | None = field(default=None, init=False)
-    _draining: bool = field(default=False, init=False)
-
     _last_save_step: int = field(default=0, init=False)
-    # Off the training thread: the query in flight, and its answer (or error) once it came.
+    # The scheduler is read by the one end-time watcher (lifecycle.supervise.EndTimeWatch); with
+    # ``background`` on a thread of its own: a step reads the last answer, never waits for one.
     background: bool = False
-    _query: threading.Thread | None = field(default=None, init=False, repr=False)
-    _answer: tuple[float | None, float | None, bool] | Exception | None = field(default=None, init=False,
-                                                                              repr=False)
-    _answer_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    watch: EndTimeWatch | None = field(default=None, init=False, repr=False)
+    _watched: Any = field(default=None, init=False, repr=False)  # the cluster ``watch`` reads
 
     def periodic_due(self, step: int) -> bool:
         """This rank's wish to save at ``step``. With ``auto`` it rests on this rank's own timings,
@@ -282,58 +277,40 @@ class Policy:
     def poll(self, cluster: Any, *, force: bool = False) -> None:
         """Refresh end time, maintenance and drain state (rate limited unless ``force``).
 
-        With ``background`` the queries run on a thread of their own, one at a time, and this
-        call takes the answer the last one brought: a step never waits on the scheduler. A
-        forced poll (a decision that needs the end time now: a warning signal, the start) waits
-        for a fresh answer at most ``FORCED_WAIT_S``, then goes on with the last one."""
-        self._take_answer()
-        now = self.clock()
-        if not force and now - self._last_poll < self.poll_s:
-            return
-        self._last_poll = now
-        if not self.background:
-            try:
-                self._apply(_ask(cluster))
-            except Exception as exc:  # noqa: BLE001 - a scheduler hiccup must not kill training
-                log.warning("hpcckpt: could not query the scheduler (%s); keeping the previous answers", exc)
-            return
-        query = self._query
-        if query is None or not query.is_alive():
-            query = threading.Thread(target=self._ask_in_background, args=(cluster,), daemon=True,
-                                     name="hpcckpt-scheduler-poll")
-            self._query = query
-            query.start()
-        if force:
-            query.join(FORCED_WAIT_S)
-            if query.is_alive():
-                log.warning("hpcckpt: the scheduler did not answer within %.0fs; going on with its last answers",
-                            FORCED_WAIT_S)
-            self._take_answer()
-
-    def _ask_in_background(self, cluster: Any) -> None:
-        try:
-            answer: tuple[float | None, float | None, bool] | Exception = _ask(cluster)
-        except Exception as exc:  # noqa: BLE001 - reported by the training thread (_take_answer)
-            answer = exc
-        with self._answer_lock:
-            self._answer = answer
-
-    def _take_answer(self) -> None:
-        with self._answer_lock:
-            answer, self._answer = self._answer, None
-        if isinstance(answer, Exception):
-            log.warning("hpcckpt: could not query the scheduler (%s); keeping the previous answers", answer)
-        elif answer is not None:
-            self._apply(answer)
-
-    def _apply(self, answer: tuple[float | None, float | None, bool]) -> None:
-        end, self._maint_start, self._draining = answer
-        before = self._end_time
-        if end is not None and before is not None and pulled_in(end, before):
+        Through the end-time watcher: with ``background`` its reads run on a thread of their own,
+        one at a time, and this call takes the answer the last one brought: a step never waits on
+        the scheduler. A forced poll (a decision that needs the end time now: a warning signal,
+        the start) waits for a fresh answer at most ``FORCED_WAIT_S``, then goes on with the last one."""
+        watch = self._watch_of(cluster)
+        watch.poll_s = self.poll_s
+        moved = watch.refresh(wait_s=FORCED_WAIT_S) if force else watch.moved()
+        if force and not watch.answered():
+            log.warning("hpcckpt: the scheduler did not answer within %.0fs; going on with its last answers",
+                        FORCED_WAIT_S)
+        if moved:
             log.warning("hpcckpt: the job's end time moved %.0fs earlier (preemption or a shortened "
-                        "limit): stopping at the next step", before - end)
+                        "limit): stopping at the next step", watch.moved_s)
             self._moved_earlier = True
-        self._end_time = end
+
+    def _watch_of(self, cluster: Any) -> EndTimeWatch:
+        if self.watch is None or self._watched is not cluster:
+            self.watch = EndTimeWatch(cluster.end_time, poll_s=self.poll_s, clock=self.clock,
+                                      background=self.background, also=functools.partial(_maint_and_drain, cluster),
+                                      on_error=_query_failed)
+            self._watched = cluster
+        return self.watch
+
+    @property
+    def _end_time(self) -> float | None:
+        return None if self.watch is None else self.watch.end
+
+    @property
+    def _maint_start(self) -> float | None:
+        return None if self.watch is None or self.watch.extra is None else self.watch.extra[0]
+
+    @property
+    def _draining(self) -> bool:
+        return self.watch is not None and self.watch.extra is not None and self.watch.extra[1]
 
     @property
     def end_moved_earlier(self) -> bool:
@@ -422,28 +399,12 @@ def estimate_save_s(root: Path, state_bytes: int, *,
     return write_s * max(1.0, state_bytes / size) + 2 * dir_s, rate
 
 
-def _ask(cluster: Any) -> tuple[float | None, float | None, bool]:
-    """(end time, the start of the first maintenance reservation overlapping the job, draining)."""
-    end = cluster.end_time()
+def _maint_and_drain(cluster: Any) -> tuple[float | None, bool]:
+    """What the policy asks the scheduler besides the end time, at each of the watcher's reads:
+    the start of the first maintenance reservation overlapping the job, and whether the node drains."""
     starts = [r.start_s for r in cluster.reservations() if r.is_maintenance]
-    return end, (min(starts) if starts else None), "DRAIN" in (cluster.node_state() or "").upper()
+    return (min(starts) if starts else None), "DRAIN" in (cluster.node_state() or "").upper()
 
 
-def warning_wait_s(left_s: float | None, lead_s: float, *, window_s: float,
-                   moved_earlier: bool = False) -> float | None:
-    """How long the stop a time-limit warning asks for may wait: ``left_s - lead_s`` when the
-    end time is known, was not pulled in, and is more than ``lead_s`` but at most ``window_s``
-    away (further is no time-limit warning: an operator's request); None: stop now. The one
-    rule of the in-process Policy and the CRIU supervisor."""
-    if left_s is None or moved_earlier or left_s <= lead_s or left_s > window_s:
-        return None
-    return left_s - lead_s
-
-
-def bounded_lead_s(lead_s: float, *, allocation_s: float | None, need_s: float) -> float:
-    """The lead a stop takes before the end time: ``lead_s`` (a template's ``--signal`` lead),
-    at most a quarter of the allocation (``--time-min`` may grant less time than the lead: the
-    templates' rule), never less than ``need_s`` (what the final save or dump is measured to need)."""
-    if allocation_s is not None and allocation_s > 0:
-        lead_s = min(lead_s, allocation_s / 4)
-    return max(lead_s, need_s)
+def _query_failed(exc: Exception) -> None:
+    log.warning("hpcckpt: could not query the scheduler (%s); keeping the previous answers", exc)

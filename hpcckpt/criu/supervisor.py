@@ -105,7 +105,7 @@ from ..lifecycle import identity, requeue
 from ..lifecycle.history import OPENERS
 from ..lifecycle.ledger import Ledger, process_start_time
 from ..lifecycle.supervise import EndTimeWatch, SignalInbox, as_recorded, end_poll_s
-from ..policy import bounded_lead_s, warning_wait_s
+from ..lifecycle.timing import bounded_lead_s, warning_wait_s
 from ..proc import tree as proctree
 from ..store.commit import Transaction, atomic_write
 from ..store.lock import writer_lock

@@ -6,7 +6,8 @@ stops. Three things it needs are the same in every mode, so they are said once h
 - ``SignalInbox``: the signals it watches are only *recorded* by their handlers (a handler
   that acted would run in the middle of whatever the loop was doing); the loop sleeps on a
   wakeup fd and takes them in order.
-- ``EndTimeWatch``: under Slurm a preemption with GraceTime sends nothing at its start
+- ``EndTimeWatch``: the one reader of the job's end time, here and in the training process
+  (``policy.Policy``, where it reads on a thread of its own). Under Slurm a preemption with GraceTime sends nothing at its start
   (Slurm 22.05; later ones send the job's ``--signal`` only with
   ``PreemptParameters=send_user_signal``): it pulls the job's end time in to now +
   GraceTime, and only at the end of the grace does TERM reach every process, KillWait
@@ -19,6 +20,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterable
 from types import FrameType
@@ -85,41 +87,104 @@ class SignalInbox:
 
 
 class EndTimeWatch:
-    """Polls the job's end time; ``moved()`` says once that it was pulled in."""
+    """The one reader of the job's end time (every supervisor, the in-process ``Policy``).
+
+    ``moved()`` reads it every ``poll_s`` (on ``clock``; 0: at every call) and says once that it
+    was pulled in. With ``background`` the read runs on a thread of its own, one at a time, and
+    a call takes the answer the last read brought: the caller (a training step) never waits on
+    the scheduler. ``also``: what else to ask the scheduler at each read, on the same thread
+    (the ``Policy``: maintenance reservations and drain); its last answer is ``extra``. A read
+    that fails keeps the previous answers and goes to ``on_error`` (on the caller's thread).
+    """
 
     def __init__(self, read: Callable[[], float | None], *, poll_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, background: bool = False,
+                 also: Callable[[], Any] | None = None,
+                 on_error: Callable[[Exception], None] | None = None) -> None:
         self._read, self.poll_s, self._clock = read, poll_s, clock
-        self._next = 0.0
-        self.first: float | None = None
-        self.last: float | None = None
+        self._also, self._on_error, self.background = also, on_error, background
+        self._next = float("-inf")
+        self.first: float | None = None  # the end time as first read
+        self.last: float | None = None  # the last end time known
+        self.end: float | None = None  # the last answer as read (None: unlimited or unknown)
+        self.moved_s = 0.0  # how far the last move pulled it in
+        self.extra: Any = None  # ``also``'s last answer
+        self._query: threading.Thread | None = None
+        self._answer: tuple[float | None, Any] | Exception | None = None
+        self._lock = threading.Lock()
 
-    def _poll(self) -> float | None:
+    def _ask(self) -> tuple[float | None, Any] | Exception:
         try:
-            return self._read()
-        except Exception:  # noqa: BLE001 - a scheduler that does not answer now is no notice
-            return None
+            end = self._read()
+            return end, (self._also() if self._also is not None else None)
+        except Exception as exc:  # noqa: BLE001 - a scheduler that does not answer now is no notice
+            return exc
 
-    def moved(self) -> bool:
-        """True (once per move) when the end time is now earlier than at start."""
-        now = self._clock()
-        if self.poll_s <= 0 or now < self._next:
+    def _ask_in_background(self) -> None:
+        answer = self._ask()
+        with self._lock:
+            self._answer = answer
+
+    def _take(self) -> bool:
+        """Apply the answer a background read brought, if any: True when it moved the end in."""
+        with self._lock:
+            answer, self._answer = self._answer, None
+        return self._apply(answer)
+
+    def _apply(self, answer: tuple[float | None, Any] | Exception | None) -> bool:
+        if answer is None:
             return False
-        self._next = now + self.poll_s
-        end = self._poll()
+        if isinstance(answer, Exception):
+            if self._on_error is not None:
+                self._on_error(answer)
+            return False
+        end, self.extra = answer
+        self.end = end
         if end is None:
             return False
         if self.first is None:
             self.first = self.last = end
             return False
         moved = pulled_in(end, self.last)
+        if moved and self.last is not None:
+            self.moved_s = self.last - end
         self.last = end
         return moved
 
-    def refresh(self) -> bool:
-        """Read the end time now (at a signal): True when it was pulled in since the last poll."""
-        self._next = 0.0
-        return self.moved()
+    def moved(self) -> bool:
+        """True (once per move) when the end time is now earlier than it was read before."""
+        moved = self._take()
+        now = self._clock()
+        if now < self._next:
+            return moved
+        self._next = now + self.poll_s
+        if not self.background:
+            return self._apply(self._ask()) or moved
+        if self._query is None or not self._query.is_alive():
+            self._query = threading.Thread(target=self._ask_in_background, daemon=True,
+                                           name="hpcckpt-end-time-watch")
+            self._query.start()
+        return moved
+
+    def refresh(self, *, wait_s: float = 0.0) -> bool:
+        """Read the end time now (at a signal, a decision): True when it was pulled in since the
+        last read. In the background, wait at most ``wait_s`` for the answer (``answered()``
+        says whether it came), then go on with the last one."""
+        self._next = float("-inf")
+        moved = self.moved()
+        if self.background and self._query is not None:
+            self._query.join(wait_s)
+            moved = self._take() or moved
+        return moved
+
+    def answered(self) -> bool:
+        """No read is in flight (a forced one came back in time)."""
+        return self._query is None or not self._query.is_alive()
+
+    def wait(self, timeout_s: float) -> None:
+        """Until the read in flight (if any) has answered, at most ``timeout_s``."""
+        if self._query is not None:
+            self._query.join(timeout_s)
 
     @property
     def pulled_in(self) -> bool:
@@ -130,7 +195,7 @@ class EndTimeWatch:
 
 
 def end_poll_s(cluster: Any, poll_s: float, *, log: Callable[[str], None],
-               ledger: Any | None = None, option: str = "--end-poll-s") -> float:
+               ledger: Any | None = None) -> float:
     """How often the end time is read: ``poll_s``, and at most a third of the partition's
     GraceTime, so that a preemption is seen early in its grace, with time left to act
     (a 10 s poll on a 10 s grace saw it with 0 s left)."""
@@ -144,7 +209,7 @@ def end_poll_s(cluster: Any, poll_s: float, *, log: Callable[[str], None],
         return poll_s
     poll = max(1.0, grace / 3)
     log(f"the partition's GraceTime is {grace:.0f} s: reading the end time every {poll:.1f} s "
-        f"({option} {poll_s:.0f} would see a preemption late in its grace)")
+        f"(--end-poll-s {poll_s:.0f} would see a preemption late in its grace)")
     if ledger is not None:
         ledger.append("end_poll", poll_s=poll, grace_s=grace)
     return poll

@@ -39,7 +39,7 @@ from ..exitcodes import EXIT_REQUEUE
 from ..lifecycle import identity, requeue
 from ..lifecycle.ledger import Ledger, process_start_time
 from ..lifecycle.supervise import EndTimeWatch, SignalInbox, as_recorded, end_poll_s
-from ..policy import bounded_lead_s
+from ..lifecycle.timing import bounded_lead_s
 from ..proc import tree as proctree
 
 MODE = "own"

@@ -98,8 +98,8 @@ def test_a_frozen_scheduler_never_holds_the_step() -> None:
             policy.poll(sched)  # one query in flight at a time; the step does not wait for it
     finally:
         sched.release.set()
-    assert policy._query is not None
-    policy._query.join(30)
+    assert policy.watch is not None
+    policy.watch.wait(30)
     policy.poll(sched)  # the answer arrived: the next step reads it
     assert policy.stop_reason() is StopReason.DEADLINE
 

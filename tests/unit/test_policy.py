@@ -252,7 +252,7 @@ def test_the_save_cost_includes_the_state_capture() -> None:
 
 
 def test_the_shared_warning_rule_and_the_bounded_lead() -> None:
-    from hpcckpt.policy import bounded_lead_s, warning_wait_s
+    from hpcckpt.lifecycle.timing import bounded_lead_s, warning_wait_s
 
     assert warning_wait_s(100.0, 30.0, window_s=300.0) == 70.0
     assert warning_wait_s(20.0, 30.0, window_s=300.0) is None  # within the lead: now
