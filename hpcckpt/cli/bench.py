@@ -21,7 +21,11 @@ With --peers: the same state (a model + AdamW) saved and restored by torch.save 
 DCP save, DCP async_save (thread; process and async staging where the installed torch
 has them) and both hpcckpt engines, interleaved: stall, persist, cold restore (checked
 exact), peak RSS per byte of state, and training overhead at a few checkpoint intervals,
-on --device (default state 0.5 GB, --quick 0.016 GB). With --tensors N[,N...]: the same
+on --device (default state 0.5 GB, --quick 0.016 GB). With --peers --mesh DPxTP: DCP
+save, DCP async_save and both engines on a 2-D sharded state instead: DP x TP local
+ranks (gloo on CPU) train an FSDP2 x tensor-parallel MLP + AdamW; per method the slowest
+rank's stall, persist and cold restore (checked exact on every rank) and the bytes
+written against the state (default state 0.256 GB, --quick 0.016 GB). With --tensors N[,N...]: the same
 total state (default 0.256 GB, --quick 0.008) spread over N tensors, per count: stall,
 durable, restore, verify and peak RSS of torch.save/torch.load, DCP and both engines.
 
@@ -96,6 +100,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--peers", action="store_true",
                    help="hpcckpt against torch.save + fsync and DCP (save, async_save) on the same state, "
                         "interleaved: stall, persist, cold restore, overhead")
+    p.add_argument("--mesh", default=None, metavar="DPxTP",
+                   help="with --peers: DCP (save, async_save) and both hpcckpt engines on a 2-D sharded state "
+                        "instead, DP x TP local ranks (gloo on CPU) training an FSDP2 x tensor-parallel model "
+                        "(e.g. --mesh 2x2): stall, persist, cold restore (checked exact), bytes written")
     p.add_argument("--tensors", type=tensors_arg, default=None, metavar="N[,N...]",
                    help="the same state spread over N tensors (e.g. 64,1024,8192): stall, durable, restore, "
                         "verify and peak RSS per count, against torch.save/torch.load and DCP")
@@ -196,6 +204,9 @@ def _one_mode(args: argparse.Namespace) -> None:
                               ("--small-state", args.small_state is not None)) if on]
     if len(chosen) > 1:
         raise ConfigError(f"{' and '.join(chosen)}: give one of them per run (each is a bench of its own)")
+    if args.mesh is not None and not args.peers:
+        raise ConfigError(f"--mesh {args.mesh}: it shapes the sharded state of --peers; add --peers "
+                          "(e.g. hpcckpt bench --peers --mesh 2x2)")
     if args.local_dir is not None and not args.levels:
         raise ConfigError(f"--local-dir {args.local_dir}: it names the node-local level of --levels; "
                           "add --levels (e.g. hpcckpt bench --levels --local-dir /dev/shm)")
@@ -212,7 +223,11 @@ def _room(size_bytes: int, directory: Path | None, *, option: str) -> None:
 
 
 def run_peers(args: argparse.Namespace) -> int:
-    """``--peers`` (``hpcckpt.bench.peers``) or ``--tensors`` (``hpcckpt.bench.tensors``)."""
+    """``--peers`` (``hpcckpt.bench.peers``; with --mesh ``hpcckpt.bench.peers_sharded``) or ``--tensors``
+    (``hpcckpt.bench.tensors``)."""
+    if args.mesh is not None:
+        from ..bench.peers_sharded import run_cli
+        return run_cli(args, emit)
     from ..bench import peers, tensors
     from ..bench.plot import plot_peers
     from ..demo.runtime import resolve_device, work_dir

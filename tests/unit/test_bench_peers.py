@@ -133,3 +133,61 @@ def test_peers_options_and_overhead_arithmetic() -> None:
                       "dcp_async": {**one, "overhead": {"5": 0.2}}})
     assert ratios["vs_torch_save"]["hpcckpt_concurrent"]["stall"] == pytest.approx(0.5)
     assert ratios["concurrent_ahead_of_dcp_async"] == {"5": True}
+
+
+SHARDED = {"dcp_save", "dcp_async", "hpcckpt_sync", "hpcckpt_concurrent"}
+SHARDED_KEYS = {"stall_s", "first_stall_s", "save_call_s", "wait_before_step_s", "persist_s", "persist_gbps",
+                "restore_s", "restore_gbps", "written_bytes", "written_vs_state"}
+
+
+@pytest.mark.slow
+def test_peers_mesh_2x2_puts_dcp_and_hpcckpt_side_by_side_on_fsdp_tp_state(tmp_path: Path) -> None:
+    """``--peers --mesh 2x2 --quick``: 4 gloo ranks, an FSDP2 x TP model, every method's figures
+    measured and every restore exact on every rank (one world, ~20 s on 2 cores)."""
+    res = bench(["--peers", "--mesh", "2x2", "--quick"], tmp_path)
+    assert res["kind"] == "peers_sharded" and res["mesh"] == "2x2" and res["world"] == 4
+    assert set(res["methods"]) == SHARDED
+    for name, m in res["methods"].items():
+        assert SHARDED_KEYS <= set(m), name
+        assert all(finite(m[k]) for k in SHARDED_KEYS), (name, {k: m[k] for k in SHARDED_KEYS})
+        assert m["restore_exact"] is True and m["exact_ranks"] == [True] * 4, name
+        assert len(m["stall_all_s"]) == len(m["persist_all_s"]) == 2 and len(m["restore_all_s"]) == 1
+        # each byte of the sharded state once (DCP and hpcckpt alike), plus metadata
+        assert 1.0 <= m["written_vs_state"] <= 1.05, (name, m["written_vs_state"])
+    assert res["all_exact"] is True
+    # every placement the pair produces: strided FSDP over TP rows, 2-D shards, a TP-replicated bias
+    placements = res["model"]["placements"]
+    assert "_StridedShard" in placements["0.weight"] and "Replicate" in placements["2.bias"], placements
+    assert res["model"]["hidden"] % 4 == 2
+    state = res["state_bytes"]
+    h = res["model"]["hidden"]
+    assert state == 4 * 3 * (h * 256 + h + 256 * h + 256) + 4 * 4, state  # 4 parameters x (param, 2 moments) + steps
+    assert set(res["vs_dcp"]) == {"dcp_save", "dcp_async"}
+    assert set(res["vs_dcp"]["dcp_async"]) == {"hpcckpt_sync", "hpcckpt_concurrent"}
+
+
+def test_peers_mesh_options_and_refusals() -> None:
+    from hpcckpt.bench.peers_sharded import ShardedOptions, hidden_for, parse_mesh
+    from hpcckpt.errors import ConfigError
+
+    assert parse_mesh("2x2") == (2, 2) and parse_mesh("4X1") == (4, 1)
+    for bad in ("2", "2x", "axb", "1x1", "0x4", "2x2x2", "5x5"):
+        with pytest.raises(ConfigError, match="--mesh"):
+            parse_mesh(bad)
+    q = ShardedOptions.make(mesh="1x2", size_gb=None, dir=None, quick=True)
+    assert (q.dp, q.tp, q.world, q.rounds, q.repeats, q.size_bytes) == (1, 2, 2, 1, 2, 16_000_000)
+    for size in (1 << 20, 16_000_000, 256_000_000):
+        h = hidden_for(size)
+        assert h % 4 == 2 and abs(12 * h * 513 - size) / size < 0.03, (size, h)  # within the rounding to % 4 == 2
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--mesh", "2x2"], "add --peers"),
+    (["--peers", "--mesh", "2by2"], "DPxTP"),
+    (["--peers", "--mesh", "2x2", "--plot", "x.png"], "drop --plot"),
+    (["--peers", "--mesh", "2x2", "--device", "cuda"], "--device cuda"),
+])
+def test_peers_mesh_bad_options_are_refused_with_the_fix(args: list[str], says: str, tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "hpcckpt.cli", "bench", *args, "--quick"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and says in out.stderr, out.stderr[-2000:]
