@@ -29,6 +29,11 @@ OPENERS = frozenset({"start", "criu_restore"})
 # Records a run writes while it loads, before its opener: they fold into the run before it
 # (which they do not prolong), and say the next run's process was already running then.
 PRELUDE = frozenset({"skip_corrupt", "fresh_start", "criu_restore_failed"})
+# Records of how a run watches (the end time's poll period): no step, no stop, no time of the
+# run's own. A supervisor may write one before its run's opener, so they neither begin a run
+# nor count in one (else the first run of a CRIU job on a partition with a GraceTime read as
+# an interruption of unknown cause before it).
+NOTES = frozenset({"end_poll"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -222,6 +227,8 @@ class Fold:
         if ev.get("event") == SUPERSEDED:  # written by a loser while the winner runs: no run of its own
             self.superseded = [*self.superseded[-(MAX_FAILED_DUMPS - 1):], dict(ev)]
             return
+        if ev.get("event") in NOTES:
+            return
         if opens_run(ev) or not self.runs:  # the records before the first opener: a run of their own
             self.runs.append(RunSummary(head=dict(ev)))
         self.runs[-1].add(ev)
@@ -246,10 +253,10 @@ def runs(events: Iterable[Event], *, headless: bool = True) -> Iterator[list[Eve
     at a time, whatever the ledger's size). A run begins at a record that ``opens_run`` (the
     rule ``fold`` splits by). The records before the first opener (a ledger that begins inside
     a run) are a run of their own, or skipped without ``headless``. ``superseded`` records
-    (written by a job refused the directory while another ran) belong to no run."""
+    (written by a job refused the directory while another ran) and ``NOTES`` belong to no run."""
     run: list[Event] = []
     for ev in events:
-        if ev.get("event") == SUPERSEDED:
+        if ev.get("event") == SUPERSEDED or ev.get("event") in NOTES:
             continue
         if opens_run(ev):
             if run:

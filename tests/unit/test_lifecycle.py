@@ -177,6 +177,25 @@ def test_every_reader_splits_the_ledger_into_the_same_runs() -> None:
     assert newest_run([]) == [] and newest_run(ledger[:1], headless=False) == []
 
 
+def test_a_supervisors_note_before_its_runs_start_is_no_run() -> None:
+    """A CRIU or own-mode supervisor on a partition with a GraceTime notes its end-time poll
+    before it records its run's start (the order of a real ledger from the local cluster): the
+    first run is not preceded by an interruption of unknown cause."""
+    ledger = [
+        _ev("end_poll", 99.0, poll_s=3.3, grace_s=10.0),
+        _ev("start", 100.0, restart_count=0, progress_s=0.0),
+        _ev("stop", 112.0, reason="preemption", image="image-000001", progress_s=12.0),
+        _ev("requeue", 113.0, method="scontrol", cause="preemption", requeued=True),
+        _ev("criu_restore", 126.0, restart_count=1, image="image-000001", lost_s=0.0, lost_exact=True),
+        _ev("end_poll", 127.0, poll_s=3.3, grace_s=10.0),
+        _ev("stop", 184.0, restart_count=1, reason="done", exit_code=0),
+    ]
+    assert [r.head["event"] for r in fold(ledger).runs] == ["start", "criu_restore"]
+    assert [run[0]["event"] for run in runs(ledger)] == ["start", "criu_restore"]
+    rows = interruptions(ledger, slurm=[])
+    assert [(r.cause, r.lost_s) for r in rows] == [("preemption", 0.0)], rows
+
+
 def test_history_counts_what_a_criu_job_lost_in_seconds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """CRIU runs have no steps: the next restore says what was lost, exactly (dumped at the
     stop) or only bounded (killed; periodic images every N s)."""
