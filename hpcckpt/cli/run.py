@@ -19,15 +19,14 @@ Exit status: the job's own, 75 after a dump outside Slurm (or restarts exhausted
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
-from ..lifecycle import identity
 from .common import add_json, directory, emit, positive_int, positive_seconds
 
 if TYPE_CHECKING:
+    from ..app import AppOptions
     from ..criu.supervisor import RunOptions
     from ..own.supervise import OwnOptions
 
@@ -129,52 +128,31 @@ def own_options(args: argparse.Namespace) -> OwnOptions:
                       saves=args.saves)
 
 
-def run(args: argparse.Namespace) -> int:
-    from ..criu.supervisor import Supervisor
-
-    if args.mode == "own":
-        from ..own.supervise import run_own
-
-        return run_own(own_options(args))
-
-    if args.mode == "app" and not identity.current().in_slurm:
-        return run_app_locally(args)
-    outcome = Supervisor(options_from_args(args)).run()
-    if args.json:
-        emit(args, outcome.as_dict(), "")
-    return outcome.exit_code
-
-
-def run_app_locally(args: argparse.Namespace) -> int:
-    """``--mode app`` outside Slurm: the local supervisor restarts CMD on exit 75 (requeue).
-
-    Each restart is counted (``HPCCKPT_LOCAL_RESTART``, which the job's requeue budget reads)
-    and said on stderr; it stops at ``--max-restarts``, or when the job's own requeue was
-    refused (its budget: the ledger's last ``requeue`` says ``requeued: false``).
-    """
-    from ..lifecycle.ledger import Ledger
-    from ..supervisor import LocalSupervisor as Restarter
+def app_options(args: argparse.Namespace) -> AppOptions:
+    from ..app import AppOptions
 
     cmd = [c for c in args.cmd[1 if args.cmd[:1] == ["--"] else 0:]]
     if not cmd:
         raise ConfigError("hpcckpt run: no command given; e.g. hpcckpt run --mode app --dir DIR -- python train.py")
     run_dir = directory(args.dir, option="--dir", must_exist=False)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    env.setdefault("HPCCKPT_DIR", str(run_dir))  # the job's checkpoints (and ledger), unless it has its own
-    ledger = Ledger(Path(env["HPCCKPT_DIR"]))
+    return AppOptions(dir=run_dir, cmd=tuple(cmd), signals=args.signal, max_restarts=args.max_restarts)
 
-    def refused() -> str | None:
-        last = None
-        for e in ledger.events():  # streamed: a ledger of any size in bounded memory
-            if e.get("event") == "requeue":
-                last = e
-        return None if last is None or last.get("requeued", True) else str(last.get("detail") or "refused")
 
-    sup = Restarter(cmd, max_restarts=args.max_restarts, env=env, should_restart=refused)
-    sup.forward_signals()
-    code = sup.run()
-    summary = {"exit_code": code, "restarts": sup.restarts, "exit_codes": sup.exit_codes, "dir": str(run_dir)}
+def run(args: argparse.Namespace) -> int:
+    if args.mode == "own":
+        from ..own.supervise import run_own
+
+        return run_own(own_options(args))
+    if args.mode == "app":
+        from ..app import run_app
+
+        code, summary = run_app(app_options(args))
+        if args.json:
+            emit(args, summary, "")
+        return code
+    from ..criu.supervisor import Supervisor
+
+    outcome = Supervisor(options_from_args(args)).run()
     if args.json:
-        emit(args, summary, "")
-    return code
+        emit(args, outcome.as_dict(), "")
+    return outcome.exit_code

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointCorrupt, NoCheckpoint
-from ..store.commit import MANIFEST, TMP_MARK, discard, read_latest, read_manifest, verify_files
+from ..store.commit import MANIFEST, TMP_MARK, atomic_write, discard, read_latest, read_manifest, verify_files
 
 CRIU_SUBDIR = "criu"
 IMAGE_PREFIX = "image-"
@@ -84,6 +84,29 @@ def stale(root: Path, image: Image) -> bool:
     except FileNotFoundError:
         return False
     return mark is not None and image.seq <= mark
+
+
+CONSUMED = "CONSUMED"  # names the newest image of a run that finished: not to be restored
+OWN_SAVE = "OWN-SAVE"  # names the image the job's own save is ahead of (it exited 75 after it)
+
+
+def mark(root: Path, marker: str) -> str | None:
+    """Name the newest image in ``marker`` (``CONSUMED``, ``OWN_SAVE``, ``STALE``); its name,
+    None when there is none."""
+    try:
+        latest = newest(root)
+    except NoCheckpoint:
+        return None
+    atomic_write(Path(root) / marker, (latest.name + "\n").encode())
+    return latest.name
+
+
+def marked(root: Path, marker: str) -> str | None:
+    """The image ``marker`` names, None when there is no such mark."""
+    try:
+        return (Path(root) / marker).read_text().strip() or None
+    except FileNotFoundError:
+        return None
 
 
 def newest(root: Path) -> Image:

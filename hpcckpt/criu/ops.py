@@ -333,6 +333,15 @@ def kill_tree(job: Job, sig: signal.Signals = signal.SIGKILL) -> None:
         pass
 
 
+def wait_gone(job: Job, timeout_s: float = 30.0) -> None:
+    """criu killed the tree (or we did): collect unshare's status so no zombie outlives us. Only
+    through the job's own Popen: a waitpid(-1) here, or a dropped Popen that a later subprocess
+    call reaps, would take the status and leave nothing true to report."""
+    deadline = time.monotonic() + timeout_s
+    while job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def signal_pids(pids: list[int], sig: signal.Signals) -> None:
     for pid in pids:
         try:

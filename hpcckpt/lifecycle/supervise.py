@@ -1,7 +1,7 @@
 """What every supervisor around a command shares (``hpcckpt run``: CRIU, app, own checkpoints).
 
 A supervisor runs the user's command as a child and decides, for it, when the allocation
-stops. Three things it needs are the same in every mode, so they are said once here:
+stops. What it needs in every mode is said once here:
 
 - ``SignalInbox``: the signals it watches are only *recorded* by their handlers (a handler
   that acted would run in the middle of whatever the loop was doing); the loop sleeps on a
@@ -14,12 +14,15 @@ stops. Three things it needs are the same in every mode, so they are said once h
   seconds before KILL. Reading the end time every ``poll_s`` seconds turns the moved end
   time into a stop while the grace period still runs. ``end_poll_s`` picks that period.
 - ``as_recorded``: a stop's cause as the scheduler recorded it, asked within ``RECORD_S``.
+- ``run_forwarding``: a command run as it is, every watched signal passed on to it (app mode,
+  and a CRIU job that CRIU mode cannot take).
 """
 from __future__ import annotations
 
 import os
 import select
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -30,6 +33,10 @@ from ..cluster import detect
 from ..cluster.scontrol import within
 from ..signals import unblock
 
+# Every catchable signal a supervisor passes on to a command it does not checkpoint (app mode, a
+# CRIU job on several nodes run untouched): the command decides what each one means.
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2,
+             signal.SIGQUIT, signal.SIGALRM, signal.SIGXCPU, signal.SIGCONT)
 RECORD_S = 10.0  # how long a record waits for the scheduler's answer
 # An end time pulled in by at least this much is a preemption (or an operator's shorter
 # limit); less is rounding of the scheduler's clock.
@@ -192,6 +199,26 @@ class EndTimeWatch:
 
     def remaining_s(self) -> float | None:
         return None if self.last is None else self.last - time.time()
+
+
+def run_forwarding(cmd: Iterable[str], inbox: SignalInbox, *, log: Callable[[str], None]) -> int:
+    """Run ``cmd`` as it is and pass every signal ``inbox`` records on to it, until it exits:
+    its exit status (128 + N when signal N killed it), as a shell says it."""
+    proc = subprocess.Popen(list(cmd))
+    while True:
+        rc = proc.poll()
+        if rc is not None:
+            code = 128 - rc if rc < 0 else rc
+            log(f"job exited with status {code}")
+            return code
+        while inbox.pending:
+            sig = inbox.pending.pop(0)
+            log(f"forwarding {sig.name} to the job (PID {proc.pid})")
+            try:
+                os.kill(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        inbox.sleep(1.0)
 
 
 def end_poll_s(cluster: Any, poll_s: float, *, log: Callable[[str], None],

@@ -365,7 +365,7 @@ def test_images_behind_a_failed_commit_are_never_restored(tmp_path: Path) -> Non
     commit_image(root, 1)
     commit_image(root, 2)
     sup, said = _supervisor(tmp_path, on_restore_failure="fail")
-    assert sup._mark_stale() == "image-000002"  # type: ignore[attr-defined]
+    assert images.mark(root, STALE) == "image-000002"
     assert (root / STALE).read_text().strip() == "image-000002"
     assert sup._restore_or_start() is None  # type: ignore[attr-defined]
     assert sup.outcome.action == "restore-failed" and "stale" in sup.outcome.detail  # type: ignore[attr-defined]
@@ -378,8 +378,8 @@ def test_images_behind_a_failed_commit_are_never_restored(tmp_path: Path) -> Non
     # A later successful dump is newer than the failed one: it is restorable again.
     commit_image(root, 3)
     assert _older_image(root, None) == "image-000003"
-    assert not sup._stale(images.newest(root))  # type: ignore[attr-defined]
-    assert sup._stale(images.Image(path=root / "image-000002", seq=2))  # type: ignore[attr-defined]
+    assert not images.stale(root, images.newest(root))
+    assert images.stale(root, images.Image(path=root / "image-000002", seq=2))
 
 
 # -- a dump that fails after the CUDA checkpoint gives the GPUs back ----------------------
@@ -486,7 +486,7 @@ def test_a_dump_failing_with_oserror_after_the_cuda_checkpoint_gives_the_gpu_bac
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cuda_job: object, restore_fails: bool) -> None:
     import errno
 
-    from hpcckpt.criu import supervisor
+    from hpcckpt.criu import dump
     from hpcckpt.criu.locate import Criu
     from hpcckpt.cuda import ProcessState
 
@@ -496,9 +496,9 @@ def test_a_dump_failing_with_oserror_after_the_cuda_checkpoint_gives_the_gpu_bac
     def no_space(*_a: object, **_k: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "criu" / "image-000001.tmp-x"))
 
-    monkeypatch.setattr(supervisor, "Transaction", no_space)
+    monkeypatch.setattr(dump, "Transaction", no_space)
     sup, said = _supervisor(tmp_path / "run")
-    sup._criu = Criu(path=Path("/bin/false"), version="4.1.1", major=4, source="explicit")  # type: ignore[attr-defined]
+    sup.tools.found = Criu(path=Path("/bin/false"), version="4.1.1", major=4, source="explicit")  # type: ignore[attr-defined]
     assert sup._on_dump_signal(cuda_job, signal.SIGUSR2) is None  # type: ignore[attr-defined]
     assert cu.calls[:2] == [("lock", pid), ("checkpoint", pid)]
     assert ("restore", pid) in cu.calls
@@ -637,7 +637,7 @@ def test_job_that_ends_during_the_cuda_lock(tmp_path: Path, monkeypatch: pytest.
     FakeCuda.instance = EndsDuringLock()
     commit_image(tmp_path / "run" / "criu", 1)
     sup, said = _supervisor(tmp_path / "run")
-    sup._criu = Criu(path=Path("/bin/false"), version="4.1.1", major=4, source="explicit")  # type: ignore[attr-defined]
+    sup.tools.found = Criu(path=Path("/bin/false"), version="4.1.1", major=4, source="explicit")  # type: ignore[attr-defined]
     if how == "exits-0-while-TERM-pending":
         sup.pending.append(signal.SIGTERM)  # type: ignore[attr-defined]
     code = sup._on_dump_signal(exiting_job, signal.SIGUSR2)  # type: ignore[attr-defined]
@@ -693,7 +693,7 @@ def test_a_state_query_that_hangs_fails_the_dump_with_the_job_running(tmp_path: 
 
     FakeCuda.instance = cu = QueryHangs()
     sup, said = _supervisor(tmp_path / "run")
-    sup._criu = Criu(path=Path("/bin/false"), version="4.1.1", major=4, source="explicit")  # type: ignore[attr-defined]
+    sup.tools.found = Criu(path=Path("/bin/false"), version="4.1.1", major=4, source="explicit")  # type: ignore[attr-defined]
     assert sup._on_dump_signal(cuda_job, signal.SIGUSR2) is None  # type: ignore[attr-defined]
     text = "\n".join(said)
     assert "CRIU DUMP FAILED; the job keeps running" in text and "could not query" in text
@@ -721,7 +721,7 @@ def test_a_stuck_call_that_returns_late_is_undone_by_the_supervisor(tmp_path: Pa
                                               result="succeeded" if state else "failed: CUDA_ERROR_UNKNOWN (999)",
                                               left=state, after_s=700.0))
     sup, said = _supervisor(tmp_path / "run")
-    sup._resume_late()  # type: ignore[attr-defined]
+    sup.dumper.resume_late()  # type: ignore[attr-defined]
     text = "\n".join(said)
     assert f"cuCheckpointProcess{what}(pid={pid}), reported STUCK, returned after 700 s" in text
     if state is None:

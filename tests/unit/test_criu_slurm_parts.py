@@ -293,11 +293,11 @@ def test_an_early_time_limit_warning_waits_for_its_lead(tmp_path: Path, left: fl
     from hpcckpt.criu.supervisor import RunOptions, Supervisor
 
     sup = Supervisor(RunOptions(dir=tmp_path, cmd=("true",), lead_s=10.0), log=lambda _m: None)
-    sup._watch = _Watch(left, pulled_in)  # type: ignore[assignment]
-    assert sup._stop_cause(sig) == cause
-    assert sup._defer(sig, cause, True) is deferred
+    sup.timing.watch = _Watch(left, pulled_in)  # type: ignore[assignment]
+    assert sup.timing.cause(sig) == cause
+    assert sup.timing.defer(sig, cause, True) is deferred
     if deferred:
-        assert sup._dump_at is not None and sup._dump_at - time.monotonic() <= 25  # end - max(10, 15)
+        assert sup.timing.stop_at is not None and sup.timing.stop_at - time.monotonic() <= 25  # end - max(10, 15)
 
 
 def test_a_warning_in_an_allocation_shorter_than_the_lead_waits_for_the_end(tmp_path: Path) -> None:
@@ -308,17 +308,17 @@ def test_a_warning_in_an_allocation_shorter_than_the_lead_waits_for_the_end(tmp_
     from hpcckpt.lifecycle.ledger import Ledger
 
     sup = Supervisor(RunOptions(dir=tmp_path, cmd=("true",), lead_s=180.0), log=lambda _m: None)
-    sup._watch = _Watch(120.0)  # type: ignore[assignment]
-    assert sup._stop_cause(signal.SIGUSR2) == "time_limit"
-    assert sup._defer(signal.SIGUSR2, "time_limit", True)
-    assert sup._dump_at is not None and 60 < sup._dump_at - time.monotonic() <= 90  # 120 - max(120 / 4, 15)
+    sup.timing.watch = _Watch(120.0)  # type: ignore[assignment]
+    assert sup.timing.cause(signal.SIGUSR2) == "time_limit"
+    assert sup.timing.defer(signal.SIGUSR2, "time_limit", True)
+    assert sup.timing.stop_at is not None and 60 < sup.timing.stop_at - time.monotonic() <= 90  # 120 - max(120 / 4, 15)
     Ledger(tmp_path).append("criu_dump", image="x", dump_s=14.0, commit_s=1.0)  # measured: 15 s, x3 = 45 s
-    sup._dump_at = None
-    assert sup._defer(signal.SIGUSR2, "time_limit", True)
-    assert sup._dump_at is not None and sup._dump_at - time.monotonic() <= 75  # 120 - 45
-    sup._dump_at = None
-    sup._watch = _Watch(40.0)  # the dump needs more than is left: at once
-    assert not sup._defer(signal.SIGUSR2, "time_limit", True) and sup._dump_at is None
+    sup.timing.stop_at = None
+    assert sup.timing.defer(signal.SIGUSR2, "time_limit", True)
+    assert sup.timing.stop_at is not None and sup.timing.stop_at - time.monotonic() <= 75  # 120 - 45
+    sup.timing.stop_at = None
+    sup.timing.watch = _Watch(40.0)  # the dump needs more than is left: at once
+    assert not sup.timing.defer(signal.SIGUSR2, "time_limit", True) and sup.timing.stop_at is None
 
 
 def test_a_restart_with_no_image_says_so_and_records_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -378,27 +378,27 @@ def test_an_end_time_pulled_in_hours_ahead_is_a_shortened_limit_not_a_preemption
 
     said: list[str] = []
     sup = Supervisor(RunOptions(dir=tmp_path, cmd=("true",), lead_s=180.0), log=said.append)
-    sup._checks_at = []
+    sup.dumper.checks_at = []
     clock, end = [0.0], [time.time() + 8 * 3600]
-    sup._watch = EndTimeWatch(lambda: end[0], poll_s=10, clock=lambda: clock[0])
+    sup.timing.watch = EndTimeWatch(lambda: end[0], poll_s=10, clock=lambda: clock[0])
     dumps: list[dict[str, object]] = []
     monkeypatch.setattr(sup, "_on_dump_signal", lambda _job, _sig, **kw: dumps.append(kw) or 0)
     assert sup._duties(None) is None  # type: ignore[arg-type]  # the first reading of the end time
 
     end[0], clock[0] = time.time() + 3 * 3600, 10.0  # shortened by 5 h
     assert sup._duties(None) is None and dumps == []  # type: ignore[arg-type]
-    assert sup._dump_at is not None and 3 * 3600 - 240 < sup._dump_at - time.monotonic() <= 3 * 3600 - 180
+    assert sup.timing.stop_at is not None and 3 * 3600 - 240 < sup.timing.stop_at - time.monotonic() <= 3 * 3600 - 180
     assert "shortened time limit" in said[-1], said
-    assert sup._stop_cause(signal.SIGUSR2) == "signal"  # a USR2 now is no time-limit warning, nor a preemption
+    assert sup.timing.cause(signal.SIGUSR2) == "signal"  # a USR2 now is no time-limit warning, nor a preemption
 
-    sup._dump_at = time.monotonic() - 1  # the planned dump is due, but the limit was lengthened again
+    sup.timing.stop_at = time.monotonic() - 1  # the planned dump is due, but the limit was lengthened again
     end[0], clock[0] = time.time() + 5 * 3600, 20.0
     assert sup._duties(None) is None and dumps == []  # type: ignore[arg-type]
-    assert sup._dump_at is not None and sup._dump_at - time.monotonic() > 4 * 3600
+    assert sup.timing.stop_at is not None and sup.timing.stop_at - time.monotonic() > 4 * 3600
 
     end[0], clock[0] = time.time() + 30, 30.0  # a preemption with GraceTime 30 s
     assert sup._duties(None) == 0 and dumps == [{"cause": "preemption", "received": False}]  # type: ignore[arg-type]
-    assert sup._stop_cause(signal.SIGTERM) == "preemption"
+    assert sup.timing.cause(signal.SIGTERM) == "preemption"
 
 
 def test_a_supervisor_done_ignores_a_late_warning() -> None:

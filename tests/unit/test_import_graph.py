@@ -129,9 +129,12 @@ FORBIDDEN = {
     "cluster": {"api", "lifecycle", "ledger", "supervisor", "store", "engines", "criu", "jit", "cli"},
     "store": {"api", "engines", "lifecycle", "ledger", "cluster", "criu", "jit", "cli", "policy"},
     "engines": {"api", "lifecycle", "ledger", "cluster", "criu", "jit", "cli"},
-    "lifecycle": {"api", "engines", "store", "criu", "jit", "cli", "own"},
-    # The supervisors of the three ways in share the lifecycle, not each other.
-    "own": {"api", "engines", "criu", "jit", "cli"},
+    "lifecycle": {"api", "engines", "store", "criu", "jit", "cli", "own", "app"},
+    # The modes share the lifecycle, not each other.
+    "own": {"api", "engines", "criu", "jit", "cli", "app"},
+    "app": {"api", "engines", "criu", "jit", "cli", "own"},
+    "criu": {"api", "engines", "jit", "cli", "own", "app"},
+    "jit": {"criu", "cli", "own", "app"},
     "levels": {"api", "engines", "lifecycle", "ledger", "cluster", "criu", "jit", "cli"},
 }
 

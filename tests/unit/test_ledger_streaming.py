@@ -3,7 +3,6 @@ costs time, never memory. Each reader runs here with ``Ledger.read`` (the whole 
 a list) made to fail, and must still give its answer."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -11,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from hpcckpt.criu.supervisor import Supervisor
+from hpcckpt.criu.dump import dump_margin_s
+from hpcckpt.criu.restore import restarted
 from hpcckpt.criu.watch import Progress
 from hpcckpt.integrations.torchrun import should_requeue
 from hpcckpt.lifecycle.ledger import Ledger
@@ -41,14 +41,13 @@ def test_lost_since_folds_a_stream() -> None:
 def test_the_criu_supervisor_streams_its_ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "HPCCKPT_LOCAL_RESTART"):
         monkeypatch.delenv(name, raising=False)
-    sup = object.__new__(Supervisor)
-    sup.ledger = Ledger(tmp_path)
+    ledger = Ledger(tmp_path)
     _write(tmp_path, [{"event": "start", "job_id": "7"}, {"event": "criu_dump", "dump_s": 20.0, "commit_s": 5.0},
                       {"event": "stop", "reason": "done"}, {"event": "criu_restore", "job_id": "8"}])
-    assert sup._restarted() == "an earlier run (job 8) in this directory did not finish"
-    assert sup._dump_margin_s() == 75.0
+    assert restarted(ledger) == "an earlier run (job 8) in this directory did not finish"
+    assert dump_margin_s(ledger) == 75.0
     _write(tmp_path, [{"event": "start", "job_id": "7"}, {"event": "stop", "reason": "error"}])
-    assert sup._restarted() is None
+    assert restarted(ledger) is None
 
 
 def test_torchrun_should_requeue_streams_the_ledger(tmp_path: Path) -> None:
@@ -69,9 +68,8 @@ sys.exit(75)
 
 def test_hpcckpt_run_streams_the_ledger_for_a_refused_requeue(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    from hpcckpt.cli.run import run_app_locally
+    from hpcckpt.app.supervise import AppOptions, restart_locally
     monkeypatch.delenv("HPCCKPT_DIR", raising=False)
-    args = argparse.Namespace(cmd=["--", sys.executable, "-c", CHILD, str(tmp_path)], dir=tmp_path,
-                              max_restarts=5, json=False)
-    assert run_app_locally(args) == 75  # refused by the ledger's last requeue: not restarted 5 times
+    opts = AppOptions(cmd=(sys.executable, "-c", CHILD, str(tmp_path)), dir=tmp_path, max_restarts=5)
+    assert restart_locally(opts)[0] == 75  # refused by the ledger's last requeue: not restarted 5 times
     assert (tmp_path / "ledger.jsonl").read_text().count('"requeue"') == 1
