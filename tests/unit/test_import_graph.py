@@ -136,6 +136,10 @@ FORBIDDEN = {
     "criu": {"api", "engines", "jit", "cli", "own", "app"},
     "jit": {"criu", "cli", "own", "app"},
     "levels": {"api", "engines", "lifecycle", "ledger", "cluster", "criu", "jit", "cli"},
+    # The Checkpointer's parts serve the facade (api.py) and know no mode or supervisor.
+    "checkpointer": {"api", "criu", "own", "jit", "cli"},
+    # Data positions know nothing of checkpoints, the lifecycle or the modes.
+    "data": {"api", "checkpointer", "engines", "lifecycle", "store", "cluster", "criu", "own", "jit", "cli"},
 }
 
 
