@@ -13,7 +13,7 @@ import math
 import os
 import signal
 import stat
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
 
@@ -134,14 +134,7 @@ def parse_staging(raw: str) -> int | str:
     return low if low in STAGING else parse_bytes(raw)
 
 
-def check_on_busy(value: str) -> str:
-    """``value`` if it is a valid on_busy policy, else a ConfigError naming the choices."""
-    if value not in ON_BUSY:
-        raise ConfigError(f"on_busy={value!r}; use one of {', '.join(ON_BUSY)} (HPCCKPT_ON_BUSY)")
-    return value
-
-
-# --- the table: every HPCCKPT_* tunable with its rule and an example --------------------------
+# --- the table: every HPCCKPT_* variable, with its default, its rule and an example ------------
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -151,93 +144,214 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def _is_path(v: Any) -> bool:
+    return isinstance(v, str) and v.strip() != ""
+
+
 @dataclass(frozen=True)
 class Tunable:
-    """One option: ``env`` is its variable, ``rule`` says what is valid, ``ok`` tests a value."""
+    """One row of the table.
+
+    ``env`` is its variable; ``default`` its value when neither an argument nor the variable
+    gives one; ``parse`` reads the variable's text; ``rule`` says in words what is valid and
+    ``ok`` tests a value; ``example`` is a valid one. ``group`` names the options dataclass the
+    row is a field of ("" for a variable with no keyword); ``coerce`` makes an explicit
+    argument a value (names of signals into signals) before the rule is applied.
+    """
 
     env: str
     parse: Callable[[str], Any]
     ok: Callable[[Any], bool]
     rule: str
     example: str
+    default: Any = None
+    group: str = ""
+    coerce: Callable[[Any], Any] | None = None
 
 
-def _is_path(v: Any) -> bool:
-    return isinstance(v, str) and v.strip() != ""
+_ROW = "hpcckpt.option"  # the metadata key of a dataclass field that is a row of the table
 
 
-# Every HPCCKPT_* variable the package reads is a row (tests/unit/test_options_table.py checks,
-# and that README.md names each). Rows read outside resolve_options (paths, the CRIU mode's,
-# the ones hpcckpt sets for its own processes) keep their readers; the row records rule and example.
-TUNABLES: dict[str, Tunable] = {t.env.removeprefix("HPCCKPT_").lower(): t for t in (
-    Tunable("HPCCKPT_DIR", str, _is_path, "a directory path (the checkpoint root, on a shared file system)",
-            "/scratch/$USER/run1/ckpt"),
-    Tunable("HPCCKPT_EVERY_STEPS", str, lambda v: isinstance(v, str),
-            "a whole number of steps > 0, or auto (checked by resolve_options)", "100"),
-    Tunable("HPCCKPT_ENGINE", str, lambda v: v in ENGINES, f"one of the valid engines: {', '.join(ENGINES)}",
-            "concurrent"),
-    Tunable("HPCCKPT_KEEP", parse_int, lambda v: _is_int(v) and v >= 1,
-            "a whole number >= 1 (the newest verified checkpoint is always kept)", "3"),
-    Tunable("HPCCKPT_OVERHEAD_BOUND", parse_float, lambda v: _is_num(v) and 0 < v <= 1,
-            "a fraction of step time in (0, 1]", "0.03"),
-    Tunable("HPCCKPT_DEADLINE_MARGIN_S", parse_float, lambda v: _is_num(v) and v >= 0,
-            "seconds >= 0 before the job's end time to stop", "30"),
-    Tunable("HPCCKPT_MAX_ASYNC", parse_int, lambda v: _is_int(v) and 1 <= v <= 64,
-            "a whole number of checkpoints in flight, 1 to 64", "2"),
-    Tunable("HPCCKPT_WRITER_THREADS", parse_int, lambda v: _is_int(v) and 0 <= v <= 1024,
-            "a whole number of threads, 0 (one per core) to 1024", "4"),
-    Tunable("HPCCKPT_ON_BUSY", str, lambda v: v in ON_BUSY, f"one of {', '.join(ON_BUSY)}", "skip"),
-    Tunable("HPCCKPT_ON_CORRUPT", lambda s: s.strip().lower(), lambda v: v in ON_CORRUPT,
-            f"one of {', '.join(ON_CORRUPT)} (what to do when every checkpoint is damaged)", "fresh"),
-    Tunable("HPCCKPT_REPLICATED", lambda s: s.strip().lower(), lambda v: v in REPLICATED,
-            f"one of {', '.join(REPLICATED)} (which registered state is identical on every rank)", "models"),
-    Tunable("HPCCKPT_CHECK_REPLICAS", parse_bool, lambda v: isinstance(v, bool),
-            "a boolean (1/0, true/false): checksum the replicated tensors at each save and compare ranks", "1"),
-    Tunable("HPCCKPT_JIT", parse_bool, lambda v: isinstance(v, bool),
-            "a boolean (1/0, true/false): survivors write a checkpoint when a rank dies or hangs", "1"),
-    Tunable("HPCCKPT_JIT_TIMEOUT_S", parse_float, lambda v: v is None or (_is_num(v) and 0.5 <= v <= 3600),
-            "seconds from 0.5 to 3600 a silent rank may take before it counts as failed", "5"),
-    Tunable("HPCCKPT_MEMORY_BUDGET_BYTES", parse_bytes, lambda v: v is None or (_is_int(v) and v > 0),
-            "a positive byte count (K, M, G, T suffixes are binary)", "4GiB"),
-    Tunable("HPCCKPT_STAGING_BYTES", parse_staging, lambda v: v is None or v in STAGING or (_is_int(v) and v > 0),
-            "auto (a quarter of the state, a full copy up to 64 MiB, within the node's available memory), "
-            "full (a copy of the state per save in flight), or a positive byte count of host staging per rank, "
-            "a ring when below the state's size", "1GiB"),
-    Tunable("HPCCKPT_CHUNK_BYTES", parse_bytes, lambda v: _is_int(v) and 4096 <= v <= 1 << 32,
-            "a byte count from 4 KiB to 4 GiB", "8M"),
-    Tunable("HPCCKPT_RING_CHUNK_BYTES", parse_bytes, lambda v: v is None or (_is_int(v) and 8192 <= v <= 1 << 32),
-            "a byte count of one staging ring chunk, 8 KiB to 4 GiB", "64M"),
+def option(default: Any, parse: Callable[[str], Any], ok: Callable[[Any], bool], rule: str, example: str, *,
+           coerce: Callable[[Any], Any] | None = None) -> Any:
+    """A field of an options dataclass that is a row of ``TUNABLES``: its keyword is the field's
+    name, its variable ``HPCCKPT_<NAME>``, its default ``default``. Nothing else lists it."""
+    return field(default=default, metadata={_ROW: Tunable("", parse, ok, rule, example, default, coerce=coerce)})
+
+
+def parse_every(raw: str) -> int | str:
+    """'100' -> 100, 'auto' -> 'auto' (every_steps)."""
+    if raw.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise ValueError("expected a whole number of steps > 0 or auto") from None
+
+
+def _every_arg(value: Any) -> Any:
+    """An explicit every_steps: a number, or text ('100', 'auto') read as the variable is."""
+    return parse_every(value) if isinstance(value, str) else value
+
+
+def _stop_signals_ok(value: Any) -> bool:
+    if not isinstance(value, tuple) or not value:
+        return False
+    try:
+        for sig in value:
+            parse_signal(sig)
+    except ConfigError:
+        return False
+    return True
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Rows:
+    """Options made of rows: each field that is a row is checked by its rule, then each class's
+    ``_rules`` (what involves several fields) runs, base classes first."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if _ROW in f.metadata:
+                validate(f.name, getattr(self, f.name))
+        for cls in reversed(type(self).__mro__):
+            rules = cls.__dict__.get("_rules")
+            if rules is not None:
+                rules(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveOptions(_Rows):
+    """What a save is and how often it is made."""
+
+    engine: str = option(DEFAULT_ENGINE, str, lambda v: v in ENGINES, f"one of the valid engines: {', '.join(ENGINES)}",
+                         "sync")
+    # One meaning, with or without levels: how often a checkpoint reaches the checkpoint
+    # directory. local_every_steps adds node-local checkpoints between those.
+    every_steps: int | None = option(
+        None, parse_every, lambda v: v is None or v == "auto" or (_is_int(v) and v > 0),
+        "a whole number of steps > 0, or auto: a checkpoint is committed to the checkpoint directory every this "
+        "many steps (auto: an interval measured to cost at most overhead_bound); unset: only at a stop. "
+        "With local_every_steps, node-local checkpoints come in between", "100", coerce=_every_arg)
+    keep: int = option(3, parse_int, lambda v: _is_int(v) and v >= 1,
+                       "a whole number >= 1 (the newest verified checkpoint is always kept)", "5")
+    overhead_bound: float = option(0.03, parse_float, lambda v: _is_num(v) and 0 < v <= 1,
+                                   "a fraction of step time in (0, 1]", "0.05")
+    replicated: str = option("auto", lambda s: s.strip().lower(), lambda v: v in REPLICATED,
+                             f"one of {', '.join(REPLICATED)} (which registered state is identical on every rank)",
+                             "models")
+    check_replicas: bool = option(  # debug: compare checksums of the replicated tensors across ranks at each save
+        False, parse_bool, lambda v: isinstance(v, bool),
+        "a boolean (1/0, true/false): checksum the replicated tensors at each save and compare ranks", "1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StopOptions(_Rows):
+    """When a run stops: the signals it takes as a warning, the margin before its end time."""
+
+    signals: tuple[signal.Signals, ...] = option(parse_signals(DEFAULT_SIGNALS), parse_signals, _stop_signals_ok,
+                                                 "catchable stop signals, comma-separated", "SIGUSR1,SIGTERM",
+                                                 coerce=parse_signals)
+    deadline_margin_s: float = option(30.0, parse_float, lambda v: _is_num(v) and v >= 0,
+                                      "seconds >= 0 before the job's end time to stop", "60")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConcurrentOptions(_Rows):
+    """The concurrent engine's settings (``engines.concurrent.ConcurrentEngine``)."""
+
+    max_async: int = option(1, parse_int, lambda v: _is_int(v) and 1 <= v <= 64,
+                            "a whole number of checkpoints in flight, 1 to 64", "2")
+    writer_threads: int = option(0, parse_int, lambda v: _is_int(v) and 0 <= v <= 1024,
+                                 "a whole number of threads, 0 (one per core) to 1024", "4")
+    on_busy: str = option("wait", str, lambda v: v in ON_BUSY,
+                          f"one of {', '.join(ON_BUSY)}: what a save does while max_async are in flight", "skip")
+    memory_budget_bytes: int | None = option(None, parse_bytes, lambda v: v is None or (_is_int(v) and v > 0),
+                                             "a positive byte count (K, M, G, T suffixes are binary)", "4GiB")
+    staging_bytes: int | str | None = option(
+        DEFAULT_STAGING, parse_staging, lambda v: v is None or v in STAGING or (_is_int(v) and v > 0),
+        "auto (a quarter of the state, a full copy up to 64 MiB, within the node's available memory), "
+        "full (a copy of the state per save in flight), or a positive byte count of host staging per rank, "
+        "a ring when below the state's size", "1GiB")
+    # O_DIRECT by default: on the reference VM buffered pwrite + fdatasync of 1 GB ran at
+    # 0.3-0.5 GB/s, O_DIRECT at 1.7-2.0 GB/s (the page cache copy and writeback cost more
+    # than they save). File systems that refuse O_DIRECT fall back to the page cache.
+    direct: bool = option(True, parse_bool, lambda v: isinstance(v, bool),
+                          "1/0, true/false, yes/no, on/off: write with O_DIRECT", "0")
+    chunk_bytes: int = option(CHUNK_BYTES, parse_bytes, lambda v: _is_int(v) and 4096 <= v <= 1 << 32,
+                              "a byte count from 4 KiB to 4 GiB: one writer thread's piece of a file", "16M")
+    ring_chunk_bytes: int | None = option(
+        None, parse_bytes, lambda v: v is None or (_is_int(v) and 8192 <= v <= 1 << 32),
+        "a byte count of one staging ring chunk, 8 KiB to 4 GiB (unset: the engine's size)", "64M")
+
+    def _rules(self) -> None:
+        sb, budget = self.staging_bytes, self.memory_budget_bytes
+        if isinstance(sb, int) and budget is not None and sb > budget:  # a bool was refused by its rule
+            raise ConfigError(f"staging_bytes={sb} exceeds memory_budget_bytes={budget}; lower "
+                              "HPCCKPT_STAGING_BYTES or raise the budget")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LevelOptions(_Rows):
+    """Multi-level checkpoints (``hpcckpt.levels``): node-local (+ partner) every local_every_steps."""
+
+    local_every_steps: int | None = option(
+        None, parse_int, lambda v: v is None or (_is_int(v) and v > 0),
+        "a whole number of steps > 0: a node-local checkpoint (and a partner copy on another node) every "
+        "this many steps; every_steps stays the interval of the checkpoint directory, a multiple of it", "1")
+    local_dir: str | None = option(
+        None, str, lambda v: v is None or _is_path(v),
+        "a node-local directory path for the node-local level (%n: the node name; default: the job's "
+        "prolog-made staging, else /dev/shm)", "/local/$USER/hpcckpt", coerce=str)
+    local_keep: int = option(2, parse_int, lambda v: _is_int(v) and v >= 1,
+                             "a whole number >= 1 of node-local checkpoints kept on each node", "3")
+    partner: bool = option(True, parse_bool, lambda v: isinstance(v, bool),
+                           "a boolean (1/0): each node-local checkpoint is also copied to a partner node's "
+                           "node-local level", "0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestoreOptions(_Rows):
+    """What a resume does when it cannot read a checkpoint."""
+
+    on_corrupt: str = option("raise", lambda s: s.strip().lower(), lambda v: v in ON_CORRUPT,
+                             f"one of {', '.join(ON_CORRUPT)} (what to do when every checkpoint is damaged)", "fresh")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JitOptions(_Rows):
+    """Just-in-time checkpoints by the survivors when a rank dies or hangs (``hpcckpt.jit``)."""
+
+    jit: bool = option(False, parse_bool, lambda v: isinstance(v, bool),
+                       "a boolean (1/0, true/false): survivors write a checkpoint when a rank dies or hangs", "1")
+    jit_timeout_s: float = option(5.0, parse_float, lambda v: _is_num(v) and 0.5 <= v <= 3600,
+                                  "seconds from 0.5 to 3600 a silent rank may take before it counts as failed", "10")
+
+
+#: the options dataclasses whose fields are the rows with a keyword, in the reference's order
+GROUPS: tuple[type[_Rows], ...] = (SaveOptions, StopOptions, ConcurrentOptions, LevelOptions, RestoreOptions,
+                                   JitOptions)
+
+# Variables without a keyword: a path, the stop's finer settings, the CRIU mode's, and the ones
+# hpcckpt sets for its own processes. A reader takes the row's default unless it says otherwise.
+_VARIABLES = (
     Tunable("HPCCKPT_RESTORE_CHUNK_BYTES", parse_bytes, lambda v: _is_int(v) and 8192 <= v <= 1 << 32,
-            "a byte count of one pinned chunk of a restore onto the GPU, 8 KiB to 4 GiB", "128M"),
-    Tunable("HPCCKPT_DIRECT", parse_bool, lambda v: isinstance(v, bool), "1/0, true/false, yes/no, on/off",
-            "0"),
-    Tunable("HPCCKPT_LOCAL_EVERY_STEPS", parse_int, lambda v: v is None or (_is_int(v) and v > 0),
-            "a whole number of steps > 0: a node-local checkpoint (and a partner copy on another node) every "
-            "this many steps; every_steps is then the shared level's interval, a multiple of it", "1"),
-    Tunable("HPCCKPT_LOCAL_DIR", str, _is_path,
-            "a node-local directory path for the node-local level (%n: the node name; default: the job's "
-            "prolog-made staging, else /dev/shm)", "/local/$USER/hpcckpt"),
-    Tunable("HPCCKPT_LOCAL_KEEP", parse_int, lambda v: _is_int(v) and v >= 1,
-            "a whole number >= 1 of node-local checkpoints kept on each node", "2"),
-    Tunable("HPCCKPT_PARTNER", parse_bool, lambda v: isinstance(v, bool),
-            "a boolean (1/0): each node-local checkpoint is also copied to a partner node's node-local level",
-            "1"),
-    Tunable("HPCCKPT_SIGNALS", parse_signals, lambda v: bool(v), "catchable stop signals, comma-separated",
-            "SIGUSR2,SIGTERM"),
+            "a byte count of one pinned chunk of a restore onto the GPU, 8 KiB to 4 GiB", "128M", 128 << 20, "restore"),
+    Tunable("HPCCKPT_WARNING_WINDOW_S", parse_float, lambda v: _is_num(v) and v >= 0,
+            "seconds >= 0: a warning signal with at most this much time left waits for the deadline "
+            "(0: every warning stops at once)", "300", 300.0, "stop"),
+    Tunable("HPCCKPT_POLL_S", parse_float, lambda v: _is_num(v) and 0.5 <= v <= 600,
+            "seconds from 0.5 to 600 between the job's reads of its end time, maintenance reservations "
+            "and drain state from Slurm (keep it under the partition's GraceTime)", "5", None, "stop"),
+    Tunable("HPCCKPT_STOP_AT_STEPS", parse_steps,
+            lambda v: isinstance(v, tuple) and all(_is_int(s) and s > 0 for s in v),
+            "step numbers > 0, comma-separated: stop there as on a signal (set by hpcckpt check)", "12,40", (), "stop"),
     Tunable("HPCCKPT_CLUSTER", lambda s: s.strip().lower(), lambda v: v in CLUSTERS,
             f"one of {', '.join(CLUSTERS)}", "slurm-cli"),
     Tunable("HPCCKPT_SUCCESSOR_GENERATION", parse_int, lambda v: _is_int(v) and v >= 0,
-            "a whole number >= 0 (set by hpcckpt on successor jobs)", "1"),
+            "a whole number >= 0 (set by hpcckpt on successor jobs)", "1", 0),
     Tunable("HPCCKPT_LOCAL_RESTART", parse_int, lambda v: _is_int(v) and v >= 0,
-            "a whole number >= 0 (set by the local supervisor)", "1"),
-    Tunable("HPCCKPT_STOP_AT_STEPS", parse_steps, lambda v: isinstance(v, tuple) and all(_is_int(s) and s > 0 for s in v),
-            "step numbers > 0, comma-separated: stop there as on a signal (set by hpcckpt check)", "12,40"),
-    Tunable("HPCCKPT_WARNING_WINDOW_S", parse_float, lambda v: _is_num(v) and v >= 0,
-            "seconds >= 0: a warning signal with at most this much time left waits for the deadline "
-            "(0: every warning stops at once)", "300"),
-    Tunable("HPCCKPT_POLL_S", parse_float, lambda v: _is_num(v) and 0.5 <= v <= 600,
-            "seconds from 0.5 to 600 between the job's reads of its end time, maintenance reservations "
-            "and drain state from Slurm (keep it under the partition's GraceTime)", "5"),
+            "a whole number >= 0 (set by the local supervisor)", "1", 0),
     Tunable("HPCCKPT_NOTICE", str, lambda v: isinstance(v, str),
             "how a supervised script hears the stop: a signal name or 'file PATH' (set by hpcckpt run --mode own)",
             "SIGTERM"),
@@ -266,7 +380,30 @@ TUNABLES: dict[str, Tunable] = {t.env.removeprefix("HPCCKPT_").lower(): t for t 
     *(Tunable(f"HPCCKPT_REQUEUE_MAX_{key}", parse_int, lambda v: _is_int(v) and v >= 0,
               "a whole number of requeues >= 0", "10")
       for key in ("TIME_LIMIT", "PREEMPTION", "SIGNAL", "FAILURE", "RANK_FAILURE", "FAILURES_WITHOUT_PROGRESS")),
-)}
+)
+_DIR = Tunable("HPCCKPT_DIR", str, _is_path, "a directory path (the checkpoint root, on a shared file system)",
+               "/scratch/$USER/run1/ckpt", None, "save")
+
+
+def _table() -> dict[str, Tunable]:
+    rows = {"dir": _DIR}
+    for group in GROUPS:
+        name = group.__name__.removesuffix("Options").lower()
+        for f in fields(group):
+            if _ROW in f.metadata:
+                rows[f.name] = replace(f.metadata[_ROW], env=f"HPCCKPT_{f.name.upper()}", group=name)
+    rows.update((row.env.removeprefix("HPCCKPT_").lower(), row) for row in _VARIABLES)
+    return rows
+
+
+#: Every HPCCKPT_* variable the package reads, by option name: the fields of the options
+#: dataclasses above (each field is its row) and the variables without a keyword.
+#: tests/unit/test_options_table.py checks that the package reads no other, that each row with
+#: a keyword reaches its field from its argument and its variable, and that README.md and the
+#: options reference name each.
+TUNABLES: dict[str, Tunable] = _table()
+#: the keywords of resolve_options besides ``dir``: every field that is a row
+KEYWORDS: tuple[str, ...] = tuple(f.name for group in GROUPS for f in fields(group) if _ROW in f.metadata)
 
 
 def validate(option: str, value: T, *, source: str | None = None) -> T:
@@ -277,6 +414,14 @@ def validate(option: str, value: T, *, source: str | None = None) -> T:
     where = source or f"{option}={value!r}"
     raise ConfigError(f"{where} is invalid: expected {spec.rule}; e.g. {option}={spec.example} "
                       f"or {spec.env}={spec.example}")
+
+
+def check_jit_timeout(value: Any) -> float:
+    """A JIT timeout given outside ``resolve_options`` (``JitGuard(timeout_s=...)``) checked by the
+    table's one rule; None gives the table's default. A ConfigError naming jit_timeout_s otherwise."""
+    if value is None:
+        return float(TUNABLES["jit_timeout_s"].default)
+    return float(validate("jit_timeout_s", value))
 
 
 def from_env(name: str, default: T, parse: Callable[[str], T],
@@ -301,96 +446,67 @@ def from_env(name: str, default: T, parse: Callable[[str], T],
     return value
 
 
-def env_value(option: str, default: T, environ: Mapping[str, str] | None = None) -> T:
-    """The validated ``HPCCKPT_<OPTION>`` for a key of TUNABLES, or ``default`` when unset."""
+_TABLE_DEFAULT: Any = object()
+
+
+def env_value(option: str, default: Any = _TABLE_DEFAULT, environ: Mapping[str, str] | None = None) -> Any:
+    """The validated ``HPCCKPT_<OPTION>`` for a key of TUNABLES, else ``default``, else the row's default."""
     spec = TUNABLES[option]
-    return from_env(spec.env.removeprefix("HPCCKPT_"), default, spec.parse, environ)
+    fallback = spec.default if default is _TABLE_DEFAULT else default
+    return from_env(spec.env.removeprefix("HPCCKPT_"), fallback, spec.parse, environ)
 
 
-def pick(explicit: T | None, name: str, default: T, parse: Callable[[str], T]) -> T:
-    """An explicit argument if given (checked by its rule), else the environment, else the default."""
+def resolve(option: str, explicit: Any = None, environ: Mapping[str, str] | None = None) -> Any:
+    """One option: an explicit argument if given (made a value by its row's ``coerce``, then
+    checked by its rule), else its ``HPCCKPT_*`` variable, else the table's default."""
+    spec = TUNABLES[option]
     if explicit is None:
-        return from_env(name, default, parse)
-    return validate(name.lower(), explicit) if name.lower() in TUNABLES else explicit
+        return env_value(option, spec.default, environ)
+    if spec.coerce is not None:
+        try:
+            explicit = spec.coerce(explicit)
+        except ValueError as exc:
+            raise ConfigError(f"{option}={explicit!r} is invalid: {exc}; e.g. {option}={spec.example} "
+                              f"or {spec.env}={spec.example}") from None
+    return validate(option, explicit)
 
 
 # --- the options ------------------------------------------------------------------------------
 
+G = TypeVar("G", bound=_Rows)
+
+
 @dataclass(frozen=True, kw_only=True)
-class CheckpointOptions:
-    """Where, how and how often to checkpoint (resolved; see ``resolve``)."""
+class CheckpointOptions(JitOptions, RestoreOptions, LevelOptions, ConcurrentOptions, StopOptions, SaveOptions):
+    """Where, how and how often to checkpoint (resolved; see ``resolve_options``): one field per
+    row of the groups it is made of (``GROUPS``; listed here last to first, so that its fields
+    come in the table's order), plus the directory and whether the interval is measured."""
 
     dir: Path
-    engine: str = DEFAULT_ENGINE
-    every_steps: int | None = None
-    auto_interval: bool = False
-    overhead_bound: float = 0.03
-    keep: int = 3
-    signals: tuple[signal.Signals, ...] = field(default_factory=lambda: parse_signals(DEFAULT_SIGNALS))
-    deadline_margin_s: float = 30.0
-    max_async: int = 1
-    writer_threads: int = 0
-    # concurrent engine: what a save does while max_async are in flight; staging cap; O_DIRECT writes
-    on_busy: str = "wait"
-    memory_budget_bytes: int | None = None
-    # concurrent engine: "auto" (a ring of a quarter of the state; a full copy of a small one),
-    # "full" (a full copy per save in flight; None too) or a byte count (a ring when below the state)
-    staging_bytes: int | str | None = DEFAULT_STAGING
-    direct: bool = True
-    on_corrupt: str = "raise"
-    replicated: str = "auto"
-    check_replicas: bool = False  # debug: compare checksums of the replicated tensors across ranks at each save
-    jit: bool = False  # just-in-time checkpoint by the survivors when a rank dies or hangs (hpcckpt.jit)
-    jit_timeout_s: float | None = None  # how long a silent rank may take before it counts as failed
-    chunk_bytes: int = CHUNK_BYTES  # concurrent engine: one writer thread's piece of a file
-    ring_chunk_bytes: int | None = None  # concurrent engine: one staging ring chunk (None: the engine's size)
-    # multi-level checkpoints (hpcckpt.levels): node-local (+ partner) every local_every_steps;
-    # every_steps is then the shared level's interval (drained from the node-local copy)
-    local_every_steps: int | None = None
-    local_dir: str | None = None
-    local_keep: int = 2
-    partner: bool = True
+    auto_interval: bool = False  # every_steps="auto": the interval is measured (lifecycle.policy)
 
-    def __post_init__(self) -> None:
-        if self.every_steps is not None and not (_is_int(self.every_steps) and self.every_steps > 0):
-            raise ConfigError(f"every_steps={self.every_steps!r} is invalid: use a positive integer, 'auto' "
-                              "or None; e.g. every_steps=100 or HPCCKPT_EVERY_STEPS=100")
-        for option in ("engine", "overhead_bound", "keep", "deadline_margin_s", "max_async", "writer_threads",
-                       "on_busy", "memory_budget_bytes", "staging_bytes", "direct", "on_corrupt", "replicated",
-                       "check_replicas", "jit", "jit_timeout_s", "chunk_bytes", "ring_chunk_bytes",
-                       "local_every_steps", "local_keep", "partner"):
-            validate(option, getattr(self, option))
-        if self.local_dir is not None:
-            validate("local_dir", self.local_dir)
-        if self.local_every_steps is not None:
-            if self.auto_interval:
-                raise ConfigError("every_steps='auto' does not combine with local_every_steps: give the shared "
-                                  "level's interval in steps, e.g. every_steps=100, local_every_steps=10")
-            if self.every_steps is not None and self.every_steps % self.local_every_steps:
-                raise ConfigError(f"every_steps={self.every_steps} (the shared level) is not a multiple of "
-                                  f"local_every_steps={self.local_every_steps}: the shared level is drained from "
-                                  f"a node-local checkpoint; e.g. every_steps={self.local_every_steps * 10}")
-        if not self.signals:
-            raise ConfigError("signals=() leaves no stop signal; e.g. signals=('SIGUSR2', 'SIGTERM') "
-                              "or HPCCKPT_SIGNALS=SIGUSR2,SIGTERM")
-        for sig in self.signals:
-            parse_signal(sig)
+    def _rules(self) -> None:
+        if self.every_steps == "auto":  # a CheckpointOptions made directly with "auto"
+            object.__setattr__(self, "every_steps", None)
+            object.__setattr__(self, "auto_interval", True)
+        if self.local_every_steps is None:
+            return
+        if self.auto_interval:
+            raise ConfigError("every_steps='auto' does not combine with local_every_steps: give the interval of "
+                              "the checkpoint directory in steps, e.g. every_steps=100, local_every_steps=10")
+        if self.every_steps is not None and self.every_steps % self.local_every_steps:
+            raise ConfigError(f"every_steps={self.every_steps} (the checkpoint directory's interval) is not a "
+                              f"multiple of local_every_steps={self.local_every_steps}: the checkpoint directory "
+                              f"is filled from a node-local checkpoint; e.g. every_steps={self.local_every_steps * 10}")
 
+    def part(self, group: type[G]) -> G:
+        """The fields of one group (e.g. ``ConcurrentOptions``) as that group's own object."""
+        return group(**{f.name: getattr(self, f.name) for f in fields(group)})
 
-def _every(raw: int | str | None) -> tuple[int | None, bool]:
-    """(every_steps, auto) from an argument or HPCCKPT_EVERY_STEPS: N, 'auto' or None."""
-    every = raw if raw is not None else from_env("EVERY_STEPS", None, str)
-    if isinstance(every, str) and every.strip().lower() == "auto":
-        return None, True
-    try:
-        n = None if every is None else int(every)
-    except ValueError:
-        n = 0
-    if n is not None and (n <= 0 or isinstance(every, (bool, float))):
-        where = "every_steps" if raw is not None else "environment variable HPCCKPT_EVERY_STEPS"
-        raise ConfigError(f"{where}={every!r} is invalid: use a positive integer, 'auto', or None; "
-                          "e.g. every_steps=100 or HPCCKPT_EVERY_STEPS=auto")
-    return n, False
+    @property
+    def concurrent(self) -> ConcurrentOptions:
+        """What the concurrent engine takes (``make_engine(..., options=...)``)."""
+        return self.part(ConcurrentOptions)
 
 
 def warn_if_shared(root: Path) -> bool:
@@ -411,94 +527,51 @@ def warn_if_shared(root: Path) -> bool:
     return True
 
 
-def _staging(explicit: int | str | None) -> int | str:
-    """``staging_bytes`` as given, else HPCCKPT_STAGING_BYTES, else ``DEFAULT_STAGING``."""
-    default: int | str = DEFAULT_STAGING
-    return pick(explicit, "STAGING_BYTES", default, parse_staging)
-
-
-def resolve_options(
-    dir: str | os.PathLike[str] | None = None,
-    *,
-    engine: str | None = None,
-    every_steps: int | str | None = None,
-    keep: int | None = None,
-    overhead_bound: float | None = None,
-    signals: tuple[str | int | signal.Signals, ...] | None = None,
-    deadline_margin_s: float | None = None,
-    max_async: int | None = None,
-    writer_threads: int | None = None,
-    on_busy: str | None = None,
-    memory_budget_bytes: int | None = None,
-    staging_bytes: int | str | None = None,
-    direct: bool | None = None,
-    on_corrupt: str | None = None,
-    replicated: str | None = None,
-    check_replicas: bool | None = None,
-    jit: bool | None = None,
-    jit_timeout_s: float | None = None,
-    chunk_bytes: int | None = None,
-    ring_chunk_bytes: int | None = None,
-    local_every_steps: int | None = None,
-    local_dir: str | os.PathLike[str] | None = None,
-    local_keep: int | None = None,
-    partner: bool | None = None,
-) -> CheckpointOptions:
-    """Build options from arguments, then ``HPCCKPT_*`` variables, then defaults."""
+def _root(dir: str | os.PathLike[str] | None) -> Path:
     raw_dir = dir if dir is not None else os.environ.get("HPCCKPT_DIR")
     if raw_dir is None or not str(raw_dir).strip():
         raise ConfigError("no checkpoint directory: pass dir=... or set HPCCKPT_DIR, e.g. "
                           "HPCCKPT_DIR=/scratch/$USER/run1/ckpt")
-    sigs = parse_signals(signals) if signals is not None else from_env(
-        "SIGNALS", parse_signals(DEFAULT_SIGNALS), parse_signals)
-    every_n, auto = _every(every_steps)
     root = Path(raw_dir).expanduser().absolute()
     if root.exists() and not root.is_dir():
         raise ConfigError(f"checkpoint directory {root} is a file, not a directory; pass a directory, "
                           "e.g. dir=/scratch/$USER/run1/ckpt")
+    return root
+
+
+def _unknown(where: str, given: Mapping[str, Any], known: tuple[str, ...]) -> None:
+    wrong = sorted(set(given) - set(known))
+    if wrong:
+        raise TypeError(f"{where} got unknown option(s) {', '.join(wrong)}; the options are: {', '.join(known)} "
+                        "(docs/reference/options.md)")
+
+
+def resolve_options(dir: str | os.PathLike[str] | None = None, **given: Any) -> CheckpointOptions:
+    """Build options from arguments, then ``HPCCKPT_*`` variables, then the table's defaults.
+
+    The keywords are the fields of the groups in ``GROUPS`` (``KEYWORDS``; the options
+    reference lists them); None means "not given".
+    """
+    _unknown("resolve_options()", given, KEYWORDS)
+    values = {name: resolve(name, given.get(name)) for name in KEYWORDS}
+    root = _root(dir)
+    auto = values["every_steps"] == "auto"
+    if auto:
+        values["every_steps"] = None
     warn_if_shared(root)
-    return CheckpointOptions(
-        dir=root,
-        engine=pick(engine, "ENGINE", DEFAULT_ENGINE, str),
-        every_steps=every_n,
-        auto_interval=auto,
-        overhead_bound=pick(overhead_bound, "OVERHEAD_BOUND", 0.03, parse_float),
-        keep=pick(keep, "KEEP", 3, parse_int),
-        signals=sigs,
-        deadline_margin_s=pick(deadline_margin_s, "DEADLINE_MARGIN_S", 30.0, parse_float),
-        max_async=pick(max_async, "MAX_ASYNC", 1, parse_int),
-        writer_threads=pick(writer_threads, "WRITER_THREADS", 0, parse_int),
-        on_busy=pick(on_busy, "ON_BUSY", "wait", str),
-        memory_budget_bytes=pick(memory_budget_bytes, "MEMORY_BUDGET_BYTES", None, parse_bytes),
-        staging_bytes=_staging(staging_bytes),
-        direct=pick(direct, "DIRECT", True, parse_bool),
-        on_corrupt=pick(on_corrupt, "ON_CORRUPT", "raise", str),
-        replicated=pick(replicated, "REPLICATED", "auto", str),
-        check_replicas=pick(check_replicas, "CHECK_REPLICAS", False, parse_bool),
-        jit=pick(jit, "JIT", False, parse_bool),
-        jit_timeout_s=pick(jit_timeout_s, "JIT_TIMEOUT_S", None, parse_float),
-        chunk_bytes=pick(chunk_bytes, "CHUNK_BYTES", CHUNK_BYTES, parse_bytes),
-        ring_chunk_bytes=pick(ring_chunk_bytes, "RING_CHUNK_BYTES", None, parse_bytes),
-        local_every_steps=pick(local_every_steps, "LOCAL_EVERY_STEPS", None, parse_int),
-        local_dir=pick(None if local_dir is None else str(local_dir), "LOCAL_DIR", None, str),
-        local_keep=pick(local_keep, "LOCAL_KEEP", 2, parse_int),
-        partner=pick(partner, "PARTNER", True, parse_bool),
-    )
+    return CheckpointOptions(dir=root, auto_interval=auto, **values)
 
 
-#: the concurrent engine's keyword arguments that HPCCKPT_* variables set, with their defaults
-_CONCURRENT_FROM_ENV: dict[str, Any] = {"on_busy": "wait", "memory_budget_bytes": None, "staging_bytes": DEFAULT_STAGING,
-                                        "direct": True, "chunk_bytes": CHUNK_BYTES, "ring_chunk_bytes": None}
+def engine_options(**given: Any) -> ConcurrentOptions:
+    """The concurrent engine's options outside a Checkpointer (the benchmarks): each of ``given``
+    that is not None as it is, the others from their ``HPCCKPT_*`` variables, else the table's
+    defaults. The engine itself reads no environment."""
+    names = tuple(f.name for f in fields(ConcurrentOptions))
+    _unknown("engine_options()", given, names)
+    return ConcurrentOptions(**{name: resolve(name, given.get(name)) for name in names})
 
 
 def concurrent_options(**given: Any) -> dict[str, Any]:
-    """Keyword arguments for a concurrent engine made outside a Checkpointer (the benchmarks).
-
-    Each of ``given`` that is not None as it is; the engine's other settings from their
-    ``HPCCKPT_*`` variables, else their defaults. The engine itself reads no environment.
-    """
-    out = {k: v for k, v in given.items() if v is not None}
-    for option, default in _CONCURRENT_FROM_ENV.items():
-        if option not in out:
-            out[option] = env_value(option, default)
-    return out
+    """``engine_options`` as keyword arguments (for callers that still pass them as such)."""
+    opts = engine_options(**given)
+    return {f.name: getattr(opts, f.name) for f in fields(ConcurrentOptions)}

@@ -18,14 +18,14 @@ Loads are measured afterwards, all engines interleaved (``measure_loads``).
 """
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import shutil
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from ..config import concurrent_options
+from ..config import ConcurrentOptions, engine_options
 from ..engines import SaveContext, make_engine
 from ..ranks import Ranks
 from ..store import catalog
@@ -37,8 +37,7 @@ STAGING_FRACTIONS = (1.0, 0.5, 0.25)
 
 def supports_staging_budget() -> bool:
     """Whether the concurrent engine takes ``staging_bytes`` (a ring smaller than the state)."""
-    from ..engines.concurrent import ConcurrentEngine
-    return "staging_bytes" in inspect.signature(ConcurrentEngine.__init__).parameters
+    return "staging_bytes" in {f.name for f in dataclasses.fields(ConcurrentOptions)}
 
 
 def _engine(name: str, root: Path, options: dict[str, Any], rig: SyntheticRig) -> Any:
@@ -47,7 +46,7 @@ def _engine(name: str, root: Path, options: dict[str, Any], rig: SyntheticRig) -
     thread once the state's shapes are known, while a real loop keeps training; the rig
     saves at once, so it waits for that here (the time is reported as ``prepare_s``)."""
     ctx = SaveContext(root=root, keep=1, job={}, user={})
-    engine = make_engine(name, ctx, Ranks(), **(concurrent_options(**options) if name == "concurrent" else {}))
+    engine = make_engine(name, ctx, Ranks(), engine_options(**options) if name == "concurrent" else None)
     engine.bind(rig.state)
     if hasattr(engine, "wait_prepared"):
         engine.wait_prepared()

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from ..config import concurrent_options
+from ..config import engine_options
 from ..engines import SaveContext, SaveHandle, make_engine
 from ..levels import Levels, Topology
 from ..ranks import Ranks
@@ -118,7 +118,7 @@ def _loop(load: DemoLoad, engine_name: str | None, interval: int, root: Path,
             levels = _node_local(root, local / engine_name, interval)
         engine = make_engine(kind, SaveContext(root=levels.local if levels else root, keep=2, job={}, user={},
                                                levels=levels), Ranks(),
-                             **(concurrent_options(**options) if kind == "concurrent" else {}))
+                             engine_options(**options) if kind == "concurrent" else None)
         engine.bind(state)
     loader = DataLoader(data, batch_size=load.batch, shuffle=True, drop_last=True)
     handles: list[SaveHandle] = []

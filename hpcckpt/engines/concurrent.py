@@ -49,7 +49,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -58,7 +58,7 @@ import torch
 
 from .._core import native
 from .._gc import collector_paused
-from ..config import CHUNK_BYTES, check_on_busy
+from ..config import ConcurrentOptions
 from ..errors import CheckpointFailed, ConfigError
 from ..state import Flat, TrainState, stepping_optimizer
 from ..ranks import Ranks
@@ -70,7 +70,7 @@ from .base import Engine, SaveContext, SaveHandle
 from ..store.layout import Layout
 from .prepare import Prep, Preparer, build_staging
 from .recycle import Recycler
-from .staging import STAGING_CHOICES, EngineStats, Key, RingStream, Slot, Staging, flat_bytes
+from .staging import EngineStats, Key, RingStream, Slot, Staging, flat_bytes
 
 __all__ = ["ConcurrentEngine", "EngineStats", "Layout", "Slot"]
 
@@ -163,28 +163,24 @@ def _routes(tensors: dict[str, torch.Tensor], is_safe: Callable[[str], bool], *,
 class ConcurrentEngine(Engine):
     name = "concurrent"
 
-    def __init__(self, ctx: SaveContext, ranks: Ranks, *, max_async: int = 1, writer_threads: int = 0,
-                 memory_budget_bytes: int | None = None, direct: bool | None = None, on_busy: str | None = None,
-                 chunk_bytes: int | None = None, staging_bytes: int | str | None = None,
-                 ring_chunk_bytes: int | None = None) -> None:
+    def __init__(self, ctx: SaveContext, ranks: Ranks, options: ConcurrentOptions | None = None,
+                 **settings: Any) -> None:
+        """``options``: resolved settings (a Checkpointer's ``options.concurrent``, elsewhere
+        ``config.engine_options``; default: the table's defaults). ``settings``: fields of
+        ``ConcurrentOptions`` given one by one, replacing those of ``options`` (None: not given,
+        except ``staging_bytes=None``, a full copy). The engine reads no environment."""
         super().__init__(ctx, ranks)
-        if max_async < 1:
-            raise ConfigError(f"max_async must be >= 1, got {max_async}")
-        self.max_async = max_async
-        self._wanted_async = max_async  # max_async is lowered to the slots a memory budget allows
-        # Every setting arrives resolved (Checkpointer: config.resolve_options; elsewhere
-        # config.concurrent_options): the engine reads no environment.
-        self.on_busy = check_on_busy(on_busy if on_busy is not None else "wait")
-        self.memory_budget_bytes = memory_budget_bytes
-        self.staging_bytes = staging_bytes
-        self.ring_chunk_bytes = ring_chunk_bytes or None
-        self._check_budgets()
-        # O_DIRECT by default: on the reference VM buffered pwrite + fdatasync of 1 GB ran at
-        # 0.3-0.5 GB/s, O_DIRECT at 1.7-2.0 GB/s (the page cache copy and writeback cost more
-        # than they save). File systems that refuse O_DIRECT fall back to the page cache.
-        self.direct = direct if direct is not None else True
+        given = {k: v for k, v in settings.items() if v is not None or k == "staging_bytes"}
+        self.options = replace(options or ConcurrentOptions(), **given)  # checked by the table's rules
+        self.max_async = self.options.max_async
+        self._wanted_async = self.max_async  # max_async is lowered to the slots a memory budget allows
+        self.on_busy = self.options.on_busy
+        self.memory_budget_bytes = self.options.memory_budget_bytes
+        self.staging_bytes = self.options.staging_bytes
+        self.ring_chunk_bytes = self.options.ring_chunk_bytes
+        self.direct = self.options.direct
         self.stats = EngineStats()
-        self._pool = native().WriterPool(writer_threads, chunk_bytes or CHUNK_BYTES)
+        self._pool = native().WriterPool(self.options.writer_threads, self.options.chunk_bytes)
         self._bg_ranks = ranks.background()
         self._staging: Staging | None = None
         self._preparer = Preparer(self._build_staging)
@@ -208,21 +204,6 @@ class ConcurrentEngine(Engine):
         # Started with the first save staged from a GPU (``_start_launcher``).
         self._launcher: threading.Thread | None = None
         self._launch_queue: queue.Queue[_Job | None] = queue.Queue()
-
-    def _check_budgets(self) -> None:
-        sb = self.staging_bytes
-        if isinstance(sb, str):
-            if sb not in STAGING_CHOICES:
-                raise ConfigError(f"staging_bytes={sb!r}: use a positive byte count, 'auto' or 'full' "
-                                  "(HPCCKPT_STAGING_BYTES)")
-            return
-        if sb is not None and (not isinstance(sb, int) or isinstance(sb, bool) or sb <= 0):
-            raise ConfigError(f"staging_bytes must be a positive byte count, 'auto', 'full' or None, got {sb!r} "
-                              "(HPCCKPT_STAGING_BYTES)")
-        if (sb is not None and self.memory_budget_bytes is not None
-                and sb > self.memory_budget_bytes):
-            raise ConfigError(f"staging_bytes={self.staging_bytes} exceeds memory_budget_bytes="
-                              f"{self.memory_budget_bytes}; lower HPCCKPT_STAGING_BYTES or raise the budget")
 
     @property
     def _slots(self) -> list[Slot]:

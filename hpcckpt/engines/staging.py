@@ -60,7 +60,6 @@ MIN_RING_CHUNKS = 2  # one chunk being written while the next is filled
 AUTO_STAGING_FRACTION = 0.25
 AUTO_FULL_BYTES = 64 << 20
 AUTO_NODE_SHARE = 0.25  # of MemAvailable, split between the node's ranks
-STAGING_CHOICES = ("auto", "full")
 
 
 def local_ranks() -> int:

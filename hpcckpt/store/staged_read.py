@@ -28,13 +28,14 @@ from typing import Any, Sequence
 import torch
 
 from .._core import native
-from ..config import from_env
+from ..config import TUNABLES, env_value
 from .entry import ALIGN, TensorEntry
 from .hostmem import Piece, Slot, make_slots, one_cuda_device, plan_rounds
 
 log = logging.getLogger("hpcckpt.store.staged_read")
 
-ROUND_BYTES = 128 << 20  # one read_items call: enough pieces to keep every reader thread busy
+# one read_items call: enough pieces to keep every reader thread busy (HPCCKPT_RESTORE_CHUNK_BYTES)
+ROUND_BYTES: int = TUNABLES["restore_chunk_bytes"].default
 ROUND_CHUNKS = 3  # two being read, one being copied up
 ROUND_READERS = 2  # rounds read at once: the disk stays busy while one call waits for its slowest thread
 
@@ -57,7 +58,7 @@ class StagedReader:
         self.fd = fd  # the checked descriptor every read goes through (-1: the reader opens path)
         self.targets = {e.name: (e, _flat(t)) for e, t in targets if e.nbytes}
         self.direct, self.threads = direct, threads
-        size = chunk_bytes or from_env("RESTORE_CHUNK_BYTES", ROUND_BYTES, int)
+        size = chunk_bytes or env_value("restore_chunk_bytes")
         size = max(2 * ALIGN, size // ALIGN * ALIGN)
         # Each round is one read_items call: pieces small enough that every reader thread has
         # some (its default 16 MiB would leave most of 16 threads idle on a 128 MiB round).

@@ -448,7 +448,7 @@ def test_final_save_never_skips(tmp_path: Path) -> None:
 
 
 def test_memory_budget_smaller_than_one_copy_is_refused(tmp_path: Path) -> None:
-    rig = Rig(tmp_path / "ckpt", memory_budget_bytes=1024)
+    rig = Rig(tmp_path / "ckpt", memory_budget_bytes=1024, staging_bytes="full")
     try:
         rig.train_step()
         with pytest.raises(Exception, match="memory_budget_bytes"):
@@ -478,7 +478,8 @@ def test_memory_budget_bounds_the_saves_in_flight(tmp_path: Path) -> None:
     probe.engine.save(probe.state.capture(step=1), 1).wait(timeout=60)
     slot_bytes = probe.engine._slots[0].bytes.nbytes
     probe.engine.close()
-    rig = Rig(tmp_path / "ckpt", max_async=3, memory_budget_bytes=2 * slot_bytes + slot_bytes // 2)
+    rig = Rig(tmp_path / "ckpt", max_async=3, memory_budget_bytes=2 * slot_bytes + slot_bytes // 2,
+              staging_bytes="full")
     try:
         rig.train_step()
         rig.engine.save(rig.state.capture(step=1), 1).wait(timeout=60)
@@ -493,7 +494,8 @@ def test_memory_budget_lowers_max_async_only_when_the_staging_is_installed(tmp_p
     probe.engine.save(probe.state.capture(step=1), 1).wait(timeout=60)
     slot_bytes = probe.engine._slots[0].bytes.nbytes
     probe.engine.close()
-    rig = Rig(tmp_path / "ckpt", max_async=3, memory_budget_bytes=slot_bytes + slot_bytes // 2)
+    rig = Rig(tmp_path / "ckpt", max_async=3, memory_budget_bytes=slot_bytes + slot_bytes // 2,
+              staging_bytes="full")
     try:
         rig.train_step()  # the post-hook prepares staging on a background thread
         assert rig.engine._prep is not None and rig.engine.wait_prepared(timeout=60)

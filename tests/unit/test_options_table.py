@@ -203,7 +203,6 @@ _READS = [
 ]
 _CONFIG_READS = [  # config's readers take the name without the prefix
     (re.compile(r'\bfrom_env\(\s*"([A-Z0-9_]+)"'), lambda n: f"HPCCKPT_{n}"),
-    (re.compile(r'\bpick\([^,()]+,\s*"([A-Z0-9_]+)"'), lambda n: f"HPCCKPT_{n}"),
     (re.compile(r'\benv_value\(\s*"([a-z0-9_]+)"'), lambda n: f"HPCCKPT_{n.upper()}"),
 ]
 
@@ -224,8 +223,9 @@ def _read_variables() -> dict[str, set[str]]:
 
 def test_the_scan_finds_the_known_readers() -> None:
     found = _read_variables()
-    for name in ("HPCCKPT_DIR", "HPCCKPT_EVERY_STEPS", "HPCCKPT_CRIU", "HPCCKPT_CRIU_PREFIX", "HPCCKPT_LIBCUDA",
-                 "HPCCKPT_CRIU_FALLBACK", "HPCCKPT_STAGING_ROOT", "HPCCKPT_LOCAL_RESTART", "HPCCKPT_KEEP",
+    # (the options with a keyword are read by resolve_options from the table itself: the next test)
+    for name in ("HPCCKPT_DIR", "HPCCKPT_CRIU", "HPCCKPT_CRIU_PREFIX", "HPCCKPT_LIBCUDA",
+                 "HPCCKPT_CRIU_FALLBACK", "HPCCKPT_STAGING_ROOT", "HPCCKPT_LOCAL_RESTART",
                  "HPCCKPT_CLUSTER", "HPCCKPT_END_TIME", "HPCCKPT_CHECK_TRACE"):
         assert name in found, name
 
@@ -241,3 +241,81 @@ def test_every_variable_the_package_reads_is_in_the_table_and_the_options_refere
                           if not re.search(rf"`{re.escape(n)}`", page))
     assert not missing_page, (f"not in docs/reference/options.md: {missing_page}; run scripts/gen-reference "
                               "and commit the page")
+
+
+# -- one table: a row with a keyword is its dataclass field, and nothing else lists it ------------
+
+def _clear_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    for key in [k for k in os.environ if k.startswith("HPCCKPT_")]:
+        monkeypatch.delenv(key)
+
+
+def test_every_row_with_a_keyword_reaches_its_field_from_its_argument_and_its_variable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import fields
+    from hpcckpt.config import GROUPS, KEYWORDS, TUNABLES, CheckpointOptions
+    _clear_env(monkeypatch)
+    declared = {f.name: f for f in fields(CheckpointOptions)}
+    assert set(declared) - {"dir", "auto_interval"} == set(KEYWORDS), "CheckpointOptions is the groups' fields"
+    assert sorted(KEYWORDS) == sorted(f.name for g in GROUPS for f in fields(g)), "each field of a group is a row"
+    defaults = resolve_options(tmp_path)
+    for name in KEYWORDS:
+        row = TUNABLES[name]
+        assert row.env == f"HPCCKPT_{name.upper()}" and row.group, name
+        assert getattr(defaults, name) == row.default == declared[name].default, name
+        value = row.parse(row.example)
+        assert value != row.default, f"{name}: the example must differ from the default, or this test could not fail"
+        assert getattr(resolve_options(tmp_path, **{name: value}), name) == value, name
+        monkeypatch.setenv(row.env, row.example)
+        assert getattr(resolve_options(tmp_path), name) == value, row.env
+        monkeypatch.delenv(row.env)
+
+
+def test_the_concurrent_engine_takes_its_options_from_the_table(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcckpt.config import ConcurrentOptions, engine_options
+    from hpcckpt.engines import SaveContext, make_engine
+    from hpcckpt.ranks import Ranks
+    _clear_env(monkeypatch)
+    monkeypatch.setenv("HPCCKPT_ON_BUSY", "skip")
+    ctx = SaveContext(root=tmp_path / "ckpt", keep=2, job={}, user={})
+    engine = make_engine("concurrent", ctx, Ranks())
+    try:
+        assert engine.options == ConcurrentOptions() and engine.on_busy == "wait"  # type: ignore[attr-defined]
+    finally:
+        engine.close()
+    given = resolve_options(tmp_path, max_async=2, direct=False)
+    assert given.concurrent == ConcurrentOptions(max_async=2, direct=False, on_busy="skip")
+    assert engine_options(max_async=2) == ConcurrentOptions(max_async=2, on_busy="skip")
+    engine = make_engine("concurrent", ctx, Ranks(), given.concurrent, direct=True)
+    try:
+        assert (engine.max_async, engine.on_busy, engine.direct) == (2, "skip", True)  # type: ignore[attr-defined]
+    finally:
+        engine.close()
+    with pytest.raises(ConfigError, match="max_async=0 is invalid"):
+        ConcurrentOptions(max_async=0)
+    with pytest.raises(TypeError, match="unknown option"):
+        resolve_options(tmp_path, max_asink=2)
+
+
+def test_every_steps_means_the_checkpoint_directorys_interval_with_or_without_levels(tmp_path: Path) -> None:
+    from hpcckpt.config import TUNABLES
+    plain = resolve_options(tmp_path, every_steps=100)
+    levels = resolve_options(tmp_path, every_steps=100, local_every_steps=10)
+    assert plain.every_steps == levels.every_steps == 100
+    assert "checkpoint directory" in TUNABLES["every_steps"].rule
+    assert resolve_options(tmp_path, every_steps="auto").auto_interval
+    with pytest.raises(ConfigError, match="not a multiple of local_every_steps"):
+        resolve_options(tmp_path, every_steps=15, local_every_steps=10)
+    with pytest.raises(ConfigError, match="does not combine with local_every_steps"):
+        resolve_options(tmp_path, every_steps="auto", local_every_steps=10)
+
+
+def test_the_jit_timeout_has_one_rule() -> None:
+    from hpcckpt.config import TUNABLES, check_jit_timeout
+    assert check_jit_timeout(None) == TUNABLES["jit_timeout_s"].default
+    assert check_jit_timeout(2) == 2.0
+    for bad in (0.1, -1, 7200, float("nan"), True):
+        with pytest.raises(ConfigError, match="jit_timeout_s=.* is invalid.*0.5 to 3600"):
+            check_jit_timeout(bad)

@@ -197,9 +197,9 @@ def test_staging_budget_options_are_checked(tmp_path: Path, monkeypatch: pytest.
         assert (rig.engine.staging_bytes, rig.engine.ring_chunk_bytes) == (65536, 16 << 10)
     finally:
         rig.engine.close()
-    rig = Rig(tmp_path / "e")  # the engine itself reads no environment
+    rig = Rig(tmp_path / "e")  # the engine itself reads no environment: the table's defaults
     try:
-        assert (rig.engine.staging_bytes, rig.engine.ring_chunk_bytes) == (None, None)
+        assert (rig.engine.staging_bytes, rig.engine.ring_chunk_bytes) == ("auto", None)
     finally:
         rig.engine.close()
     rig = Rig(tmp_path / "d", staging_bytes=8192)  # too small for a ring: said at the first save
