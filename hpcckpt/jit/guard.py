@@ -284,6 +284,34 @@ class JitGuard:
         assert self.dir is not None
         d = self.dir
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        b, replicated, rep_trees = self._report_alive(d, reason, known_failed, detected)
+        grace = self.timeout_s + self.interval_s + 3.0
+        decision = rendezvous.await_decision(d, self.world, set(known_failed), grace)
+        roster = decision.get("roster", [])
+        lead = min(roster) if roster else None
+        log.error("hpcckpt: jit: rank %d: decision %s", self.rank,
+                  {k: decision.get(k) for k in ("ok", "step", "writer", "failed", "reason")})
+        outcome: dict[str, Any] | None = None
+        if decision.get("ok") and decision.get("writer") == self.rank and b is not None:
+            outcome = self._write(d, decision, b, replicated, rep_trees)
+            requeuer = self.rank
+        elif decision.get("ok"):
+            outcome, requeuer = self._await_writer(d, decision, roster)
+        else:
+            requeuer = lead if lead is not None else -1
+        if self.rank == lead:  # once the outcome is known
+            self._record_failure(d, decision, outcome, roster, reason, detected, b)
+        if self.rank == requeuer:
+            self._stop_and_requeue(decision, outcome)
+        log.error("hpcckpt: jit: rank %d exits %d for a requeue (%s)", self.rank, EXIT_REQUEUE,
+                  f"checkpoint step {outcome['step']} committed" if outcome and outcome.get("ok")
+                  else "no just-in-time checkpoint")
+
+    def _report_alive(self, d: Path, reason: str, known_failed: list[int], detected: float
+                      ) -> tuple[Boundary | None, dict[str, torch.Tensor], dict[str, Any]]:
+        """This survivor's consistent state, written beside the others' with what it knows
+        (``alive-<rank>.json``): the state, the replicated tensors and trees (None, {}, {} when
+        it holds nothing it can write)."""
         b, why = self._consistent_state()
         with self._cond:
             last = self._boundary
@@ -313,50 +341,41 @@ class JitGuard:
                        local=record_out(rec), trees={k: v for k, v in b.trees.items() if k != "wall"},
                        boundary_at=b.trees.get("wall"))
         rendezvous.write_json(d / f"alive-{self.rank}.json", doc)
-        grace = self.timeout_s + self.interval_s + 3.0
-        decision = rendezvous.await_decision(d, self.world, set(known_failed), grace)
-        roster = decision.get("roster", [])
-        lead = min(roster) if roster else None
-        log.error("hpcckpt: jit: rank %d: decision %s", self.rank,
-                  {k: decision.get(k) for k in ("ok", "step", "writer", "failed", "reason")})
-        outcome: dict[str, Any] | None = None
-        if decision.get("ok") and decision.get("writer") == self.rank and b is not None:
-            outcome = self._write(d, decision, b, replicated, rep_trees)
-            requeuer = self.rank
-        elif decision.get("ok"):
-            state_bytes = sum(int(x.get("state_bytes", 0)) for x in rendezvous.alive_docs(d).values()
-                              if x.get("rank") == decision.get("writer"))
-            limit = self._outcome_deadline(state_bytes)
-            outcome, why = rendezvous.await_outcome(d, dead_after_s=max(10.0, 2 * self.timeout_s),
-                                                    deadline_s=limit)
-            writer_rank = decision.get("writer")
-            others = [r for r in roster if r != writer_rank]
-            requeuer = writer_rank if outcome is not None else (min(others) if others else -1)
-            if outcome is None:
-                log.error("hpcckpt: jit: rank %d stops waiting for the writer (rank %s): %s; the previous "
-                          "checkpoint stands", self.rank, writer_rank, why)
-                if self.rank == requeuer:
-                    bounded_append(self.ckpt.ledger, "save_failed", step=decision.get("step"), final=True,
-                                   engine="jit", error=f"writer rank {writer_rank}: {why}")
-        else:
-            requeuer = lead if lead is not None else -1
-        if self.rank == lead:  # once the outcome is known
-            step = decision.get("step")
-            saved = bool(outcome and outcome.get("ok"))
-            reached = [int(x["reached"]) for r, x in rendezvous.alive_docs(d).items()
-                       if r in roster and isinstance(x.get("reached"), int)]
-            bounded_append(
-                self.ckpt.ledger, "rank_failure", failed_ranks=decision.get("failed"), survivors=roster,
-                reason=reason, detected_at=detected,
-                detect_after_boundary_s=(detected - b.trees["wall"]) if b else None,
-                jit_step=step if saved else None, lost_step=(step + 1) if isinstance(step, int) else None,
-                reached_step=max(reached) if reached else None, timeout_s=self.timeout_s, jit=saved,
-                problem=decision.get("reason") or (None if saved or outcome is None else outcome.get("error")))
-        if self.rank == requeuer:
-            self._stop_and_requeue(decision, outcome)
-        log.error("hpcckpt: jit: rank %d exits %d for a requeue (%s)", self.rank, EXIT_REQUEUE,
-                  f"checkpoint step {outcome['step']} committed" if outcome and outcome.get("ok")
-                  else "no just-in-time checkpoint")
+        return b, replicated, rep_trees
+
+    def _await_writer(self, d: Path, decision: dict[str, Any], roster: list[int]
+                      ) -> tuple[dict[str, Any] | None, int]:
+        """Another rank writes: its outcome (None if it never came), and who requeues."""
+        state_bytes = sum(int(x.get("state_bytes", 0)) for x in rendezvous.alive_docs(d).values()
+                          if x.get("rank") == decision.get("writer"))
+        limit = self._outcome_deadline(state_bytes)
+        outcome, why = rendezvous.await_outcome(d, dead_after_s=max(10.0, 2 * self.timeout_s),
+                                                deadline_s=limit)
+        writer_rank = decision.get("writer")
+        others = [r for r in roster if r != writer_rank]
+        requeuer = writer_rank if outcome is not None else (min(others) if others else -1)
+        if outcome is None:
+            log.error("hpcckpt: jit: rank %d stops waiting for the writer (rank %s): %s; the previous "
+                      "checkpoint stands", self.rank, writer_rank, why)
+            if self.rank == requeuer:
+                bounded_append(self.ckpt.ledger, "save_failed", step=decision.get("step"), final=True,
+                               engine="jit", error=f"writer rank {writer_rank}: {why}")
+        return outcome, int(requeuer) if requeuer is not None else -1
+
+    def _record_failure(self, d: Path, decision: dict[str, Any], outcome: dict[str, Any] | None,
+                        roster: list[int], reason: str, detected: float, b: Boundary | None) -> None:
+        """The lead survivor's ``rank_failure`` record, once the outcome is known."""
+        step = decision.get("step")
+        saved = bool(outcome and outcome.get("ok"))
+        reached = [int(x["reached"]) for r, x in rendezvous.alive_docs(d).items()
+                   if r in roster and isinstance(x.get("reached"), int)]
+        bounded_append(
+            self.ckpt.ledger, "rank_failure", failed_ranks=decision.get("failed"), survivors=roster,
+            reason=reason, detected_at=detected,
+            detect_after_boundary_s=(detected - b.trees["wall"]) if b else None,
+            jit_step=step if saved else None, lost_step=(step + 1) if isinstance(step, int) else None,
+            reached_step=max(reached) if reached else None, timeout_s=self.timeout_s, jit=saved,
+            problem=decision.get("reason") or (None if saved or outcome is None else outcome.get("error")))
 
     def _write(self, d: Path, decision: dict[str, Any], b: Boundary, replicated: dict[str, torch.Tensor],
                rep_trees: dict[str, Any]) -> dict[str, Any]:
@@ -387,25 +406,7 @@ class JitGuard:
                 raise RuntimeError(f"no step completed since this run started at step {step}: nothing to save "
                                    "(the next run starts where this one did)")
             else:
-                sources: dict[int, tuple[dict[str, torch.Tensor], Any]] = {
-                    self.rank: (b.tensors, {k: v for k, v in b.trees.items() if k != "wall"})}
-                docs = rendezvous.alive_docs(d)
-                for r in decision["holders"]:
-                    if r != self.rank:
-                        x = docs[r]
-                        sources[r] = (torchfile.read(d / f"local-{r}.pt", record_in(x["local"])), x["trees"])
-                source_of = {int(r): int(s) for r, s in decision["source_of"].items()}
-                assert self.gate is not None
-                replicated = to_host(replicated, list(self.gate.events.values()) + b.events)
-                path = writer.commit(
-                    self.root, step=step, world=self.world, writer_rank=self.rank,
-                    keep=int(getattr(self.ckpt.options, "keep", 3)),
-                    job=self._job(), user={}, replicated_trees=rep_trees, replicated=replicated, sources=sources,
-                    source_of=source_of,
-                    info={"failed_ranks": decision["failed"], "writer": self.rank, "holders": decision["holders"],
-                          "substituted": sorted(r for r, s in source_of.items() if s != r),
-                          "fingerprint": decision["fingerprint"]})
-                wrote = True
+                path, wrote = self._commit(d, decision, b, replicated, rep_trees, step), True
             save_s = time.monotonic() - t0
             outcome = {"ok": True, "step": step, "path": str(path), "save_s": save_s, "wrote": wrote}
             self.ckpt.committed_step = step
@@ -421,6 +422,28 @@ class JitGuard:
             stop.set()
         rendezvous.write_json(d / rendezvous.OUTCOME, outcome)
         return outcome
+
+    def _commit(self, d: Path, decision: dict[str, Any], b: Boundary, replicated: dict[str, torch.Tensor],
+                rep_trees: dict[str, Any], step: int) -> Path:
+        """The survivors' state of ``step`` committed: this rank's own, the holders' from their files."""
+        sources: dict[int, tuple[dict[str, torch.Tensor], Any]] = {
+            self.rank: (b.tensors, {k: v for k, v in b.trees.items() if k != "wall"})}
+        docs = rendezvous.alive_docs(d)
+        for r in decision["holders"]:
+            if r != self.rank:
+                x = docs[r]
+                sources[r] = (torchfile.read(d / f"local-{r}.pt", record_in(x["local"])), x["trees"])
+        source_of = {int(r): int(s) for r, s in decision["source_of"].items()}
+        assert self.gate is not None
+        replicated = to_host(replicated, list(self.gate.events.values()) + b.events)
+        return writer.commit(
+            self.root, step=step, world=self.world, writer_rank=self.rank,
+            keep=int(getattr(self.ckpt.options, "keep", 3)),
+            job=self._job(), user={}, replicated_trees=rep_trees, replicated=replicated, sources=sources,
+            source_of=source_of,
+            info={"failed_ranks": decision["failed"], "writer": self.rank, "holders": decision["holders"],
+                  "substituted": sorted(r for r, s in source_of.items() if s != r),
+                  "fingerprint": decision["fingerprint"]})
 
     def _outcome_deadline(self, state_bytes: int) -> float:
         """How long the others wait for the writer's outcome at most, even while it beats.
