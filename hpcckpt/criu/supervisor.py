@@ -41,7 +41,7 @@ Call sequence:
           preemption, which sends no signal at its start) it is a dump at once, pulled in
           further (a shortened limit) it only re-plans the dump; a time-limit warning the
           coarse tick delivered early (or --time-min's short allocation at its start) waits
-          until the lead before the end (policy.bounded_lead_s).
+          until the lead before the end (lifecycle.timing.bounded_lead_s).
   between: soon after the start, what criu would refuse (io_uring, perf events, TCP) is
           said once (stderr, ledger criu_check); with --dump-every, periodic images while
           the job runs on (chained by --track-mem where the kernel tracks dirty pages).
