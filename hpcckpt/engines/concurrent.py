@@ -43,15 +43,13 @@ untouched; its handle carries the error and raises it once.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,107 +58,29 @@ from .._core import native
 from .._gc import collector_paused
 from ..config import ConcurrentOptions
 from ..errors import CheckpointFailed, ConfigError
-from ..state import Flat, TrainState, stepping_optimizer
 from ..ranks import Ranks
-from ..store import catalog
+from ..state import Flat, TrainState
 from ..store.commit import remove_trash
-from ..store.entry import raw_bytes
-from ..store.hostmem import one_cuda_device
-from .base import Engine, SaveContext, SaveHandle
 from ..store.layout import Layout
+from .base import SaveContext, SaveHandle
+from .finisher import Finisher
+from .hooks import StepHooks
+from .job import SaveJob, layout_key
 from .prepare import Prep, Preparer, build_staging
 from .recycle import Recycler
-from .staging import EngineStats, Key, RingStream, Slot, Staging, flat_bytes
+from .stage import Stager
+from .staging import EngineStats, Key, Slot, Staging
 
 __all__ = ["ConcurrentEngine", "EngineStats", "Layout", "Slot"]
 
 log = logging.getLogger("hpcckpt.engines.concurrent")
 
-@dataclass
-class _Job:
-    handle: SaveHandle
-    step: int
-    tmp: Path
-    fname: str
-    meta: Any
-    layout: Layout | None
-    slot: Slot | None
-    batch: Any
-    items: dict[str, int]
-    started: float
-    copied: threading.Event = field(default_factory=threading.Event)
-    cuda_event: Any = None
-    device: Any = None  # the CUDA device of cuda_event's copies
-    d2h_events: tuple[Any, Any, int] | None = None  # (begin, end, bytes) of a slot's D2H copy
-    staging: Staging | None = None
-    ring: RingStream | None = None
-    sources: dict[str, Any] | None = None  # ring: source byte views; CUDA slot: device clones; until copied
-    error: BaseException | None = None  # failed before persisting: only the commit exchange is left
-    placement: dict[str, Any] = field(default_factory=dict)  # the record's distributed-tensor fields
-    # Items added in bulk (``_stage_host``): (first item id, indices into layout.names), in order.
-    groups: list[tuple[int, np.ndarray]] = field(default_factory=list)
-    # Its slot's bytes are durable and the slot is free: only its commit is left (``_busy``).
-    persisted: bool = False
-    # A slot filled by a D2H copy: set once the launcher thread saw the copy done and started
-    # the batch (or failed to: ``launch_error``).
-    launched: threading.Event = field(default_factory=threading.Event)
-    launch_error: BaseException | None = None
 
+class ConcurrentEngine(StepHooks, Stager, Finisher):
+    """Admission (``max_async``, ``on_busy``), the staging in use, and the engine's lifecycle; the
+    step hooks (``hooks.StepHooks``), the staging of a save (``stage.Stager``) and the finisher
+    thread (``finisher.Finisher``) are its parts, each in its own module."""
 
-def _specs(tensors: dict[str, torch.Tensor]) -> Key:
-    """The layout key of a capture: (name, dtype, shape) of each tensor, and the CUDA device
-    whose copies the staging serves (pinned then), None when nothing is on a GPU.
-
-    ConfigError when tensors are on several CUDA devices: one side stream, one pinned
-    context (run one process per GPU).
-    """
-    specs = tuple((n, t.dtype, tuple(t.shape)) for n, t in tensors.items())
-    device = one_cuda_device((t.device for t in tensors.values()), "checkpoint")
-    return specs, None if device is None else device.index
-
-
-def _fsync(path: Path) -> None:
-    """Make a file written without the native writers durable (before its commit)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-# How one tensor reaches its save's staging slot (``_routes``).
-DEVICE = "device"              # CUDA, only optimizer.step() mutates it: D2H on the side stream
-DEVICE_CLONE = "device_clone"  # CUDA, mutated elsewhere too: a device clone now, then D2H
-HOST_NOW = "host_now"          # CPU: copied into the slot now, on the main thread
-HOST_BATCH = "host_batch"      # CPU, only optimizer.step() mutates it: copied by the native writers
-
-
-def _routes(tensors: dict[str, torch.Tensor], is_safe: Callable[[str], bool], *,
-            gpu_pending: bool | None = None) -> dict[str, str]:
-    """Decide how each tensor is staged; ``gpu_pending``: whether a D2H copy will be pending
-    (default: any tensor is on a GPU).
-
-    With a D2H copy pending the optimizer pre-hook only orders the GPU after it
-    (``wait_event``) and returns at once on the host, so the native batch starts
-    (after the D2H) while ``optimizer.step()`` already runs. A CPU tensor that the
-    step mutates on the host (Adam's ``step`` counters of CUDA parameters) must then
-    be in the slot before ``save()`` returns, or the checkpoint would pair step S's
-    parameters with step S+1's counters. Without a GPU the pre-hook waits for the
-    batch's copies on the host, so the writers may copy CPU sources themselves.
-    """
-    if gpu_pending is None:
-        gpu_pending = any(t.is_cuda for t in tensors.values())
-    out: dict[str, str] = {}
-    for name, t in tensors.items():
-        safe = is_safe(name) and t.is_contiguous()
-        if t.is_cuda:
-            out[name] = DEVICE if safe else DEVICE_CLONE
-        else:
-            out[name] = HOST_BATCH if safe and not gpu_pending else HOST_NOW
-    return out
-
-
-class ConcurrentEngine(Engine):
     name = "concurrent"
 
     def __init__(self, ctx: SaveContext, ranks: Ranks, options: ConcurrentOptions | None = None,
@@ -187,8 +107,8 @@ class ConcurrentEngine(Engine):
         self._state: TrainState | None = None
         self._prep_sig: tuple[int, ...] | None = None
         self._cond = threading.Condition()
-        self._inflight: list[_Job] = []
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._inflight: list[SaveJob] = []
+        self._queue: queue.Queue[SaveJob | None] = queue.Queue()
         self._hooks: dict[int, list[Any]] = {}
         self._optimizers: list[torch.optim.Optimizer] = []
         self._safe: set[str] = set()
@@ -203,66 +123,7 @@ class ConcurrentEngine(Engine):
         self._finisher.start()
         # Started with the first save staged from a GPU (``_start_launcher``).
         self._launcher: threading.Thread | None = None
-        self._launch_queue: queue.Queue[_Job | None] = queue.Queue()
-
-    @property
-    def _slots(self) -> list[Slot]:
-        """The full-copy slots in use (empty with a ring)."""
-        return self._staging.slots if self._staging else []
-
-    # -- registration ----------------------------------------------------------
-
-    def bind(self, state: TrainState) -> None:
-        """Hook every registered optimizer; main thread.
-
-        The pre-hook keeps ``optimizer.step()`` from overwriting un-staged sources;
-        the post-hook starts laying out staging in the background once the state's
-        shapes are known (optimizer state appears only after the first step).
-        """
-        self._state = state
-        self._safe = state.background_safe()
-        self._safe_masks.clear()
-        for name, obj in state.objects.items():
-            if not isinstance(obj, torch.optim.Optimizer):
-                continue
-            try:
-                stepping = stepping_optimizer(obj, name)  # a wrapper's (Accelerate's) inner optimizer
-            except ConfigError as exc:
-                # No hook tells when its step() may overwrite what a save still copies: every
-                # parameter and optimizer state is then copied inside save(), as the rest is
-                # (the write still runs in the background). Correct, only a longer stall.
-                if "rng/" in self._safe and len(self._safe) > 1:
-                    log.warning("hpcckpt: %s; the concurrent engine copies the whole state inside save()", exc)
-                self._safe = {"rng/"}
-                continue
-            if id(stepping) not in self._hooks:
-                self._hooks[id(stepping)] = [stepping.register_step_pre_hook(self._before_step),
-                                             stepping.register_step_post_hook(self._after_step)]
-                self._optimizers.append(stepping)
-        self._safe_prefixes = tuple(s for s in self._safe if s.endswith("/"))
-        self._prepare_if_new_shapes(at_bind=True)
-
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """optimizer.step() may overwrite parameters and state only once they are staged."""
-        self.wait_copied()
-
-    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Main thread, after each step: prepare staging when the optimizer state's shape changed."""
-        self._prepare_if_new_shapes(at_bind=False)
-
-    def _prepare_if_new_shapes(self, *, at_bind: bool) -> None:
-        """Costs a tuple of lengths per step; a capture (no copy) only when it changed.
-
-        At bind time only when the shapes are already final: no optimizer, or one that
-        already holds state (a fresh optimizer's state appears with its first step).
-        """
-        sig = tuple(len(o.state) for o in self._optimizers)
-        if sig == self._prep_sig or self._state is None or self._closed:
-            return
-        if at_bind and self._optimizers and not any(sig):
-            return
-        self._prep_sig = sig
-        self.prepare(self._state.capture(step=0).tensors)
+        self._launch_queue: queue.Queue[SaveJob | None] = queue.Queue()
 
     def prepare(self, tensors: dict[str, torch.Tensor]) -> None:
         """Lay out files and allocate (pin) staging for these tensors on a background thread.
@@ -272,7 +133,7 @@ class ConcurrentEngine(Engine):
         step path. Failures are left to ``save()``, which redoes the work and reports.
         """
         try:
-            key = _specs(tensors)
+            key = layout_key(tensors)
         except ConfigError:
             return  # save() reports it, where the user sees it
         cuda = next((t.device for t in tensors.values() if isinstance(t, torch.Tensor) and t.is_cuda), None)
@@ -293,41 +154,6 @@ class ConcurrentEngine(Engine):
     def _prep(self) -> Prep | None:
         """The preparation under way or finished and not yet used (tests look at it)."""
         return self._preparer.current
-
-    def wait_copied(self) -> float:
-        """Block until every save in flight has copied its sources; returns the seconds blocked.
-
-        The seconds are added to the blocked saves' ``handle.stall_s`` (the policy's
-        measured overhead) and to ``stats.hook_wait_s``.
-        """
-        with self._cond:
-            pending = [j for j in self._inflight if not j.copied.is_set()]
-        if not pending:
-            return 0.0
-        t0 = time.monotonic()
-        for job in pending:
-            if job.cuda_event is not None:
-                # The GPU orders optimizer.step() after the D2H copy; the host does not wait
-                # (CPU sources were copied by save(): ``_routes``). The training device's
-                # stream, which need not be the current device's.
-                torch.cuda.current_stream(job.device).wait_event(job.cuda_event)
-            elif job.ring is None and job.batch is not None:
-                job.batch.wait_copied()
-                job.copied.set()
-            else:
-                job.copied.wait()  # the finisher streams the ring and sets it
-        waited = time.monotonic() - t0
-        self.stats.hook_wait_s += waited
-        for job in pending:
-            job.handle.stall_s = (job.handle.stall_s or 0.0) + waited
-        return waited
-
-    def _is_safe(self, name: str) -> bool:
-        if name in self._safe:  # a parameter: exact name (O(1); states have hundreds of tensors)
-            return True
-        return any(name.startswith(s) for s in self._safe_prefixes)  # optimizer state: one prefix each
-
-    # -- save ------------------------------------------------------------------
 
     def save(self, flat: Flat, step: int, *, final: bool = False) -> SaveHandle:
         """Start saving ``flat`` as ``step``; main thread, at a step boundary. Returns at once."""
@@ -417,7 +243,7 @@ class ConcurrentEngine(Engine):
                 self._free_slot(slot)
             # The temporary directory is shared by all ranks: the coordinator removes it
             # when the exchange reports the failure.
-            job = _Job(handle, step, tmp, fname, None, None, None, None, {}, started, error=exc)
+            job = SaveJob(handle, step, tmp, fname, None, None, None, None, {}, started, error=exc)
             job.copied.set()
             self._enqueue(job)
             if isinstance(exc, ConfigError):
@@ -426,7 +252,7 @@ class ConcurrentEngine(Engine):
             return
         self._enqueue(job)
 
-    def _enqueue(self, job: _Job) -> None:
+    def _enqueue(self, job: SaveJob) -> None:
         with self._cond:
             self._inflight.append(job)
         self.stats.saves += 1
@@ -439,7 +265,7 @@ class ConcurrentEngine(Engine):
         st = self._staging
         if st is not None and st.matches(tensors):  # matches() also requires a host-only staging
             return st
-        key = _specs(tensors)
+        key = layout_key(tensors)
         if st is None or st.key != key:
             st = self._preparer.take(key) or self._build_staging(key)
             self._install(st)
@@ -487,298 +313,6 @@ class ConcurrentEngine(Engine):
                 "for a smaller staging ring, or use the sync engine")
         return int(min(wanted, fits))
 
-    def _take_slot(self) -> Slot:
-        with self._cond:
-            self._cond.wait_for(lambda: any(not s.busy for s in self._slots))
-            slot = next(s for s in self._slots if not s.busy)
-            slot.busy = True
-            return slot
-
-    def _free_slot(self, slot: Slot) -> None:
-        with self._cond:
-            slot.busy = False
-            self._cond.notify_all()
-
-    def _stage(self, flat: Flat, step: int, handle: SaveHandle, tmp: Path, fname: str, layout: Layout,
-               slot: Slot, tensors: dict[str, torch.Tensor], started: float, *, reused: bool = False) -> _Job:
-        """Make the rank file (``reused``: it is there, of this layout) and stage the save into
-        ``slot``: all at once when nothing is on a GPU (``_stage_host``), else tensor by tensor
-        by route (``_stage_each``). With a metadata template the file is made at its size and
-        the save's writers write the metadata with the tensors; without one (a layout too big
-        for a template) h5py lays the file out here."""
-        if layout.template is None:
-            layout.materialise(tmp / fname)
-            return self._stage_each(flat, step, handle, tmp, fname, layout, slot, tensors, started)
-        if not reused:
-            layout.create(tmp / fname)
-        if self._recycler is not None:
-            self._recycler.written(catalog.step_name(step), layout)
-        if self._all_at_once(layout):
-            return self._stage_host(flat, step, handle, tmp, fname, layout, slot, tensors, started)
-        return self._stage_each(flat, step, handle, tmp, fname, layout, slot, tensors, started)
-
-    def _all_at_once(self, layout: Layout) -> bool:
-        """Whether this save is staged by ``_stage_host`` (nothing on a GPU, a metadata template)."""
-        return self._staging is not None and self._staging.key[1] is None and layout.template is not None
-
-    def _stage_each(self, flat: Flat, step: int, handle: SaveHandle, tmp: Path, fname: str, layout: Layout,
-                    slot: Slot, tensors: dict[str, torch.Tensor], started: float) -> _Job:
-        batch = native().Batch(self._pool, self.direct)
-        path = str(tmp / fname)
-        items: dict[str, int] = {}
-        gpu: list[tuple[torch.Tensor, torch.Tensor]] = []
-        clones: dict[str, Any] = {}
-        for name, route in _routes(tensors, self._is_safe).items():
-            t = tensors[name]
-            e = layout.entries[name]
-            if not e.nbytes:
-                continue
-            off = layout.staging_offset[name]
-            dst = slot.bytes[off:off + e.nbytes]
-            if route == DEVICE:
-                gpu.append((slot.tensor[off:off + e.nbytes], t))
-                items[name] = batch.add(path, e.offset, dst)
-            elif route == HOST_BATCH:
-                items[name] = batch.add(path, e.offset, dst, raw_bytes(t))
-            elif route == DEVICE_CLONE:
-                # Mutated outside optimizer.step() (the next forward may): a device copy queued on
-                # the training stream now, copied down with the rest (no host sync here).
-                clones[name] = t.detach().clone(memory_format=torch.contiguous_format)
-                gpu.append((slot.tensor[off:off + e.nbytes], clones[name]))
-                items[name] = batch.add(path, e.offset, dst)
-            else:
-                # HOST_NOW: mutated outside optimizer.step(), not contiguous, or a D2H is pending.
-                slot.tensor[off:off + e.nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
-                items[name] = batch.add(path, e.offset, dst)
-        template = layout.template_items()
-        if template is not None:  # ``_stage`` made the file without its metadata
-            batch.add_many(path, *template)
-        job = _Job(handle, step, tmp, fname, flat.meta, layout, slot, batch, items, started,
-                   staging=self._staging, sources=clones or None,  # clones live until their copy is done
-                   placement=self.placement_fields(flat))
-        if gpu:
-            self._start_launcher()  # before the copy: a failure here leaves no copy running into the slot
-            job.cuda_event, job.d2h_events = self._copy_to_host(gpu)
-            job.device = gpu[0][1].device
-            self._launch_queue.put(job)
-        else:
-            batch.start()
-        return job
-
-    def _start_launcher(self) -> None:
-        """The thread that starts each GPU save's batch once its D2H copy is done (once).
-
-        Not the finisher: it commits the previous save meanwhile, and a save's writes
-        started only after that commit made the finisher's cycle (write + fdatasync +
-        commit) the bound on how often a GPU state can be saved: on an H200 node, a
-        3.2 MB state saved at every 5.6 ms step waited ~4.8 ms in each ``save()``.
-        """
-        if self._launcher is None:
-            thread = threading.Thread(target=self._launch_loop, name="hpcckpt-d2h", daemon=True)
-            thread.start()
-            self._launcher = thread  # only once it runs: a failed start is tried again next time
-
-    def _launch_loop(self) -> None:
-        """The launcher thread: jobs in save order (their copies share one side stream)."""
-        while True:
-            job = self._launch_queue.get()
-            if job is None:
-                return
-            try:
-                # Under the training GPU's device guard: its context, never device 0's.
-                guard = torch.cuda.device(job.device) if job.device.type == "cuda" else contextlib.nullcontext()
-                with guard:
-                    job.cuda_event.synchronize()  # a blocking-sync event: the thread sleeps
-                job.batch.start()
-            except BaseException as exc:  # noqa: BLE001 - the finisher reports it with the save
-                job.launch_error = exc
-            finally:
-                job.launched.set()
-
-    def _stage_host(self, flat: Flat, step: int, handle: SaveHandle, tmp: Path, fname: str, layout: Layout,
-                    slot: Slot, tensors: dict[str, torch.Tensor], started: float) -> _Job:
-        """``_stage`` when nothing is on a GPU, in a few native calls whatever the tensor count.
-
-        A tensor that only ``optimizer.step()`` mutates and is contiguous is copied into the
-        slot by the writers from its address (the job holds the tensor until its bytes are
-        copied; the optimizer pre-hook waits for that); any other is copied now (HOST_NOW).
-        The HDF5 metadata (the layout's template) is written by the same writers.
-        """
-        batch = native().Batch(self._pool, self.direct)
-        path = str(tmp / fname)
-        names = layout.names
-        sources = list(map(tensors.__getitem__, names))
-        # Each source's address, 0 where it is not contiguous: two C-level passes, no Python per tensor.
-        addresses = np.fromiter(map(torch.Tensor.data_ptr, sources), dtype=np.uint64, count=len(names))
-        addresses[~np.fromiter(map(torch.Tensor.is_contiguous, sources), dtype=bool, count=len(names))] = 0
-        later = self._safe_mask(layout) & (addresses != 0)
-        if layout.complex_names:  # a conjugate or negative view's bytes are not its values: copy now
-            for name in layout.complex_names:
-                t = tensors[name]
-                if t.is_conj() or t.is_neg():
-                    later[layout.index[name]] = False
-        groups: list[tuple[int, np.ndarray]] = []
-        if later.all():
-            idx = np.arange(len(names))
-        else:
-            now = np.flatnonzero(~later)
-            for i in now.tolist():
-                off, n = int(layout.slot_offsets[i]), int(layout.lengths[i])
-                t = sources[i].detach().resolve_conj().resolve_neg().contiguous()
-                slot.tensor[off:off + n].copy_(t.reshape(-1).view(torch.uint8))
-            groups.append((batch.add_many(path, slot.bytes, layout.file_offsets[now], layout.slot_offsets[now],
-                                          layout.lengths[now]), now))
-            idx = np.flatnonzero(later)
-        if len(idx):
-            groups.append((batch.add_many(path, slot.bytes, layout.file_offsets[idx], layout.slot_offsets[idx],
-                                          layout.lengths[idx], addresses[idx]), idx))
-        template = layout.template_items()
-        assert template is not None
-        batch.add_many(path, *template)
-        job = _Job(handle, step, tmp, fname, flat.meta, layout, slot, batch, {}, started, staging=self._staging,
-                   sources={"tensors": sources}, placement=self.placement_fields(flat), groups=groups)
-        batch.start()
-        return job
-
-    def _safe_mask(self, layout: Layout) -> np.ndarray:
-        """Which of ``layout.names`` only ``optimizer.step()`` mutates (cached per layout)."""
-        cached = self._safe_masks.get(id(layout))
-        if cached is None or cached[0] is not layout:
-            cached = self._safe_masks[id(layout)] = (layout, np.array([self._is_safe(n) for n in layout.names],
-                                                                      dtype=bool))
-        return cached[1]
-
-    def _stage_ring(self, flat: Flat, step: int, handle: SaveHandle, tmp: Path, fname: str, staging: Staging,
-                    tensors: dict[str, torch.Tensor], started: float) -> _Job:
-        """Ring: keep views of the sources; the finisher streams them through the ring."""
-        assert staging.ring is not None
-        sources: dict[str, Any] = {}
-        cuda_device: torch.device | None = None
-        for name, t in tensors.items():
-            if not staging.layout.entries[name].nbytes:
-                continue
-            if not (self._is_safe(name) and t.is_contiguous()):
-                # Mutated outside optimizer.step() (small) or not contiguous: a private copy now
-                # (on the device for CUDA tensors, queued on the training stream, no host sync).
-                t = t.detach().clone(memory_format=torch.contiguous_format)
-            if t.is_cuda:
-                cuda_device = t.device
-            sources[name] = flat_bytes(t)
-        stream = ready = None
-        if cuda_device is not None:
-            stream = self._side_stream(cuda_device)
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(cuda_device))
-        job = _Job(handle, step, tmp, fname, flat.meta, staging.layout, None, None, {},
-                   started, staging=staging, sources=sources, placement=self.placement_fields(flat),
-                   ring=RingStream(staging.ring, self._pool, direct=self.direct, stream=stream, ready=ready))
-        return job
-
-    def _side_stream(self, device: torch.device) -> Any:
-        if self._stream is None or self._stream.device != device:
-            self._stream = torch.cuda.Stream(device=device)
-        return self._stream
-
-    def _copy_to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Any, tuple[Any, Any, int]]:
-        """D2H copies on a side stream into pinned staging; returns the done event and timing events."""
-        stream = self._side_stream(pairs[0][1].device)
-        stream.wait_stream(torch.cuda.current_stream(pairs[0][1].device))
-        begin, end = (torch.cuda.Event(enable_timing=True),
-                      torch.cuda.Event(enable_timing=True, blocking=True))  # the launcher sleeps on it
-        with torch.cuda.stream(stream):
-            begin.record(stream)
-            for dst, src in pairs:
-                dst.copy_(src.detach().reshape(-1).view(torch.uint8), non_blocking=True)
-            end.record(stream)
-        return end, (begin, end, sum(d.numel() for d, _ in pairs))
-
-    # -- background ------------------------------------------------------------
-
-    def _finish_loop(self) -> None:
-        """The finisher thread: persist, commit (background group), finish handles in order."""
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            try:
-                self._finish(job)
-            finally:
-                self._queue.task_done()  # ``_queue.join()``: every queued save finished, its trash too
-
-    def _finish(self, job: _Job) -> None:
-        error: BaseException | None = job.error
-        record: dict[str, Any] | None = None
-        if error is None:
-            try:
-                crcs = self._persist_ring(job) if job.ring is not None else self._persist_slot(job)
-                if job.layout is not None and not job.layout.state_bytes:
-                    _fsync(job.tmp / job.fname)  # no data item: no writer synced the HDF5 metadata
-                record = self._record(job, crcs)
-                self.stats.persist_s.append(time.monotonic() - job.started)
-            except Exception as exc:  # every rank must still take part in the commit exchange
-                error = exc
-            finally:
-                job.copied.set()
-                job.sources = None
-                if job.slot is not None:
-                    job.persisted = error is None  # only its commit is left (``_busy``)
-                    self._free_slot(job.slot)  # notifies under _cond
-        try:
-            path = self.commit_step(job.step, job.tmp, record, error, job.started, ranks=self._bg_ranks,
-                                    final=job.handle.final)
-        except Exception as exc:
-            job.handle.finish(error=exc)
-        else:
-            job.handle.finish(path=path, save_s=time.monotonic() - job.started)
-        with self._cond:
-            self._inflight.remove(job)
-            self._cond.notify_all()
-        try:
-            self.empty_trash()  # after the handle: a save is durable without old files unlinked
-        except Exception as exc:  # noqa: BLE001 - never the finisher's end; a later discard sweeps
-            log.warning("hpcckpt: could not delete pruned checkpoints: %s", exc)
-
-    def _persist_slot(self, job: _Job) -> dict[str, int]:
-        """Finisher thread: wait for the D2H (if any), then for the batch; crcs by name."""
-        if job.cuda_event is not None:
-            job.launched.wait()  # the launcher started the batch once the D2H was done
-            if job.launch_error is not None:
-                raise job.launch_error
-            if job.d2h_events is not None:
-                begin, end, nbytes = job.d2h_events
-                self.stats.d2h_bytes += nbytes
-                self.stats.d2h_s += begin.elapsed_time(end) / 1000.0
-        job.batch.wait()
-        job.copied.set()
-        crcs = {name: job.batch.crc(i) for name, i in job.items.items()}
-        assert job.layout is not None
-        names = job.layout.names
-        for first, idx in job.groups:
-            got = np.frombuffer(job.batch.crcs(first, len(idx)), dtype=np.uint32).tolist()
-            crcs.update(zip(names, got) if len(idx) == len(names) else ((names[i], c) for i, c in zip(idx.tolist(), got)))
-        return crcs
-
-    def _persist_ring(self, job: _Job) -> dict[str, int]:
-        """Finisher thread: stream the sources through the ring; crcs by name."""
-        assert job.ring is not None and job.sources is not None
-        stream = job.ring
-        try:
-            stream.copy_all(str(job.tmp / job.fname), job.sources)
-            job.sources = None
-            job.copied.set()  # optimizer.step() may go on
-            crcs = stream.finish()
-        except BaseException:
-            stream.abandon()
-            raise
-        self.stats.d2h_bytes += stream.result.d2h_bytes
-        self.stats.d2h_s += stream.result.d2h_s
-        return crcs
-
-    def _record(self, job: _Job, crcs: dict[str, int]) -> dict[str, Any]:
-        assert job.layout is not None
-        return {"file": job.fname, "format": "hdf5", "meta": job.meta, "tensors": job.layout.record(crcs),
-                **job.placement}
-
     def _recycled(self, tmp: Path) -> bool:
         return self._recycler is not None and self._recycler.taken(tmp)
 
@@ -792,8 +326,6 @@ class ConcurrentEngine(Engine):
         staging = self._staging
         current = staging.layout if staging is not None and staging.ring is None else None
         remove_trash(self._recycler.keep(doomed, current))
-
-    # -- lifecycle ---------------------------------------------------------------
 
     def pending(self) -> list[SaveHandle]:
         with self._cond:

@@ -311,7 +311,7 @@ class _HostCopy:
     copy is a host copy whose done event the test releases (``_D2H``)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        from hpcckpt.engines import concurrent
+        from hpcckpt.engines import stage
         self.copies: list[_D2H] = []
 
         def copy_to_host(engine: ConcurrentEngine, pairs: list) -> tuple[_D2H, None]:
@@ -320,8 +320,8 @@ class _HostCopy:
             self.copies.append(_D2H())
             return self.copies[-1], None
 
-        monkeypatch.setattr(concurrent, "_routes",
-                            lambda tensors, is_safe, **_: dict.fromkeys(tensors, concurrent.DEVICE))
+        monkeypatch.setattr(stage, "routes",
+                            lambda tensors, is_safe, **_: dict.fromkeys(tensors, stage.DEVICE))
         monkeypatch.setattr(ConcurrentEngine, "_copy_to_host", copy_to_host)
         monkeypatch.setattr(ConcurrentEngine, "_all_at_once", lambda self, layout: False)
 
@@ -516,12 +516,12 @@ def test_cpu_sources_are_staged_by_save_when_a_device_copy_is_pending(
     Routed as if a D2H were pending, every CPU source is in the slot when save() returns."""
     import functools
 
-    from hpcckpt.engines import concurrent
+    from hpcckpt.engines import concurrent, stage
 
     rig.train_step()
     rig.engine.wait_prepared(timeout=60)
     want = rig.snapshot(1)
-    monkeypatch.setattr(concurrent, "_routes", functools.partial(concurrent._routes, gpu_pending=True))
+    monkeypatch.setattr(stage, "routes", functools.partial(stage.routes, gpu_pending=True))
     # staged tensor by tensor, by those routes (a host state is otherwise staged all at once)
     monkeypatch.setattr(concurrent.ConcurrentEngine, "_all_at_once", lambda self, layout: False)
     handle = rig.engine.save(rig.state.capture(step=1), 1)
@@ -537,15 +537,15 @@ def test_cpu_sources_are_staged_by_save_when_a_device_copy_is_pending(
 
 
 def test_routes_copy_cpu_sources_at_save_time_whenever_a_tensor_is_on_a_gpu() -> None:
-    from hpcckpt.engines.concurrent import DEVICE, HOST_BATCH, HOST_NOW, _routes
+    from hpcckpt.engines.stage import DEVICE, HOST_BATCH, HOST_NOW, routes
 
     tensors = {"objects/opt/state/0/step": torch.tensor(3.0), "objects/model/w": torch.ones(4),
                "objects/model/bn.running_mean": torch.zeros(4), "objects/model/t": torch.ones(4, 4).t()}
     safe = {"objects/opt/state/0/step", "objects/model/w", "objects/model/t"}.__contains__
-    assert _routes(tensors, safe) == {"objects/opt/state/0/step": HOST_BATCH, "objects/model/w": HOST_BATCH,
+    assert routes(tensors, safe) == {"objects/opt/state/0/step": HOST_BATCH, "objects/model/w": HOST_BATCH,
                                       "objects/model/bn.running_mean": HOST_NOW, "objects/model/t": HOST_NOW}
-    assert set(_routes(tensors, safe, gpu_pending=True).values()) == {HOST_NOW}
-    assert DEVICE not in _routes(tensors, safe).values()
+    assert set(routes(tensors, safe, gpu_pending=True).values()) == {HOST_NOW}
+    assert DEVICE not in routes(tensors, safe).values()
 
 
 def test_tensors_on_two_cuda_devices_are_refused_with_a_fix() -> None:
