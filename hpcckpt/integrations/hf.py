@@ -28,9 +28,10 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 from ..api import Checkpointer
+from ..checkpointer.driven import Driven
 from ..errors import ConfigError
 from ..signals import quiet_workers
 from ..state import rng_state, set_rng_state
@@ -77,10 +78,9 @@ class HpcckptTrainerCallback(TrainerCallback):  # type: ignore[misc,valid-type] 
         self.ckpt: Checkpointer | None = None
         self._trainer: Any = None
         self._rng: dict[str, Any] | None = None
-        self._steps: Iterator[int] | None = None
+        self._driven: Driven | None = None  # the Trainer's steps, from on_train_begin
         self._registered_training = False
         self._shadowed = False  # get_batch_samples shadowed on the trainer (``_train_nothing``)
-        self._pending = False
 
     # -- resume ----------------------------------------------------------------------
 
@@ -141,12 +141,9 @@ class HpcckptTrainerCallback(TrainerCallback):  # type: ignore[misc,valid-type] 
         if kwargs.get("train_dataloader") is not None:  # its workers start with the first epoch, after this
             quiet_workers(kwargs["train_dataloader"], self.ckpt.signals.signals)
         total = int(state.max_steps) if state.max_steps and state.max_steps > 0 else 2**62
-        self.ckpt.data_resumed_by = "the Hugging Face Trainer"  # it skips the trained batches itself
-        self._steps = self.ckpt.steps(total)
-        try:
-            next(self._steps)
-        except StopIteration:  # a re-run of a finished run: steps() said nothing is left, and finished
-            self._steps = None
+        # The Trainer skips the trained batches itself.
+        self._driven = self.ckpt.driven(total, by="the Hugging Face Trainer")
+        if not self._driven.begin():  # a re-run of a finished run: steps() said nothing is left, and finished
             self._train_nothing(control)
 
     def _train_nothing(self, control: Any) -> None:
@@ -165,36 +162,20 @@ class HpcckptTrainerCallback(TrainerCallback):  # type: ignore[misc,valid-type] 
         self._shadowed = True
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if control.should_evaluate:
-            # The Trainer evaluates right after this step, and evaluation draws from the global
-            # RNG (its loader's seed); a resumed run would not evaluate again, so the boundary
-            # waits until evaluation has ended (the Trainer's own checkpoints are taken there too).
-            self._pending = True
-            return
-        self._boundary()
+        # When the Trainer evaluates right after this step (its own checkpoints are taken there
+        # too), the boundary waits for the evaluation's end (Driven.boundary).
+        if self._driven is not None:
+            self._driven.boundary(wait=bool(control.should_evaluate))
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._pending:
-            self._pending = False
-            self._boundary()
-
-    def _boundary(self) -> None:
-        if self._steps is None:
-            return
-        try:
-            next(self._steps)  # the boundary: may save, or stop (RequeueExit, exit 75)
-        except StopIteration:
-            self._steps = None
+        if self._driven is not None:
+            self._driven.evaluated()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.ckpt is None:
             return
-        if self._pending:
-            self._pending = False
-            self._boundary()
-        if self._steps is not None:
-            self.ckpt._finish()  # ended before max_steps (epochs, early stopping): settle saves
-            self._steps = None
+        if self._driven is not None:
+            self._driven.end()  # ended before max_steps (epochs, early stopping): settle saves
         if self._shadowed and self._trainer is not None:
             del self._trainer.get_batch_samples  # the class's own again
             self._shadowed = False

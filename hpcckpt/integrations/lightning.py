@@ -33,12 +33,13 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import torch
 
 
 from ..api import Checkpointer
+from ..checkpointer.driven import Driven
 from ..data import ResumableSampler, find_resumable
 from ..errors import ConfigError
 from ..signals import quiet_workers
@@ -113,10 +114,9 @@ class HpcckptCallback(pl.Callback):  # type: ignore[name-defined]  # pl is found
         self.options = options
         self.ckpt: Checkpointer | None = None
         self.sampler: ResumableSampler | None = None
-        self._steps: Iterator[int] | None = None
+        self._driven: Driven | None = None  # Lightning's steps, from on_train_start
         self._rng: dict[str, Any] | None = None
         self._last_global_step = 0
-        self._pending = False
         self._epoch_turned = False
         self._closed = False
 
@@ -216,45 +216,27 @@ class HpcckptCallback(pl.Callback):  # type: ignore[name-defined]  # pl is found
         self.ckpt.signals.install()
         for loader in getattr(getattr(trainer.fit_loop, "_combined_loader", None), "flattened", None) or ():
             quiet_workers(loader, self.ckpt.signals.signals)  # where its workers have not started yet
-        self.ckpt.data_resumed_by = "Lightning"  # its restored fit loop resumes its loaders
-        self._steps = self.ckpt.steps(_total_steps(trainer))
-        try:
-            next(self._steps)
-        except StopIteration:  # nothing left: steps() said so and finished (as the HF callback)
-            self._steps = None
+        # Its restored fit loop resumes its loaders. Nothing left: steps() said so and finished.
+        self._driven = self.ckpt.driven(_total_steps(trainer), by="Lightning")
+        self._driven.begin()
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self._rng is not None:
             self._resume_rng(trainer)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        assert self.sampler is not None and self._steps is not None
+        assert self.sampler is not None and self._driven is not None
         size = int(trainer.fit_loop._combined_loader.flattened[0].batch_size or 1)
         self.sampler.advance(min(size, self.sampler.per_rank - self.sampler.consumed))
         if int(trainer.global_step) == self._last_global_step:
             return  # accumulating gradients: not a step boundary
         self._last_global_step = int(trainer.global_step)
-        if self._validation_follows(trainer):
-            # Validation runs right after this batch and draws from the global RNG (its
-            # loader's seed); a resumed run would not run it again, so the boundary waits
-            # until validation has ended and the state holds what it changed.
-            self._pending = True
-            return
-        self._boundary()
+        # When validation runs right after this batch, the boundary waits for its end (Driven.boundary).
+        self._driven.boundary(wait=self._validation_follows(trainer))
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        if self._pending:
-            self._pending = False
-            self._boundary()
-
-    def _boundary(self) -> None:
-        """The step just finished; the boundary may save, or stop (RequeueExit, exit 75)."""
-        if self._steps is None:
-            return
-        try:
-            next(self._steps)
-        except StopIteration:
-            self._steps = None
+        if self._driven is not None:
+            self._driven.evaluated()
 
     @staticmethod
     def _validation_follows(trainer: Any) -> bool:
@@ -265,14 +247,10 @@ class HpcckptCallback(pl.Callback):  # type: ignore[name-defined]  # pl is found
             return False
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if self._pending:
-            self._pending = False
-            self._boundary()
-        if self.ckpt is not None and self._steps is not None:
-            # Training ended before the step count Lightning estimated (max_epochs with a
-            # shorter last epoch, early stopping): settle pending saves as steps() would.
-            self.ckpt._finish()
-            self._steps = None
+        if self.ckpt is not None and self._driven is not None:
+            # Training may end before the step count Lightning estimated (max_epochs with a
+            # shorter last epoch, early stopping): pending saves are settled as steps() would.
+            self._driven.end()
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         if self.ckpt is not None and not self.ckpt._started:

@@ -189,14 +189,15 @@ def test_a_stop_writes_the_figures_before_its_requeue(ckdir: Path, monkeypatch: 
     monkeypatch.setattr(Policy, "observe_save", lambda self, save_s, stall_s=None, *, capture_s=0.0: (
         setattr(self, "save_cost_s", cost["save"]), setattr(self, "_measured", True)))
     monkeypatch.setattr(Policy, "observe_step", lambda self, dt: setattr(self, "step_s", 0.002))
+    from hpcckpt.lifecycle.stop import Stop
     at_requeue: list[float | None] = []
-    real_requeue = Checkpointer._requeue
+    real_requeue = Stop.requeue
 
-    def requeue(self: Checkpointer, reason: object) -> dict:
+    def requeue(self: Stop, reason: object, committed_step: int | None) -> dict:
         at_requeue.append(Figures.read(ckdir).save_s)
-        return real_requeue(self, reason)  # type: ignore[arg-type]
+        return real_requeue(self, reason, committed_step)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(Checkpointer, "_requeue", requeue)
+    monkeypatch.setattr(Stop, "requeue", requeue)
     objs = tiny_state(0)
     with pytest.raises(RequeueExit):
         with Checkpointer(ckdir, every_steps=1) as ck:

@@ -73,7 +73,7 @@ def test_a_measured_save_is_not_replaced_by_an_estimate(ckdir: Path, monkeypatch
     clock = Clock()
     monkeypatch.setenv("HPCCKPT_END_TIME", str(clock.t + 600))
     called: list[int] = []
-    monkeypatch.setattr("hpcckpt.api.estimate_save_s", lambda root, n: called.append(n) or (0.01, 1e9))
+    monkeypatch.setattr("hpcckpt.lifecycle.stop.estimate_save_s", lambda root, n: called.append(n) or (0.01, 1e9))
     objs = tiny_state(0)
     with Checkpointer(ckdir, every_steps=None) as ck:
         ck.policy.clock = clock

@@ -24,10 +24,10 @@ pytestmark = pytest.mark.native
 
 SCRIPT = r"""
 import json, os, sys, time, torch
-import hpcckpt.api
+import hpcckpt.checkpointer.passes
 from torch.utils.data import DataLoader, TensorDataset
 from hpcckpt import Checkpointer
-hpcckpt.api.LONG_TAIL_S = 0.2
+hpcckpt.checkpointer.passes.LONG_TAIL_S = 0.2
 torch.manual_seed(0)
 ds = TensorDataset(torch.randn(48, 5), torch.randint(0, 3, (48,)))
 loader = DataLoader(ds, batch_size=6, shuffle=True)
