@@ -12,6 +12,7 @@ compares every step.
 """
 import argparse
 import os
+import time
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -22,6 +23,7 @@ from hpcckpt import Checkpointer
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--step-sleep-s", type=float, default=0.0)  # stands in for a larger model's step
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -41,6 +43,7 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             ckpt.report_loss(loss)                     # optional: hpcckpt check compares the losses too
+            time.sleep(args.step_sleep_s)
         scheduler.step()
         print(f"epoch {epoch} step {ckpt.step} loss {loss.item():.6f}", flush=True)
 

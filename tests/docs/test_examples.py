@@ -29,7 +29,7 @@ SLURM_RUN = [b for b in ALL if b.mark == "run" and (b.name or "").endswith("-slu
 def test_the_pages_have_examples_and_run_blocks() -> None:
     names = {b.name for b in RUN}
     assert {"getting-started-laptop", "getting-started-check", "own-checkpoints-local", "criu-local"} <= names, names
-    assert {b.name for b in SLURM_RUN} >= {"getting-started-slurm"}
+    assert {b.name for b in SLURM_RUN} >= {"getting-started-slurm", "own-checkpoints-slurm", "criu-slurm"}
     assert {b.name for b in ALL if b.mark == "example"} >= {"examples/train.py", "examples/own_train.py",
                                                             "examples/plain_train.py"}
 

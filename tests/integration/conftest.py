@@ -188,12 +188,18 @@ def _worker_index() -> int | None:
     return int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else None
 
 
+# The cluster settings the suite was started with (HPCCKPT_CLUSTER_DIR, _PORT, _FIRST_JOB_ID):
+# read at import, since each test's environment is cleared of HPCCKPT_* (tests/conftest.py),
+# and a test that starts `slurm/localcluster` itself must meet the cluster its fixture started.
+_OUTER_CLUSTER = {k: v for k, v in os.environ.items() if k.startswith("HPCCKPT_CLUSTER_")}
+
+
 def _cluster_env() -> dict[str, str]:
     """The environment for slurm/localcluster: outside xdist its defaults (or what the
     user set); worker k gets /tmp/hpcckpt-localcluster-gwK, ports 100*(k+1) above the
     default ones and job ids from 1000*(k+1) (templates derive MASTER_PORT from the job
     id), so no two workers' daemons or jobs ever meet."""
-    env = dict(os.environ)
+    env = {**os.environ, **_OUTER_CLUSTER}
     index = _worker_index()
     if index is not None:
         env["HPCCKPT_CLUSTER_DIR"] = f"/tmp/hpcckpt-localcluster-gw{index}"
