@@ -11,13 +11,16 @@ torchtitan's Trainer does, with torchtitan's own ``OptimizersContainer`` and
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from hpcckpt.store import catalog
 from tests.conftest import REPO
@@ -85,6 +88,8 @@ def test_a_torchtitan_job_preempted_mid_run_resumes_bit_identical(titan: str, tm
     sharded = sorted(n for n, s in m["shared"].items() if s["kind"] == "sharded")
     assert len(sharded) == 12 and all(n.startswith(("objects/model/", "objects/optimizer/state/"))
                                       for n in sharded), sharded
+    if titan == "shaped":
+        check_inspect_regions(job / "ckpt", m)
     run_world(job, "--phase", "run", "--total", "6", "--titan", titan)
     second = results(job, "run")
     assert all(r["loaded"] is True and r["start_step"] == 3 and r["step"] == 6 and "requeue_step" not in r
@@ -95,3 +100,46 @@ def test_a_torchtitan_job_preempted_mid_run_resumes_bit_identical(titan: str, tm
                             f"torchtitan ({titan}): rank {r} at step 6, preempted at 3, vs uninterrupted")
     m = catalog.find(job / "ckpt", None).manifest
     assert m is not None and m["step"] == 6, m and m["step"]  # the finished run's checkpoint
+
+
+def _byte_ranges(shape: list[int], index: list[list[list[int]]], itemsize: int) -> list[list[int]]:
+    """The contiguous byte ranges of the row-major tensor that a region covers, by brute force."""
+    idx = torch.arange(int(torch.tensor(shape).prod())).reshape(shape)
+    for d, dim in enumerate(index):
+        idx = idx.index_select(d, torch.cat([torch.arange(a, b) for a, b in dim]))
+    flat = sorted(idx.reshape(-1).tolist())
+    out = [[flat[0], flat[0] + 1]]
+    for i in flat[1:]:
+        if i == out[-1][1]:
+            out[-1][1] += 1
+        else:
+            out.append([i, i + 1])
+    return [[a * itemsize, b * itemsize] for a, b in out]
+
+
+def check_inspect_regions(root: Path, m: dict[str, Any]) -> None:
+    """``hpcckpt inspect`` of the 2x2 checkpoint: each DTensor's global shape and each shard's region
+    (index ranges per dimension, the tensor's byte ranges it covers) as the manifest records them."""
+    out = subprocess.run([sys.executable, "-m", "hpcckpt.cli", "inspect", str(root), "--json"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    view = {s["name"]: s for s in json.loads(out.stdout)["shared"]}
+    w0 = view["objects/model/0.weight"]
+    assert w0["shape"] == [510, 64] and w0["kind"] == "sharded"
+    # FSDP x TP: TP halves of 255 rows, FSDP shards of 128 and 127 rows within each: row ranges, each one byte range
+    assert sorted((p["rank"], p["region"]["index"][0][0][0], p["region"]["byte_ranges"]) for p in w0["pieces"]) == [
+        (0, 0, 1), (1, 255, 1), (2, 128, 1), (3, 383, 1)], w0["pieces"]
+    w2 = view["objects/model/2.weight"]  # row-wise TP: column halves, FSDP row halves: 16 ranges each
+    assert w2["shape"] == [32, 510] and {p["region"]["byte_ranges"] for p in w2["pieces"]} == {16}
+    for s in view.values():
+        if s["kind"] != "sharded":
+            continue
+        for p in s["pieces"]:
+            r = p["region"]
+            want = _byte_ranges(s["shape"], r["index"], 4)
+            assert r["byte_ranges"] == len(want) and r["first_ranges"] == want[:4] and r["last_range"] == want[-1], (
+                s["name"], p["rank"], r, want[:4], want[-1])
+            assert sum(b - a for a, b in want) == p["nbytes"]
+    text = subprocess.run([sys.executable, "-m", "hpcckpt.cli", "inspect", str(root)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120).stdout
+    assert "[0:16, 0:255] = 16 byte ranges of 1020 B of the tensor, 0..1020 to 30600..31620" in text, text
