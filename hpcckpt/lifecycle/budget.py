@@ -1,9 +1,13 @@
 """Per-cause requeue budgets, persisted across restarts in ``state_dir/requeue-budget.json``.
 
 A job may be requeued a bounded number of times per cause (time limit, preemption,
-failure...). Failures that make no progress (the committed step did not advance since
-the previous failure) count separately: after ``max_failures_without_progress`` the
-job stops requeueing instead of crash-looping through the queue forever.
+failure...). The one no-progress guard lives here too, in the same file (``without_progress``): it
+counts, by kind, the allocations in a row that ended without progress. Failures whose
+committed step did not advance since the previous failure (``charge``): after
+``max_failures_without_progress`` the job stops requeueing instead of crash-looping
+through the queue forever. In-process runs that reached their deadline without committing
+past the step they started at (``no_progress``, from ``lifecycle.stop``): at the second in
+a row the run is refused, not requeued.
 
 Nothing here may hold up a stopping job: the lock is waited for at most
 ``LOCK_WAIT_S`` and the file is read only when it is a regular file of bounded size;
@@ -78,10 +82,16 @@ class BudgetDecision:
     reason: str
 
 
+# What the no-progress guard counts (``without_progress``): "failure", a failure whose committed
+# step is the previous failure's; "deadline", an allocation that reached its deadline without a
+# newer committed step than it started at.
+NO_PROGRESS_KINDS = ("failure", "deadline")
+
+
 @dataclass(kw_only=True)
 class _BudgetState:
     counts: dict[str, int] = field(default_factory=dict)
-    failures_without_progress: int = 0
+    without_progress: dict[str, int] = field(default_factory=dict)  # kind -> allocations in a row
     last_failure_step: int | None = None
     charged: list[str] = field(default_factory=list)
     history: list[dict[str, object]] = field(default_factory=list)
@@ -97,18 +107,25 @@ class _BudgetState:
                 f"{path} is unreadable ({err}); delete it to reset the requeue budgets") from err
         if not isinstance(raw, dict):
             raise ConfigError(f"{path} holds no budget record; delete it to reset the requeue budgets")
+        counted = raw.get("without_progress") or {"failure": raw.get("failures_without_progress", 0)}  # or as before
         return cls(counts={str(k): int(v) for k, v in raw.get("counts", {}).items()},
-                   failures_without_progress=int(raw.get("failures_without_progress", 0)),
+                   without_progress={str(k): int(v) for k, v in counted.items() if k in NO_PROGRESS_KINDS},
                    last_failure_step=raw.get("last_failure_step"),
                    charged=list(raw.get("charged", [])),
                    history=list(raw.get("history", [])))
 
     def save(self, path: Path) -> None:
-        doc = {"counts": self.counts, "failures_without_progress": self.failures_without_progress,
+        doc = {"counts": self.counts, "without_progress": self.without_progress,
                "last_failure_step": self.last_failure_step, "charged": self.charged[-50:],
                "history": self.history[-200:]}
         # 0600: the budget is this job's own state, not for other users to read or edit.
         atomic_write(path, json.dumps(doc, indent=1, sort_keys=True), mode=0o600)
+
+    def count_without_progress(self, kind: str, *, progressed: bool) -> int:
+        """The no-progress guard: one more allocation of ``kind`` without progress (or none,
+        ``progressed``); the count of such allocations in a row, this one included."""
+        self.without_progress[kind] = 0 if progressed else self.without_progress.get(kind, 0) + 1
+        return self.without_progress[kind]
 
 
 def charge(state_dir: Path, cause: Cause | str, *, attempt: str,
@@ -184,12 +201,12 @@ def _decide(state: _BudgetState, key: str, cause: Cause, attempt: str,
                               reason=f"attempt {attempt} already charged")
     if cause in (Cause.FAILURE, Cause.RANK_FAILURE):  # a rank failure may be a bug that repeats too
         stuck = state.last_failure_step is not None and committed_step == state.last_failure_step
-        state.failures_without_progress = state.failures_without_progress + 1 if stuck else 0
+        in_a_row = state.count_without_progress("failure", progressed=not stuck)
         state.last_failure_step = committed_step
-        if state.failures_without_progress >= opts.max_failures_without_progress:
+        if in_a_row >= opts.max_failures_without_progress:
             return BudgetDecision(
                 allowed=False, key=key, used=used, limit=limit,
-                reason=(f"crash loop: {state.failures_without_progress + 1} failures in a row "
+                reason=(f"crash loop: {in_a_row + 1} failures in a row "
                         f"without progress past step {committed_step}; not requeueing. Fix the "
                         "error in the job's log, then resubmit (or raise "
                         "HPCCKPT_REQUEUE_MAX_FAILURES_WITHOUT_PROGRESS)"))
@@ -200,3 +217,32 @@ def _decide(state: _BudgetState, key: str, cause: Cause, attempt: str,
                     f"HPCCKPT_REQUEUE_MAX_{key.upper()} or resubmit by hand"))
     return BudgetDecision(allowed=True, key=key, used=used + 1, limit=limit,
                           reason=f"{key} requeue {used + 1}/{limit}")
+
+
+def no_progress(state_dir: Path, kind: str, *, progressed: bool) -> int | None:
+    """Count one allocation of ``kind`` (``NO_PROGRESS_KINDS``) for the no-progress guard, in the
+    budget file under its lock: the allocations of that kind in a row without progress, this one
+    included (0: it progressed). None when the file cannot be used (its lock held past
+    ``LOCK_WAIT_S``, unreadable, unwritable): the guard is not consulted, and said so, as the
+    budget itself, so that a stuck file never strands a stopped job."""
+    if kind not in NO_PROGRESS_KINDS:
+        raise ValueError(f"no-progress kind {kind!r}; one of {', '.join(NO_PROGRESS_KINDS)}")
+    log = logging.getLogger("hpcckpt.lifecycle")
+    state_dir.mkdir(parents=True, exist_ok=True)
+    path = state_dir / BUDGET_FILE
+    try:
+        lock = _open_regular(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT)
+    except OSError as exc:
+        log.error("hpcckpt: the no-progress guard is not consulted: its lock file is unusable (%s)", exc)
+        return None
+    try:
+        _flock_bounded(lock, LOCK_WAIT_S, path.with_name(path.name + ".lock"))
+        state = _BudgetState.load(path)
+        count = state.count_without_progress(kind, progressed=progressed)
+        state.save(path)
+        return count
+    except (LedgerBusy, ConfigError, OSError) as exc:
+        log.error("hpcckpt: the no-progress guard is not consulted: %s", exc)
+        return None
+    finally:
+        os.close(lock)

@@ -4,7 +4,7 @@ At each step boundary ``Stop.at_boundary`` gathers what asks for a stop (a signa
 deadline, a maintenance window, ``HPCCKPT_STOP_AT_STEPS``) and every rank agrees on the
 most urgent. ``Stop.stop`` then runs the stop in this order: the mode's final save (a
 callback the mode hands in; the stop knows nothing of engines), the no-progress guard
-(``no_progress``), the ``stop`` record, the figures, the requeue (``lifecycle.requeue``),
+(``no_progress``, counted by ``budget.no_progress``), the ``stop`` record, the figures, the requeue (``lifecycle.requeue``),
 the mode's close, and ``RequeueExit`` (exit 75) or ``RefusedExit`` (exit 1). The costs it
 judges by (step and save times, the stop's lead) are the ``Policy``'s measurements, and the
 state's size for a first estimate comes as a value; it imports no mode.
@@ -29,6 +29,7 @@ from ..errors import HpcckptError
 from ..exitcodes import EXIT_PROBLEM, EXIT_REQUEUE, flush_and_exit
 from ..policy import WARNING_SIGNALS, Figures, Policy, StopReason, estimate_save_s
 from ..signals import AfterRun, Received, SignalRecorder
+from .budget import no_progress
 from .ledger import Ledger
 from .requeue import requeue
 
@@ -38,6 +39,10 @@ if TYPE_CHECKING:
     from ..ranks import Ranks
 
 log = logging.getLogger("hpcckpt")
+
+# Allocations in a row that reach their deadline without a newer committed step before the job
+# is refused (exit 1) instead of requeued: one may be a slow start; two would repeat forever.
+DEADLINES_WITHOUT_PROGRESS = 2
 
 
 class RequeueExit(SystemExit):
@@ -159,13 +164,13 @@ class Stop:
         """After a deadline stop: why requeueing would livelock (None: requeue).
 
         Counts the allocations in a row that ended at their deadline without a newer
-        committed step (kept in the figures file); at the second one the job stops."""
+        committed step (the one no-progress guard, ``budget.no_progress``, in the requeue
+        budget's file); at the second one the job stops."""
         if reason is not StopReason.DEADLINE or not self.ranks.is_coordinator:
             return None
         progressed = run.committed_step is not None and run.committed_step > run.start_step
-        self.figures.no_progress = 0 if progressed else self.figures.no_progress + 1
-        self.figures.write(self.root)
-        if self.figures.no_progress < 2:
+        in_a_row = no_progress(self.root, "deadline", progressed=progressed)
+        if in_a_row is None or in_a_row < DEADLINES_WITHOUT_PROGRESS:
             return None
         startup = f"; this run's start-up took {run.startup_s:.0f}s" if run.startup_s is not None else ""
         return (f"two allocations in a row reached their deadline without progress (step {run.step}); "

@@ -7,6 +7,7 @@ without progress stop the job instead of requeueing it forever.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -18,6 +19,7 @@ import pytest
 from hpcckpt.api import Checkpointer, RefusedExit, RequeueExit
 from hpcckpt.errors import ConfigError
 from hpcckpt.exitcodes import EXIT_PROBLEM, EXIT_REQUEUE
+from hpcckpt.lifecycle.budget import BUDGET_FILE, no_progress
 from hpcckpt.lifecycle.ledger import Ledger
 from hpcckpt.policy import Figures
 from hpcckpt.store import catalog
@@ -58,6 +60,11 @@ def stopped(ckdir: Path, monkeypatch: pytest.MonkeyPatch, events: dict[int, Call
 def usr2(_clock: Clock) -> None:
     os.kill(os.getpid(), signal.SIGUSR2)  # the scheduler's warning, 200 s early
 
+
+
+def _deadlines_without_progress(ckdir: Path) -> int:
+    """The no-progress guard's count of deadline stops in a row (the requeue budget's file)."""
+    return int(json.loads((ckdir / BUDGET_FILE).read_text())["without_progress"]["deadline"])
 
 def test_a_warning_long_before_the_deadline_stops_there_not_at_once(ckdir: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
@@ -149,19 +156,20 @@ def test_an_allocation_whose_start_up_took_its_time_requeues_once_then_refuses(
             stop = [e for e in events if e["event"] == "stop"][-1]
             assert (stop["reason"], stop["step"], stop["committed_step"], stop["requeue"]) == ("deadline", 0, None, True)
             assert stop["final_saved"] is False and not catalog.scan(ckdir)  # nothing trained, nothing to keep
-            assert Figures.read(ckdir).no_progress == 1
+            assert _deadlines_without_progress(ckdir) == 1
         else:
             assert isinstance(exc.value, RefusedExit) and exc.value.code == EXIT_PROBLEM
             assert "two allocations in a row" in exc.value.reason
             assert "start-up took 70s" in exc.value.reason, exc.value.reason
-            assert events[-1]["event"] == "refused" and Figures.read(ckdir).no_progress == 2
+            assert events[-1]["event"] == "refused" and _deadlines_without_progress(ckdir) == 2
 
 
 def test_two_deadline_stops_in_a_row_without_progress_stop_the_job(ckdir: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     clock = Clock()
     ckdir.mkdir(parents=True)
-    Figures(save_s=0.05, step_s=0.01, no_progress=1).write(ckdir)  # the previous allocation made none
+    Figures(save_s=0.05, step_s=0.01).write(ckdir)
+    assert no_progress(ckdir, "deadline", progressed=False) == 1  # the previous allocation made none
     monkeypatch.setenv("HPCCKPT_END_TIME", str(clock.t + 60))
     objs = tiny_state(0)
     with pytest.raises(RefusedExit) as exc:
@@ -176,7 +184,7 @@ def test_two_deadline_stops_in_a_row_without_progress_stop_the_job(ckdir: Path,
                 train_step(objs)
                 clock.t += 30
     assert "two allocations in a row" in exc.value.reason and "--time" in exc.value.reason
-    assert Figures.read(ckdir).no_progress == 2
+    assert _deadlines_without_progress(ckdir) == 2
     assert not [e for e in Ledger(ckdir).read() if e["event"] == "requeue"]
 
 
