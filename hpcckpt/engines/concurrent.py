@@ -62,6 +62,7 @@ from ..ranks import Ranks
 from ..state import Flat, TrainState
 from ..store.commit import remove_trash
 from ..store.layout import Layout
+from ..store.names import HDF5, rank_file
 from .base import SaveContext, SaveHandle
 from .finisher import Finisher
 from .hooks import StepHooks
@@ -117,7 +118,7 @@ class ConcurrentEngine(StepHooks, Stager, Finisher):
         self._stream: Any = None
         self._closed = False
         # A pruned checkpoint's rank file reused by the next save (one rank, no levels).
-        self._recycler = (Recycler(ctx.root, f"rank-{ranks.rank}.h5")
+        self._recycler = (Recycler(ctx.root, rank_file(ranks.rank, HDF5))
                           if ranks.world == 1 and ctx.levels is None and ctx.keep is not None else None)
         self._finisher = threading.Thread(target=self._finish_loop, name="hpcckpt-finisher", daemon=True)
         self._finisher.start()
@@ -223,7 +224,7 @@ class ConcurrentEngine(StepHooks, Stager, Finisher):
     def _start_paused(self, flat: Flat, step: int, handle: SaveHandle, started: float) -> None:
         tensors = dict(flat.tensors)
         tmp = self.temp_path(step)
-        fname = f"rank-{self.ranks.rank}.h5"
+        fname = rank_file(self.ranks.rank, HDF5)
         slot: Slot | None = None
         try:
             staging = self._staging_for(tensors)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..ranks import Ranks
+from ..store.names import HDF5, rank_record
 from .base import Engine
 from .job import SaveJob
 from .staging import EngineStats, Slot
@@ -126,5 +127,4 @@ class Finisher(Engine):
 
     def _record(self, job: SaveJob, crcs: dict[str, int]) -> dict[str, Any]:
         assert job.layout is not None
-        return {"file": job.fname, "format": "hdf5", "meta": job.meta, "tensors": job.layout.record(crcs),
-                **job.placement}
+        return rank_record(file=job.fname, fmt=HDF5, meta=job.meta, tensors=job.layout.record(crcs), **job.placement)

@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from ..store.layout import Layout
+from ..store.names import LAYOUT_SCRATCH
 from ..store.hostmem import make_slots
 from ..store.prefetch import mem_available
 from .staging import EngineStats, Key, Ring, Staging, auto_staging_bytes, local_ranks, ring_shape
@@ -47,7 +48,7 @@ def build_staging(key: Key, root: Path, *, staging_bytes: int | str | None, ring
     specs, device = key
     pin = device is not None
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd, scratch = tempfile.mkstemp(dir=root, prefix=".hpcckpt-layout-", suffix=".h5")
+    fd, scratch = tempfile.mkstemp(dir=root, prefix=LAYOUT_SCRATCH[0], suffix=LAYOUT_SCRATCH[1])
     os.close(fd)
     try:
         layout = Layout.plan(Path(scratch), specs)

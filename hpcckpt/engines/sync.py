@@ -11,6 +11,7 @@ from typing import Any
 
 from ..state import Flat
 from ..store import torchfile
+from ..store.names import TORCH, rank_file, rank_record
 from .base import Engine, SaveHandle
 
 
@@ -41,10 +42,11 @@ class SyncEngine(Engine):
 
     def _write(self, flat: Flat, step: int, tmp: Path) -> tuple[dict[str, Any] | None, Exception | None]:
         """(commit record, None) or (None, the error): this rank's file in the save's temp dir."""
-        fname = f"rank-{self.ranks.rank}.pt"
+        fname = rank_file(self.ranks.rank, TORCH)
         try:
             tmp.mkdir(mode=0o700, parents=True, exist_ok=True)  # as Transaction.temp_dir, without a collective
-            return {"file": fname, "meta": flat.meta, **torchfile.write(tmp / fname, flat.tensors),
-                    **self.placement_fields(flat)}, None
+            written = torchfile.write(tmp / fname, flat.tensors)
+            return rank_record(file=fname, fmt=written.pop("format"), meta=flat.meta, tensors=written.pop("tensors"),
+                               **written, **self.placement_fields(flat)), None
         except Exception as exc:  # every rank must still take part in the commit exchange
             return None, exc

@@ -58,14 +58,15 @@ from ..fsio import owned_private, safe_parent, write_all
 from ..ranks import Ranks
 from ..store import catalog
 from ..store.commit import atomic_write, discard, fsync_path, read_manifest, read_regular, write_new_durable
-from ..store.scavenge import POINTER, level_key  # the pointer in each node-local root, read by the scavenge
+from ..store.names import LINEAGE  # in the shared directory: the run lineage its node-local copies must carry
+from ..store.names import POINTER  # in each node-local root: read by the scavenge
+from ..store.scavenge import level_key
 from .topology import Topology
 
 __all__ = ["Levels", "Topology", "POINTER", "LINEAGE", "local_root", "shared_lineage", "step_lineage"]
 
 log = logging.getLogger("hpcckpt.levels")
 
-LINEAGE = ".hpcckpt-lineage"  # in the shared directory: the run lineage its node-local copies must carry
 _LINEAGE_RE = re.compile(r"[0-9a-f]{32}")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # A node-local level that fails with these is given up for the shared level (``Levels.degraded``),

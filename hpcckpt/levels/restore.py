@@ -33,6 +33,7 @@ from typing import Any
 from ..ranks import Ranks
 from ..store import catalog, manifest as manifests
 from ..store.commit import MANIFEST, TMP_MARK, discard, fsync_path, read_manifest, verify_files
+from ..store.names import partial
 from . import Levels, step_lineage
 
 log = logging.getLogger("hpcckpt.levels")
@@ -154,10 +155,10 @@ def prepare(levels: Levels, ranks: Ranks, *, verify: int | None = None) -> tuple
             target = levels.local / f"{name}{TMP_MARK}restore-{secrets.token_hex(4)}"
             target.mkdir(mode=0o700)
         sends = [(int(t[1]), str(levels.local / name / t[2]), int(t[3])) for t in mine if t[0] == topo.rank]
-        recvs = [(int(t[0]), str(target / f".{t[2]}.part"), int(t[3])) for t in incoming]
+        recvs = [(int(t[0]), str(target / partial(t[2])), int(t[3])) for t in incoming]
         ranks.exchange_files(sends, recvs)
         for t in incoming:
-            os.replace(target / f".{t[2]}.part", target / t[2])
+            os.replace(target / partial(t[2]), target / t[2])
         if incoming:
             fsync_path(target)
             if target.name != name:

@@ -19,6 +19,7 @@ from . import rankfile
 from .entry import TensorEntry
 from .lock import reader_lock
 from .manifest import NEWER, validate, validate_meta
+from .names import step_name
 from .prefetch import Prefetch
 from .tensortable import TensorTable
 
@@ -29,10 +30,6 @@ STEP_RE = re.compile(r"\Astep-(0|[1-9][0-9]*)\Z")
 STEP_TMP_RE = re.compile(r"\Astep-(0|[1-9][0-9]*)\.tmp-")
 STALE_TMP_AGE_S = 600.0
 SCAN_ATTEMPTS = 50
-
-
-def step_name(step: int) -> str:
-    return f"step-{step}"
 
 
 @dataclass

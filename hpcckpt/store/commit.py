@@ -33,13 +33,10 @@ from ..fsio import TMP_MARK, fsync_path, write_all
 from ..fsio import atomic_write as atomic_write  # the package's one durable write: the store's too
 from .checksum import fd_crc32c
 from .manifest import decode, encode, refuse_newer, safe_relpath
+from .names import LATEST, MANIFEST, SPARE_PREFIX, TRASH_PREFIX
 
-MANIFEST = "manifest.json"
-LATEST = "LATEST"
-TRASH_PREFIX = ".trash-"  # directories being deleted: never listed (see ``discard``)
-# A pruned step directory a live engine keeps to write its next save into
-# (``engines/recycle``); never listed, swept once a crash left it this old.
-SPARE_PREFIX = ".spare-"
+# A pruned step directory a live engine keeps to write its next save into (SPARE_PREFIX,
+# ``engines/recycle``) is never listed, and swept once a crash left it this old.
 STALE_SPARE_AGE_S = 600.0
 # ~250 bytes a tensor: 64 MiB is some 250,000 tensors, far beyond any model's state; a
 # larger "manifest" is refused before it is parsed (parsing is the cost of every listing).

@@ -32,9 +32,8 @@ from typing import Any, Iterator
 from filelock import FileLock, Timeout
 
 from ..errors import ConfigError, HpcckptError
+from .names import LEASE_NAME, LOCK_NAME
 
-LOCK_NAME = ".hpcckpt.lock"
-LEASE_NAME = ".hpcckpt.writer"
 SAME_JOB_WAIT_S = 60.0  # how long a requeued job waits for its previous instance to die
 _POLL_S = 0.25
 

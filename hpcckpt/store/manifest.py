@@ -27,9 +27,10 @@ from typing import Any, Mapping
 
 from ..errors import CheckpointCorrupt
 from .entry import ITEMSIZE, dtype_itemsize
+from .names import HDF5, RANK_FORMATS, TORCH
 from .tensortable import TableError, TensorTable
 
-FORMATS = ("hdf5", "torch")
+FORMATS = RANK_FORMATS  # the rank files' formats (store.names)
 # Manifest formats. v2: distributed tensors (``placement``); v3: v2 with each rank's tensor
 # records as columns (``tensor_table``, ``store.tensortable``); v4: v3 with the columns of
 # whole numbers packed (one base64 string each).
@@ -114,7 +115,7 @@ def _tensor(name: str, e: Any, fmt: str, file_bytes: int, where: str) -> None:
         if (itemsize is not None and type(shape) is list and len(shape) <= MAX_DIMS and type(nbytes) is int
                 and type(crc) is int and 0 <= crc <= _U32 and 0 <= nbytes <= file_bytes
                 and all(type(d) is int and d >= 0 for d in shape) and math.prod(shape) * itemsize == nbytes):
-            if fmt != "hdf5" and "offset" not in e:  # the sync format's offsets are optional
+            if fmt != HDF5 and "offset" not in e:  # the sync format's offsets are optional
                 return
             offset = e.get("offset")
             if type(offset) is int and 0 <= offset <= MAX_FILE_BYTES and (not nbytes or offset + nbytes <= file_bytes):
@@ -139,7 +140,7 @@ def _tensor_explained(name: str, e: Any, fmt: str, file_bytes: int, where: str) 
     if nbytes > file_bytes:
         raise Invalid(f"{what} claims {nbytes} bytes, more than its {file_bytes}-byte file holds")
     _int(e.get("crc32c", 0), f"{what} crc32c", hi=_U32)
-    if fmt == "hdf5" or "offset" in e:
+    if fmt == HDF5 or "offset" in e:
         offset = _int(e.get("offset"), f"{what} offset", hi=MAX_FILE_BYTES)
         if nbytes and offset + nbytes > file_bytes:
             raise Invalid(f"{what} spans bytes {offset}..{offset + nbytes}, past the end of its "
@@ -237,9 +238,9 @@ def _table(t: TensorTable, fmt: str, file_bytes: int, where: str) -> None:
         seen: set[str] = set()
         twice = next(n for n in t.names if n in seen or seen.add(n))  # type: ignore[func-returns-value]
         raise Invalid(f"{where} tensor table lists tensor {twice!r} twice")
-    if t.sound(ITEMSIZE, file_bytes=file_bytes, offsets=fmt == "hdf5" or t.has_offsets(), max_dims=MAX_DIMS):
+    if t.sound(ITEMSIZE, file_bytes=file_bytes, offsets=fmt == HDF5 or t.has_offsets(), max_dims=MAX_DIMS):
         return
-    if fmt == "hdf5" and not t.has_offsets() and t.names:
+    if fmt == HDF5 and not t.has_offsets() and t.names:
         raise Invalid(f"{where} tensor table of an HDF5 file has no offsets")
     for i, name in enumerate(t.names):
         _tensor(name, t.record(i), fmt, file_bytes, where)
@@ -260,10 +261,10 @@ def _bounded(fname: str, file_bytes: int, listed: list[tuple[int, Any, str]]) ->
     the replicated ones in the writer's record alone)."""
     if len(listed) == 1:  # the usual case, a file per rank: its table as it is
         rank, tensors, fmt = listed[0]
-        held = TensorTable.from_records(tensors).held_bytes(summed=fmt == "torch")
+        held = TensorTable.from_records(tensors).held_bytes(summed=fmt == TORCH)
         count = len(tensors)
     else:
-        summed = any(fmt == "torch" for _r, _t, fmt in listed)
+        summed = any(fmt == TORCH for _r, _t, fmt in listed)
         sizes: dict[str, int] = {}  # name -> the most bytes any record gives it
         ends = 0  # where the last range that holds bytes ends (files with offsets)
         for _r, tensors, _fmt in listed:
@@ -365,7 +366,7 @@ def validate(manifest: Mapping[str, Any], *, step: int | None, meta: bool = True
         listed.setdefault(fname, []).append((r, tensors, rfmt))
     for fname, recs in listed.items():
         # a file read whole (a torch archive, or a whole-file crc32c): no bigger than what it holds
-        if any(rfmt == "torch" for _r, _t, rfmt in recs) or "crc32c" in files[fname]:
+        if any(rfmt == TORCH for _r, _t, rfmt in recs) or "crc32c" in files[fname]:
             _bounded(fname, files[fname]["bytes"], recs)
     for name, spec in shared.items():
         _shared(name, spec, ranks, world)

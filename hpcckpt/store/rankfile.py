@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from ..errors import CheckpointCorrupt
 from .entry import TensorEntry
 from .manifest import FORMATS
+from .names import TORCH
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +41,7 @@ def read(path: Path, rec: Mapping[str, Any], entries: Mapping[str, TensorEntry],
     """The tensors ``entries`` of one rank file, verified; HDF5 ones in place where ``into`` matches."""
     from . import hdf5, torchfile
 
-    if _format(path, rec) == "torch":
+    if _format(path, rec) == TORCH:
         got = torchfile.read(path, rec)
         return {n: got[n] for n in entries}
     return hdf5.read_tensors(path, entries, into=into, stats=stats)
@@ -50,7 +51,7 @@ def verify(path: Path, rec: Mapping[str, Any], *, whole: FileCrc | None = None) 
     """Every damaged tensor of one rank file (an empty list when it reads back intact);
     ``rec``: the rank's manifest record, already validated. ``whole``: the whole file's
     crc32c as well, from the same reads (left None where the format's reader cannot)."""
-    if _format(path, rec) == "torch":
+    if _format(path, rec) == TORCH:
         from . import torchfile
         return torchfile.verify(path, rec, whole=whole)
     from . import hdf5

@@ -25,6 +25,7 @@ from . import catalog, hdf5, rankfile, regions
 from .hdf5 import TensorEntry
 from .hostmem import one_cuda_device
 from .manifest import DISTRIBUTED_FORMATS
+from .names import HDF5
 from .placement import _is_dtensor, dtensor_region
 from .shared import source_rank
 
@@ -92,7 +93,7 @@ def _read_local(info: catalog.CheckpointInfo, rec: Mapping[str, Any], entries: d
                 into: Mapping[str, Any] | None, acc: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The saving rank's own tensors, from its file."""
     path = info.path / rec["file"]
-    homes = _optimizer_homes(rec.get("meta"), entries, into) if rec.get("format") == "hdf5" else {}
+    homes = _optimizer_homes(rec.get("meta"), entries, into) if rec.get("format") == HDF5 else {}
     targets = into if getattr(into, "overwrite", True) else None  # else shapes only: new memory
     stats: dict[str, Any] = {}
     try:

@@ -47,9 +47,9 @@ from .commit import TMP_MARK, Transaction, discard, fsync_path, open_checked, re
 from .copy import copy_verified
 from .lock import LEASE_NAME, Holder, writer_lock
 from .manifest import safe_relpath, validate
+from .names import POINTER
 from .publish import commit_and_prune
 
-POINTER = ".hpcckpt-level.json"  # in each node-local root: the shared directory and the Python to scavenge with
 MAX_POINTER_BYTES = 64 << 10
 STAGING_TAG = "scavenge"
 LOCK_TIMEOUT_S = 120.0

@@ -27,6 +27,7 @@ from .checksum import FileCrc, checksum_problems, fd_crc32c
 from .._gc import collector_paused
 from .commit import TMP_MARK, explain_os_error, open_checked
 from .entry import TensorEntry, dtype_name, raw_bytes
+from .names import TORCH
 from .tensortable import TensorTable
 
 
@@ -97,7 +98,7 @@ def write(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     crcs = [crc32c(raw_bytes(t)) for t in cpu.values()]
     addresses = [t.data_ptr() for t in cpu.values()]
     return {
-        "format": "torch",
+        "format": TORCH,
         "file_info": {"bytes": w.size, "crc32c": w.crc},
         "tensors": TensorTable(list(cpu), [dtype_name(t.dtype) for t in cpu.values()],
                                [list(t.shape) for t in cpu.values()], nbytes, crcs,
