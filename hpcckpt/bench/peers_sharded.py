@@ -32,7 +32,9 @@ checkpoint is restored after the page cache is dropped (``drop_caches`` as root,
 ``register(model=, optimizer=)``; ``restore_s`` is the slowest rank's. ``restore_exact``:
 on every rank, sha256 of every local shard (model tensors and optimizer state, by
 parameter name) equals the one taken of the state as it was saved. ``written_bytes``: the
-bytes of the checkpoint's files, against the state's global bytes (``written_vs_state``).
+bytes of the checkpoint's files, against the state's global bytes (``written_vs_state``);
+``save_capture_s`` (hpcckpt): the part of the save call that captured the state
+(``state_dict()`` and co.), the rest being the engine's ``save()``.
 
 One process per rank for the whole run: the restores are cold on disk, not in a fresh
 process (a fresh world costs ~10 s of imports per rank on a small machine); peak RSS is not
@@ -195,6 +197,7 @@ class _Pending:
         self.t0, self.path = t0, path
         self.done_at: float | None = None
         self.waiter: Any = None
+        self.capture_s: float | None = None  # hpcckpt: the state's capture (state_dict() and co.) inside the call
 
 
 class DcpMethod:
@@ -261,6 +264,7 @@ class HpcckptMethod:
         self.ck.step = step
         handle = self.ck.save()
         p = _Pending(t0, self.root)
+        p.capture_s = float(getattr(handle, "capture_s", 0.0) or 0.0)
 
         def wait() -> None:
             handle.wait()
@@ -323,7 +327,7 @@ def one_checkpoint(m: Any, rig: Rig, step: int, *, with_digest: bool) -> dict[st
     wait_s = m.hook_wait_s() - hook0
     persist_s = m.persist_s(pending)
     return {"stall_s": call_s + wait_s, "call_s": call_s, "wait_s": wait_s, "persist_s": persist_s,
-            "digest": saved, "path": str(pending.path)}
+            "capture_s": pending.capture_s, "digest": saved, "path": str(pending.path)}
 
 
 def rank_main(a: argparse.Namespace) -> dict[str, Any]:
@@ -443,6 +447,8 @@ def method_figures(results: list[dict[str, Any]], name: str, nbytes: int) -> dic
         "exact_ranks": [all(rr[i]["exact"] for i in range(n_rounds)) for rr in rounds],
         "written_bytes": statistics.median(written),
     }
+    if all(x["capture_s"] is not None for rr in rounds for rnd in rr for x in rnd["runs"]):
+        out["save_capture_s"] = statistics.median(per_save("capture_s"))  # hpcckpt: capture within the call
     out["persist_gbps"] = nbytes / out["persist_s"] / GB if out["persist_s"] > 0 else None
     out["restore_gbps"] = nbytes / out["restore_s"] / GB if out["restore_s"] > 0 else None
     out["written_vs_state"] = out["written_bytes"] / nbytes
@@ -531,6 +537,10 @@ def text(res: dict[str, Any]) -> str:
         lines.append(f"{n:<20}{m['stall_s']:>9.4f}{m['first_stall_s']:>9.4f}{m['persist_s']:>10.3f}"
                      f"{m['persist_gbps'] or 0:>7.2f}{m['restore_s']:>10.3f}{m['restore_gbps'] or 0:>7.2f}"
                      f"{'yes' if m['restore_exact'] else 'NO':>6}{m['written_vs_state']:>8.2f}x")
+    for n, m in res["methods"].items():
+        if "save_capture_s" in m:
+            lines.append(f"{n}: of its save() call ({m['save_call_s']:.4f} s), the state's capture (state_dict() "
+                         f"and co.) {m['save_capture_s']:.4f} s, the engine's save() the rest")
     for ref, per in res["vs_dcp"].items():
         lines.append(f"vs {ref}: " + "; ".join(
             f"{n} stall {v['stall']:.2f}x, persist {v['persist']:.2f}x, restore {v['restore']:.2f}x"
