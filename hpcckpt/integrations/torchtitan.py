@@ -12,7 +12,7 @@ manager; a job selects it in its config and changes nothing else::
     config = Trainer.Config(
         ...,
         checkpoint=HpcckptCheckpointManager.Config(enable=True, interval=500, folder="checkpoint",
-                                                   engine="concurrent"),
+                                                   keep_latest_k=3, engine="concurrent"),
     )
 
 What it registers with a ``Checkpointer`` (under ``dump_folder/folder``): each model part
@@ -23,14 +23,16 @@ where the concurrent engine orders each ``step()`` after its snapshot, so
 container itself), ``lr_scheduler``,
 ``dataloader`` (its own ``state_dict``: torchtitan's loaders resume themselves) and every
 entry of ``states`` (the trainer's ``train_state``: step and tokens seen). ``load`` restores
-the newest verified checkpoint (any mesh: DTensors are resharded); ``save`` is the step
-boundary (``Checkpointer.step_done``): a checkpoint every ``interval`` steps, and on a stop
-(SIGTERM/SIGUSR2 from Slurm, the job's end time) the final save on every rank, the requeue
-and ``RequeueExit`` (exit 75) out of ``Trainer.train()``; ``last_step`` saves the finished
-run. Not supported (a ConfigError says so at build): loading a given ``load_step``,
-``initial_load_path`` (a torchtitan DCP checkpoint to start from), ``exclude_from_loading``,
-``last_save_in_hf`` and ``create_seed_checkpoint``: the first save writes the whole state in
-hpcckpt's format; ``hpcckpt.interop.dcp.export`` writes it out for DCP readers.
+the newest verified checkpoint (any mesh: DTensors are resharded) and begins the run's
+``Checkpointer.steps(total_steps)`` (``total_steps``: the config's, else the trainer's
+``training.steps``); each ``save`` is one of its step boundaries: a checkpoint every
+``interval`` steps, and on a stop (SIGTERM/SIGUSR2 from Slurm, the job's end time) the final
+save on every rank, the requeue and ``RequeueExit`` (exit 75) out of ``Trainer.train()``;
+after the last step, the finished run's checkpoint. Not supported (a ConfigError says so at
+build, with what to do instead): ``load_step`` other than -1, ``initial_load_path``,
+``exclude_from_loading``, ``last_save_in_hf``, ``create_seed_checkpoint`` and
+``enable_first_step_checkpoint``. Checkpoints are in hpcckpt's format;
+``hpcckpt.interop.dcp.export`` writes one out for DCP readers.
 
 ``TitanCheckpoints`` is the same manager without torchtitan (the base class and its config
 come from torchtitan; the work does not): a loop shaped like torchtitan's drives it the
