@@ -49,7 +49,6 @@ from .lifecycle.stop import RefusedExit, RequeueExit, Run, Stop
 from .policy import StopReason
 from .ranks import Ranks
 from .signals import SignalRecorder
-from .store.lock import usable_root
 
 log = logging.getLogger("hpcckpt")
 
@@ -95,7 +94,6 @@ class Checkpointer:
         self._startup_s: float | None = None  # process start to the first boundary's setup (_begin)
         self._jit: Any = None  # hpcckpt.jit.JitGuard with jit=True, from the first step on
         self._started = self._closed = False
-        usable_root(self.root)  # made if needed; a ConfigError naming it and the fix, never a raw OSError
         me = identity.current()
         self._lease = setup.take_lease(self.root, me, self.ranks, self.ledger)
         try:

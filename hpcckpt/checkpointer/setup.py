@@ -22,7 +22,7 @@ from ..lifecycle.ledger import Ledger
 from ..policy import AutoInterval, Figures, Policy
 from ..ranks import Ranks
 from ..state import TrainState
-from ..store.lock import WriterBusy, WriterLease
+from ..store.lock import WriterBusy, WriterLease, usable_root
 
 
 def train_state(options: CheckpointOptions, ranks: Ranks) -> TrainState:
@@ -54,7 +54,9 @@ def check_trace() -> Path | None:
 
 
 def take_lease(root: Path, me: Identity, ranks: Ranks, ledger: Ledger) -> WriterLease:
-    """The coordinator holds the directory's writer lease until ``close``; every rank learns a refusal."""
+    """The coordinator holds the directory's writer lease until ``close``; every rank learns a refusal.
+    The directory is made first if needed (a ConfigError naming it and the fix, never a raw OSError)."""
+    usable_root(root)
     lease = WriterLease(root, job_id=me.raw_job_id, restart=me.restart, job=me.job_id)
     refusal: dict[str, Any] | None = None
     if ranks.is_coordinator:

@@ -153,7 +153,7 @@ def test_a_final_save_settled_at_once_never_moves_committed_step_back(tmp_path: 
         ck.save()  # in the background, not settled yet
         ck.step = 2
         ck.save(final=True)  # settled at once
-        ck._reap()
-        assert ck.committed_step == 2 and ck._handles == []
+        ck._saves.reap()
+        assert ck.committed_step == 2 and ck._saves.handles == []
     commits = [e["step"] for e in Ledger(tmp_path / "ckpt").read() if e["event"] == "commit"]
     assert commits == [1, 2]

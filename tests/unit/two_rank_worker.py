@@ -52,7 +52,7 @@ def main() -> None:
         for _step in ck.steps(8):
             train_step(objs)
             engine.drain()  # type: ignore[attr-defined]
-        for h in list(ck._handles):  # settled at the boundaries: nothing may be left
+        for h in list(ck._saves.handles):  # settled at the boundaries: nothing may be left
             errors[str(h.step)] = "unsettled"
         result["committed_step"] = ck.committed_step
         # Phase 2: rank 1 names another step than rank 0 in the same collective save.
