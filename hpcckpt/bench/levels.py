@@ -298,29 +298,10 @@ def run_levels(o: LevelsOptions, progress: Tick = lambda s: None) -> dict[str, A
         local = node_local_root(base, o.local_dir)
         check_room(o, base, local, load.state_bytes())
         sizes = file_sizes(o.size_bytes)
-        nbytes = sum(sizes)
         direct = True if o.direct is None else o.direct
         progress(f"[levels] file set {len(sizes)} x {sizes[0] / MB:.1f} MB; node-local {local} ({fs_type(local)}), "
                  f"shared {base} ({fs_type(base)}); {o.rounds} round{'s' if o.rounds > 1 else ''}")
-        dirs = {"node_local": local / "set", "shared": base / "set"}
-        samples: dict[str, list[dict[str, Any]]] = {k: [] for k in dirs}
-        for r in range(o.rounds):
-            for level in (list(dirs) if r % 2 == 0 else list(dirs)[::-1]):
-                got = _level_round(dirs[level], sizes, direct)
-                samples[level].append(got)
-                tick(f"{level}: write+fsync {nbytes / got['write_s'] / MB:.0f} MB/s, "
-                     f"read {nbytes / got['read_s'] / MB:.0f} MB/s")
-        shutil.rmtree(dirs["shared"], ignore_errors=True)
-        # where each level is: the node-local base (its per-directory subdirectory is this run's), --dir
-        where = {"node_local": local.parent, "shared": base.parent}
-        levels: dict[str, Any] = {level: {"dir": str(where[level]), "fs": fs_type(d.parent),
-                                          **_bandwidth(samples[level], nbytes)} for level, d in dirs.items()}
-        partner = partner_copy(samples["node_local"][-1]["paths"], [local / "partner-r0", local / "partner-r1"],
-                               base / "partner", o.rounds)
-        levels["partner"] = {"dir": str(local.parent), "fs": fs_type(local), **partner}
-        tick(f"partner copy (2 gloo ranks): one way {partner['one_way_mbps']:.0f} MB/s, "
-             f"both ways {partner['both_ways_mbps']:.0f} MB/s")
-        shutil.rmtree(dirs["node_local"], ignore_errors=True)
+        levels, cold_cache = _bandwidths(o, base, local, sizes, direct, tick)
         load = replace(load, steps=overhead_steps(load, base / "overhead", o.overhead_steps))
         over = measure_overhead(list(ARMS.values()), [1], base / "overhead", load, o.engine_options(),
                                 rounds=o.overhead_rounds, local=local, rotate=True)
@@ -329,29 +310,62 @@ def run_levels(o: LevelsOptions, progress: Tick = lambda s: None) -> dict[str, A
              f"{1e3 * overhead['step_s']:.1f} ms steps): shared {100 * overhead['shared']['overhead']:+.1f}%, "
              f"node-local {100 * overhead['node_local']['overhead']:+.1f}%")
     finally:
-        shutil.rmtree(base, ignore_errors=True)
-        if local is not None:
-            shutil.rmtree(local, ignore_errors=True)
-            if not shm_existed and local.parent == shm:
-                try:
-                    shm.rmdir()
-                except OSError:
-                    pass
+        _remove(base, local, None if shm_existed else shm)
     shared = levels["shared"]
     vs_shared = {"node_local_write": levels["node_local"]["write_mbps"] / shared["write_mbps"],
                  "node_local_read": levels["node_local"]["read_mbps"] / shared["read_mbps"],
                  "partner_one_way_vs_write": levels["partner"]["one_way_mbps"] / shared["write_mbps"],
                  "partner_both_ways_vs_write": levels["partner"]["both_ways_mbps"] / shared["write_mbps"]}
     return {
-        "kind": "levels", "device": o.device, "set_bytes": nbytes, "files": len(sizes),
-        "levels": levels, "vs_shared": vs_shared, "overhead": overhead,
-        "cold_cache": samples["shared"][0]["cold_cache"],
+        "kind": "levels", "device": o.device, "set_bytes": sum(sizes), "files": len(sizes),
+        "levels": levels, "vs_shared": vs_shared, "overhead": overhead, "cold_cache": cold_cache,
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "dir": str(o.dir or tempfile.gettempdir())},
         "options": {"size_bytes": o.size_bytes, "quick": o.quick, "rounds": o.rounds,
                     "overhead_rounds": o.overhead_rounds, "overhead_steps": o.overhead_steps, "direct": direct,
                     "local_dir": o.local_dir},
         "wall_s": tick.elapsed_s(),
     }
+
+
+def _bandwidths(o: LevelsOptions, base: Path, local: Path, sizes: list[int], direct: bool,
+                tick: Tick) -> tuple[dict[str, Any], Any]:
+    """Write+fsync and cold read of the file set at each level, rounds alternating which goes
+    first, then the partner copy: (figures by level, how the cache was dropped)."""
+    nbytes = sum(sizes)
+    dirs = {"node_local": local / "set", "shared": base / "set"}
+    samples: dict[str, list[dict[str, Any]]] = {k: [] for k in dirs}
+    for r in range(o.rounds):
+        for level in (list(dirs) if r % 2 == 0 else list(dirs)[::-1]):
+            got = _level_round(dirs[level], sizes, direct)
+            samples[level].append(got)
+            tick(f"{level}: write+fsync {nbytes / got['write_s'] / MB:.0f} MB/s, "
+                 f"read {nbytes / got['read_s'] / MB:.0f} MB/s")
+    shutil.rmtree(dirs["shared"], ignore_errors=True)
+    # where each level is: the node-local base (its per-directory subdirectory is this run's), --dir
+    where = {"node_local": local.parent, "shared": base.parent}
+    levels: dict[str, Any] = {level: {"dir": str(where[level]), "fs": fs_type(d.parent),
+                                      **_bandwidth(samples[level], nbytes)} for level, d in dirs.items()}
+    partner = partner_copy(samples["node_local"][-1]["paths"], [local / "partner-r0", local / "partner-r1"],
+                           base / "partner", o.rounds)
+    levels["partner"] = {"dir": str(local.parent), "fs": fs_type(local), **partner}
+    tick(f"partner copy (2 gloo ranks): one way {partner['one_way_mbps']:.0f} MB/s, "
+         f"both ways {partner['both_ways_mbps']:.0f} MB/s")
+    shutil.rmtree(dirs["node_local"], ignore_errors=True)
+    return levels, samples["shared"][0]["cold_cache"]
+
+
+def _remove(base: Path, local: Path | None, made: Path | None) -> None:
+    """Remove what the run made: its directory under --dir, its node-local one, and ``made``
+    (the levels' default base in /dev/shm) when this run made it and it is empty."""
+    shutil.rmtree(base, ignore_errors=True)
+    if local is None:
+        return
+    shutil.rmtree(local, ignore_errors=True)
+    if made is not None and local.parent == made:
+        try:
+            made.rmdir()
+        except OSError:
+            pass
 
 
 def text(res: dict[str, Any]) -> str:

@@ -29,6 +29,7 @@ from ..config import ConcurrentOptions, engine_options
 from ..engines import SaveContext, make_engine
 from ..ranks import Ranks
 from ..store import catalog
+from ..store.names import TORCH
 from .limits import GB, drop_caches, parallel_read_bps, parallel_write_bps
 from .synthetic import SyntheticRig
 
@@ -224,42 +225,51 @@ def measure_loads(roots: dict[str, Path], nbytes: int, *, rounds: int, rig_bytes
     method = ""
     for _ in range(max(1, rounds)):
         for name, info in infos.items():
-            path, fmt = _rank_file(info)
-            got = samples[name]
-            method = drop_caches([path])
-            got["raw"].append(path.stat().st_size / parallel_read_bps(path))
-            drop_caches([path])
-            got["load"].append(_timed_in_fresh_process("resume", roots[name], info.step, rig_bytes, device,
-                                                       held=got["load_held"], nbytes=nbytes))
-            drop_caches([path])
-            got["fresh"].append(_timed_in_fresh_process("fresh", roots[name], info.step))
-            drop_caches([path])
-            got["raw_fresh"].append(_timed_in_fresh_process("rawfresh", path))
-            if fmt == "torch":
-                drop_caches([path])
-                got["torch_load"].append(_timed_in_fresh_process("torch", path, roots[name], info.step, rig_bytes,
-                                                                 device, held=got["torch_load_held"], nbytes=nbytes))
-    out: dict[str, dict[str, Any]] = {}
-    for name, got in samples.items():
-        load_s = statistics.median(got["load"])
-        raw_s = statistics.median(got["raw"])
-        e: dict[str, Any] = {
-            "load_s": load_s, "load_gbps": nbytes / load_s / GB, "raw_read_gbps": nbytes / raw_s / GB,
-            "load_vs_raw_read": statistics.median(raw / load for raw, load in zip(got["raw"], got["load"])),
-            "load_fresh_s": statistics.median(got["fresh"]),
-            "load_fresh_vs_raw_read": statistics.median(r / f for r, f in zip(got["raw"], got["fresh"])),
-            # the same raw read with its bytes landing in new memory, as a load's new tensors do
-            "raw_read_fresh_vs_raw_read": statistics.median(r / f for r, f in zip(got["raw"], got["raw_fresh"])),
-            "load_fresh_vs_raw_read_fresh": statistics.median(rf / f for rf, f in zip(got["raw_fresh"], got["fresh"])),
-            "raw_read_fresh_all_s": got["raw_fresh"],
-            "load_all_s": got["load"], "load_fresh_all_s": got["fresh"], "raw_read_all_s": got["raw"],
-            "cold_cache": method,
-            # peak RSS of the resume's process beyond its start (imports), per byte of state
-            "load_held_vs_state": statistics.median(got["load_held"]),
-        }
-        if got["torch_load"]:
-            e["torch_load_s"] = statistics.median(got["torch_load"])
-            e["torch_load_held_vs_state"] = statistics.median(got["torch_load_held"])
-            e["torch_load_all_s"] = got["torch_load"]
-        out[name] = e
-    return out
+            method = _load_round(samples[name], roots[name], info, nbytes, rig_bytes, device)
+    return {name: _load_figures(got, nbytes, method) for name, got in samples.items()}
+
+
+def _load_round(got: dict[str, list[float]], root: Path, info: catalog.CheckpointInfo, nbytes: int,
+                rig_bytes: int, device: str) -> str:
+    """One round of ``measure_loads`` for one engine's checkpoint, each run from a dropped
+    cache, appended to ``got``; returns how the cache was dropped."""
+    path, fmt = _rank_file(info)
+    method = drop_caches([path])
+    got["raw"].append(path.stat().st_size / parallel_read_bps(path))
+    drop_caches([path])
+    got["load"].append(_timed_in_fresh_process("resume", root, info.step, rig_bytes, device,
+                                               held=got["load_held"], nbytes=nbytes))
+    drop_caches([path])
+    got["fresh"].append(_timed_in_fresh_process("fresh", root, info.step))
+    drop_caches([path])
+    got["raw_fresh"].append(_timed_in_fresh_process("rawfresh", path))
+    if fmt == TORCH:
+        drop_caches([path])
+        got["torch_load"].append(_timed_in_fresh_process("torch", path, root, info.step, rig_bytes,
+                                                         device, held=got["torch_load_held"], nbytes=nbytes))
+    return method
+
+
+def _load_figures(got: dict[str, list[float]], nbytes: int, method: str) -> dict[str, Any]:
+    """One engine's ``measure_loads`` figures: medians and ratios taken within a round."""
+    load_s = statistics.median(got["load"])
+    raw_s = statistics.median(got["raw"])
+    e: dict[str, Any] = {
+        "load_s": load_s, "load_gbps": nbytes / load_s / GB, "raw_read_gbps": nbytes / raw_s / GB,
+        "load_vs_raw_read": statistics.median(raw / load for raw, load in zip(got["raw"], got["load"])),
+        "load_fresh_s": statistics.median(got["fresh"]),
+        "load_fresh_vs_raw_read": statistics.median(r / f for r, f in zip(got["raw"], got["fresh"])),
+        # the same raw read with its bytes landing in new memory, as a load's new tensors do
+        "raw_read_fresh_vs_raw_read": statistics.median(r / f for r, f in zip(got["raw"], got["raw_fresh"])),
+        "load_fresh_vs_raw_read_fresh": statistics.median(rf / f for rf, f in zip(got["raw_fresh"], got["fresh"])),
+        "raw_read_fresh_all_s": got["raw_fresh"],
+        "load_all_s": got["load"], "load_fresh_all_s": got["fresh"], "raw_read_all_s": got["raw"],
+        "cold_cache": method,
+        # peak RSS of the resume's process beyond its start (imports), per byte of state
+        "load_held_vs_state": statistics.median(got["load_held"]),
+    }
+    if got["torch_load"]:
+        e["torch_load_s"] = statistics.median(got["torch_load"])
+        e["torch_load_held_vs_state"] = statistics.median(got["torch_load_held"])
+        e["torch_load_all_s"] = got["torch_load"]
+    return e

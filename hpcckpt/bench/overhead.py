@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..config import engine_options
-from ..engines import SaveContext, SaveHandle, make_engine
+from ..engines import Engine, SaveContext, SaveHandle, make_engine
 from ..levels import Levels, Topology
 from ..ranks import Ranks
 from ..state import TrainState
@@ -90,6 +90,22 @@ def _node_local(shared: Path, local: Path, interval: int) -> Levels:
                   local_keep=2, partner=False)
 
 
+def _arm(engine_name: str, root: Path, options: dict[str, Any], local: Path | None,
+         interval: int) -> tuple[Engine, Levels | None]:
+    """The engine of an arm on a fresh ``root`` (a level arm: with its node-local level)."""
+    shutil.rmtree(root, ignore_errors=True)
+    kind = LEVEL_ARMS.get(engine_name, engine_name)
+    levels: Levels | None = None
+    if engine_name in LEVEL_ARMS:
+        if local is None:
+            raise ValueError(f"the level arm {engine_name!r} needs a node-local directory (local=...)")
+        levels = _node_local(root, local / engine_name, interval)
+    engine = make_engine(kind, SaveContext(root=levels.local if levels else root, keep=2, job={}, user={},
+                                           levels=levels), Ranks(),
+                         engine_options(**options) if kind == "concurrent" else None)
+    return engine, levels
+
+
 def _loop(load: DemoLoad, engine_name: str | None, interval: int, root: Path,
           options: dict[str, Any], local: Path | None = None) -> tuple[float, float, float]:
     """(seconds for the training steps, seconds of them training was blocked by
@@ -107,18 +123,8 @@ def _loop(load: DemoLoad, engine_name: str | None, interval: int, root: Path,
     state = TrainState()
     state.register("model", model)
     state.register("optimizer", opt)
-    engine = None
-    levels: Levels | None = None
-    if engine_name is not None:
-        shutil.rmtree(root, ignore_errors=True)
-        kind = LEVEL_ARMS.get(engine_name, engine_name)
-        if engine_name in LEVEL_ARMS:
-            if local is None:
-                raise ValueError(f"the level arm {engine_name!r} needs a node-local directory (local=...)")
-            levels = _node_local(root, local / engine_name, interval)
-        engine = make_engine(kind, SaveContext(root=levels.local if levels else root, keep=2, job={}, user={},
-                                               levels=levels), Ranks(),
-                             engine_options(**options) if kind == "concurrent" else None)
+    engine, levels = (None, None) if engine_name is None else _arm(engine_name, root, options, local, interval)
+    if engine is not None:
         engine.bind(state)
     loader = DataLoader(data, batch_size=load.batch, shuffle=True, drop_last=True)
     handles: list[SaveHandle] = []

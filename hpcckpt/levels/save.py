@@ -55,27 +55,10 @@ def commit(levels: Levels, ranks: Ranks, *, engine: str, job: dict[str, Any], us
     ``path`` is the shared step directory when the step was drained there (or written there:
     degraded), else this node's. ``tmp``: where this rank wrote, under ``levels.local``, or
     under ``levels.shared`` when the levels were degraded as its save began."""
-    topo = levels.topo
-    job = {**job, "lineage": levels.lineage}
-    size = None
-    if error is None and record is not None:
-        try:
-            size = os.stat(tmp / record["file"]).st_size
-        except OSError as exc:
-            error = exc
-    mine = {"ok": error is None, "record": record, "step": step, "bytes": size, "now": time.time(),
-            "error": f"{type(error).__name__}: {error}" if error else None, "direct": tmp.parent == levels.shared}
-    everyone = gather_records(ranks, mine)
+    everyone = _exchange(levels, ranks, step, tmp, record, error)
     failed = record_failures(everyone, step)
-    name = catalog.step_name(step)
-    manifest: dict[str, Any] | None = None  # built once (the build strips planning fields off the records)
-    built: str | None = None  # why the manifest could not be built
-    if not failed and (topo.is_leader or ranks.is_coordinator):
-        try:
-            manifest = build_manifest(step=step, engine=engine, job=job, user=user,
-                                      records=[m["record"] for m in everyone], created=everyone[0]["now"])
-        except Exception as exc:  # noqa: BLE001 - e.g. ranks that planned other tensors; reported below
-            built = f"{type(exc).__name__}: {exc}"
+    manifest, built = _manifest(levels, ranks, failed, step=step, engine=engine, job=job, user=user,
+                                everyone=everyone)
     if levels.degraded is not None or any(m.get("direct") for m in everyone):
         return _direct(levels, ranks, step, tmp, everyone, failed, manifest, built)
     written = not failed  # every rank's own file is whole in its node's directory
@@ -84,22 +67,7 @@ def commit(levels: Levels, ranks: Ranks, *, engine: str, job: dict[str, Any], us
         for r, p in enumerate(ranks.gather_json(problem)):
             if p:
                 failed[r] = p
-    outcome: dict[str, Any] = {"ok": not failed and built is None}
-    if built is not None:
-        outcome.update(error=built, unbuilt=True)
-    warnings: list[str] = []
-    path = levels.local / name
-    if not failed and manifest is not None and topo.is_leader:
-        try:
-            path, warnings, removed = commit_and_prune(Transaction(levels.local, name, temp=tmp), manifest,
-                                                       keep=levels.local_keep)
-            outcome["committed"] = True
-            for p in removed:
-                log.info("hpcckpt: node-local retention removed %s", p)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank below
-            outcome = {"ok": False, "error": f"node-local commit on {topo.node_of[topo.rank]} failed: "
-                                             f"{type(exc).__name__}: {exc}"}
-    outcomes = ranks.gather_json(outcome)
+    path, warnings, outcomes = _commit_local(levels, ranks, step, tmp, manifest, failed, built)
     for r, o in enumerate(outcomes):
         if not o["ok"] and "error" in o:
             failed[r] = o["error"]
@@ -115,6 +83,59 @@ def commit(levels: Levels, ranks: Ranks, *, engine: str, job: dict[str, Any], us
                 raise
             warnings.append(f"{exc} (step {step} is committed at the node-local level)")
     return path, warnings
+
+
+def _exchange(levels: Levels, ranks: Ranks, step: int, tmp: Path, record: dict[str, Any] | None,
+              error: BaseException | None) -> list[dict[str, Any]]:
+    """Every rank's outcome of its write (its record, its file's size, whether it wrote to the
+    shared level directly), gathered on every rank."""
+    size = None
+    if error is None and record is not None:
+        try:
+            size = os.stat(tmp / record["file"]).st_size
+        except OSError as exc:
+            error = exc
+    mine = {"ok": error is None, "record": record, "step": step, "bytes": size, "now": time.time(),
+            "error": f"{type(error).__name__}: {error}" if error else None, "direct": tmp.parent == levels.shared}
+    return gather_records(ranks, mine)
+
+
+def _manifest(levels: Levels, ranks: Ranks, failed: dict[int, str], *, step: int, engine: str,
+              job: dict[str, Any], user: dict[str, Any], everyone: list[dict[str, Any]]
+              ) -> tuple[dict[str, Any] | None, str | None]:
+    """(the step's manifest, None) on the ranks that commit (node leaders, the coordinator), built
+    once (the build strips planning fields off the records); (None, why) when it cannot be built."""
+    if failed or not (levels.topo.is_leader or ranks.is_coordinator):
+        return None, None
+    try:
+        return build_manifest(step=step, engine=engine, job={**job, "lineage": levels.lineage}, user=user,
+                              records=[m["record"] for m in everyone], created=everyone[0]["now"]), None
+    except Exception as exc:  # noqa: BLE001 - e.g. ranks that planned other tensors; reported by the caller
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def _commit_local(levels: Levels, ranks: Ranks, step: int, tmp: Path, manifest: dict[str, Any] | None,
+                  failed: dict[int, str], built: str | None) -> tuple[Path, list[str], list[dict[str, Any]]]:
+    """Each node leader commits the step in its node-local root: (this node's step directory, the
+    commit's warnings, every rank's outcome)."""
+    topo = levels.topo
+    name = catalog.step_name(step)
+    outcome: dict[str, Any] = {"ok": not failed and built is None}
+    if built is not None:
+        outcome.update(error=built, unbuilt=True)
+    warnings: list[str] = []
+    path = levels.local / name
+    if not failed and manifest is not None and topo.is_leader:
+        try:
+            path, warnings, removed = commit_and_prune(Transaction(levels.local, name, temp=tmp), manifest,
+                                                       keep=levels.local_keep)
+            outcome["committed"] = True
+            for p in removed:
+                log.info("hpcckpt: node-local retention removed %s", p)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            outcome = {"ok": False, "error": f"node-local commit on {topo.node_of[topo.rank]} failed: "
+                                             f"{type(exc).__name__}: {exc}"}
+    return path, warnings, ranks.gather_json(outcome)
 
 
 def _fall_back(levels: Levels, ranks: Ranks, step: int, tmp: Path, everyone: list[dict[str, Any]],

@@ -13,12 +13,12 @@ text with gid ``cause-N``, each wait a collection with gid ``wait-N`` (N: the al
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..cluster.causes import RunRecord
-from .history import (Event, Fold, Interruption, RunSummary, _earliest, _spans, _unstarted, fold, goodput,
+from .history import (Event, Fold, Interruption, RunSummary, _earliest, _Span, _spans, _unstarted, fold, goodput,
                       interruptions)
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, never with the CLI
@@ -104,35 +104,9 @@ def plot(events: Iterable[Event] | Fold, out: Path | None = None, *,
     t0 = spans[0].begin
     scale, unit = _unit(info["wall_s"])
     x = lambda us: (us - t0) / 1e6 / scale  # noqa: E731  (microseconds -> axis units)
-    height = 0.5
     for i, (span, row) in enumerate(zip(spans, info["rows"])):
-        y = n - 1 - i  # the first allocation on top
-        wasted_us = int(round(row["buckets"]["wasted_progress"] * 1e6))
-        for a, b, kind, gid in ((span.begin, span.restore, "startup", None), (span.restore, span.train, "restore", None),
-                                (span.train, span.stop, "training", f"allocation-{i + 1}"),
-                                (span.stop - wasted_us, span.stop, "wasted", None),
-                                (span.stop, span.stopped, "save", None), (span.stopped, span.end, "after", None)):
-            _bar(ax, x(a), x(b), y, height, kind, gid)
         nxt = spans[i + 1].begin if i + 1 < n else None
-        if nxt is not None and nxt > span.end:
-            col = ax.broken_barh([(x(span.end), x(nxt) - x(span.end))], (y - height / 6, height / 3),
-                                 facecolors=COLORS["wait"], hatch="///", edgecolor="white", linewidth=0)
-            col.set_gid(f"wait-{i + 1}")
-            ax.annotate(f"queue {_duration((nxt - span.end) / 1e6)}", (x((span.end + nxt) / 2), y - height / 2),
-                        ha="center", va="top", fontsize=8, color="#505050")
-        cause = causes.get(id(span.run), "stop")
-        if cause != "running":
-            ax.plot([x(span.stop), x(span.stop)], [y - height * 0.7, y + height * 0.7], color="black", linewidth=1)
-            ax.text(x(span.stop), y + height * 0.75, cause, ha="center", va="bottom", fontsize=9,
-                    fontweight="bold" if cause != "done" else "normal", gid=f"cause-{i + 1}")
-        resumed = row["resumed_from"]
-        if resumed:
-            ax.text(x(span.begin), y + height * 0.6, f"resumed from step {resumed}", ha="left", va="bottom",
-                    fontsize=8, color="#505050")
-        lost = row["lost_steps"]
-        if lost:
-            ax.text(x(span.stop), y - height * 0.6, f"{lost} step(s) lost", ha="right", va="top", fontsize=8,
-                    color=COLORS["wasted"])
+        _allocation(ax, x, i, n - 1 - i, span, row, nxt, causes.get(id(span.run), "stop"))  # the first on top
     ax.set_yticks(range(n), [_ylabel(i, row) for i, row in reversed(list(enumerate(info["rows"])))])
     ax.set_ylim(-0.9, n - 0.1)
     ax.set_xlabel(f"{unit} since the first allocation began")
@@ -142,6 +116,37 @@ def plot(events: Iterable[Event] | Fold, out: Path | None = None, *,
     if out is not None:
         fig.savefig(out, dpi=120)
     return fig
+
+
+def _allocation(ax: Any, x: Callable[[float], float], i: int, y: float, span: _Span, row: dict[str, Any],
+                nxt: float | None, cause: str) -> None:
+    """Allocation ``i``'s row at height ``y``: its phases, the queue wait before ``nxt`` (the next
+    allocation's begin), why it stopped, and what it resumed from and lost."""
+    height = 0.5
+    wasted_us = int(round(row["buckets"]["wasted_progress"] * 1e6))
+    for a, b, kind, gid in ((span.begin, span.restore, "startup", None), (span.restore, span.train, "restore", None),
+                            (span.train, span.stop, "training", f"allocation-{i + 1}"),
+                            (span.stop - wasted_us, span.stop, "wasted", None),
+                            (span.stop, span.stopped, "save", None), (span.stopped, span.end, "after", None)):
+        _bar(ax, x(a), x(b), y, height, kind, gid)
+    if nxt is not None and nxt > span.end:
+        col = ax.broken_barh([(x(span.end), x(nxt) - x(span.end))], (y - height / 6, height / 3),
+                             facecolors=COLORS["wait"], hatch="///", edgecolor="white", linewidth=0)
+        col.set_gid(f"wait-{i + 1}")
+        ax.annotate(f"queue {_duration((nxt - span.end) / 1e6)}", (x((span.end + nxt) / 2), y - height / 2),
+                    ha="center", va="top", fontsize=8, color="#505050")
+    if cause != "running":
+        ax.plot([x(span.stop), x(span.stop)], [y - height * 0.7, y + height * 0.7], color="black", linewidth=1)
+        ax.text(x(span.stop), y + height * 0.75, cause, ha="center", va="bottom", fontsize=9,
+                fontweight="bold" if cause != "done" else "normal", gid=f"cause-{i + 1}")
+    resumed = row["resumed_from"]
+    if resumed:
+        ax.text(x(span.begin), y + height * 0.6, f"resumed from step {resumed}", ha="left", va="bottom",
+                fontsize=8, color="#505050")
+    lost = row["lost_steps"]
+    if lost:
+        ax.text(x(span.stop), y - height * 0.6, f"{lost} step(s) lost", ha="right", va="top", fontsize=8,
+                color=COLORS["wasted"])
 
 
 def _bar(ax: Any, a: float, b: float, y: float, height: float, kind: str, gid: str | None) -> None:

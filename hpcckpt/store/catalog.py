@@ -533,8 +533,15 @@ def prune(root: Path, keep: int, *, protect: set[Path] | None = None, trash: lis
         if quick:
             discard(root, quick, trash=trash, durable=durable, tracked=tracked)
         return quick
-    if latest is None:
-        latest = read_latest(root)
+    victims = _victims(root, keep, protected, key, read_latest(root) if latest is None else latest)
+    discard(root, victims, trash=trash, durable=durable, tracked=tracked)
+    return victims
+
+
+def _victims(root: Path, keep: int, protected: set[str], key: str, latest: str | None) -> list[Path]:
+    """What ``prune`` deletes, from one listing of ``root``, newest step first: stale temporary
+    directories, and every step beyond the ``keep`` newest committed ones except ``latest``
+    and the corrupt ones newer than every good one."""
     known = _known(key)
     victims: list[Path] = []
     committed = 0
@@ -565,7 +572,6 @@ def prune(root: Path, keep: int, *, protect: set[Path] | None = None, trash: lis
         if e.name == latest or (status == "corrupt" and not seen_good):
             continue  # corrupt and newer than every good one: evidence for a human
         victims.append(e.path)
-    discard(root, victims, trash=trash, durable=durable, tracked=tracked)
     return victims
 
 

@@ -240,42 +240,16 @@ def _read_tensors(path: Path, entries: Mapping[str, TensorEntry], fd: int, *, in
     naming the first damaged tensor, or naming the file when it is shorter than the
     manifest says.
     """
-    out: dict[str, torch.Tensor] = {}
     live, device = _live_targets(entries, into)
-    items: list[tuple[np.ndarray, int, bool]] = []
-    names: list[str] = []
-    in_place = sum(entries[n].nbytes for n in device)
-    for name, e in entries.items():
-        if name in device:
-            out[name] = device[name]
-            continue
-        if name in live:
-            out[name] = into[name]  # type: ignore[index]
-            items.append((live[name], e.offset, False))
-            names.append(name)
-            in_place += e.nbytes
-            continue
-        raw = _destination(e)
-        if e.nbytes:
-            items.append((raw.numpy(), e.offset, True))
-            names.append(name)
-        dtype = torch_dtype(e.dtype)
-        out[name] = raw.view(dtype).reshape(e.shape) if e.nbytes else torch.empty(e.shape, dtype=dtype)
+    out, items, names = _destinations(entries, live, device, into)
+    in_place = sum(entries[n].nbytes for n in device) + sum(entries[n].nbytes for n in live)
     use_direct = _want_direct(path, fd, direct) if items or device else False
     if stats is not None:
         stats.update(in_place_bytes=in_place, direct=use_direct, device_bytes=in_place - sum(
             entries[n].nbytes for n in live))
-    # Fault-in threads in proportion to the fresh share of the bytes, one per CPU at most
-    # (up to 4). Measured on the 2-core VM, 2 GB cold, fresh process, against a raw read
-    # of the same file: all fresh, 2 threads 0.78-0.82x (1: 0.75-0.79x, 3: 0.71-0.73x);
-    # a resume with 2/3 fresh (parameters in place), 1 thread 0.86-0.96x (2: 0.77-0.86x).
-    fresh = sum(item[0].nbytes for item in items if item[2])
-    total = sum(item[0].nbytes for item in items)
-    cpus = native().usable_cpus()
-    populate = max(1, min(cpus, 4, round(cpus * fresh / total))) if fresh else 0
     try:
-        crcs, info = (native().read_items(str(path), items, threads=threads, direct=use_direct, populate=populate,
-                                          fd=fd)
+        crcs, info = (native().read_items(str(path), items, threads=threads, direct=use_direct,
+                                          populate=_populate_threads(items), fd=fd)
                       if items or not device else ([], {}))
         if device:
             crcs, names = list(crcs), list(names)
@@ -294,13 +268,58 @@ def _read_tensors(path: Path, entries: Mapping[str, TensorEntry], fd: int, *, in
     if stats is not None:
         stats.update(info)
     if verify:
-        for name, got_crc in zip(names, crcs):
-            want = entries[name].crc32c
-            if got_crc != want:
-                raise CheckpointCorrupt(
-                    f"{path}: tensor {name!r} fails its checksum (crc32c {got_crc:#010x}, manifest "
-                    f"{want:#010x}); its bytes on disk are damaged")
+        _check_crcs(path, entries, names, crcs)
     return out
+
+
+def _destinations(entries: Mapping[str, TensorEntry], live: Mapping[str, np.ndarray],
+                  device: Mapping[str, torch.Tensor], into: Mapping[str, Any] | None
+                  ) -> tuple[dict[str, torch.Tensor], list[tuple[np.ndarray, int, bool]], list[str]]:
+    """Each tensor's result (a live one, or fresh memory) and the host reads that fill them:
+    (destination bytes, file offset, fresh), in the order of ``names``. CUDA targets are read
+    apart (``_read_to_device``)."""
+    out: dict[str, torch.Tensor] = {}
+    items: list[tuple[np.ndarray, int, bool]] = []
+    names: list[str] = []
+    for name, e in entries.items():
+        if name in device:
+            out[name] = device[name]
+            continue
+        if name in live:
+            out[name] = into[name]  # type: ignore[index]
+            items.append((live[name], e.offset, False))
+            names.append(name)
+            continue
+        raw = _destination(e)
+        if e.nbytes:
+            items.append((raw.numpy(), e.offset, True))
+            names.append(name)
+        dtype = torch_dtype(e.dtype)
+        out[name] = raw.view(dtype).reshape(e.shape) if e.nbytes else torch.empty(e.shape, dtype=dtype)
+    return out, items, names
+
+
+def _populate_threads(items: list[tuple[np.ndarray, int, bool]]) -> int:
+    """Fault-in threads in proportion to the fresh share of the bytes, one per CPU at most
+    (up to 4). Measured on the 2-core VM, 2 GB cold, fresh process, against a raw read
+    of the same file: all fresh, 2 threads 0.78-0.82x (1: 0.75-0.79x, 3: 0.71-0.73x);
+    a resume with 2/3 fresh (parameters in place), 1 thread 0.86-0.96x (2: 0.77-0.86x)."""
+    fresh = sum(item[0].nbytes for item in items if item[2])
+    if not fresh:
+        return 0
+    total = sum(item[0].nbytes for item in items)
+    cpus = native().usable_cpus()
+    return max(1, min(cpus, 4, round(cpus * fresh / total)))
+
+
+def _check_crcs(path: Path, entries: Mapping[str, TensorEntry], names: list[str], crcs: Any) -> None:
+    """CheckpointCorrupt naming the first tensor whose bytes do not match its manifest crc32c."""
+    for name, got_crc in zip(names, crcs):
+        want = entries[name].crc32c
+        if got_crc != want:
+            raise CheckpointCorrupt(
+                f"{path}: tensor {name!r} fails its checksum (crc32c {got_crc:#010x}, manifest "
+                f"{want:#010x}); its bytes on disk are damaged")
 
 
 def _read_to_device(path: Path, fd: int, targets: list[tuple[TensorEntry, torch.Tensor]], direct: bool,

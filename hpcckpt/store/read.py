@@ -15,6 +15,7 @@ tensor's (or piece's) crc32c as it reads, and none unpickles anything.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
@@ -144,6 +145,35 @@ def _piece_regions(p: Mapping[str, Any], shape: tuple[int, ...], itemsize: int) 
     return regions.range_boxes(shape, start // itemsize, (start + nbytes) // itemsize)
 
 
+Read = tuple[str, TensorEntry, torch.Tensor, Any]  # (name, what the file holds, where it goes, unused)
+
+
+@dataclass
+class _SharedReads:
+    """What ``_read_shared`` reads, per writer rank, then copies out of the temporaries it read into:
+    byte ranges into a flat destination (``spans``) and boxes into a destination (``blocks``)."""
+
+    jobs: dict[int, list[Read]] = field(default_factory=dict)
+    spans: list[tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=list)  # (temp bytes, dest, offset)
+    blocks: list[tuple[torch.Tensor, torch.Tensor, tuple[slice, ...], tuple[slice, ...]]] = field(default_factory=list)
+
+    def read(self, rank: int, name: str, entry: TensorEntry, target: torch.Tensor) -> None:
+        self.jobs.setdefault(rank, []).append((name, entry, target, None))
+
+    def temp(self, rank: int, name: str, entry: TensorEntry, like: torch.Tensor) -> torch.Tensor:
+        """A piece read whole into a temporary of ``like``'s dtype (its checksum covers all of it)."""
+        temp = torch.empty(entry.nbytes // like.element_size(), dtype=like.dtype)
+        self.read(rank, name, entry, temp)
+        return temp
+
+    def copy_out(self) -> None:
+        for src_t, flat, offset in self.spans:
+            flat[offset:offset + src_t.numel()].copy_(src_t)
+        with torch.no_grad():
+            for part, dest, src, dst in self.blocks:
+                dest[dst].copy_(part[src])
+
+
 def _read_shared(info: catalog.CheckpointInfo, manifest: Mapping[str, Any], shared: Mapping[str, Any],
                  into: Mapping[str, Any] | None, acc: dict[str, Any], meta: Any) -> dict[str, torch.Tensor]:
     """Every distributed tensor this rank needs, piece by piece, from the files that hold them.
@@ -159,63 +189,71 @@ def _read_shared(info: catalog.CheckpointInfo, manifest: Mapping[str, Any], shar
                                                 sum(int(p["nbytes"]) for p in sp["pieces"]))
                                  for n, sp in shared.items()}, into)
     out: dict[str, torch.Tensor] = {}
-    jobs: dict[int, list[tuple[str, TensorEntry, torch.Tensor, Any]]] = {}  # writer rank -> reads
-    spans: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (temp piece, destination bytes, offset)
-    blocks: list[tuple[torch.Tensor, torch.Tensor, tuple[slice, ...], tuple[slice, ...]]] = []  # (piece, dest, ...)
+    plan = _SharedReads()
     for name, spec in shared.items():
         result, dest, region, live = _target(name, spec, (into or {}).get(name), overwrite=overwrite,
                                              home=homes.get(name))
         out[name] = result
-        shape = tuple(int(d) for d in spec["shape"])
-        itemsize = dest.element_size()
         if live:
-            acc["in_place_bytes"] = acc.get("in_place_bytes", 0) + dest.numel() * itemsize
-        if not dest.numel():
-            continue
-        contiguous = dest.is_contiguous()  # else only the block copies below can fill it
-        span = regions.as_range(shape, region) if contiguous else None
-        flat = dest.detach().reshape(-1).view(torch.uint8) if contiguous else dest
-        for p in spec["pieces"]:
-            r, start, nbytes = int(p["rank"]), int(p["start"]), int(p["nbytes"])
-            held = manifest["ranks"][str(r)]["tensors"][name]
-            entry = TensorEntry(name, str(spec["dtype"]), (nbytes // itemsize,), int(held.get("offset", 0)),
-                                nbytes, int(held.get("crc32c", 0)))
-            try:
-                got = _piece_regions(p, shape, itemsize)
-            except ValueError as exc:
-                raise CheckpointCorrupt(f"{info.path}: shared tensor {name!r}: piece of rank {r}: {exc}") from None
-            piece_span = regions.as_range(shape, got[0]) if len(got) == 1 else None
-            if not regions.has_region(p):
-                piece_span = (start // itemsize, (start + nbytes) // itemsize)
-            if span is not None and piece_span is not None:  # both ranges of the row-major bytes
-                lo, hi = span[0] * itemsize, span[1] * itemsize
-                a, b = piece_span[0] * itemsize, piece_span[1] * itemsize
-                if a >= hi or b <= lo:
-                    continue
-                if lo <= a and b <= hi:  # the whole piece lands in the destination
-                    view = dest.detach().reshape(-1)[(a - lo) // itemsize:(b - lo) // itemsize]
-                    jobs.setdefault(r, []).append((name, entry, view, None))
-                else:  # a piece that straddles the destination: read it whole (its checksum covers all of it)
-                    temp = torch.empty(nbytes // itemsize, dtype=dest.dtype)
-                    jobs.setdefault(r, []).append((name, entry, temp, None))
-                    x, y = max(a, lo), min(b, hi)
-                    spans.append((temp.view(torch.uint8)[x - a:y - a], flat, x - lo))
-                continue
-            if not any(regions.intersects(g, region) for g in got):
-                continue
-            if contiguous and len(got) == 1 and got[0] == region:  # this rank's own shard, as it was saved
-                jobs.setdefault(r, []).append((name, entry, dest.detach().reshape(-1), None))
-                continue
-            temp = torch.empty(nbytes // itemsize, dtype=dest.dtype)
-            jobs.setdefault(r, []).append((name, entry, temp, None))
-            pos = 0
-            for g in got:  # a range's boxes lie one after another in the piece
-                n = regions.volume(g)
-                part = temp[pos:pos + n].view(regions.lengths(g))
-                pos += n
-                for src, dst in regions.overlaps(g, region):
-                    blocks.append((part, dest, src, dst))
-    for r, reads in sorted(jobs.items()):
+            acc["in_place_bytes"] = acc.get("in_place_bytes", 0) + dest.numel() * dest.element_size()
+        if dest.numel():
+            for p in spec["pieces"]:
+                _plan_piece(info, manifest, name, spec, p, dest, region, plan)
+    _read_planned(info, manifest, plan, acc)
+    plan.copy_out()
+    return out
+
+
+def _plan_piece(info: catalog.CheckpointInfo, manifest: Mapping[str, Any], name: str, spec: Mapping[str, Any],
+                p: Mapping[str, Any], dest: torch.Tensor, region: Any, plan: _SharedReads) -> None:
+    """How piece ``p`` of tensor ``name`` reaches ``dest`` (this rank's ``region`` of it), if it does."""
+    shape = tuple(int(d) for d in spec["shape"])
+    itemsize = dest.element_size()
+    r, start, nbytes = int(p["rank"]), int(p["start"]), int(p["nbytes"])
+    held = manifest["ranks"][str(r)]["tensors"][name]
+    entry = TensorEntry(name, str(spec["dtype"]), (nbytes // itemsize,), int(held.get("offset", 0)),
+                        nbytes, int(held.get("crc32c", 0)))
+    try:
+        got = _piece_regions(p, shape, itemsize)
+    except ValueError as exc:
+        raise CheckpointCorrupt(f"{info.path}: shared tensor {name!r}: piece of rank {r}: {exc}") from None
+    contiguous = dest.is_contiguous()  # else only block copies can fill it
+    span = regions.as_range(shape, region) if contiguous else None
+    piece_span = regions.as_range(shape, got[0]) if len(got) == 1 else None
+    if not regions.has_region(p):
+        piece_span = (start // itemsize, (start + nbytes) // itemsize)
+    if span is not None and piece_span is not None:  # both ranges of the row-major bytes
+        lo, hi = span[0] * itemsize, span[1] * itemsize
+        a, b = piece_span[0] * itemsize, piece_span[1] * itemsize
+        if a >= hi or b <= lo:
+            return
+        if lo <= a and b <= hi:  # the whole piece lands in the destination
+            plan.read(r, name, entry, dest.detach().reshape(-1)[(a - lo) // itemsize:(b - lo) // itemsize])
+        else:  # a piece that straddles the destination: read it whole, copy the overlap
+            temp = plan.temp(r, name, entry, dest)
+            x, y = max(a, lo), min(b, hi)
+            plan.spans.append((temp.view(torch.uint8)[x - a:y - a], dest.detach().reshape(-1).view(torch.uint8),
+                               x - lo))
+        return
+    if not any(regions.intersects(g, region) for g in got):
+        return
+    if contiguous and len(got) == 1 and got[0] == region:  # this rank's own shard, as it was saved
+        plan.read(r, name, entry, dest.detach().reshape(-1))
+        return
+    temp = plan.temp(r, name, entry, dest)
+    pos = 0
+    for g in got:  # a range's boxes lie one after another in the piece
+        n = regions.volume(g)
+        part = temp[pos:pos + n].view(regions.lengths(g))
+        pos += n
+        for src, dst in regions.overlaps(g, region):
+            plan.blocks.append((part, dest, src, dst))
+
+
+def _read_planned(info: catalog.CheckpointInfo, manifest: Mapping[str, Any], plan: _SharedReads,
+                  acc: dict[str, Any]) -> None:
+    """Read what ``plan`` holds, each writer rank's file once."""
+    for r, reads in sorted(plan.jobs.items()):
         rec = manifest["ranks"][str(r)]
         path = info.path / rec["file"]
         stats: dict[str, Any] = {}
@@ -223,17 +261,11 @@ def _read_shared(info: catalog.CheckpointInfo, manifest: Mapping[str, Any], shar
             got_t = rankfile.read(path, rec, {n: e for n, e, _, _ in reads}, into={n: t for n, _, t, _ in reads},
                                   stats=stats)
         finally:
-            stats.pop("in_place_bytes", None)  # counted above, once per destination
+            stats.pop("in_place_bytes", None)  # counted by _read_shared, once per destination
             _add_stats(acc, stats)
         for name, _, target, _ in reads:
             if got_t[name] is not target:  # not read in place (an archive, a CUDA or odd target): copy it
                 target.copy_(got_t[name].reshape(target.shape))
-    for src_t, flat, offset in spans:
-        flat[offset:offset + src_t.numel()].copy_(src_t)
-    with torch.no_grad():
-        for part, dest, src, dst in blocks:
-            dest[dst].copy_(part[src])
-    return out
 
 
 def _optimizer_state_names(meta: Any) -> list[str]:

@@ -39,7 +39,7 @@ import shutil
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import CheckpointCorrupt, HpcckptError
 from . import catalog
@@ -177,12 +177,7 @@ def _scavenge(local: Path, lock_timeout_s: float) -> Result:
         return result(CURRENT, f"the shared level {shared} already holds step {have} (node-local: step {step}); "
                                "nothing to do", step=step)
     src = local / name
-    try:
-        manifest = read_manifest(src)
-        validate(manifest, step=step)
-    except CheckpointCorrupt as exc:
-        raise _Stop(result(FAILED, f"node-local step {step} ({src}) has a damaged manifest ({_reason(exc)}); "
-                                   "nothing scavenged", step=step)) from None
+    manifest = _source_manifest(src, step, result)
     files: dict[str, Any] = manifest["files"]
     _refuse_uncommitted(shared, name, result, step)
     staging = staging_dir(shared, step, manifest)
@@ -205,8 +200,33 @@ def _scavenge(local: Path, lock_timeout_s: float) -> Result:
         raise _Stop(result(FAILED, f"step {step} gathered in {staging} fails verification ({bad[0]}"
                                    f"{f'; {len(bad) - 1} more' if len(bad) > 1 else ''}); nothing committed",
                            step=step, contributed=contributed, problems=bad))
+    precheck = _precheck(shared, staging, name, files, step, ident, result, contributed)
+    path, warnings, _removed = commit_and_prune(Transaction(shared, name, temp=staging), manifest, keep=None,
+                                                lock_timeout_s=lock_timeout_s, precheck=precheck)
+    own = f"; this node's own copy of {problems[0]} (another node's copy was used)" if problems else ""
+    return result(COMMITTED, f"committed node-local step {step} to the shared level: {path} (the shared level "
+                             f"held step {have if have is not None else 'none'}){own}", step=step, path=path,
+                  contributed=contributed, problems=problems, warnings=warnings)
 
-    def precheck() -> None:  # under the writer lock: the decision and the commit are one step
+
+def _source_manifest(src: Path, step: int, result: Any) -> dict[str, Any]:
+    """The node-local step's manifest, read and checked; a damaged one stops the scavenge."""
+    try:
+        manifest = read_manifest(src)
+        validate(manifest, step=step)
+    except CheckpointCorrupt as exc:
+        raise _Stop(result(FAILED, f"node-local step {step} ({src}) has a damaged manifest ({_reason(exc)}); "
+                                   "nothing scavenged", step=step)) from None
+    return manifest
+
+
+def _precheck(shared: Path, staging: Path, name: str, files: dict[str, Any], step: int, ident: Any, result: Any,
+              contributed: list[str]) -> Callable[[], None]:
+    """What the commit checks again under the writer lock, so that the decision and the commit
+    are one step: the gathered step is still ours, whole, and still newer than the shared level's,
+    and no live job writes there."""
+
+    def precheck() -> None:
         if catalog.identity(staging) != ident:  # committed (renamed away) by another node's scavenge
             now = _shared_newest(shared)
             if now is not None and now >= step:
@@ -229,12 +249,7 @@ def _scavenge(local: Path, lock_timeout_s: float) -> Result:
             raise _Stop(result(FAILED, f"{staging} changed while it was verified; nothing committed", step=step,
                                contributed=contributed))
 
-    path, warnings, _removed = commit_and_prune(Transaction(shared, name, temp=staging), manifest, keep=None,
-                                                lock_timeout_s=lock_timeout_s, precheck=precheck)
-    own = f"; this node's own copy of {problems[0]} (another node's copy was used)" if problems else ""
-    return result(COMMITTED, f"committed node-local step {step} to the shared level: {path} (the shared level "
-                             f"held step {have if have is not None else 'none'}){own}", step=step, path=path,
-                  contributed=contributed, problems=problems, warnings=warnings)
+    return precheck
 
 
 def _incomplete(shared: Path, staging: Path, step: int, result: Any, contributed: list[str], missing: list[str],
