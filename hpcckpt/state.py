@@ -465,16 +465,23 @@ class TrainState:
         return tree
 
     def background_safe(self) -> set[str]:
-        """Names (and prefixes, ending in ``/``) of captured tensors that nothing but
-        ``optimizer.step()`` mutates: parameters and optimizer state, and the RNG states,
-        which ``rng_state`` copies at every capture (nothing else holds those copies)."""
+        """Names (and prefixes, ending in ``/``) of captured tensors that nothing but a
+        registered ``optimizer.step()`` mutates: the registered optimizers' state, the
+        parameters they hold, and the RNG states, which ``rng_state`` copies at every capture
+        (nothing else holds those copies). A parameter no registered optimizer holds (stepped
+        by an optimizer kept elsewhere, or frozen) is not: no step hook would hold back what
+        changes it while a save still copies it, so it is copied inside ``save()``."""
         safe: set[str] = {"rng/"}
+        stepped: set[int] = set()
         for name, obj in self.objects.items():
             if isinstance(obj, torch.optim.Optimizer):
                 safe.add(f"objects/{name}/state/")
-            elif isinstance(obj, torch.nn.Module):
-                for pname, _ in obj.named_parameters():
-                    safe.add(f"objects/{name}/{_escape(pname)}")
+                stepped.update(id(p) for group in obj.param_groups for p in group["params"])
+        for name, obj in self.objects.items():
+            if isinstance(obj, torch.nn.Module):
+                for pname, param in obj.named_parameters():
+                    if id(param) in stepped:
+                        safe.add(f"objects/{name}/{_escape(pname)}")
         return safe
 
 
