@@ -476,13 +476,23 @@ class TrainState:
         for name, obj in self.objects.items():
             if isinstance(obj, torch.optim.Optimizer):
                 safe.add(f"objects/{name}/state/")
-                stepped.update(id(p) for group in obj.param_groups for p in group["params"])
+                stepped.update(id(p) for group in _param_groups(obj) for p in group.get("params", ()))
         for name, obj in self.objects.items():
             if isinstance(obj, torch.nn.Module):
                 for pname, param in obj.named_parameters():
                     if id(param) in stepped:
                         safe.add(f"objects/{name}/{_escape(pname)}")
         return safe
+
+
+def _param_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups, or none where a wrapper cannot give them (it then
+    protects nothing: its parameters are copied inside save())."""
+    try:
+        groups = optimizer.param_groups
+    except Exception:  # noqa: BLE001 - a wrapper that skipped Optimizer.__init__
+        return []
+    return [g for g in groups if isinstance(g, dict)] if isinstance(groups, list) else []
 
 
 # Where a wrapper keeps the optimizer it steps: Hugging Face Accelerate's AcceleratedOptimizer
