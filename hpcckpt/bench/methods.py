@@ -262,12 +262,12 @@ def _one_rank_group() -> None:
 class Hpcckpt(Method):
     def __init__(self, root: Path, rig: PeerRig, engine: str, options: dict[str, Any]) -> None:
         super().__init__(root, rig)
-        from ..config import concurrent_options
+        from ..config import engine_options
         from ..engines import SaveContext, make_engine
         from ..ranks import Ranks
         self.name = f"hpcckpt_{engine}"
         ctx = SaveContext(root=root, keep=1, job={}, user={})
-        self.engine = make_engine(engine, ctx, Ranks(), **(concurrent_options(**options) if engine == "concurrent" else {}))
+        self.engine = make_engine(engine, ctx, Ranks(), engine_options(**options) if engine == "concurrent" else None)
         self.engine.bind(rig.state)
         if hasattr(self.engine, "wait_prepared"):
             self.engine.wait_prepared()  # a real loop keeps training while staging is laid out
