@@ -79,6 +79,9 @@ class Checkpointer:
         self.ledger = Ledger(self.root)
         self.policy, self.figures = setup.stop_policy(self.options, self.cluster, self.root)
         self.signals = SignalRecorder(self.options.signals)
+        self._stop = Stop(ranks=self.ranks, ledger=self.ledger, cluster=self.cluster, root=self.root,
+                          policy=self.policy, figures=self.figures, signals=self.signals,
+                          stop_at=env_value("stop_at_steps", ()), close=self.close)
         self.step = 0
         self.resumed_from: int | None = None
         self.progress = Progress()  # epoch, loader passes, finished: saved as "__progress__"
@@ -106,9 +109,6 @@ class Checkpointer:
         self._restore = Restore(root=self.root, ranks=self.ranks, ledger=self.ledger, levels=self.levels,
                                 state=self.state, progress=self.progress, on_corrupt=self.options.on_corrupt,
                                 accumulation=self._accumulation)
-        self._stop = Stop(ranks=self.ranks, ledger=self.ledger, cluster=self.cluster, root=self.root,
-                          policy=self.policy, figures=self.figures, signals=self.signals,
-                          stop_at=env_value("stop_at_steps", ()), close=self.close)
         self.signals.install()
         self.progress.worker_seeds.install()  # until close(): the seeds evaluation loaders' workers take
         self.progress.worker_seeds.on_unsure = self._trace.loader_seed
