@@ -38,8 +38,8 @@ from ..errors import ConfigError
 from ..exitcodes import EXIT_REQUEUE
 from ..lifecycle import identity, requeue
 from ..lifecycle.ledger import Ledger, process_start_time
-from ..lifecycle.supervise import EndTimeWatch, SignalInbox, as_recorded, end_poll_s
-from ..lifecycle.timing import bounded_lead_s
+from ..lifecycle.supervise import SignalInbox, as_recorded
+from ..lifecycle.timing import StopTiming
 from ..proc import tree as proctree
 
 MODE = "own"
@@ -108,9 +108,12 @@ class OwnSupervisor:
         self.log = log or (lambda msg: print(f"hpcckpt run: {msg}", file=sys.stderr, flush=True))
         self.inbox = SignalInbox()
         self._stop: _Stop | None = None
-        self._watch: EndTimeWatch | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._started_at = time.time()
+        # The end time and the lead (--lead-s, at most a quarter of this allocation), as every
+        # supervisor reads them; the notice's own rules are below (_duties, _on_signal).
+        self.timing = StopTiming(lead_s=opts.lead_s, need_s=lambda: 0.0, log=self.log, ledger=self.ledger,
+                                 what="notice", source="own-supervisor", progress=lambda: 0.0)
 
     # -- the run ----------------------------------------------------------------------------
     def run(self) -> int:
@@ -126,10 +129,7 @@ class OwnSupervisor:
         self._proc = subprocess.Popen(list(self.opts.cmd), env=env)
         self.log(f"started {' '.join(self.opts.cmd)!r} (PID {self._proc.pid}); it keeps its own checkpoints and "
                  f"hears the stop as {self.opts.notice.describe()}")
-        cluster = detect()
-        if cluster.name != "local" and self.opts.end_poll_s > 0:
-            self._watch = EndTimeWatch(cluster.end_time, poll_s=end_poll_s(cluster, self.opts.end_poll_s, log=self.log,
-                                                                           ledger=self.ledger))
+        self.timing.watch_end(detect(), self.opts.end_poll_s)
         while True:
             code = self._proc.poll()
             if code is not None:
@@ -143,30 +143,31 @@ class OwnSupervisor:
 
     def _duties(self) -> None:
         """The end time: pulled in (a preemption's grace), or nearer than the lead."""
-        if self._watch is None or self._stop is not None:
+        watch = self.timing.watch
+        if watch is None or self._stop is not None:
             return
-        if self._watch.moved():
+        if watch.moved():
             self._notify("preemption", None, f"the job's end time was pulled in ({self._left()} left)")
             return
-        left = self._watch.remaining_s()
+        left = watch.remaining_s()
         if left is not None and left <= self._lead_s(left):
             self._notify("time_limit", None, f"{left:.0f} s before the end time (the lead is {self._lead_s(left):.0f} s)")
 
     def _lead_s(self, left: float) -> float:
         """``--lead-s``, at most a quarter of this allocation (``--time-min`` may grant less than
         the lead): the templates' rule, so a short allocation still trains."""
-        return bounded_lead_s(self.opts.lead_s, allocation_s=max(0.0, time.time() - self._started_at) + left,
-                              need_s=0.0)
+        return self.timing.lead_s(left)
 
     def _refreshed_left(self) -> float | None:
-        if self._watch is None:
+        watch = self.timing.watch
+        if watch is None:
             return None
-        if self._watch.refresh():
+        if watch.refresh():
             self._notify("preemption", None, f"the job's end time was pulled in ({self._left()} left)")
-        return self._watch.remaining_s()
+        return watch.remaining_s()
 
     def _left(self) -> str:
-        left = self._watch.remaining_s() if self._watch is not None else None
+        left = self.timing.remaining_s()
         return f"{left:.0f} s" if left is not None else "an unknown time"
 
     def _on_signal(self, sig: signal.Signals) -> None:
@@ -251,7 +252,7 @@ class OwnSupervisor:
         self._stop_record(cause, code, stop)
         outcome = requeue(cluster=detect(), state_dir=self.dir, cause=cause, committed_step=None,
                           ledger=self.ledger, source=MODE, note=f"the command {how}",
-                          within_s=self._watch.remaining_s() if self._watch is not None else None)
+                          within_s=self.timing.remaining_s())
         if outcome.exit_code is not None:
             return int(outcome.exit_code)
         return 0 if outcome.requeued else (code if code not in self.opts.requeue_on else 1)
