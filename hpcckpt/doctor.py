@@ -710,7 +710,7 @@ def check_criu_nodes(ctx: DoctorContext) -> list[Check]:
     nodes = ctx.nodes
     if nodes <= 1:
         return []
-    from hpcckpt.criu.supervisor import multi_node_refusal
+    from hpcckpt.criu.options import multi_node_refusal
 
     where = "SLURM_NNODES" if ctx.env_nodes > 1 else "the script's --nodes"
     return [Check(name="criu one node", ok=False,

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
                         lead_s=args.lead_s, save_s=args.save_s, requeue_on=_codes(args.requeue_on))
     trial_checks: list[Check] = []
     if cmd and args.mode == "criu" and ctx.nodes > 1:
-        from hpcckpt.criu.supervisor import multi_node_refusal
+        from hpcckpt.criu.options import multi_node_refusal
 
         trial_checks.append(Check(name="criu trial", ok=False, detail=f"not run: {multi_node_refusal(ctx.nodes)}"))
     elif cmd and args.mode == "criu":
