@@ -39,11 +39,10 @@ from typing import Any
 
 import torch
 
-from ..config import TUNABLES
-from ..errors import ConfigError
+from ..config import TUNABLES, check_jit_timeout
 from ..exitcodes import EXIT_REQUEUE, flush_and_exit
 from ..lifecycle import current, requeue
-from ..store import catalog, torchfile
+from ..store import catalog, names, torchfile
 from ..store.manifest import record_in, record_out
 from . import rendezvous, writer
 from .capture import (Boundary, CudaWaitTimeout, StepGate, capture_boundary, capture_replicated, finish,
@@ -52,22 +51,18 @@ from .heartbeat import CLOSING, LEAVING, Heartbeat
 
 log = logging.getLogger("hpcckpt.jit")
 
-DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_TIMEOUT_S = float(TUNABLES["jit_timeout_s"].default)
 LEDGER_WAIT_S = 10.0  # the JIT path's ledger appends: a rank stopped inside an append holds the ledger's lock
 TIMEOUT_ENV = TUNABLES["jit_timeout_s"].env  # resolved into options.jit_timeout_s by config.resolve_options
 
 
 def _timeout_from(ckpt: Any, timeout_s: float | None) -> float:
-    """``timeout_s``, else the resolved ``ckpt.options.jit_timeout_s``, else the default."""
+    """``timeout_s``, else the resolved ``ckpt.options.jit_timeout_s``, else the table's default;
+    checked by the options table's one rule (config.check_jit_timeout)."""
     value: Any = timeout_s
     if value is None:
         value = getattr(getattr(ckpt, "options", None), "jit_timeout_s", None)
-    if value is None:
-        return DEFAULT_TIMEOUT_S
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"jit_timeout_s={value!r} is invalid: use a positive number of seconds "
-                          f"(e.g. jit_timeout_s=5 or {TIMEOUT_ENV}=5)")
-    return float(value)
+    return check_jit_timeout(value)
 
 
 def requeue_cause() -> str:
@@ -333,7 +328,7 @@ class JitGuard:
                 b, replicated = None, {}
                 doc.update(ok=False, why=str(exc))
         if b is not None:
-            rec = torchfile.write(d / f"local-{self.rank}.pt", b.tensors)
+            rec = torchfile.write(d / names.jit_local_file(self.rank), b.tensors)
             doc.update(step=b.step, counts=list(b.counts),
                        state_bytes=sum(t.numel() * t.element_size() for t in (*replicated.values(),
                                                                               *b.tensors.values())),
@@ -432,7 +427,7 @@ class JitGuard:
         for r in decision["holders"]:
             if r != self.rank:
                 x = docs[r]
-                sources[r] = (torchfile.read(d / f"local-{r}.pt", record_in(x["local"])), x["trees"])
+                sources[r] = (torchfile.read(d / names.jit_local_file(r), record_in(x["local"])), x["trees"])
         source_of = {int(r): int(s) for r, s in decision["source_of"].items()}
         assert self.gate is not None
         replicated = to_host(replicated, list(self.gate.events.values()) + b.events)

@@ -22,12 +22,12 @@ import torch
 
 from ..store import catalog, torchfile
 from ..store.commit import Transaction
+from ..store.names import JIT_FILE, TORCH, rank_record
 from ..store.manifest import build as build_manifest
 from ..store.publish import commit_and_prune
 
 log = logging.getLogger("hpcckpt.jit")
 
-JIT_FILE = "jit.pt"
 ENGINE = "jit"
 LOCK_TIMEOUT_S = 60.0
 
@@ -90,8 +90,7 @@ def commit(root: Path, *, step: int, world: int, writer_rank: int, keep: int, jo
                     "objects": {**replicated_trees, **trees["objects"]}, "rng": trees["rng"]}
             meta = renamed(meta, names)
             held = sorted(set(names_of[src].values()) | (set(replicated) if r == holder else set()))
-            ranks[str(r)] = {"file": JIT_FILE, "format": "torch", "meta": meta,
-                             "tensors": {n: entries[n] for n in held}}
+            ranks[str(r)] = rank_record(file=JIT_FILE, fmt=TORCH, meta=meta, tensors={n: entries[n] for n in held})
         manifest = build_manifest(step=step, engine=ENGINE, job=job, user=user,
                                   records=[ranks[str(r)] for r in range(world)], shared=shared,
                                   files={JIT_FILE: rec["file_info"]}, jit=dict(info))
