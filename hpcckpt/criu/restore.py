@@ -20,6 +20,7 @@ from ..errors import CriuError, CudaCheckpointError
 from ..lifecycle import identity
 from ..lifecycle.history import OPENERS
 from ..lifecycle.ledger import Ledger, process_start_time
+from ..lifecycle.records import record_start
 from ..proc import tree as proctree
 from ..store.lock import writer_lock
 from . import images, ops
@@ -70,10 +71,9 @@ class Starter:
         self.log(f"started {' '.join(self.opts.cmd)!r} in new PID + mount namespaces (host PID {job.app_pid}); "
                  f"stdout {out}, stderr {err}")
         self._started(job, 0.0)
-        self.ledger.append("start", mode="criu", resumed_from=None, image=None, progress_s=0.0,
-                           fallback=fallback, dump_every_s=self.opts.dump_every_s, no_image=no_image,
-                           process_start=process_start_time(),
-                           **Progress.lost_since(self.ledger.events(), 0.0))
+        record_start(self.ledger, mode="criu", resumed_from=None, image=None, progress_s=0.0,
+                     fallback=fallback, dump_every_s=self.opts.dump_every_s, no_image=no_image,
+                     process_start=process_start_time(), **Progress.lost_since(self.ledger.events(), 0.0))
         return job
 
     def _ignored(self) -> tuple[signal.Signals, ...]:

@@ -107,6 +107,7 @@ from ..errors import CheckpointCorrupt, CriuError, CudaCheckpointError, HpcckptE
 from ..exitcodes import EXIT_REQUEUE
 from ..lifecycle import identity, requeue
 from ..lifecycle.ledger import Ledger
+from ..lifecycle.records import record_stop
 from ..lifecycle.supervise import FORWARDED, SignalInbox, as_recorded, run_forwarding
 from ..lifecycle.timing import StopTiming
 from ..proc import tree as proctree
@@ -468,8 +469,8 @@ class Supervisor:
     # -- records and requeue --------------------------------------------------------------
     def _stop_record(self, reason: str, *, progress_s: float | None = None, **fields: Any) -> None:
         """One ``stop`` per run: why it ended and how far the job had got (seconds of running)."""
-        self.ledger.append("stop", reason=reason, mode="criu", step=None,
-                           progress_s=self.acct.now() if progress_s is None else progress_s, **fields)
+        record_stop(self.ledger, mode="criu", reason=reason, step=None,
+                    progress_s=self.acct.now() if progress_s is None else progress_s, **fields)
 
     def _requeue(self, image: str | None, cause: str, *, what: str | None = None) -> int:
         """Hand the job back to the scheduler; with Slurm ``scontrol requeue`` kills us."""

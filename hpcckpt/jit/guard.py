@@ -42,6 +42,7 @@ import torch
 from ..config import TUNABLES, check_jit_timeout
 from ..exitcodes import EXIT_REQUEUE, flush_and_exit
 from ..lifecycle import current, requeue
+from ..lifecycle.records import stop_fields
 from ..store import catalog, names, torchfile
 from ..store.manifest import record_in, record_out
 from . import rendezvous, writer
@@ -456,9 +457,9 @@ class JitGuard:
 
     def _stop_and_requeue(self, decision: dict[str, Any], outcome: dict[str, Any] | None) -> None:
         committed = self._committed_step()
-        bounded_append(self.ckpt.ledger, "stop", reason="rank_failure", step=decision.get("step"), committed_step=committed,
-                                requeue=True, final_saved=bool(outcome and outcome.get("ok")),
-                                failed_ranks=decision.get("failed"))
+        bounded_append(self.ckpt.ledger, "stop", **stop_fields(
+            mode="inprocess", reason="rank_failure", step=decision.get("step"), committed_step=committed,
+            requeue=True, final_saved=bool(outcome and outcome.get("ok")), failed_ranks=decision.get("failed")))
         # A rank died, so the job step's status is not 75 and a batch script that requeues only on
         # 75 would not: the writer requeues itself (this process ends right after anyway).
         result = requeue(cluster=self.ckpt.cluster, state_dir=self.root, cause=requeue_cause(),

@@ -38,6 +38,7 @@ from ..errors import ConfigError
 from ..exitcodes import EXIT_REQUEUE
 from ..lifecycle import identity, requeue
 from ..lifecycle.ledger import Ledger, process_start_time
+from ..lifecycle.records import record_start, record_stop
 from ..lifecycle.supervise import SignalInbox, as_recorded
 from ..lifecycle.timing import StopTiming
 from ..proc import tree as proctree
@@ -288,8 +289,8 @@ class OwnSupervisor:
         if prev is not None and prev.get("reason") not in ("done", "error"):
             lost_s = prev.get("lost_s")
             lost = {"lost_s": lost_s, "lost_exact": lost_s is not None}
-        self.ledger.append("start", mode=MODE, resumed_from=None, notice=self.opts.notice.describe(),
-                           process_start=process_start_time(), **lost)
+        record_start(self.ledger, mode=MODE, resumed_from=None, notice=self.opts.notice.describe(),
+                     process_start=process_start_time(), **lost)
 
     def _stop_record(self, reason: str, code: int, stop: _Stop | None) -> None:
         now = time.time()
@@ -303,7 +304,7 @@ class OwnSupervisor:
             fields.update(last_save_time=saved_at, last_save=saved,
                           lost_s=round(max(0.0, now - max(saved_at, self._started_at)), 3)
                           if saved_at is not None else None)
-        self.ledger.append("stop", reason=reason, mode=MODE, step=None, **fields)
+        record_stop(self.ledger, mode=MODE, reason=reason, step=None, **fields)
 
 
 def run_own(opts: OwnOptions) -> int:
