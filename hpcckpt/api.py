@@ -45,6 +45,7 @@ from .errors import ConfigError, HpcckptError
 from .exitcodes import EXIT_REQUEUE
 from .lifecycle import identity
 from .lifecycle.ledger import Ledger, process_start_time
+from .lifecycle.records import record_start
 from .lifecycle.stop import RefusedExit, RequeueExit, Run, Stop
 from .policy import StopReason
 from .ranks import Ranks
@@ -301,9 +302,9 @@ class Checkpointer:
         started = process_start_time()
         self._startup_s = max(0.0, time.time() - started) if started is not None else None
         if self.ranks.is_coordinator:
-            self.ledger.append("start", resumed_from=self.resumed_from, restore_s=round(self._restore.restore_s, 6),
-                               engine=self.options.engine, world_size=self.ranks.world,
-                               process_start=started, level=self.restored_level)
+            record_start(self.ledger, mode="inprocess", resumed_from=self.resumed_from,
+                         restore_s=round(self._restore.restore_s, 6), engine=self.options.engine,
+                         world_size=self.ranks.world, process_start=started, level=self.restored_level)
         self._start_step = self.step
         self._trace.note({"dir": str(self.root), "resumed_from": self.resumed_from})
         self._trace.warn_unsaved(self.state)

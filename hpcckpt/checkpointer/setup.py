@@ -86,13 +86,5 @@ def open_engine(options: CheckpointOptions, ranks: Ranks, cluster: Cluster, me: 
         if options.local_every_steps is not None else None
     ctx = SaveContext(root=levels.local if levels else options.dir, keep=options.keep,
                       job=current(cluster.env.environ).as_job(cluster.name), user={}, levels=levels)
-    engine = make_engine(options.engine, ctx, ranks,
-                         **(concurrent_options(options) if options.engine == "concurrent" else {}))
+    engine = make_engine(options.engine, ctx, ranks, options.concurrent if options.engine == "concurrent" else None)
     return levels, engine
-
-
-def concurrent_options(o: CheckpointOptions) -> dict[str, Any]:
-    """The concurrent engine's options, as ``make_engine`` takes them."""
-    return {"max_async": o.max_async, "writer_threads": o.writer_threads, "on_busy": o.on_busy,
-            "memory_budget_bytes": o.memory_budget_bytes, "direct": o.direct, "staging_bytes": o.staging_bytes,
-            "chunk_bytes": o.chunk_bytes, "ring_chunk_bytes": o.ring_chunk_bytes}

@@ -31,6 +31,7 @@ from ..policy import WARNING_SIGNALS, Figures, Policy, StopReason, estimate_save
 from ..signals import AfterRun, Received, SignalRecorder
 from .budget import no_progress
 from .ledger import Ledger
+from .records import record_stop
 from .requeue import requeue
 
 if TYPE_CHECKING:
@@ -146,10 +147,10 @@ class Stop:
         refusal = self.no_progress(reason, run)
         if self.ranks.is_coordinator:
             extra: dict[str, Any] = {} if final_error is None else {"final_error": final_error}
-            self.ledger.append("stop", reason=reason.name.lower(), step=run.step, committed_step=committed,
-                               requeue=refusal is None, final_saved=final_save is not None and final_error is None,
-                               signame=first.name if first else None,
-                               signal_time=first.wall_s if first else None, **extra)
+            record_stop(self.ledger, mode="inprocess", reason=reason.name.lower(), step=run.step,
+                        committed_step=committed, requeue=refusal is None,
+                        final_saved=final_save is not None and final_error is None,
+                        signame=first.name if first else None, signal_time=first.wall_s if first else None, **extra)
         if refusal is not None:
             self.refuse(refusal, run.step)
         outcome: dict[str, Any] = {}
@@ -260,7 +261,8 @@ class Stop:
     def done(self, step: int, committed_step: int | None) -> None:
         """The run ended (its final state checkpointed): the ``stop`` record of a finished run."""
         if self.ranks.is_coordinator:
-            self.ledger.append("stop", reason="done", step=step, committed_step=committed_step, requeue=False)
+            record_stop(self.ledger, mode="inprocess", reason="done", step=step, committed_step=committed_step,
+                        requeue=False)
 
     def guard_after_run(self, step: int, committed_step: int | None, watched: Iterable[signal.Signals]) -> None:
         """From the run's end to the process's exit a stop signal requeues the job (``AfterRun``):
@@ -304,8 +306,8 @@ def _stopped_after_run(got: Received, *, step: int, committed_step: int | None,
                 "that code again", got.name, step)
     if coordinator is not None:
         ledger, cluster, root = coordinator
-        ledger.append("stop", reason="after_run", step=step, committed_step=committed_step, requeue=True,
-                      final_saved=True, signame=got.name, signal_time=got.wall_s)
+        record_stop(ledger, mode="inprocess", reason="after_run", step=step, committed_step=committed_step,
+                    requeue=True, final_saved=True, signame=got.name, signal_time=got.wall_s)
         requeue_logged(cluster, root, ledger, StopReason.SIGNAL.cause, committed_step)
     if _script_returned():
         # The script has returned: the interpreter is joining its threads or running atexit
