@@ -5,8 +5,17 @@ those start with a ``Checkpointer``.
 """
 from __future__ import annotations
 
-from .errors import (CheckpointCorrupt, CheckpointFailed, ClusterError, ConfigError, CriuError,
-                     CudaCheckpointError, HpcckptError, NativeMissing, NoCheckpoint)
+from .errors import (
+    CheckpointCorrupt,
+    CheckpointFailed,
+    ClusterError,
+    ConfigError,
+    CriuError,
+    CudaCheckpointError,
+    HpcckptError,
+    NativeMissing,
+    NoCheckpoint,
+)
 
 __version__ = "0.1.0"
 

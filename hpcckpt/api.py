@@ -26,8 +26,9 @@ import os
 import sys
 import time
 import weakref
+from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
-from typing import Any, Callable, Iterable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 from .checkpointer import setup
 from .checkpointer.accumulation import Accumulation

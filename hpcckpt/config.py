@@ -13,9 +13,10 @@ import math
 import os
 import signal
 import stat
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, TypeVar
 
 from .errors import ConfigError
 

@@ -9,17 +9,18 @@ makes a step wait; the step reads the last answer.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
 import os
-import functools
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .cluster.base import Cause
 from .fsio import atomic_write, write_all

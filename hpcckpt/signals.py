@@ -11,9 +11,10 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from .config import parse_signals
 from .proc.workers import QuietWorkers, track_loader

@@ -12,8 +12,8 @@ import os
 import signal as _signal
 import subprocess
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 from .exitcodes import EXIT_REQUEUE
 from .signals import unblock

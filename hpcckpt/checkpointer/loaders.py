@@ -14,8 +14,9 @@ import logging
 import os
 import sys
 import types
+from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from ..data import LoaderPosition, Progress, find_resumable
 from ..errors import ConfigError

@@ -50,7 +50,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from ..cuda import CudaCheckpoint
-
     from ..cuda.driver import CALL_TIMEOUT_S
 
     cu = CudaCheckpoint(call_timeout_s=args.call_timeout_s or CALL_TIMEOUT_S)

@@ -13,8 +13,9 @@ written to a temporary name in the same directory and renamed into place.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from ..fsio import replacing
 from .common import add_json, directory, emit, human_bytes

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from hpcckpt.cli.common import add_json, directory, emit
-from hpcckpt.errors import ConfigError, NoCheckpoint
 from hpcckpt.cluster.causes import slurm_runs
+from hpcckpt.errors import ConfigError, NoCheckpoint
 from hpcckpt.lifecycle.history import BUCKETS, Fold, Interruption, goodput, interruptions, load, summary
 
 

@@ -12,8 +12,9 @@ state's own bytes (each shared tensor once): 1.0 when nothing is written twice.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from .common import add_json, directory, emit, human_bytes
 

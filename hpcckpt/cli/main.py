@@ -20,11 +20,10 @@ import logging
 import os
 import pkgutil
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..errors import ClusterError, ConfigError, CriuError, CudaCheckpointError, HpcckptError, NoCheckpoint
-from ..exitcodes import (EXIT_EXTERNAL, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NOTHING, EXIT_PROBLEM,
-                         EXIT_USAGE)
+from ..exitcodes import EXIT_EXTERNAL, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_NOTHING, EXIT_PROBLEM, EXIT_USAGE
 
 log = logging.getLogger("hpcckpt.cli")
 

@@ -41,9 +41,9 @@ from hpcckpt.exitcodes import EXIT_REQUEUE
 from hpcckpt.lifecycle import requeue
 from hpcckpt.lifecycle.causes import stop_cause
 from hpcckpt.lifecycle.history import OPENERS, Event, runs
-from hpcckpt.lifecycle.requeue import CANCELLED
 from hpcckpt.lifecycle.identity import Identity, current
 from hpcckpt.lifecycle.ledger import Ledger
+from hpcckpt.lifecycle.requeue import CANCELLED
 
 RAN_S = 30.0  # a command that ran this long was not stopped in its start-up (--ran-s)
 

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcckpt.cluster.base import Cause
-from hpcckpt.cluster.scontrol import (parse_duration_s, parse_slurm_time, run_slurm,
-                                      show_config)
+from hpcckpt.cluster.scontrol import parse_duration_s, parse_slurm_time, run_slurm, show_config
 from hpcckpt.errors import ClusterError
 
 # Slurm job states (sacct/jobcomp spelling) -> cause of the stop.

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from hpcckpt.cluster.base import Cause, ClusterBase, Reservation, RequeueOutcome, node_is_draining
+from hpcckpt.cluster.base import Cause, ClusterBase, RequeueOutcome, Reservation, node_is_draining
 from hpcckpt.config import env_value
 from hpcckpt.errors import ClusterError
 

@@ -12,9 +12,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from ..doctor import REMOTE_LAUNCHERS, Check, Trial, TrialRefused, dispositions
-from ..doctor import _who
-from ..errors import CudaCheckpointError, CriuError
+from ..doctor import REMOTE_LAUNCHERS, Check, Trial, TrialRefused, _who, dispositions
+from ..errors import CriuError, CudaCheckpointError
 from ..proc import tree as proctree
 from .locate import check, find_criu, tracks_memory
 

@@ -14,9 +14,10 @@ throw that progress away), and that image stays the one a later run would restor
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from ..errors import CriuError, CudaCheckpointError, NoCheckpoint
 from ..proc import tree as proctree

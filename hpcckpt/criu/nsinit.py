@@ -27,16 +27,20 @@ orphans, and exit with the job's status once it is gone and no dump holder is le
 (a process named ``hpcckpt-hold`` that the dump helper parks here: criu kills the job
 at the end of a dump while it still runs inside this namespace, and must not die with it).
 """
+from __future__ import annotations
+
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
+from types import FrameType
 
 HOLD_NAME = "hpcckpt-hold"
 _NOT_FORWARDED = {signal.SIGCHLD, signal.SIGKILL, signal.SIGSTOP}
 
 
-def _close_inherited(keep=()):
+def _close_inherited(keep: tuple[int, ...] = ()) -> None:
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
         if fd > 2 and fd not in keep:
@@ -46,13 +50,13 @@ def _close_inherited(keep=()):
                 pass
 
 
-def _open_append(path):
+def _open_append(path: str) -> int:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.set_inheritable(fd, True)
     return fd
 
 
-def _redirect(stdout_path, stderr_path):
+def _redirect(stdout_path: str, stderr_path: str) -> None:
     fd = os.open(os.devnull, os.O_RDONLY)
     os.dup2(fd, 0)
     os.close(fd)
@@ -62,7 +66,7 @@ def _redirect(stdout_path, stderr_path):
         os.close(fd)
 
 
-def _spawn_job(cmd, stdout_path, stderr_path, ignore=()):
+def _spawn_job(cmd: list[str], stdout_path: str, stderr_path: str, ignore: Sequence[int] = ()) -> int:
     # The job's stdio is set up in the child only: our own fds 1/2 stay unshare's log, so
     # nothing we write (after a dump, say) can change a file the job's image records.
     child = os.fork()
@@ -70,7 +74,7 @@ def _spawn_job(cmd, stdout_path, stderr_path, ignore=()):
         try:
             _redirect(stdout_path, stderr_path)
         except OSError as exc:
-            os.write(2, ("hpcckpt nsinit: cannot open the job's stdio: %s\n" % exc).encode())
+            os.write(2, (f"hpcckpt nsinit: cannot open the job's stdio: {exc}\n").encode())
             os._exit(127)
         try:
             for signum in ignore:
@@ -78,7 +82,7 @@ def _spawn_job(cmd, stdout_path, stderr_path, ignore=()):
             os.setsid()
             os.execvp(cmd[0], cmd)
         except OSError as exc:
-            os.write(2, ("hpcckpt nsinit: cannot run %r: %s\n" % (cmd[0], exc)).encode())
+            os.write(2, (f"hpcckpt nsinit: cannot run {cmd[0]!r}: {exc}\n").encode())
         os._exit(127)
     return child
 
@@ -86,10 +90,10 @@ def _spawn_job(cmd, stdout_path, stderr_path, ignore=()):
 class Init:
     """Signal forwarding and reaping for one job root."""
 
-    def __init__(self):
-        self.job = None
-        self.pending = []
-        self.statuses = {}
+    def __init__(self) -> None:
+        self.job: int | None = None
+        self.pending: list[int] = []
+        self.statuses: dict[int, int] = {}
         for sig in signal.valid_signals():
             if sig not in _NOT_FORWARDED:
                 try:
@@ -100,7 +104,7 @@ class Init:
         # for ever (and the job inherits the mask): PID 1 must see them, SIGCHLD included.
         signal.pthread_sigmask(signal.SIG_UNBLOCK, signal.valid_signals())
 
-    def _on_signal(self, signum, _frame):
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         if self.job is None:
             self.pending.append(signum)  # restore still running: deliver once the job is back
             return
@@ -109,26 +113,26 @@ class Init:
         except ProcessLookupError:
             pass
 
-    def adopt(self, pid):
+    def adopt(self, pid: int) -> None:
         self.job = pid
         for signum in self.pending:
             self._on_signal(signum, None)
         self.pending = []
 
-    def _holders(self):
+    def _holders(self) -> bool:
         try:
-            kids = open("/proc/self/task/%d/children" % os.getpid()).read().split()
+            kids = open(f"/proc/self/task/{os.getpid()}/children").read().split()
         except OSError:
             return False
         for kid in kids:
             try:
-                if open("/proc/%s/comm" % kid).read().strip() == HOLD_NAME:
+                if open(f"/proc/{kid}/comm").read().strip() == HOLD_NAME:
                     return True
             except OSError:
                 continue
         return False
 
-    def wait_job(self):
+    def wait_job(self) -> int:
         """Reap until the job is gone and no dump holder remains; return its exit code."""
         while self.job not in self.statuses or self._holders():
             try:
@@ -138,20 +142,20 @@ class Init:
             except InterruptedError:
                 continue
             self.statuses[pid] = status
-        status = self.statuses.get(self.job)
-        if status is None:
+        code = self.statuses.get(self.job) if self.job is not None else None
+        if code is None:
             return 1
-        return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        return 128 + os.WTERMSIG(code) if os.WIFSIGNALED(code) else os.WEXITSTATUS(code)
 
 
-def _ignored(argv):
+def _ignored(argv: list[str]) -> tuple[list[int], list[str]]:
     """``--ignore=15,12`` at the head of argv: those signal numbers, and the rest of argv."""
     if argv and argv[0].startswith("--ignore="):
         return [int(n) for n in argv[0][len("--ignore="):].split(",") if n], argv[1:]
     return [], argv
 
 
-def start(argv):
+def start(argv: list[str]) -> int:
     ignore, argv = _ignored(argv)
     if len(argv) < 4 or argv[2] != "--":
         sys.stderr.write(__doc__)
@@ -171,24 +175,25 @@ def start(argv):
     return init.wait_job()
 
 
-def _set_last_pid(last):
+def _set_last_pid(last: int) -> None:
     # Only for this namespace: the next fork (criu) gets last + 1.
     with open("/proc/sys/kernel/ns_last_pid", "w") as f:
         f.write(str(last))
 
 
-def _report(fd, text):
+def _report(fd: int, text: str) -> None:
     os.write(fd, (text + "\n").encode())
     os.close(fd)
 
 
-def _restore_job(last_pid, pidfile, stdio, criu_args):
-    fds = []
+def _restore_job(last_pid: int, pidfile: str, stdio: list[tuple[str, str]],
+                 criu_args: list[str]) -> tuple[int | None, str]:
+    fds: list[int] = []
     for old, new in stdio:
         if old and new:
             fd = _open_append(new)
             fds.append(fd)
-            criu_args += ["--inherit-fd", "fd[%d]:%s" % (fd, old.lstrip("/"))]
+            criu_args += ["--inherit-fd", f"fd[{fd:d}]:{old.lstrip('/')}"]
     _set_last_pid(last_pid)
     criu_args += ["--restore-detached", "--pidfile", pidfile]
     proc = subprocess.Popen(criu_args, stdin=subprocess.DEVNULL, pass_fds=fds)
@@ -196,17 +201,17 @@ def _restore_job(last_pid, pidfile, stdio, criu_args):
     for fd in fds:
         os.close(fd)
     if rc != 0:
-        return None, "criu restore exited with status %d" % rc
+        return None, f"criu restore exited with status {rc:d}"
     try:
         with open(pidfile) as f:
             pid = int(f.read().strip())
         os.unlink(pidfile)
     except (OSError, ValueError) as exc:
-        return None, "criu restore wrote no usable pidfile %s (%s)" % (pidfile, exc)
+        return None, f"criu restore wrote no usable pidfile {pidfile} ({exc})"
     return pid, ""
 
 
-def restore(argv):
+def restore(argv: list[str]) -> int:
     if len(argv) < 9 or argv[7] != "--":
         sys.stderr.write(__doc__)
         return 2
@@ -217,16 +222,16 @@ def restore(argv):
     try:
         pid, why = _restore_job(last_pid, pidfile, stdio, list(argv[8:]))
     except OSError as exc:
-        pid, why = None, "restore setup failed: %s" % exc
+        pid, why = None, f"restore setup failed: {exc}"
     if pid is None:
         _report(status_fd, "failed " + why)
         return 1
     init.adopt(pid)
-    _report(status_fd, "restored %d" % pid)
+    _report(status_fd, f"restored {pid:d}")
     return init.wait_job()
 
 
-def main(argv):
+def main(argv: list[str]) -> int:
     if argv and argv[0] == "start":
         return start(argv[1:])
     if argv and argv[0] == "restore":

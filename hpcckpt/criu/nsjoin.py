@@ -18,6 +18,8 @@ This helper, the holder and CMD run with TERM, INT and HUP ignored: Slurm sends 
 would lose the dump that signal asks for; the supervisor ends criu with SIGKILL.
 Exit status: CMD's (128 + signal when killed), 125 when the namespaces cannot be joined.
 """
+from __future__ import annotations
+
 import ctypes
 import os
 import signal
@@ -29,18 +31,18 @@ HOLD_NAME = "hpcckpt-hold"
 PR_SET_PDEATHSIG = 1
 
 
-def _setns(path, nstype):
+def _setns(path: str, nstype: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         if libc.setns(fd, nstype) != 0:
             err = ctypes.get_errno()
-            raise OSError(err, "setns(%s): %s" % (path, os.strerror(err)))
+            raise OSError(err, f"setns({path}): {os.strerror(err)}")
     finally:
         os.close(fd)
 
 
-def _park_holder():
+def _park_holder() -> int:
     r, w = os.pipe()
     os.set_inheritable(w, False)
     first = os.fork()
@@ -59,7 +61,7 @@ def _park_holder():
     return w
 
 
-def main(argv):
+def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--":
         sys.stderr.write(__doc__)
         return 2
@@ -67,11 +69,11 @@ def main(argv):
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)  # inherited by the holder and criu (see above)
     try:
-        _setns("/proc/%s/ns/pid" % host_pid, CLONE_NEWPID)
-        _setns("/proc/%s/ns/mnt" % host_pid, CLONE_NEWNS)
+        _setns(f"/proc/{host_pid}/ns/pid", CLONE_NEWPID)
+        _setns(f"/proc/{host_pid}/ns/mnt", CLONE_NEWNS)
         os.chdir("/")
     except OSError as exc:
-        sys.stderr.write("hpcckpt nsjoin: cannot join the namespaces of PID %s: %s\n" % (host_pid, exc))
+        sys.stderr.write(f"hpcckpt nsjoin: cannot join the namespaces of PID {host_pid}: {exc}\n")
         return 125
     _park_holder()
     child = os.fork()
@@ -82,7 +84,7 @@ def main(argv):
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
             os.execv(cmd[0], cmd)
         except OSError as exc:
-            sys.stderr.write("hpcckpt nsjoin: cannot run %r: %s\n" % (cmd[0], exc))
+            sys.stderr.write(f"hpcckpt nsjoin: cannot run {cmd[0]!r}: {exc}\n")
         os._exit(127)
     _, status = os.waitpid(child, 0)
     return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)

@@ -3,9 +3,10 @@ tools it finds when first needed (``Tools``: criu, the CUDA checkpoint driver)."
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import ConfigError
 from . import ops

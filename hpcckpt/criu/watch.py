@@ -17,6 +17,7 @@ from typing import Any
 from ..fsio import write_all
 from ..lifecycle.history import OPENERS
 
+
 class Tee(threading.Thread):
     """Copies what the job appends to its files to our fds (1 and 2), until ``close()``."""
 

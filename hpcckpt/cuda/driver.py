@@ -34,8 +34,9 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 from ..errors import CudaCheckpointError
 from ..exitcodes import flush_and_exit
@@ -113,7 +114,7 @@ class LateReturn:
     what: str
     name: str
     result: str
-    left: "ProcessState | None"
+    left: ProcessState | None
     after_s: float
 
 

@@ -19,12 +19,19 @@ leaves the job running.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
-from ..proc import tree as proctree
 from ..errors import CudaCheckpointError
-from .driver import (MAPPED_DRIVER, NO_CONTEXT_CODES, CudaCallFailed, CudaCallStuck, CudaCheckpoint, CudaNoContext,
-                     ProcessState)
+from ..proc import tree as proctree
+from .driver import (
+    MAPPED_DRIVER,
+    NO_CONTEXT_CODES,
+    CudaCallFailed,
+    CudaCallStuck,
+    CudaCheckpoint,
+    CudaNoContext,
+    ProcessState,
+)
 
 
 def driver_mappers(root: int) -> list[int]:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import inspect
 import itertools
 import random
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch

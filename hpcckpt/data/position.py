@@ -4,14 +4,33 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
 from ..errors import CheckpointCorrupt, ConfigError
-from .loaders import (_END, _HOST_RNG_BYTES, OVER, SKIP_MODES, _begun, _draws_global, _drop_unused_iterator,
-                      _epoch_counter, _epoch_samplers, _generators, _host_boundary, _numpy_state, _persistent,
-                      _python_state, _sampler_draws_global, _sampler_unknown, _set_host, _Skip, iterating_loader)
+from .loaders import (
+    _END,
+    _HOST_RNG_BYTES,
+    OVER,
+    SKIP_MODES,
+    _begun,
+    _draws_global,
+    _drop_unused_iterator,
+    _epoch_counter,
+    _epoch_samplers,
+    _generators,
+    _host_boundary,
+    _numpy_state,
+    _persistent,
+    _python_state,
+    _sampler_draws_global,
+    _sampler_unknown,
+    _set_host,
+    _Skip,
+    iterating_loader,
+)
 from .sampler import ResumableSampler, _is_int, find_resumable
 
 log = logging.getLogger("hpcckpt")

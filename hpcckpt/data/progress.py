@@ -1,7 +1,8 @@
 """Where the training program is beyond its objects (``Progress``), saved as ``__progress__``."""
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 

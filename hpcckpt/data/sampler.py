@@ -9,7 +9,8 @@ prefetch ahead of that).
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 from torch.utils.data import Sampler

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -159,6 +160,7 @@ class WorkerSeeds:
     def install(self) -> None:
         """Follow the first passes of loaders with persistent workers (until ``uninstall``)."""
         import weakref
+
         from torch.utils.data import DataLoader
         global _real_get_iterator
         _active.append(weakref.ref(self))

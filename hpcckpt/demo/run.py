@@ -14,9 +14,10 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..config import DEFAULT_ENGINE
 from ..errors import ConfigError, HpcckptError

@@ -28,7 +28,8 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ..api import Checkpointer
 from ..checkpointer.driven import Driven

@@ -33,10 +33,10 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
-
 
 from ..api import Checkpointer
 from ..checkpointer.driven import Driven

@@ -41,9 +41,10 @@ same way (tests/integration/test_torchtitan.py).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from ..errors import ConfigError
 

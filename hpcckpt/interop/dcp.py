@@ -26,8 +26,9 @@ import logging
 import re
 import sys
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 

@@ -18,8 +18,9 @@ import json
 import threading
 import time
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -186,7 +187,7 @@ def copy_groups(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return [{k: _copy_value(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
 
 
-_persistent: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[str, ...], frozenset[str]]]" = \
+_persistent: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[str, ...], frozenset[str]]] = \
     weakref.WeakKeyDictionary()
 
 

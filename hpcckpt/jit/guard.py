@@ -46,8 +46,17 @@ from ..lifecycle.records import stop_fields
 from ..store import catalog, names, torchfile
 from ..store.manifest import record_in, record_out
 from . import rendezvous, writer
-from .capture import (Boundary, CudaWaitTimeout, StepGate, capture_boundary, capture_replicated, finish,
-                      fingerprint, replication_problem, to_host)
+from .capture import (
+    Boundary,
+    CudaWaitTimeout,
+    StepGate,
+    capture_boundary,
+    capture_replicated,
+    fingerprint,
+    finish,
+    replication_problem,
+    to_host,
+)
 from .heartbeat import CLOSING, LEAVING, Heartbeat
 
 log = logging.getLogger("hpcckpt.jit")
@@ -89,13 +98,13 @@ def bounded_append(ledger: Any, event: str, wait_s: float = LEDGER_WAIT_S, **fie
     return True
 
 
-def _shutdown_hook(ref: "weakref.ref[JitGuard]") -> None:
+def _shutdown_hook(ref: weakref.ref[JitGuard]) -> None:
     guard = ref()
     if guard is not None:
         guard._at_shutdown()
 
 
-def _fork_hook(ref: "weakref.ref[JitGuard]") -> None:
+def _fork_hook(ref: weakref.ref[JitGuard]) -> None:
     guard = ref()
     if guard is not None:
         guard._in_child()

@@ -15,15 +15,16 @@ directory, which is never loaded.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from ..store import catalog, torchfile
 from ..store.commit import Transaction
-from ..store.names import JIT_FILE, TORCH, rank_record
 from ..store.manifest import build as build_manifest
+from ..store.names import JIT_FILE, TORCH, rank_record
 from ..store.publish import commit_and_prune
 
 log = logging.getLogger("hpcckpt.jit")

@@ -58,8 +58,10 @@ from ..fsio import owned_private, safe_parent, write_all
 from ..ranks import Ranks
 from ..store import catalog
 from ..store.commit import atomic_write, discard, fsync_path, read_manifest, read_regular, write_new_durable
-from ..store.names import LINEAGE  # in the shared directory: the run lineage its node-local copies must carry
-from ..store.names import POINTER  # in each node-local root: read by the scavenge
+from ..store.names import (
+    LINEAGE,  # in the shared directory: the run lineage its node-local copies must carry
+    POINTER,  # in each node-local root: read by the scavenge
+)
 from ..store.scavenge import level_key
 from .topology import Topology
 

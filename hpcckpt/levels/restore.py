@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from ..ranks import Ranks
-from ..store import catalog, manifest as manifests
+from ..store import catalog
+from ..store import manifest as manifests
 from ..store.commit import MANIFEST, TMP_MARK, discard, fsync_path, read_manifest, verify_files
 from ..store.names import partial
 from . import Levels, step_lineage

@@ -18,8 +18,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..cluster.causes import RunRecord
-from .history import (Event, Fold, Interruption, RunSummary, _earliest, _Span, _spans, _unstarted, fold, goodput,
-                      interruptions)
+from .history import (
+    Event,
+    Fold,
+    Interruption,
+    RunSummary,
+    _earliest,
+    _Span,
+    _spans,
+    _unstarted,
+    fold,
+    goodput,
+    interruptions,
+)
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn, never with the CLI
     from matplotlib.figure import Figure

@@ -24,7 +24,8 @@ import signal
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("hpcckpt")
 

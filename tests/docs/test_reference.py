@@ -16,10 +16,10 @@ def test_the_committed_reference_is_what_the_code_generates(tmp_path: Path) -> N
 
 
 def test_the_reference_names_every_verb_option_and_public_name() -> None:
-    from hpcckpt.cli.main import build_parser
-    from hpcckpt.config import TUNABLES
     import hpcckpt
     import hpcckpt.own
+    from hpcckpt.cli.main import build_parser
+    from hpcckpt.config import TUNABLES
 
     cli = (REPO / "docs" / "reference" / "cli.md").read_text(encoding="utf-8")
     parser = build_parser()

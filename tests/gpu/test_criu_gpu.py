@@ -21,8 +21,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_criu_local import (EXIT_REQUEUE, TRAIN, criu_ok, finish, kill_supervised,  # noqa: F401
-                                               ledger, local_env, start, wait_for_step)
+from tests.integration.test_criu_local import (  # noqa: F401
+    EXIT_REQUEUE,
+    TRAIN,
+    criu_ok,
+    finish,
+    kill_supervised,
+    ledger,
+    local_env,
+    start,
+    wait_for_step,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.criu, pytest.mark.slow]
 

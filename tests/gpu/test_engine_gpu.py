@@ -6,8 +6,8 @@ restore lands in the live CUDA parameters and optimizer state, checksums verifie
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch

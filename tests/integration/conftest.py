@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from tests import stacks
 from tests.helpers import built_once
 

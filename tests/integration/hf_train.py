@@ -20,11 +20,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import group_exit  # beside this script
 import torch
 from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
-
-import group_exit  # beside this script
 
 VOCAB, SEQ, SAMPLES = 32, 8, 64
 
@@ -107,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         cb = HpcckptTrainerCallback(dir=run.dir / "ckpt", every_steps=run.every)
         callbacks.append(cb)
     if run.mode == "own":
-        import hpcckpt.own as own
         from transformers.trainer_utils import get_last_checkpoint
+
+        import hpcckpt.own as own
 
         callbacks.append(own.hf_callback())
         resume = get_last_checkpoint(str(run.dir / "hf-out")) if (run.dir / "hf-out").exists() else None

@@ -24,16 +24,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import group_exit  # beside this script
+import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning.pytorch as pl
-
 from hpcckpt import ResumableSampler
-
-import group_exit  # beside this script
 
 VOCAB, SEQ, SAMPLES, BATCH = 32, 8, 64, 8
 

@@ -28,9 +28,8 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
-
 from criu_train import held_at  # beside this script: the same --hold-file
+from torch import nn
 
 STOP = {"asked": False}
 

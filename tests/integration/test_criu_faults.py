@@ -16,15 +16,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 from hpcckpt.criu import find_criu
 
 from ..unit.test_cuda_driver import build_fake
-from .test_criu_local import PARK, EXIT_REQUEUE, criu_ok, dump_at, finish, job_output, ledger, start  # noqa: F401  (fixture)
+from .test_criu_local import EXIT_REQUEUE, PARK, criu_ok, dump_at, finish, job_output, ledger, start  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.criu, pytest.mark.fault, pytest.mark.slow]
 

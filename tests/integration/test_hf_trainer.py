@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+
 from tests.helpers import built_once
 
 if TYPE_CHECKING:

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from tests.unit.test_jit import TIMEOUT_S, TOTAL, WORLD, _same, run_job
 from tests.helpers import built_once
+from tests.unit.test_jit import TIMEOUT_S, TOTAL, WORLD, _same, run_job
 
 if TYPE_CHECKING:
     from conftest import SlurmCluster

@@ -80,7 +80,8 @@ def test_torchrun_two_nodes_preempted_resumes_identically(slurm_cluster: SlurmCl
 def test_torchrun_preemptible_demo_two_nodes_preempted_resumes_identically(
         slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     """The @preemptible path (hpcckpt.demo.train) with ranks from torchrun's environment."""
-    from tests.integration.test_slurm_ddp import STEPS as DEMO_STEPS, local_ddp_reference
+    from tests.integration.test_slurm_ddp import STEPS as DEMO_STEPS
+    from tests.integration.test_slurm_ddp import local_ddp_reference
 
     reference = local_ddp_reference(tmp_path / "reference")
     run_dir = tmp_path / "run"

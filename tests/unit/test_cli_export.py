@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from hpcckpt.store.manifest import decode
-from tests.conftest import REPO
 from tests import prefork
+from tests.conftest import REPO
 from tests.prefork import Child, wait_all
 
 pytestmark = pytest.mark.native

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from hpcckpt.api import Checkpointer
-from hpcckpt.state import TrainState
 from hpcckpt.engines import SaveContext, make_engine
 from hpcckpt.ranks import Ranks
+from hpcckpt.state import TrainState
 from hpcckpt.store import catalog, hdf5
 from tests.conftest import REPO
 from tests.helpers import tiny_state, train_step

@@ -12,8 +12,17 @@ import pytest
 
 from hpcckpt.cluster import render
 from hpcckpt.cluster.env import JobEnv
-from hpcckpt.doctor import (Check, DoctorContext, SignalSpec, check_grace_time, check_signal_choice,
-                            check_signal_delivery, check_signal_lead, plugin_checks, sbatch_option)
+from hpcckpt.doctor import (
+    Check,
+    DoctorContext,
+    SignalSpec,
+    check_grace_time,
+    check_signal_choice,
+    check_signal_delivery,
+    check_signal_lead,
+    plugin_checks,
+    sbatch_option,
+)
 
 
 def _ctx(script: str, **kw: object) -> DoctorContext:

@@ -10,9 +10,18 @@ import pytest
 
 from hpcckpt.cluster.base import Cause, Reservation, node_is_draining
 from hpcckpt.cluster.causes import STATE_CAUSE, classify, parse_jobcomp_line, parse_sacct, runs_from_jobcomp
-from hpcckpt.cluster.scontrol import (batch_script_args, parse_config, parse_duration_s, parse_kv_line,
-                                      parse_reservations, parse_slurm_time, refine_cause, requeue_evidence,
-                                      successor_environment, successor_sbatch_args)
+from hpcckpt.cluster.scontrol import (
+    batch_script_args,
+    parse_config,
+    parse_duration_s,
+    parse_kv_line,
+    parse_reservations,
+    parse_slurm_time,
+    refine_cause,
+    requeue_evidence,
+    successor_environment,
+    successor_sbatch_args,
+)
 
 JOB_HOSTILE = (
     'JobId=6 JobName=evil "name"; rm -rf / UserId=x UserId=root(0) GroupId=root(0) MCS_label=N/A '

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from hpcckpt.cluster import EXIT_REQUEUE, Cluster, LocalCluster, SlurmCli, detect
-from hpcckpt.lifecycle import requeue
-from hpcckpt.lifecycle.ledger import Ledger
-from hpcckpt.lifecycle.budget import BUDGET_FILE, BudgetOptions, charge
-from hpcckpt.cluster.env import JobEnv, staging_root
-from hpcckpt.lifecycle.history import interruptions, summary
 from hpcckpt.cluster.base import Cause
+from hpcckpt.cluster.env import JobEnv, staging_root
 from hpcckpt.errors import ConfigError
+from hpcckpt.lifecycle import requeue
+from hpcckpt.lifecycle.budget import BUDGET_FILE, BudgetOptions, charge
+from hpcckpt.lifecycle.history import interruptions, summary
+from hpcckpt.lifecycle.ledger import Ledger
 from hpcckpt.policy import StopReason
 
 

@@ -9,8 +9,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -109,8 +109,8 @@ def _blocking(*signums: int) -> list[str]:
     blocked them would (the mask is kept across exec; no ``preexec_fn`` in a threaded worker)."""
     if not signums:
         return []
-    code = ("import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, {%s}); "
-            "os.execv(sys.argv[1], sys.argv[1:])" % ", ".join(str(int(n)) for n in signums))
+    code = ("import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, {{{}}}); "
+            "os.execv(sys.argv[1], sys.argv[1:])".format(", ".join(str(int(n)) for n in signums)))
     return [sys.executable, "-c", code]
 
 
@@ -233,9 +233,9 @@ def _live(*args: str) -> subprocess.Popen:
 
 @pytest.mark.parametrize("mode, expected", [("catch", True), ("ignore", False)])
 def test_sigcgt_says_whether_a_process_catches_the_signal(mode: str, expected: bool) -> None:
-    from hpcckpt.proc import tree as proctree
     from hpcckpt.criu.failure import catchers
     from hpcckpt.criu.ops import Job
+    from hpcckpt.proc import tree as proctree
 
     with _live(mode) as proc:
         try:
@@ -387,7 +387,7 @@ def test_images_behind_a_failed_commit_are_never_restored(tmp_path: Path) -> Non
 class FakeCuda:
     """Stands in for the driver's checkpoint API (no GPU here) and records every call."""
 
-    instance: "FakeCuda | None" = None
+    instance: FakeCuda | None = None
 
     def __init__(self, *, fail_restore: tuple[int, ...] = ()) -> None:
         from hpcckpt.cuda import ProcessState
@@ -397,7 +397,7 @@ class FakeCuda:
         self.fail_restore = fail_restore
 
     @classmethod
-    def shared(cls) -> "FakeCuda":
+    def shared(cls) -> FakeCuda:
         assert cls.instance is not None
         return cls.instance
 
@@ -455,7 +455,7 @@ def test_resume_all_tries_every_pid_and_says_the_job_is_stuck() -> None:
     assert cu.states[102] is ProcessState.RUNNING and cu.states[101] is ProcessState.CHECKPOINTED
 
 
-def _job_mapping_libcuda(tmp_path: Path, script: str) -> "Iterator[object]":
+def _job_mapping_libcuda(tmp_path: Path, script: str) -> Iterator[object]:
     """``script`` run with a (stand-in) libcuda.so.1 it maps, as the supervisor's Job, once it
     says "ready"; killed afterwards."""
     from hpcckpt.criu.ops import Job
@@ -474,7 +474,7 @@ def _job_mapping_libcuda(tmp_path: Path, script: str) -> "Iterator[object]":
 
 
 @pytest.fixture
-def cuda_job(tmp_path: Path) -> "Iterator[object]":
+def cuda_job(tmp_path: Path) -> Iterator[object]:
     """A live process that maps a (stand-in) libcuda.so.1, as the supervisor's Job."""
     from .test_cuda_driver import MAPPER
 
@@ -606,7 +606,7 @@ EXITER = ("import ctypes, sys, time\nctypes.CDLL(sys.argv[1])\nprint('ready', fl
 
 
 @pytest.fixture
-def exiting_job(tmp_path: Path) -> "Iterator[object]":
+def exiting_job(tmp_path: Path) -> Iterator[object]:
     yield from _job_mapping_libcuda(tmp_path, EXITER)
 
 
@@ -662,7 +662,7 @@ def test_job_that_ends_during_the_cuda_lock(tmp_path: Path, monkeypatch: pytest.
 def test_a_process_the_driver_reports_failed_is_never_called_restored() -> None:
     # The seam: the state the driver reports. FAILED is neither restored nor unlocked.
     from hpcckpt.cuda import ProcessState
-    from hpcckpt.cuda.group import resume_all, restore_all
+    from hpcckpt.cuda.group import restore_all, resume_all
     from hpcckpt.errors import CudaCheckpointError
 
     cu = FakeCuda()

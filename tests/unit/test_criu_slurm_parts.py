@@ -19,8 +19,8 @@ import pytest
 
 from hpcckpt.criu import dumpable, images, ops
 from hpcckpt.criu.watch import Progress, Tee
-from hpcckpt.lifecycle.supervise import EndTimeWatch
 from hpcckpt.errors import CheckpointCorrupt, ConfigError
+from hpcckpt.lifecycle.supervise import EndTimeWatch
 
 
 def _sig_ignored(pid: int, sig: int) -> bool:

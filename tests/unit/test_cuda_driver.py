@@ -14,13 +14,19 @@ import shutil
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
-from hpcckpt.cuda import CudaCheckpoint, CudaDriverMissing, CudaDriverTooOld, CudaNoContext, require_cuda_process
-from hpcckpt.cuda import driver
+from hpcckpt.cuda import (
+    CudaCheckpoint,
+    CudaDriverMissing,
+    CudaDriverTooOld,
+    CudaNoContext,
+    driver,
+    require_cuda_process,
+)
 
 FAKE_SRC = r"""
 #include <stdio.h>
@@ -388,7 +394,7 @@ class _Block:
             monkeypatch.setenv("FAKE_BLOCK_PID", str(pid))
         monkeypatch.setattr(driver, "_join", self.join)
 
-    def join(self, thread: "threading.Thread", _timeout_s: float) -> None:
+    def join(self, thread: threading.Thread, _timeout_s: float) -> None:
         if self.prefix is not None and thread.name.startswith(self.prefix):
             self.stuck.append(thread)
             return

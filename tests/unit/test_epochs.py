@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -337,8 +338,7 @@ def test_resuming_past_a_smaller_total_says_so(tmp_path: Path, caplog: pytest.Lo
 
 def log_every(iterable: Any) -> Any:
     """A generator of the script's own between the batches and the loop's enumerate()."""
-    for obj in iterable:
-        yield obj
+    yield from iterable
 
 
 def sampling_loop(ckdir: Path, numbered: str, log: list[str], stop_at: int | None = None) -> dict[str, Any]:

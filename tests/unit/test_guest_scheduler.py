@@ -13,8 +13,7 @@ import pytest
 
 from hpcckpt.cluster.base import Cause
 from hpcckpt.cluster.env import JobEnv
-from hpcckpt.cluster.scontrol import (SlurmCli, cancelled, parse_kv_line, parse_squeue_fields, refine_cause,
-                                      within)
+from hpcckpt.cluster.scontrol import SlurmCli, cancelled, parse_kv_line, parse_squeue_fields, refine_cause, within
 from hpcckpt.lifecycle.ledger import Ledger
 from hpcckpt.lifecycle.requeue import requeue
 from hpcckpt.policy import Policy, StopReason

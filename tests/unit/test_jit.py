@@ -272,6 +272,7 @@ def test_boundary_copy_is_independent_of_later_changes() -> None:
 
 def test_frozen_gate_holds_back_the_next_optimizer_step() -> None:
     import threading
+
     from hpcckpt.jit.capture import StepGate
     p = torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([p], lr=0.5)
@@ -294,6 +295,7 @@ def test_frozen_gate_holds_back_the_next_optimizer_step() -> None:
 
 def test_a_single_rank_or_a_bad_timeout_is_reported_clearly(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from types import SimpleNamespace
+
     from hpcckpt.config import resolve_options
     from hpcckpt.errors import ConfigError
     from hpcckpt.jit import JitGuard
@@ -371,6 +373,7 @@ class _FakeHeartbeat:
 def _started_guard(tmp_path: Path, hb: _FakeHeartbeat, rank: int = 1) -> Any:
     """A JitGuard started as on ``rank`` with a recording heartbeat (no process group)."""
     from types import SimpleNamespace
+
     from hpcckpt.jit import JitGuard
     from hpcckpt.jit.capture import StepGate
     ckpt = SimpleNamespace(ranks=SimpleNamespace(rank=rank, world=1), root=tmp_path, options=SimpleNamespace(),
@@ -423,6 +426,7 @@ def test_an_end_without_close_closes_normally_and_leaves_only_on_an_uncaught_err
 @pytest.mark.parametrize("how", ["empty-message", "unexpected"])
 def test_a_heartbeat_error_always_ends_in_the_failure_path(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
     import torch.distributed as dist
+
     from hpcckpt.jit.heartbeat import Heartbeat
     monkeypatch.setattr(dist, "new_group", lambda **kw: None)
 
@@ -463,6 +467,7 @@ def test_the_boundary_copies_only_persistent_buffers_and_the_optimizer_hyperpara
 
 def test_ledger_appends_on_the_jit_path_never_wait_forever(tmp_path: Path) -> None:
     import threading
+
     from hpcckpt.jit.guard import bounded_append
     release = threading.Event()
 
@@ -481,6 +486,7 @@ def test_ledger_appends_on_the_jit_path_never_wait_forever(tmp_path: Path) -> No
 
 def test_survivors_stop_waiting_for_a_writer_that_beats_but_never_finishes(tmp_path: Path) -> None:
     import threading
+
     from hpcckpt.jit import rendezvous
     stop = threading.Event()
 

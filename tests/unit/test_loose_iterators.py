@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hpcckpt.api import Checkpointer
 
+
 class LooseCaseData(TensorDataset):
     """A data set of this module's own: iterators other tests of the worker left alive are not ours."""
 

@@ -254,6 +254,7 @@ def _clear_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_every_row_with_a_keyword_reaches_its_field_from_its_argument_and_its_variable(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from dataclasses import fields
+
     from hpcckpt.config import GROUPS, KEYWORDS, TUNABLES, CheckpointOptions
     _clear_env(monkeypatch)
     declared = {f.name: f for f in fields(CheckpointOptions)}

@@ -13,7 +13,6 @@ import torch
 from hpcckpt.engines.recycle import Recycler
 from hpcckpt.store import catalog
 from hpcckpt.store.commit import SPARE_PREFIX, STALE_SPARE_AGE_S, discard, sweep_candidates
-
 from tests.unit.test_concurrent_engine import Rig, assert_same
 
 pytestmark = pytest.mark.native

@@ -15,8 +15,9 @@ import os
 import random
 import signal
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest

@@ -21,8 +21,7 @@ import pytest
 from hpcckpt.cli.main import main as cli_main
 from hpcckpt.store import catalog
 from hpcckpt.store.commit import read_manifest
-from hpcckpt.store.scavenge import (COMMITTED, CURRENT, EMPTY, FAILED, PARTIAL, POINTER, level_key, scavenge,
-                                    staging_dir)
+from hpcckpt.store.scavenge import COMMITTED, CURRENT, EMPTY, FAILED, PARTIAL, POINTER, level_key, scavenge, staging_dir
 from tests.conftest import REPO
 from tests.unit.test_distributed_state import assert_equal_states, dumps, result, run_world
 
