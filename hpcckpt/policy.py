@@ -121,34 +121,32 @@ FIGURES = ".hpcckpt.figures.json"  # the measured costs, kept across requeues
 class Figures:
     """What earlier allocations measured, read by the next one (``<dir>/.hpcckpt.figures.json``).
 
-    ``save_s``: the worst recent save; ``step_s``: a step; ``no_progress``: allocations in a
-    row that ended at their deadline without committing a newer step.
+    ``save_s``: the worst recent save; ``step_s``: a step. (Allocations that ended without
+    progress are counted by the one no-progress guard, ``lifecycle.budget``.)
     """
 
     save_s: float | None = None
     step_s: float | None = None
-    no_progress: int = 0
     # What this process last wrote, and when (``write_if_moved``).
-    _written: tuple[float | None, float | None, int] | None = field(default=None, repr=False, compare=False)
+    _written: tuple[float | None, float | None] | None = field(default=None, repr=False, compare=False)
     _written_at: float = field(default=0.0, repr=False, compare=False)
 
     @classmethod
     def read(cls, root: Path) -> Figures:
         try:
             raw = json.loads(read_regular(root / FIGURES, 4096))  # never a FIFO or a link
-            return cls(save_s=_pos(raw.get("save_s")), step_s=_pos(raw.get("step_s")),
-                       no_progress=max(0, int(raw.get("no_progress", 0))))
+            return cls(save_s=_pos(raw.get("save_s")), step_s=_pos(raw.get("step_s")))
         except (OSError, ValueError, TypeError, AttributeError):
             return cls()  # none yet, or unreadable: measured again
 
-    def _values(self) -> tuple[float | None, float | None, int]:
-        return self.save_s, self.step_s, self.no_progress
+    def _values(self) -> tuple[float | None, float | None]:
+        return self.save_s, self.step_s
 
     def write(self, root: Path, *, now: float | None = None) -> None:
         """Atomically (a reader never sees half a file), private (0600), without an fsync on the
         step path: a crash only loses figures that the next allocation measures again.
         ``now``: the monotonic time recorded as this write's (``write_if_moved``)."""
-        data = json.dumps({"save_s": self.save_s, "step_s": self.step_s, "no_progress": self.no_progress})
+        data = json.dumps({"save_s": self.save_s, "step_s": self.step_s})
         try:
             atomic_write(root / FIGURES, data, mode=0o600, durable=False)
             self._written, self._written_at = self._values(), time.monotonic() if now is None else now
@@ -157,8 +155,8 @@ class Figures:
 
     def write_if_moved(self, root: Path, *, now: float | None = None, any_change: bool = False) -> bool:
         """``write`` unless the file already says about the same: a figure rose by more than
-        ``MOVED`` or fell to under half since this process last wrote it, ``no_progress``
-        changed, or any change is ``REWRITE_S`` old. A commit at every step then rewrites the
+        ``MOVED`` or fell to under half since this process last wrote it, or any change is
+        ``REWRITE_S`` old. A commit at every step then rewrites the
         file now and then, not at each commit (an open, a write and a rename on the training
         thread: 0.2 ms a commit on a local disk, more on a shared file system). What is not written yet is at most a small
         drift that the next allocation measures again. ``any_change``: write whatever changed
@@ -168,7 +166,7 @@ class Figures:
         if cur == last:
             return False
         now = time.monotonic() if now is None else now
-        if (any_change or last is None or cur[2] != last[2] or _moved(cur[0], last[0]) or _moved(cur[1], last[1])
+        if (any_change or last is None or _moved(cur[0], last[0]) or _moved(cur[1], last[1])
                 or now - self._written_at >= REWRITE_S):
             self.write(root, now=now)
             return True

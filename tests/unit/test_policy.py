@@ -172,7 +172,7 @@ def test_an_end_time_moved_earlier_stops_at_the_next_step() -> None:
 def test_measured_costs_are_kept_across_requeues(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from hpcckpt.policy import FIGURES, Figures
     assert Figures.read(tmp_path) == Figures()
-    Figures(save_s=0.02, step_s=0.4, no_progress=1).write(tmp_path)
+    Figures(save_s=0.02, step_s=0.4).write(tmp_path)
     p = Policy(every_steps=None, margin_s=5)
     p.seed(Figures.read(tmp_path))
     assert (p.save_cost_s, p.step_s) == (0.02, 0.4)
@@ -195,8 +195,8 @@ def test_figures_are_rewritten_when_they_move_not_at_every_commit(tmp_path) -> N
     f.step_s = 0.0031  # a small change waits ...
     assert not f.write_if_moved(tmp_path, now=103.0 + REWRITE_S - 1)
     assert f.write_if_moved(tmp_path, now=103.0 + REWRITE_S)  # ... until it is REWRITE_S old
-    f.no_progress = 1  # always at once
-    assert f.write_if_moved(tmp_path, now=200.0) and Figures.read(tmp_path).no_progress == 1
+    f.save_s = 0.05  # a save that slowed down a lot: written at once
+    assert f.write_if_moved(tmp_path, now=200.0) and Figures.read(tmp_path).save_s == 0.05
     assert not f.write_if_moved(tmp_path, now=10_000.0) and not f.unwritten  # nothing changed
     assert not f.write_if_moved(tmp_path, now=200.0, any_change=True)  # ... not even for a stop
     f.save_s = 0.0131
