@@ -28,7 +28,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .checkpointer import setup
 from .checkpointer.accumulation import Accumulation
@@ -52,6 +52,9 @@ from .policy import StopReason
 from .ranks import Ranks
 from .signals import SignalRecorder
 
+if TYPE_CHECKING:
+    from .jit import JitGuard
+
 log = logging.getLogger("hpcckpt")
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -72,7 +75,7 @@ class Checkpointer:
     """
 
     def __init__(self, dir: str | os.PathLike[str] | None = None, *, options: CheckpointOptions | None = None,
-                 cluster: Any = None, **overrides: Any) -> None:
+                 cluster: Cluster | None = None, **overrides: Any) -> None:
         self.options = options or resolve_options(dir, **overrides)
         self.root = self.options.dir
         self.ranks = Ranks()
@@ -97,7 +100,7 @@ class Checkpointer:
         self.data_resumed_by: str | None = None
         self._start_step = 0
         self._startup_s: float | None = None  # process start to the first boundary's setup (_begin)
-        self._jit: Any = None  # hpcckpt.jit.JitGuard with jit=True, from the first step on
+        self._jit: JitGuard | None = None  # with jit=True, from the first step on
         self._started = self._closed = False
         me = identity.current()
         self._lease = setup.take_lease(self.root, me, self.ranks, self.ledger)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .cluster.base import Cause
 from .fsio import atomic_write, write_all
@@ -28,6 +28,9 @@ from .lifecycle.causes import stop_cause
 from .lifecycle.supervise import EndTimeWatch
 from .lifecycle.timing import warning_wait_s
 from .store.commit import read_regular
+
+if TYPE_CHECKING:
+    from .cluster.base import Cluster
 
 log = logging.getLogger("hpcckpt.policy")
 
@@ -273,7 +276,7 @@ class Policy:
         """``{"auto": AutoInterval.report()}`` with ``every_steps="auto"``, else ``{}`` (for the ledger)."""
         return {"auto": self.auto.report()} if self.auto is not None else {}
 
-    def poll(self, cluster: Any, *, force: bool = False) -> None:
+    def poll(self, cluster: Cluster, *, force: bool = False) -> None:
         """Refresh end time, maintenance and drain state (rate limited unless ``force``).
 
         Through the end-time watcher: with ``background`` its reads run on a thread of their own,
@@ -291,7 +294,7 @@ class Policy:
                         "limit): stopping at the next step", watch.moved_s)
             self._moved_earlier = True
 
-    def _watch_of(self, cluster: Any) -> EndTimeWatch:
+    def _watch_of(self, cluster: Cluster) -> EndTimeWatch:
         if self.watch is None or self._watched is not cluster:
             self.watch = EndTimeWatch(cluster.end_time, poll_s=self.poll_s, clock=self.clock,
                                       background=self.background, also=functools.partial(_maint_and_drain, cluster),
@@ -330,7 +333,7 @@ class Policy:
             return StopReason.DRAIN
         return StopReason.NONE
 
-    def defer_warning(self, cluster: Any) -> str | None:
+    def defer_warning(self, cluster: Cluster) -> str | None:
         """A warning signal arrived: why it may wait for the deadline, or None to stop now.
 
         It waits when the end time is known, still further away than the stop's lead, and
@@ -398,7 +401,7 @@ def estimate_save_s(root: Path, state_bytes: int, *,
     return write_s * max(1.0, state_bytes / size) + 2 * dir_s, rate
 
 
-def _maint_and_drain(cluster: Any) -> tuple[float | None, bool]:
+def _maint_and_drain(cluster: Cluster) -> tuple[float | None, bool]:
     """What the policy asks the scheduler besides the end time, at each of the watcher's reads:
     the start of the first maintenance reservation overlapping the job, and whether the node drains."""
     starts = [r.start_s for r in cluster.reservations() if r.is_maintenance]

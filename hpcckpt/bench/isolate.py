@@ -20,7 +20,8 @@ import multiprocessing
 import os
 import resource
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..errors import HpcckptError
 

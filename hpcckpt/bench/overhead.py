@@ -26,11 +26,11 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..config import engine_options
+from ..demo.model import MarkovTokens, ModelConfig, TinyLM
 from ..engines import Engine, SaveContext, SaveHandle, make_engine
 from ..levels import Levels, Topology
 from ..ranks import Ranks
 from ..state import TrainState
-from ..demo.model import MarkovTokens, ModelConfig, TinyLM
 
 
 @dataclass(frozen=True, kw_only=True)

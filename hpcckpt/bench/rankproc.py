@@ -33,8 +33,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any

@@ -49,9 +49,10 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any
 
 from ..cluster.env import without_slurm
 from ..errors import ConfigError, HpcckptError

@@ -163,6 +163,10 @@ class Cluster(Protocol):
         """This node's scheduler state, e.g. "IDLE", "ALLOCATED", "MIXED+DRAIN"; "" if unknown."""
         ...
 
+    def grace_time_s(self) -> float | None:
+        """The GraceTime of this job's partition; None when unknown (``ClusterBase`` gives it)."""
+        ...
+
     def submit_successor(self, *, dependency_job_id: str | None = None) -> str:
         """Coordinator only: the same job (script, allocation, array index) after this one; its id."""
         ...

@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,9 @@ from torch.utils.data import DataLoader
 from ..cluster.env import JobEnv
 from ..data import ResumableSampler
 from .model import MarkovTokens, ModelConfig, TinyLM, param_digest
+
+if TYPE_CHECKING:
+    from ..api import Checkpointer
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         # The inner model is registered (its names carry no "module." prefix), so the setup
         # declares it replicated: each rank writes 1/world of the parameters and Adam state.
         @preemptible(dir=str(root / "ckpt"), engine=args.engine, every_steps=args.every, replicated="models")
-        def train(ckpt: Any) -> None:
+        def train(ckpt: Checkpointer) -> None:
             ckpt.register(model=model, optimizer=opt, scheduler=sched, sampler=sampler)
             for step, batch in ckpt.loop(loader, args.steps):
                 record(step, step_fn(net, opt, sched, batch, args.device))

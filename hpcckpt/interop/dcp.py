@@ -28,11 +28,14 @@ import sys
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..api import Checkpointer
 
 log = logging.getLogger("hpcckpt")
 
@@ -113,7 +116,7 @@ def load(path: str | Path, objects: Mapping[str, Any], *, keys: Mapping[str, str
     return int(step.item() if isinstance(step, torch.Tensor) else step)
 
 
-def adopt(ckpt: Any, path: str | Path, *, keys: Mapping[str, str] | None = None, step: int | None = None,
+def adopt(ckpt: Checkpointer, path: str | Path, *, keys: Mapping[str, str] | None = None, step: int | None = None,
           step_key: str = STEP_KEY) -> int | None:
     """Resume a Checkpointer's registered objects from a DCP checkpoint when it restored none of its own.
 

@@ -35,7 +35,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -59,6 +59,10 @@ from .capture import (
 )
 from .heartbeat import CLOSING, LEAVING, Heartbeat
 
+if TYPE_CHECKING:
+    from ..api import Checkpointer
+    from ..lifecycle.ledger import Ledger
+
 log = logging.getLogger("hpcckpt.jit")
 
 DEFAULT_TIMEOUT_S = float(TUNABLES["jit_timeout_s"].default)
@@ -66,7 +70,7 @@ LEDGER_WAIT_S = 10.0  # the JIT path's ledger appends: a rank stopped inside an 
 TIMEOUT_ENV = TUNABLES["jit_timeout_s"].env  # resolved into options.jit_timeout_s by config.resolve_options
 
 
-def _timeout_from(ckpt: Any, timeout_s: float | None) -> float:
+def _timeout_from(ckpt: Checkpointer | None, timeout_s: float | None) -> float:
     """``timeout_s``, else the resolved ``ckpt.options.jit_timeout_s``, else the table's default;
     checked by the options table's one rule (config.check_jit_timeout)."""
     value: Any = timeout_s
@@ -81,7 +85,7 @@ def requeue_cause() -> str:
     return "rank_failure" if any(c.value == "rank_failure" for c in Cause) else "node_failure"
 
 
-def bounded_append(ledger: Any, event: str, wait_s: float = LEDGER_WAIT_S, **fields: Any) -> bool:
+def bounded_append(ledger: Ledger, event: str, wait_s: float = LEDGER_WAIT_S, **fields: Any) -> bool:
     """``ledger.append`` on a daemon thread, waiting at most ``wait_s``; False (logged) when skipped.
 
     The ledger's file lock may be held for good by a rank that was stopped (SIGSTOP) or
@@ -116,7 +120,7 @@ class JitGuard:
     #: how the process ends after the JIT path (never returns)
     exit = staticmethod(flush_and_exit)
 
-    def __init__(self, ckpt: Any, *, timeout_s: float | None = None, interval_s: float | None = None) -> None:
+    def __init__(self, ckpt: Checkpointer, *, timeout_s: float | None = None, interval_s: float | None = None) -> None:
         self.ckpt = ckpt
         self.timeout_s = _timeout_from(ckpt, timeout_s)
         self.interval_s = float(interval_s) if interval_s else min(0.5, self.timeout_s / 4)

@@ -27,11 +27,15 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..cluster import detect
 from ..cluster.scontrol import within
 from ..signals import unblock
+
+if TYPE_CHECKING:
+    from ..cluster.base import Cluster
+    from .ledger import Ledger
 
 # Every catchable signal a supervisor passes on to a command it does not checkpoint (app mode, a
 # CRIU job on several nodes run untouched): the command decides what each one means.
@@ -221,8 +225,8 @@ def run_forwarding(cmd: Iterable[str], inbox: SignalInbox, *, log: Callable[[str
         inbox.sleep(1.0)
 
 
-def end_poll_s(cluster: Any, poll_s: float, *, log: Callable[[str], None],
-               ledger: Any | None = None) -> float:
+def end_poll_s(cluster: Cluster, poll_s: float, *, log: Callable[[str], None],
+               ledger: Ledger | None = None) -> float:
     """How often the end time is read: ``poll_s``, and at most a third of the partition's
     GraceTime, so that a preemption is seen early in its grace, with time left to act
     (a 10 s poll on a 10 s grace saw it with 0 s left)."""

@@ -20,9 +20,13 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .supervise import EndTimeWatch, end_poll_s
+
+if TYPE_CHECKING:
+    from ..cluster.base import Cluster
+    from .ledger import Ledger
 
 SIGNAL_TICK_S = 60.0  # slurmctld sends --signal up to this much earlier than asked
 
@@ -57,7 +61,7 @@ class StopTiming:
     """
 
     def __init__(self, *, lead_s: float | None, need_s: Callable[[], float], log: Callable[[str], None],
-                 ledger: Any, what: str, source: str, progress: Callable[[], float]) -> None:
+                 ledger: Ledger, what: str, source: str, progress: Callable[[], float]) -> None:
         self.lead_opt, self._need_s, self.log, self.ledger = lead_s, need_s, log, ledger
         self.what, self.source, self._progress = what, source, progress
         self.watch: EndTimeWatch | None = None
@@ -65,7 +69,7 @@ class StopTiming:
         self.shortened = False  # the end time was pulled in too far ahead for a preemption: a shorter limit
         self.began = time.time()  # about when this allocation started (the batch shell exec's us)
 
-    def watch_end(self, cluster: Any, poll_s: float) -> None:
+    def watch_end(self, cluster: Cluster, poll_s: float) -> None:
         """Under a scheduler that can move the end time: read it every ``poll_s`` (0: never)."""
         if poll_s > 0 and cluster.name != "local":
             self.watch = EndTimeWatch(cluster.end_time,
