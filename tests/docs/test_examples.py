@@ -1,7 +1,7 @@
 """The examples of the documentation cannot rot:
 
 - a page's copy of an example (`<!-- example: examples/F -->` above the block) is the file;
-- the blocks marked `<!-- run: NAME -->` (getting started, own checkpoints, CRIU mode) run as
+- the blocks marked `<!-- run: NAME -->` (getting started, integration, own checkpoints, CRIU mode) run as
   they are, in a fresh directory with `examples/` in it and the venv's commands first on PATH
   (those named `*-slurm` on the test's local Slurm cluster: tests/integration/test_docs_slurm.py);
 - every `hpcckpt ...` command line in the README and the docs parses with the real parser (a
@@ -28,7 +28,8 @@ SLURM_RUN = [b for b in ALL if b.mark == "run" and (b.name or "").endswith("-slu
 
 def test_the_pages_have_examples_and_run_blocks() -> None:
     names = {b.name for b in RUN}
-    assert {"getting-started-laptop", "getting-started-check", "own-checkpoints-local", "criu-local"} <= names, names
+    assert {"getting-started-laptop", "getting-started-check", "integrate-local", "own-checkpoints-local",
+            "criu-local"} <= names, names
     assert {b.name for b in SLURM_RUN} >= {"getting-started-slurm", "own-checkpoints-slurm", "criu-slurm"}
     assert {b.name for b in ALL if b.mark == "example"} >= {"examples/train.py", "examples/own_train.py",
                                                             "examples/plain_train.py"}
