@@ -190,6 +190,19 @@ def check_config(config: Any) -> None:
             f"checkpoint.{name}={getattr(config, name)!r} is not supported ({why})" for name, why in bad))
 
 
+def _total_steps(config: Any, states: dict[str, Any]) -> int:
+    """The run's length: the manager's ``total_steps``, else the trainer's ``training.steps``."""
+    total = config.total_steps
+    if total is None:
+        trainer = states.get("train_state")
+        total = getattr(getattr(getattr(trainer, "config", None), "training", None), "steps", None)
+    if total is None:
+        raise ConfigError("hpcckpt's torchtitan manager: the run's length is unknown (no "
+                          "states['train_state'].config.training.steps); set "
+                          "HpcckptCheckpointManager.Config(total_steps=...)")
+    return int(total)
+
+
 def _manager_class() -> type:
     """``HpcckptCheckpointManager``, a torchtitan ``BaseCheckpointManager`` (needs torchtitan)."""
     try:
@@ -219,15 +232,8 @@ def _manager_class() -> type:
             self.save_future = None
             check_config(config)
             self.folder = str(Path(base_folder) / config.folder) if base_folder else config.folder
-            total = config.total_steps
-            if total is None:
-                trainer = states.get("train_state")
-                total = getattr(getattr(getattr(trainer, "config", None), "training", None), "steps", None)
-            if total is None:
-                raise ConfigError("hpcckpt's torchtitan manager: the run's length is unknown (no "
-                                  "states['train_state'].config.training.steps); set "
-                                  "HpcckptCheckpointManager.Config(total_steps=...)")
-            self.titan = TitanCheckpoints(folder=self.folder, interval=config.interval, total_steps=total,
+            self.titan = TitanCheckpoints(folder=self.folder, interval=config.interval,
+                                          total_steps=_total_steps(config, states),
                                           keep_latest_k=config.keep_latest_k, engine=config.engine,
                                           load_only=config.load_only, model_parts=model_parts,
                                           optimizers=optimizers, lr_schedulers=lr_schedulers,
