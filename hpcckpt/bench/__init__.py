@@ -13,18 +13,20 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ..errors import ConfigError
-from .limits import GB, fresh_memory_gbps, memcpy_gbps, write_read_gbps
 from .isolate import children_cpu_s, held_vs_state, peak_bytes, reset_peak, rss_bytes, run_isolated
+from .limits import GB, fresh_memory_gbps, memcpy_gbps, write_read_gbps
 from .measure import STAGING_FRACTIONS, measure_engine, measure_loads, measure_staging, supports_staging_budget
 from .overhead import DemoLoad, measure_overhead
-from .smallstate import measure_small_state, summary as small_summary
+from .smallstate import measure_small_state
+from .smallstate import summary as small_summary
 from .synthetic import SyntheticRig
 
 ENGINES = ("sync", "concurrent")

@@ -2,16 +2,16 @@
 from __future__ import annotations
 
 from .driver import (
-                     CudaCallFailed,
-                     CudaCallStuck,
-                     CudaCheckpoint,
-                     CudaDriverMissing,
-                     CudaDriverTooOld,
-                     CudaNoContext,
-                     CudaProcessStopped,
-                     CudaQueryTimedOut,
-                     ProcessState,
-                     require_cuda_process,
+    CudaCallFailed,
+    CudaCallStuck,
+    CudaCheckpoint,
+    CudaDriverMissing,
+    CudaDriverTooOld,
+    CudaNoContext,
+    CudaProcessStopped,
+    CudaQueryTimedOut,
+    ProcessState,
+    require_cuda_process,
 )
 from .group import checkpoint_all, cuda_pids, restore_all
 

@@ -21,15 +21,15 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
+from ..store.hostmem import make_slots
 from ..store.layout import Layout
 from ..store.names import LAYOUT_SCRATCH
-from ..store.hostmem import make_slots
 from ..store.prefetch import mem_available
 from .staging import EngineStats, Key, Ring, Staging, auto_staging_bytes, local_ranks, ring_shape
 

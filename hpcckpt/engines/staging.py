@@ -29,8 +29,9 @@ import logging
 import operator
 import os
 from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 import torch

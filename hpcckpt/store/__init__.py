@@ -1,8 +1,18 @@
 """Where bytes go: step directories, the commit protocol, verification, retention."""
 from __future__ import annotations
 
-from .catalog import (CheckpointInfo, check, committed_newest_first, find, inspect_step, prune, scan, snapshot,
-                      step_name, vanished)
+from .catalog import (
+    CheckpointInfo,
+    check,
+    committed_newest_first,
+    find,
+    inspect_step,
+    prune,
+    scan,
+    snapshot,
+    step_name,
+    vanished,
+)
 from .commit import Transaction, atomic_write, discard, read_manifest, verify_files
 from .lock import WriterBusy, WriterLease, reader_lock, writer_lock
 from .manifest import validate as validate_manifest

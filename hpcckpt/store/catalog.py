@@ -6,16 +6,26 @@ import re
 import stat
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from ..errors import CheckpointCorrupt, NoCheckpoint
-from .checksum import FileCrc
-from .commit import (LATEST, MANIFEST, TRASH_PREFIX, discard, older_than, open_member, read_latest, read_manifest,
-                     verify_files)
 from . import rankfile
+from .checksum import FileCrc
+from .commit import (
+    LATEST,
+    MANIFEST,
+    TRASH_PREFIX,
+    discard,
+    older_than,
+    open_member,
+    read_latest,
+    read_manifest,
+    verify_files,
+)
 from .entry import TensorEntry
 from .lock import reader_lock
 from .manifest import NEWER, validate, validate_meta

@@ -22,9 +22,10 @@ import stat
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Iterator
+from typing import Any
 
 from .._core import crc32c
 from .._gc import collector_paused

@@ -7,8 +7,9 @@ module imports nothing of hpcckpt but its errors, so it sits below all of them.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,7 +28,7 @@ ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128
             "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _plain_dtype(name: str) -> torch.dtype | None:
     """The torch dtype called ``name`` if raw bytes can be viewed as it (not quantized etc.)."""
     import torch

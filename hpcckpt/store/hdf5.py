@@ -12,8 +12,9 @@ from __future__ import annotations
 import errno
 import math
 import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import h5py
 import numpy as np

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import operator
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 import numpy as np
 import torch

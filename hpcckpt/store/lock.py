@@ -25,9 +25,10 @@ import socket
 import stat
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from filelock import FileLock, Timeout
 

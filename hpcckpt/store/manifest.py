@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from pathlib import PurePosixPath
-from typing import Any, Mapping
+from typing import Any
 
 from ..errors import CheckpointCorrupt
 from .entry import ITEMSIZE, dtype_itemsize

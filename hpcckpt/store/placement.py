@@ -28,9 +28,10 @@ first element).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Mapping, Union
+from typing import Any, Union
 
 import torch
 

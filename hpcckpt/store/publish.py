@@ -7,13 +7,14 @@ write and fsync their rank files before the commit, so the commit re-reads sizes
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from . import catalog
 from .commit import Transaction, fsync_path, trashed_name
-from .manifest import record_in, record_out
 from .lock import CommitLock, writer_lock
+from .manifest import record_in, record_out
 
 if TYPE_CHECKING:
     from ..ranks import Ranks

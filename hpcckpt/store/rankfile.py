@@ -15,8 +15,9 @@ of the time.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointCorrupt
 from .entry import TensorEntry

@@ -15,8 +15,9 @@ tensor's (or piece's) crc32c as it reads, and none unpickles anything.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 

@@ -15,8 +15,9 @@ elements of a piece with those of a destination, dimension by dimension.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from itertools import product
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 Runs = tuple[tuple[int, int], ...]  # (start, length) runs of global indices along one dimension
 Region = tuple[Runs, ...]  # one Runs per dimension

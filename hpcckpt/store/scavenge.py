@@ -37,9 +37,10 @@ import os
 import secrets
 import shutil
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import CheckpointCorrupt, HpcckptError
 from . import catalog

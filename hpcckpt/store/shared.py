@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ..errors import CheckpointFailed
 from . import regions

@@ -23,7 +23,8 @@ import contextlib
 import logging
 import os
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Iterator, Mapping
 from itertools import accumulate
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 

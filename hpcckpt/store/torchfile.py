@@ -14,17 +14,18 @@ import os
 import pickle
 import warnings
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
 from .._core import crc32c, crc32c_combine
+from .._gc import collector_paused
 from ..errors import CheckpointCorrupt
 from ..fsio import write_all
 from .checksum import FileCrc, checksum_problems, fd_crc32c
-from .._gc import collector_paused
 from .commit import TMP_MARK, explain_os_error, open_checked
 from .entry import TensorEntry, dtype_name, raw_bytes
 from .names import TORCH
@@ -339,7 +340,7 @@ class _Pickle(pickle.Unpickler):
         return _Storage(pid[2], pid[4] * (dtype.itemsize if dtype is not None else 1), dtype)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _storage_dtypes() -> dict[str, torch.dtype]:
     """Legacy typed storage class names as torch.save pickles them (``FloatStorage``...) -> dtype;
     empty where this torch does not say (every typed storage then goes to ``torch.load``)."""
