@@ -10,13 +10,18 @@ admitted by the engine itself, as in a user's loop (``run_steps(own_admission=Tr
 each block with checkpoints counts until its last save is durable), ``per_save_ms`` (the
 extra time per save: what a save costs beyond its bytes, since at this size the bytes
 cost almost nothing), ``blocked_per_save_ms`` (time the training thread itself was
-blocked per save) and ``drain_s`` (closing the engine). On a CPU, ``floor`` is measured the
+blocked per save), ``drain_s`` (closing the engine), and where the time went in CPU time, which
+the machine's other load moves far less than wall time: ``cpu_per_save_ms`` (this process's CPU,
+all its threads, in the steps with checkpoints beyond those without, per save) and of it
+``training_cpu_per_save_ms`` (the training thread's own: capture, ``save()``, the pre-hook;
+the rest is the engine's threads: copies, checksums, writes, the commit). On a CPU, ``floor`` is measured the
 same way beside them (``bench.floor``: the state copied on the training thread, written and
 fdatasynced by another process, nothing else): what a save at every step costs here at
 the least, so that an engine's figure reads against this machine rather than against zero.
 """
 from __future__ import annotations
 
+import resource
 import shutil
 import statistics
 import time
@@ -78,27 +83,40 @@ def calibrate(rig: PeerRig, target_s: float) -> float:
     return took
 
 
+def _process_cpu_s() -> float:
+    """User + system CPU seconds of this process, all its threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _blocks(rig: PeerRig, name: str, steps: int, block: int, root: Path,
-            options: dict[str, Any]) -> tuple[float, float, float, float]:
+            options: dict[str, Any], cpu: dict[str, float] | None = None) -> tuple[float, float, float, float]:
     """``steps`` steps without checkpoints and ``steps`` with one at every step, in blocks of
     ``block`` steps taken in turn (ABBA: neither kind always goes first), one engine alive
     throughout; returns (seconds without, seconds with, seconds of them blocked, final drain).
     A block with checkpoints ends when its last save is durable (counted in it), so the
     next block starts with the engine idle. Host noise that lasts a second or two (the
     2-core VM's baseline varied 0.8-1.9 s for the same 200 steps from round to round)
-    then falls on both kinds alike."""
+    then falls on both kinds alike. ``cpu`` (if given) gets the process's and the training
+    thread's CPU seconds in the blocks with checkpoints and in those without added
+    (``process_with``, ``process_without``, ``training_with``, ``training_without``)."""
     m = Floor(root, rig) if name == "floor" else make_method(name, root, rig, options)
     without = with_ = blocked = 0.0
     try:
         for b in range(-(-steps // block)):
             first, last = b * block + 1, min((b + 1) * block, steps)
             for saving in ((False, True) if b % 2 == 0 else (True, False)):
+                p0, t0 = _process_cpu_s(), time.thread_time()
                 took, waited, pending = run_steps(rig, m if saving else None, first, last, 1, own_admission=True)
                 if pending is not None:
                     t1 = time.perf_counter()
                     m.persist_s(pending)
                     waited += time.perf_counter() - t1
                     took += time.perf_counter() - t1
+                if cpu is not None:
+                    kind = "with" if saving else "without"
+                    cpu[f"process_{kind}"] = cpu.get(f"process_{kind}", 0.0) + _process_cpu_s() - p0
+                    cpu[f"training_{kind}"] = cpu.get(f"training_{kind}", 0.0) + time.thread_time() - t0
                 blocked += waited
                 if saving:
                     with_ += took
@@ -119,13 +137,16 @@ def child_small_state(names: list[str], steps: int, rounds: int, state_bytes: in
     torch.set_num_threads(1)
     rig = PeerRig(state_bytes, device=device)
     calibrate(rig, target_step_s)
-    got: dict[str, dict[str, list[float]]] = {n: {"base": [], "wall": [], "blocked": [], "drain": []}
-                                              for n in names}
+    got: dict[str, dict[str, list[float]]] = {n: {"base": [], "wall": [], "blocked": [], "drain": [], "cpu": [],
+                                                  "training_cpu": []} for n in names}
     _train(rig, names[-1], 1, min(steps, 5), Path(root) / "warm", options)  # warm-up, untimed
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            base, wall, blocked, drain = _blocks(rig, name, steps, BLOCK_STEPS, Path(root) / name, options)
-            for key, value in (("base", base), ("wall", wall), ("blocked", blocked), ("drain", drain)):
+            cpu: dict[str, float] = {}
+            base, wall, blocked, drain = _blocks(rig, name, steps, BLOCK_STEPS, Path(root) / name, options, cpu)
+            for key, value in (("base", base), ("wall", wall), ("blocked", blocked), ("drain", drain),
+                               ("cpu", cpu["process_with"] - cpu["process_without"]),
+                               ("training_cpu", cpu["training_with"] - cpu["training_without"])):
                 got[name][key].append(value)
     engines = {}
     for name, g in got.items():
@@ -133,7 +154,9 @@ def child_small_state(names: list[str], steps: int, rounds: int, state_bytes: in
             "overhead": statistics.median(w / b - 1 for w, b in zip(g["wall"], g["base"])),
             "per_save_ms": 1e3 * statistics.median((w - b) / steps for w, b in zip(g["wall"], g["base"])),
             "blocked_per_save_ms": 1e3 * statistics.median(x / steps for x in g["blocked"]),
-            "drain_s": statistics.median(g["drain"]), "wall_all_s": g["wall"], "baseline_all_s": g["base"]}
+            "drain_s": statistics.median(g["drain"]), "wall_all_s": g["wall"], "baseline_all_s": g["base"],
+            "cpu_per_save_ms": 1e3 * statistics.median(x / steps for x in g["cpu"]),
+            "training_cpu_per_save_ms": 1e3 * statistics.median(x / steps for x in g["training_cpu"])}
     base_all = [b for g in got.values() for b in g["base"]]
     return {"state_bytes": rig.state_bytes, "device": device, "target_step_s": target_step_s,
             "step_s": statistics.median(base_all) / steps, "rows": rig.rows,
@@ -156,7 +179,8 @@ def summary(small: dict[str, Any]) -> str:
     return (f"small state {small['state_bytes'] / 1e6:.1f} MB on {small.get('device', 'cpu')}, "
             f"{1e3 * small['step_s']:.1f} ms steps, saved every step: "
             + ", ".join(f"{n} +{100 * e['overhead']:.0f}% ({e['per_save_ms']:.1f} ms per save, "
-                        f"blocked {e['blocked_per_save_ms']:.1f} ms)" for n, e in small["engines"].items()))
+                        f"blocked {e['blocked_per_save_ms']:.1f} ms, CPU {e['cpu_per_save_ms']:.1f} ms of which "
+                        f"training thread {e['training_cpu_per_save_ms']:.1f})" for n, e in small["engines"].items()))
 
 
 def parse_small(raw: str) -> tuple[int, float]:

@@ -105,6 +105,8 @@ def test_bench_small_state_alone_measures_the_size_and_step_asked(tmp_path: Path
         e = small["engines"][name]
         assert math.isfinite(e["overhead"]) and math.isfinite(e["per_save_ms"]) and e["blocked_per_save_ms"] >= 0
         assert len(e["wall_all_s"]) == len(e["baseline_all_s"]) == 1
+        # where a save's time went in CPU time: the process's, and the training thread's share of it
+        assert math.isfinite(e["cpu_per_save_ms"]) and math.isfinite(e["training_cpu_per_save_ms"])
     assert list((tmp_path / "work").iterdir()) == []  # scratch removed
 
 
