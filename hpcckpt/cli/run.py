@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("run", help="run a job under the hpcckpt supervisor (CRIU or app mode)",
+    p = sub.add_parser("run", help="run a command under an hpcckpt supervisor (CRIU, own-checkpoints or app mode)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=("criu", "own", "app"), default="criu",
                    help="criu: dump the whole process tree; own: the script keeps its own checkpoints "
