@@ -464,11 +464,16 @@ def written_by_newer(inspected: list[CheckpointInfo]) -> CheckpointInfo | None:
     return next((i for i in inspected if i.status != "committed" and i.problems and NEWER in i.problems[0]), None)
 
 
-def _quick_victims(root: Path, keep: int, protected: set[str], key: str, latest: str | None) -> list[Path] | None:
+def _quick_victims(root: Path, keep: int, protected: set[str], key: str, latest: str | None,
+                   held: frozenset[str] | set[str] = frozenset()) -> list[Path] | None:
     """What ``prune`` removes, from one listing, when it shows only step directories just
     committed (``protected``) or known committed by this process with the same inode (and
     saves in flight); None when anything else is there (a leftover of a discard, a stale
     temporary directory, a step directory not known committed): then the full pass decides.
+    ``held``: names of trees the caller holds renamed aside (``prune``'s ``trash`` and
+    ``tracked``): not leftovers, so they do not send it to the full pass, which would list the
+    root again to name the same victims (with ``keep=1`` and a save at every step, the
+    previous commit's pruned step is always still there, waiting for this commit's fsync).
     The common case: a name and a dict lookup per checkpoint, no object, no second listing;
     the same victims as the full pass (every listed step is committed, newest kept first)."""
     known = _known(key)
@@ -483,6 +488,8 @@ def _quick_victims(root: Path, keep: int, protected: set[str], key: str, latest:
                     committed.append((int(name[5:]), name))  # the common case: one lookup
                     continue
                 if name.startswith(TRASH_PREFIX):
+                    if name in held:
+                        continue  # the caller's, deleted by it once durable
                     return None  # a leftover to sweep
                 if not name.startswith("step-"):
                     continue
@@ -538,7 +545,8 @@ def prune(root: Path, keep: int, *, protect: set[Path] | None = None, trash: lis
     protect = protect or set()
     protected = {p.name for p in protect if p.parent == root}
     key = str(root)
-    quick = _quick_victims(root, keep, protected, key, latest)
+    held = {p.name for p in (*(trash or ()), *(tracked or ())) if p.parent == root}
+    quick = _quick_victims(root, keep, protected, key, latest, held)
     if quick is not None:
         if quick:
             discard(root, quick, trash=trash, durable=durable, tracked=tracked)

@@ -483,6 +483,36 @@ def test_a_prune_of_known_checkpoints_reads_one_listing_and_still_removes_what_i
     assert sorted(i.step for i in catalog.scan(ckdir)) == [4, 5]
 
 
+def test_a_prune_beside_trees_its_caller_holds_aside_reads_one_listing(ckdir: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tree renamed aside that the caller holds (``trash``/``tracked``: an engine's pruned step
+    waiting for the next fsync of the root, always there with ``keep=1`` and a save at every
+    step) is not a leftover: the prune stays on its one listing and leaves the tree alone; a
+    tree nobody holds still sends it to the full pass, which sweeps it."""
+    for s in range(1, 4):
+        with Transaction(ckdir, f"step-{s}") as txn:
+            (txn.path / "f").write_bytes(b"x")
+            txn.commit(minimal(s))
+        catalog.learn_committed(ckdir / f"step-{s}")
+    held = ckdir / ".trash-step-0-0123abcd"
+    held.mkdir()
+    listings: list[str] = []
+    real = os.scandir
+
+    def counted(path: str | os.PathLike[str] = ".") -> "os._ScandirIterator[str]":
+        listings.append(str(path))
+        return real(path)
+    monkeypatch.setattr(os, "scandir", counted)
+    assert catalog.prune(ckdir, keep=3, tracked=[held]) == []
+    assert listings == [str(ckdir)] and held.exists()  # one listing; the held tree untouched
+    trash: list[Path] = []
+    assert catalog.prune(ckdir, keep=2, trash=trash, durable=False, tracked=[held]) == [ckdir / "step-1"]
+    assert held.exists() and len(trash) == 1 and trash[0].name.startswith(".trash-step-1-")
+    listings.clear()
+    assert catalog.prune(ckdir, keep=2, tracked=[]) == []  # nobody holds them now: leftovers, swept
+    assert len(listings) > 1 and not held.exists() and not trash[0].exists()
+
+
 def test_the_engines_commit_lock_excludes_filelock_readers_and_its_own_threads(ckdir: Path) -> None:
     """``CommitLock`` (a descriptor kept open, one flock a commit) and ``writer_lock``
     (filelock) exclude each other both ways, a listing's shared lock waits for it, threads
