@@ -18,6 +18,8 @@ from .checksum import FileCrc
 from .commit import (
     LATEST,
     MANIFEST,
+    SPARE_PREFIX,
+    STALE_SPARE_AGE_S,
     TRASH_PREFIX,
     discard,
     older_than,
@@ -465,7 +467,8 @@ def written_by_newer(inspected: list[CheckpointInfo]) -> CheckpointInfo | None:
 
 
 def _quick_victims(root: Path, keep: int, protected: set[str], key: str, latest: str | None,
-                   held: frozenset[str] | set[str] = frozenset()) -> list[Path] | None:
+                   held: frozenset[str] | set[str] = frozenset(), stale: list[Path] | None = None
+                   ) -> list[Path] | None:
     """What ``prune`` removes, from one listing, when it shows only step directories just
     committed (``protected``) or known committed by this process with the same inode (and
     saves in flight); None when anything else is there (a leftover of a discard, a stale
@@ -474,7 +477,9 @@ def _quick_victims(root: Path, keep: int, protected: set[str], key: str, latest:
     ``tracked``): not leftovers, so they do not send it to the full pass, which would list the
     root again to name the same victims (with ``keep=1`` and a save at every step, the
     previous commit's pruned step is always still there, waiting for this commit's fsync).
-    The common case: a name and a dict lookup per checkpoint, no object, no second listing;
+    ``stale``: gets the spares (``SPARE_PREFIX``) no engine has touched for
+    ``STALE_SPARE_AGE_S`` that the listing shows (``commit.sweep_candidates``' rule), for
+    ``discard`` to sweep without listing the root again. The common case: a name and a dict lookup per checkpoint, no object, no second listing;
     the same victims as the full pass (every listed step is committed, newest kept first)."""
     known = _known(key)
     committed: list[tuple[int, str]] = []
@@ -492,6 +497,9 @@ def _quick_victims(root: Path, keep: int, protected: set[str], key: str, latest:
                         continue  # the caller's, deleted by it once durable
                     return None  # a leftover to sweep
                 if not name.startswith("step-"):
+                    if (stale is not None and name.startswith(SPARE_PREFIX)
+                            and older_than(root / name, STALE_SPARE_AGE_S)):
+                        stale.append(root / name)
                     continue
                 if not step_re(name):
                     if STEP_TMP_RE.match(name) and _stale_tmp(root / name):
@@ -546,10 +554,11 @@ def prune(root: Path, keep: int, *, protect: set[Path] | None = None, trash: lis
     protected = {p.name for p in protect if p.parent == root}
     key = str(root)
     held = {p.name for p in (*(trash or ()), *(tracked or ())) if p.parent == root}
-    quick = _quick_victims(root, keep, protected, key, latest, held)
+    stale: list[Path] = []
+    quick = _quick_victims(root, keep, protected, key, latest, held, stale)
     if quick is not None:
-        if quick:
-            discard(root, quick, trash=trash, durable=durable, tracked=tracked)
+        if quick or stale:  # the sweep's leftovers from the same listing: no second one
+            discard(root, quick, trash=trash, durable=durable, tracked=tracked, leftovers=stale)
         return quick
     victims = _victims(root, keep, protected, key, read_latest(root) if latest is None else latest)
     discard(root, victims, trash=trash, durable=durable, tracked=tracked)

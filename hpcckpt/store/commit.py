@@ -432,7 +432,7 @@ def read_latest(root: Path) -> str | None:
 
 
 def discard(root: Path, paths: list[Path], *, trash: list[Path] | None = None, durable: bool = True,
-            tracked: list[Path] | None = None) -> None:
+            tracked: list[Path] | None = None, leftovers: list[Path] | None = None) -> None:
     """Delete directories of ``root`` so that none is ever seen half-deleted.
 
     Each is first renamed aside to a hidden ``.trash-`` name that the catalog never
@@ -444,7 +444,9 @@ def discard(root: Path, paths: list[Path], *, trash: list[Path] | None = None, d
     ``durable=False`` (with ``trash`` only): the caller fsyncs ``root`` itself before any
     tree in ``trash`` is deleted (a commit's one fsync of the root covers these renames).
     ``tracked``: trees the caller already holds renamed aside (waiting for that fsync, or to
-    be deleted): never swept here as leftovers.
+    be deleted): never swept here as leftovers. ``leftovers``: what to sweep, when the caller
+    has just listed ``root`` under the same lock (``catalog.prune``'s one listing) and named
+    them (``sweep_candidates``' rule): the root is not listed again.
     """
     if not durable and trash is None:
         raise ValueError("discard(durable=False) needs a trash list: the trees are deleted only after the caller's fsync")
@@ -458,7 +460,8 @@ def discard(root: Path, paths: list[Path], *, trash: list[Path] | None = None, d
         aside.append(target)
     if aside and durable:
         fsync_path(root)
-    doomed = aside + sweep_candidates(root, exclude=set(aside) | set(trash or ()) | set(tracked or ()))
+    doomed = aside + (leftovers if leftovers is not None
+                      else sweep_candidates(root, exclude=set(aside) | set(trash or ()) | set(tracked or ())))
     if trash is not None:
         trash += doomed
         return

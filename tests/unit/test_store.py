@@ -16,7 +16,8 @@ import torch
 from hpcckpt._core import native
 from hpcckpt.errors import CheckpointCorrupt
 from hpcckpt.store import catalog, hdf5
-from hpcckpt.store.commit import LATEST, MANIFEST, Transaction, read_latest, read_manifest, verify_files
+from hpcckpt.store.commit import (LATEST, MANIFEST, STALE_SPARE_AGE_S, Transaction, read_latest, read_manifest,
+                                  verify_files)
 
 pytestmark = pytest.mark.native
 
@@ -506,11 +507,22 @@ def test_a_prune_beside_trees_its_caller_holds_aside_reads_one_listing(ckdir: Pa
     assert catalog.prune(ckdir, keep=3, tracked=[held]) == []
     assert listings == [str(ckdir)] and held.exists()  # one listing; the held tree untouched
     trash: list[Path] = []
+    listings.clear()
     assert catalog.prune(ckdir, keep=2, trash=trash, durable=False, tracked=[held]) == [ckdir / "step-1"]
     assert held.exists() and len(trash) == 1 and trash[0].name.startswith(".trash-step-1-")
+    assert listings == [str(ckdir)]  # the victim renamed aside, and no second listing for the sweep
+    spare, fresh = ckdir / ".spare-0123456789ab", ckdir / ".spare-ba9876543210"
+    spare.mkdir()
+    fresh.mkdir()
+    old = os.stat(spare).st_mtime - 2 * STALE_SPARE_AGE_S
+    os.utime(spare, (old, old))  # a spare no engine touched for long: swept from the same listing
+    listings.clear()
+    assert catalog.prune(ckdir, keep=2, tracked=[held, *trash]) == []
+    assert listings.count(str(ckdir)) == 1  # the root listed once (rmtree lists the swept tree itself)
+    assert not spare.exists() and fresh.exists() and held.exists()
     listings.clear()
     assert catalog.prune(ckdir, keep=2, tracked=[]) == []  # nobody holds them now: leftovers, swept
-    assert len(listings) > 1 and not held.exists() and not trash[0].exists()
+    assert listings.count(str(ckdir)) > 1 and not held.exists() and not trash[0].exists()
 
 
 def test_the_engines_commit_lock_excludes_filelock_readers_and_its_own_threads(ckdir: Path) -> None:
