@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -26,7 +27,6 @@ from .base import Engine, SaveHandle
 from .job import SaveJob
 from .recycle import Recycler
 from .staging import RingStream, Slot, Staging, flat_bytes
-
 
 # How one tensor reaches its save's staging slot (``_routes``).
 DEVICE = "device"              # CUDA, only optimizer.step() mutates it: D2H on the side stream

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -70,7 +70,7 @@ class Plan:
     fingerprints: dict[str, int] = field(default_factory=dict)  # replicated name -> crc32c (check_replicas)
 
 
-Piece = Union[int, dict[str, Any]]
+Piece = int | dict[str, Any]
 
 _PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
 

@@ -10,8 +10,8 @@ import os
 import random
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 

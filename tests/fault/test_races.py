@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcckpt.resume import load_newest
 from hpcckpt.ranks import Ranks
+from hpcckpt.resume import load_newest
 from hpcckpt.store import catalog
 from tests.conftest import REPO
 

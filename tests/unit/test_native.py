@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import errno
 import os
-import sys
 import random
 import shutil
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -349,7 +349,9 @@ def test_native_sources_name_every_header_they_use() -> None:
 def test_read_items_through_a_checked_descriptor(tmp_path: Path) -> None:
     """The fd form reads the open file, never its name; a FIFO or symlink is refused, never waited on."""
     import numpy as np
-    from hpcckpt._core import crc32c as _crc, native as _native
+
+    from hpcckpt._core import crc32c as _crc
+    from hpcckpt._core import native as _native
     data = os.urandom(1 << 16)
     path = tmp_path / "f.bin"
     path.write_bytes(data)

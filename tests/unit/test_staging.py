@@ -26,7 +26,6 @@ from hpcckpt.ranks import Ranks
 from hpcckpt.store import catalog
 from hpcckpt.store.hdf5 import TensorEntry, read_tensors, write_tensors
 from hpcckpt.store.staged_read import read_staged
-
 from tests.helpers import tiny_state, train_step
 
 from .test_concurrent_engine import Rig, _fifo_instead_of_rank_file, assert_same
@@ -404,8 +403,8 @@ def test_checkpointer_passes_staging_bytes_to_the_engine(tmp_path: Path, monkeyp
 
 
 def test_optimizer_state_names_come_from_the_saved_tree_without_step() -> None:
-    from hpcckpt.store.read import _optimizer_homes, _optimizer_state_names
     from hpcckpt.state import TrainState
+    from hpcckpt.store.read import _optimizer_homes, _optimizer_state_names
     model = torch.nn.Linear(3, 2)
     adam, sgd = torch.optim.Adam(model.parameters()), torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(1, 3)).sum().backward()
@@ -479,9 +478,9 @@ def test_slots_built_before_a_failed_allocation_are_released(monkeypatch: pytest
 
 def test_resumed_optimizer_state_gets_a_gpu_home_only_where_its_parameters_are() -> None:
     from hpcckpt.engines.base import LiveTensors, live_tensors
-    from hpcckpt.store.read import _home_devices
     from hpcckpt.state import TrainState
     from hpcckpt.store import hdf5
+    from hpcckpt.store.read import _home_devices
 
     model = torch.nn.Linear(3, 2)
     adam = torch.optim.Adam(model.parameters())

@@ -2,10 +2,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
-import shutil
 from pathlib import Path
 
 import h5py
@@ -16,8 +16,15 @@ import torch
 from hpcckpt._core import native
 from hpcckpt.errors import CheckpointCorrupt
 from hpcckpt.store import catalog, hdf5
-from hpcckpt.store.commit import (LATEST, MANIFEST, STALE_SPARE_AGE_S, Transaction, read_latest, read_manifest,
-                                  verify_files)
+from hpcckpt.store.commit import (
+    LATEST,
+    MANIFEST,
+    STALE_SPARE_AGE_S,
+    Transaction,
+    read_latest,
+    read_manifest,
+    verify_files,
+)
 
 pytestmark = pytest.mark.native
 
@@ -413,9 +420,9 @@ def test_latest_that_is_not_a_plain_utf8_name_is_ignored(ckdir: Path, raw: bytes
 def test_step_names_are_parsed_strictly(tmp_path: Path, name: str) -> None:
     """Only ``step-0`` and ``step-[1-9][0-9]*`` (ASCII) are checkpoints; any other name is
     ignored, never looked up as another step (which read as "another job is pruning")."""
+    from hpcckpt.api import Checkpointer
     from hpcckpt.ranks import Ranks
     from hpcckpt.resume import load_newest
-    from hpcckpt.api import Checkpointer
     model = torch.nn.Linear(2, 2)
     with Checkpointer(tmp_path, every_steps=1) as ck:
         ck.register(model=model)
@@ -500,7 +507,7 @@ def test_a_prune_beside_trees_its_caller_holds_aside_reads_one_listing(ckdir: Pa
     listings: list[str] = []
     real = os.scandir
 
-    def counted(path: str | os.PathLike[str] = ".") -> "os._ScandirIterator[str]":
+    def counted(path: str | os.PathLike[str] = ".") -> os._ScandirIterator[str]:
         listings.append(str(path))
         return real(path)
     monkeypatch.setattr(os, "scandir", counted)
@@ -530,7 +537,9 @@ def test_the_engines_commit_lock_excludes_filelock_readers_and_its_own_threads(c
     (filelock) exclude each other both ways, a listing's shared lock waits for it, threads
     of one process take turns, and a lock file replaced meanwhile is the one locked next."""
     import threading
+
     from filelock import Timeout
+
     from hpcckpt.store.lock import LOCK_NAME, CommitLock, reader_lock, writer_lock
     lock = CommitLock(ckdir)
     with lock():
@@ -579,6 +588,7 @@ def test_the_commit_lock_goes_through_filelock_where_the_file_system_refuses_flo
     import types
 
     from filelock import Timeout
+
     from hpcckpt.store import lock as lock_mod
 
     def refused(fd: int, op: int) -> None:
