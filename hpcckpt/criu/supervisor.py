@@ -156,6 +156,8 @@ class Supervisor:
         self.timing = StopTiming(lead_s=opts.lead_s, need_s=lambda: dump_margin_s(self.ledger), log=self.log,
                                  ledger=self.ledger, what="dump", source="criu-supervisor", progress=self.acct.now)
         self._heard: tuple[signal.Signals, str] | None = None  # a stop the job's own processes heard too
+        # The job's processes and their (SigIgn, SigCgt) masks at the loop's last turn (_survey)
+        self._masks: dict[int, tuple[int, int]] = {}
 
     # -- entry ------------------------------------------------------------------
     def run(self) -> CriuOutcome:
@@ -278,6 +280,7 @@ class Supervisor:
 
     def _duties(self, job: ops.Job) -> int | None:
         """The dumpability check, a preemption seen on the end time, periodic images."""
+        self._survey(job)
         self.dumper.check_dumpable(job)
         if self.timing.preempted():
             left = self.timing.remaining_s()
@@ -338,18 +341,39 @@ class Supervisor:
         ops.signal_pids(rep.forwarded_to, sig)
         return None
 
+    def _survey(self, job: ops.Job) -> None:
+        """Note the job's processes and what each does with the ending signals, at every turn
+        of the loop under Slurm (a few /proc reads): a stop's TERM may end a DataLoader worker
+        (and its parent reap it) before the supervisor looks, and the note still says it heard
+        it. Not while an ending signal waits to be handled: the note must predate the stop."""
+        if any(s in ENDING_SIGNALS for s in self.pending) or not identity.current().in_slurm:
+            return
+        masks = {}
+        for pid in proctree.tree(job.app_pid):
+            ignored, caught = proctree.status_field(pid, "SigIgn"), proctree.status_field(pid, "SigCgt")
+            if ignored is not None and caught is not None:
+                masks[pid] = (int(ignored, 16), int(caught, 16))
+        self._masks = masks
+
     def _heard_by(self, job: ops.Job, sig: signal.Signals) -> list[str]:
         """The job's processes that heard ``sig`` as the supervisor did: under Slurm a stop's TERM
         reaches every process of the job at once, and one that does not ignore it (the job
         starts with it ignored) handles it (its own save, then an exit) or dies of it (a
-        DataLoader worker): an image of it would be of a process that is ending."""
+        DataLoader worker): an image of it would be of a process that is ending. A process the
+        last survey saw not ignoring ``sig`` and that is gone now counts too (ended by it)."""
         if sig not in ENDING_SIGNALS or not identity.current().in_slurm:
             return []  # a warning, or a signal only the supervisor was sent (outside Slurm)
         heard = []
-        for pid in proctree.tree(job.app_pid):
+        live = proctree.tree(job.app_pid)
+        for pid in live:
             how = proctree.disposition(pid, sig)
             if how in ("caught", "default"):
                 heard.append(f"{proctree.inner_pid(pid) or pid} {how} ({proctree.command(pid, limit=60)})")
+        bit = 1 << (int(sig) - 1)
+        for pid, (ignored, caught) in self._masks.items():
+            if pid not in live and not ignored & bit and not proctree.alive(pid):
+                how = "caught" if caught & bit else "default"
+                heard.append(f"{pid} {how} (gone before the supervisor looked: ended by it)")
         return heard
 
     def _yield_to_job(self, sig: signal.Signals, cause: str, heard: list[str]) -> None:
