@@ -42,6 +42,12 @@ def _free_port() -> int:
 
 def run_world(out: Path, mesh: str, *args: str) -> None:
     """Run one world of ``fsdp_tp_train`` on ``mesh`` (``DPxTP``); every rank must exit 0."""
+    run_ranks("tests.integration.fsdp_tp_train", out, mesh, *args)
+
+
+def run_ranks(module: str, out: Path, mesh: str, *args: str, codes: tuple[int, ...] = (0,)) -> list[int]:
+    """Run ``module`` as the DP x TP ranks of one gloo world on ``mesh`` (``DPxTP``), each from the
+    prefork server with its log in ``out``; every rank must exit with one of ``codes``."""
     dp, tp = (int(x) for x in mesh.split("x"))
     world = dp * tp
     port = _free_port()
@@ -50,7 +56,7 @@ def run_world(out: Path, mesh: str, *args: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     phase = args[args.index("--phase") + 1]
     logs = [out / f"log-{phase}-{mesh}-r{r}.txt" for r in range(world)]
-    procs = [Child(["-m", "tests.integration.fsdp_tp_train", "--rank", str(r), "--world", str(world),
+    procs = [Child(["-m", module, "--rank", str(r), "--world", str(world),
                     "--port", str(port), "--out", str(out), "--mesh", mesh, *args],
                    cwd=REPO, env=env, output=logs[r]) for r in range(world)]
     try:
@@ -64,9 +70,10 @@ def run_world(out: Path, mesh: str, *args: str) -> None:
             if p.poll() is None:
                 p.kill()
                 p.wait(60)
-    codes = [p.returncode for p in procs]
-    assert codes == [0] * world, f"{phase} on {mesh}: exit codes {codes}:\n" + "\n".join(
+    got = [p.returncode for p in procs]
+    assert all(c in codes for c in got), f"{phase} on {mesh}: exit codes {got}:\n" + "\n".join(
         f"--- rank {r}:\n{log.read_text()[-3000:]}" for r, log in enumerate(logs))
+    return got
 
 
 def dump(out: Path, kind: str, rank: int = 0) -> dict[str, torch.Tensor]:

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +22,7 @@ import torch
 
 from hpcckpt.store import catalog
 from tests.conftest import REPO
-from tests.integration.test_fsdp_tp import _free_port, assert_equal_states, dump, result
-from tests.prefork import Child
+from tests.integration.test_fsdp_tp import assert_equal_states, dump, result, run_ranks
 
 pytestmark = [pytest.mark.slow]
 
@@ -37,32 +34,7 @@ TITANS = ["shaped", pytest.param("real", marks=pytest.mark.skipif(
 
 def run_world(out: Path, *args: str, mesh: str = "2x2", codes: tuple[int, ...] = (0,)) -> list[int]:
     """One world of ``torchtitan_train`` on ``mesh``; every rank must exit with one of ``codes``."""
-    dp, tp = (int(x) for x in mesh.split("x"))
-    world = dp * tp
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPCCKPT_", "SLURM_"))}
-    env.update(HPCCKPT_CLUSTER="local", OMP_NUM_THREADS="1")
-    out.mkdir(parents=True, exist_ok=True)
-    phase = args[args.index("--phase") + 1]
-    logs = [out / f"log-{phase}-r{r}.txt" for r in range(world)]
-    procs = [Child(["-m", "tests.integration.torchtitan_train", "--rank", str(r), "--world", str(world),
-                    "--port", str(port), "--out", str(out), "--mesh", mesh, *args],
-                   cwd=REPO, env=env, output=logs[r]) for r in range(world)]
-    try:
-        deadline = time.monotonic() + TIMEOUT_S
-        for p in procs:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(60)
-    got = [p.returncode for p in procs]
-    assert all(c in codes for c in got), f"{phase}: exit codes {got}:\n" + "\n".join(
-        f"--- rank {r}:\n{log.read_text()[-3000:]}" for r, log in enumerate(logs))
-    return got
+    return run_ranks("tests.integration.torchtitan_train", out, mesh, *args, codes=codes)
 
 
 def results(out: Path, phase: str) -> list[dict[str, Any]]:
