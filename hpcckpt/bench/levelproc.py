@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .rankproc import leave
+
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m hpcckpt.bench.levelproc")
@@ -102,15 +104,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank, world_size=2)
-    result = bench(a.rank, json.loads(a.spec.read_text()))
-    tmp = a.out.with_name(a.out.name + ".tmp")
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, a.out)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)  # skip interpreter finalization: gloo threads torn down there can abort the process
+    leave(a.out, bench(a.rank, json.loads(a.spec.read_text())))
+    return 0
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .limits import GB
+from .rankproc import leave
 
 METHODS = {"dcp_save": "torch.distributed.checkpoint.save (blocking)",
            "dcp_async": "DCP async_save, thread, on a gloo group of its own, one in flight",
@@ -411,15 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank,
                             world_size=a.dp * a.tp)
-    result = rank_main(a)
-    tmp = a.out.with_name(a.out.name + ".tmp")
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, a.out)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)  # gloo threads torn down at interpreter exit can abort the process
+    leave(a.out, rank_main(a))
+    return 0
 
 
 # -- in the parent -----------------------------------------------------------------------

@@ -222,18 +222,24 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     if a.world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank, world_size=a.world)
-    result = bench_jit(a) if a.jit_steps else bench(a)
-    tmp = a.out.with_name(a.out.name + ".tmp")
+    leave(a.out, bench_jit(a) if a.jit_steps else bench(a), grouped=a.world > 1)
+    return 0
+
+
+def leave(out: Path, result: dict[str, Any], *, grouped: bool = True) -> None:
+    """A bench rank's end: its result written whole (temp file, rename), its output flushed;
+    in a gloo group, a barrier once every rank has written, then an exit that skips the
+    interpreter's finalization (gloo threads torn down there can abort the process)."""
+    tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(result))
-    os.replace(tmp, a.out)
+    os.replace(tmp, out)
     sys.stdout.flush()
     sys.stderr.flush()
-    if a.world > 1:
+    if grouped:
+        import torch.distributed as dist
         dist.barrier()
         dist.destroy_process_group()
-        # Skip interpreter finalization: gloo threads torn down there can abort the process.
         os._exit(0)
-    return 0
 
 
 if __name__ == "__main__":
