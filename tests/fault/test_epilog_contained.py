@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import shutil
 import signal
 import subprocess
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.localusers import local_user
 
 pytestmark = [pytest.mark.fault]
 
@@ -48,19 +48,6 @@ DAEMONS = {
 
 PLANTED = "import os\nopen({marker!r}, 'a').write({where!r} + '\\n')\n"
 PLANTED_HPCCKPT = PLANTED + "import numpy  # as the real package does\n"
-
-
-def _ensure_user(name: str) -> tuple[bool, int, int]:
-    """(created here, uid, gid) of an unprivileged user for the test."""
-    try:
-        pw = pwd.getpwnam(name)
-        return False, pw.pw_uid, pw.pw_gid
-    except KeyError:
-        pass
-    subprocess.run(["useradd", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin", name],
-                   check=True, capture_output=True)
-    pw = pwd.getpwnam(name)
-    return True, pw.pw_uid, pw.pw_gid
 
 
 def _running_as(uid: int) -> dict[int, str]:
@@ -106,14 +93,12 @@ def guest() -> Iterator[tuple[int, int]]:
         pytest.skip("a second local user and root's epilog need root (useradd, setpriv)")
     if shutil.which("useradd") is None or shutil.which("setpriv") is None or not os.access(SYSTEM_PYTHON, os.X_OK):
         pytest.skip(f"needs useradd, setpriv and {SYSTEM_PYTHON}")
-    created, uid, gid = _ensure_user(USER)
-    _end_processes_of(uid)
-    try:
-        yield uid, gid
-    finally:
-        _end_processes_of(uid)
-        if created:
-            subprocess.run(["userdel", USER], check=False, capture_output=True)
+    with local_user(USER) as user:
+        _end_processes_of(user.uid)
+        try:
+            yield user.uid, user.gid
+        finally:
+            _end_processes_of(user.uid)
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ Rounds are counted, not timed."""
 from __future__ import annotations
 
 import os
-import pwd
 import shutil
 import subprocess
 import tempfile
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.localusers import local_user
 
 pytestmark = [pytest.mark.fault]
 
@@ -59,37 +59,14 @@ while not os.path.exists(stop):
 '''
 
 
-def _ensure_user(name: str) -> tuple[bool, int, int]:
-    """(created here, uid, gid) of an unprivileged user for the test."""
-    try:
-        pw = pwd.getpwnam(name)
-        return False, pw.pw_uid, pw.pw_gid
-    except KeyError:
-        pass
-    subprocess.run(["useradd", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin", name],
-                   check=True, capture_output=True)
-    pw = pwd.getpwnam(name)
-    return True, pw.pw_uid, pw.pw_gid
-
-
 @pytest.fixture(scope="module")
 def users() -> Iterator[dict[str, tuple[int, int]]]:
     if os.geteuid() != 0:
         pytest.skip("two unprivileged users and root's hooks need root (useradd, setuid)")
     if shutil.which("useradd") is None or not os.access(SYSTEM_PYTHON, os.X_OK):
         pytest.skip(f"needs useradd and {SYSTEM_PYTHON}")
-    made: list[str] = []
-    out: dict[str, tuple[int, int]] = {}
-    for name in USERS:
-        created, uid, gid = _ensure_user(name)
-        if created:
-            made.append(name)
-        out[name] = (uid, gid)
-    try:
-        yield out
-    finally:
-        for name in made:
-            subprocess.run(["userdel", name], check=False, capture_output=True)
+    with local_user(USERS[0]) as a, local_user(USERS[1]) as b:
+        yield {USERS[0]: (a.uid, a.gid), USERS[1]: (b.uid, b.gid)}
 
 
 @pytest.fixture

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pwd
 import shlex
 import shutil
 import signal
@@ -39,23 +38,13 @@ from hpcckpt.lifecycle.ledger import Ledger
 from hpcckpt.store import catalog
 from hpcckpt.store.scavenge import level_key
 from tests.conftest import REPO
+from tests.localusers import local_user
 
 pytestmark = [pytest.mark.native, pytest.mark.fault]
 
 USER = "hpcktest-mallory"
 PIDS = 500  # links planted for pids 1..PIDS: every pid the victim can have in its namespace
 SECRET = b"the victim's own file\n"
-
-
-def _ensure_user(name: str) -> tuple[bool, int]:
-    """(created here, uid) of an unprivileged user for the test."""
-    try:
-        return False, pwd.getpwnam(name).pw_uid
-    except KeyError:
-        pass
-    subprocess.run(["useradd", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin", name],
-                   check=True, capture_output=True)
-    return True, pwd.getpwnam(name).pw_uid
 
 
 def _namespaces() -> bool:
@@ -70,12 +59,8 @@ def mallory() -> Iterator[str]:
         pytest.skip("a second local user and namespaces need root")
     if shutil.which("useradd") is None or shutil.which("runuser") is None or not _namespaces():
         pytest.skip("needs useradd, runuser and mount/PID namespaces (unshare)")
-    created, _ = _ensure_user(USER)
-    try:
-        yield USER
-    finally:
-        if created:
-            subprocess.run(["userdel", USER], check=False, capture_output=True)
+    with local_user(USER) as user:
+        yield user.name
 
 
 VICTIM = """
