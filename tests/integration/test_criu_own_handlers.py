@@ -147,10 +147,18 @@ def test_dataloader_workers_killed_by_the_stop_never_fail_the_job(
     ledger = slurm_cluster.read_ledger(run_dir)
     restores = [e for e in ledger if e["event"] == "criu_restore"]
     stops = [e for e in ledger if e["event"] == "stop" and e.get("reason") != "done"]
-    assert len(stops) == 2, stops
+    rows = slurm_cluster.history(run_dir)["rows"]
+    assert [r["cause"] for r in rows] == ["preemption"] * 2, rows
+    assert all(s["reason"] == "preemption" for s in stops), stops
     if partition == "criu0":
         assert not restores, "an image of a dying job was restored"
-        assert all(s.get("heard") is True for s in stops), stops
+        # Without grace Slurm's KILL follows the TERM after KillWait (5 s here) and the
+        # supervisor waits for the job's own end before it records the stop: on a loaded
+        # machine the KILL can come first (seen once in a fresh-clone CI run). Such a run has
+        # no stop record; the history still names its cause from the supervisor's signal record
+        # or the scheduler's. Every stop recorded says the job heard it.
+        assert len(stops) <= 2 and all(s.get("heard") is True for s in stops), stops
     else:
+        assert len(stops) == 2, stops
         assert len(restores) == 2, restores
     assert slurm_cluster.job(job)["Restarts"] == "2"
