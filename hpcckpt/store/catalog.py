@@ -479,8 +479,9 @@ def _quick_victims(root: Path, keep: int, protected: set[str], key: str, latest:
     previous commit's pruned step is always still there, waiting for this commit's fsync).
     ``stale``: gets the spares (``SPARE_PREFIX``) no engine has touched for
     ``STALE_SPARE_AGE_S`` that the listing shows (``commit.sweep_candidates``' rule), for
-    ``discard`` to sweep without listing the root again. The common case: a name and a dict lookup per checkpoint, no object, no second listing;
-    the same victims as the full pass (every listed step is committed, newest kept first)."""
+    ``discard`` to sweep without listing the root again. The common case: a name and a dict
+    lookup per checkpoint, no object, no second listing; the same victims as the full pass
+    (every listed step is committed, newest kept first)."""
     known = _known(key)
     committed: list[tuple[int, str]] = []
     step_re = STEP_RE.match
@@ -511,21 +512,26 @@ def _quick_victims(root: Path, keep: int, protected: set[str], key: str, latest:
                 _learn(key, name, e.inode())
     except OSError:
         return None
+    return _past_keep(root, committed, keep, protected, latest)
+
+
+def _past_keep(root: Path, committed: list[tuple[int, str]], keep: int, protected: set[str],
+               latest: str | None) -> list[Path]:
+    """The committed steps (step, name) past the newest ``keep`` (the protected ones always
+    kept and counted), never the one ``latest`` names (read only when there are victims)."""
     if len(committed) <= keep:
         return []
     committed.sort(reverse=True)
     victims: list[Path] = []
     count = 0
     for _step, name in committed:
-        if name in protected:
+        if name in protected or count < keep:
             count += 1
-        elif count < keep:
-            count += 1
-        else:
-            if latest is None:
-                latest = read_latest(root) or ""
-            if name != latest:
-                victims.append(root / name)
+            continue
+        if latest is None:
+            latest = read_latest(root) or ""
+        if name != latest:
+            victims.append(root / name)
     return victims
 
 
