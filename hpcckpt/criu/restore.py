@@ -70,10 +70,12 @@ class Starter:
                          log=self.root / "logs" / f"unshare-{self.tag}.log", ignore=self._ignored())
         self.log(f"started {' '.join(self.opts.cmd)!r} in new PID + mount namespaces (host PID {job.app_pid}); "
                  f"stdout {out}, stderr {err}")
-        self._started(job, 0.0)
+        # The run's opening record first: what the supervisor notes as it starts watching (the
+        # end time's poll) belongs to this run.
         record_start(self.ledger, mode="criu", resumed_from=None, image=None, progress_s=0.0,
                      fallback=fallback, dump_every_s=self.opts.dump_every_s, no_image=no_image,
                      process_start=process_start_time(), **Progress.lost_since(self.ledger.events(), 0.0))
+        self._started(job, 0.0)
         return job
 
     def _ignored(self) -> tuple[signal.Signals, ...]:
