@@ -1,6 +1,6 @@
 """``hpcckpt check``: does a script resume exactly? Run it uninterrupted and with stops, compare.
 
-While ``HPCCKPT_CHECK_TRACE`` names a file, every Checkpointer boundary appends one JSON
+While ``_HPCCKPT_CHECK_TRACE`` names a file, every Checkpointer boundary appends one JSON
 line: the step and a digest of each registered object (its saved state), of the RNGs, of
 ``user_meta`` and of the non-persistent buffers of registered modules (which are never
 saved), plus the losses the script passed to ``ckpt.report_loss``. The check runs the
@@ -26,10 +26,11 @@ from typing import Any
 import torch
 
 from .cluster.env import without_slurm
+from .config import internal_var
 from .errors import ConfigError, HpcckptError
 from .exitcodes import EXIT_REQUEUE
 
-TRACE_ENV = "HPCCKPT_CHECK_TRACE"
+TRACE_ENV = internal_var("CHECK_TRACE")
 NON_PERSISTENT = " (non-persistent buffers)"
 ENUMERATE_HINT = ("a batch number from enumerate(ckpt.batches(loader)), which counts from 0 again in a resumed "
                   "epoch: code run every N batches (a sample from the model in train mode updates its BatchNorm "

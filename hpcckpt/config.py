@@ -349,18 +349,12 @@ _VARIABLES = (
             "step numbers > 0, comma-separated: stop there as on a signal (set by hpcckpt check)", "12,40", (), "stop"),
     Tunable("HPCCKPT_CLUSTER", lambda s: s.strip().lower(), lambda v: v in CLUSTERS,
             f"one of {', '.join(CLUSTERS)}", "slurm-cli"),
-    Tunable("HPCCKPT_SUCCESSOR_GENERATION", parse_int, lambda v: _is_int(v) and v >= 0,
-            "a whole number >= 0 (set by hpcckpt on successor jobs)", "1", 0),
-    Tunable("HPCCKPT_LOCAL_RESTART", parse_int, lambda v: _is_int(v) and v >= 0,
-            "a whole number >= 0 (set by the local supervisor)", "1", 0),
     Tunable("HPCCKPT_NOTICE", str, lambda v: isinstance(v, str),
             "how a supervised script hears the stop: a signal name or 'file PATH' (set by hpcckpt run --mode own)",
             "SIGTERM"),
     Tunable("HPCCKPT_NOTICE_FILE", str, lambda v: isinstance(v, str),
             "a file path written at the stop's notice (set by hpcckpt run --mode own --notice file)",
             "/scratch/run/STOP-NOTICE"),
-    Tunable("HPCCKPT_CHECK_TRACE", str, lambda v: isinstance(v, str),
-            "a file path: each step's state digests are appended there (set by hpcckpt check)", "/tmp/trace.jsonl"),
     Tunable("HPCCKPT_STAGING_ROOT", str, _is_path,
             "a directory path for per-job node-local staging (%n: the node name; as slurm/prolog)",
             "/local/hpcckpt-staging"),
@@ -368,20 +362,57 @@ _VARIABLES = (
             "/opt/hpcckpt/criu/bin/criu"),
     Tunable("HPCCKPT_CRIU_PREFIX", str, _is_path, "the prefix scripts/install-criu installed criu under",
             "/opt/hpcckpt/criu"),
-    Tunable("HPCCKPT_CRIU_FALLBACK", str, lambda v: isinstance(v, str),
-            "fresh: do not resume (set by `hpcckpt run --mode criu --on-restore-failure fresh`)", "fresh"),
     Tunable("HPCCKPT_LIBCUDA", str, _is_path, "the path of the NVIDIA driver library (CUDA checkpoint API)",
             "libcuda.so.1"),
-    Tunable("HPCCKPT_BATCH_ARGS_JOB", str, lambda v: isinstance(v, str),
-            "the SLURM_JOB_ID the exported batch arguments belong to (set by the templates)", "1234"),
-    Tunable("HPCCKPT_BATCH_ARGC", parse_int, lambda v: _is_int(v) and v >= 0,
-            "how many HPCCKPT_BATCH_ARG_<n> the templates exported (set by the templates)", "2"),
     Tunable("HPCCKPT_END_TIME", parse_float, lambda v: _is_num(v) and v > 0,
             "epoch seconds when the job will be stopped", "1767225600"),
     *(Tunable(f"HPCCKPT_REQUEUE_MAX_{key}", parse_int, lambda v: _is_int(v) and v >= 0,
               "a whole number of requeues >= 0", "10")
       for key in ("TIME_LIMIT", "PREEMPTION", "SIGNAL", "FAILURE", "RANK_FAILURE", "FAILURES_WITHOUT_PROGRESS")),
 )
+# Variables hpcckpt sets for its own processes (a supervisor for its command, a job for its
+# successor, the templates for the job's own later reading, `hpcckpt check` for its runs): not
+# options, so outside the user's HPCCKPT_* namespace. Each is read under its _HPCCKPT_ name and,
+# for one release, under the HPCCKPT_ name older versions set: a job queued or requeued across an
+# upgrade still carries it (its stored batch script exported it).
+INTERNAL_PREFIX = "_HPCCKPT_"
+_INTERNAL = (
+    Tunable("_HPCCKPT_SUCCESSOR_GENERATION", parse_int, lambda v: _is_int(v) and v >= 0,
+            "a whole number >= 0: how many successor jobs came before this one (set on a successor job)", "1", 0,
+            "internal"),
+    Tunable("_HPCCKPT_PREDECESSOR_JOB_ID", str, lambda v: isinstance(v, str),
+            "the job id of the job that submitted this one as its successor (set on a successor job)", "1234",
+            None, "internal"),
+    Tunable("_HPCCKPT_LOCAL_RESTART", parse_int, lambda v: _is_int(v) and v >= 0,
+            "a whole number >= 0: the local supervisor's restart of the command", "1", 0, "internal"),
+    Tunable("_HPCCKPT_CHECK_TRACE", str, lambda v: isinstance(v, str),
+            "a file path: each step's state digests are appended there (set by hpcckpt check)", "/tmp/trace.jsonl",
+            None, "internal"),
+    Tunable("_HPCCKPT_CRIU_FALLBACK", str, lambda v: isinstance(v, str),
+            "fresh: do not resume (set by `hpcckpt run --mode criu --on-restore-failure fresh`)", "fresh", None,
+            "internal"),
+    Tunable("_HPCCKPT_BATCH_ARGS_JOB", str, lambda v: isinstance(v, str),
+            "the SLURM_JOB_ID the exported batch arguments belong to (set by the templates)", "1234", None,
+            "internal"),
+    Tunable("_HPCCKPT_BATCH_ARGC", parse_int, lambda v: _is_int(v) and v >= 0,
+            "how many _HPCCKPT_BATCH_ARG_<n> (the batch script's arguments) the templates exported", "2", None,
+            "internal"),
+)
+
+
+def internal_var(name: str) -> str:
+    """The variable hpcckpt sets for its own processes: ``LOCAL_RESTART`` -> ``_HPCCKPT_LOCAL_RESTART``."""
+    return INTERNAL_PREFIX + name
+
+
+def read_internal(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The raw value of the internal variable ``name`` (``LOCAL_RESTART``): its ``_HPCCKPT_``
+    name, else the ``HPCCKPT_`` one older versions set; None when neither is set."""
+    env = os.environ if environ is None else environ
+    value = env.get(internal_var(name))
+    return value if value is not None else env.get(f"HPCCKPT_{name}")
+
+
 _DIR = Tunable("HPCCKPT_DIR", str, _is_path, "a directory path (the checkpoint root, on a shared file system)",
                "/scratch/$USER/run1/ckpt", None, "save")
 
@@ -394,6 +425,7 @@ def _table() -> dict[str, Tunable]:
             if _ROW in f.metadata:
                 rows[f.name] = replace(f.metadata[_ROW], env=f"HPCCKPT_{f.name.upper()}", group=name)
     rows.update((row.env.removeprefix("HPCCKPT_").lower(), row) for row in _VARIABLES)
+    rows.update((row.env.removeprefix(INTERNAL_PREFIX).lower(), row) for row in _INTERNAL)
     return rows
 
 
@@ -434,16 +466,22 @@ def from_env(name: str, default: T, parse: Callable[[str], T],
     then only the fallback for names the table does not know).
     """
     raw = (os.environ if environ is None else environ).get(f"HPCCKPT_{name}")
+    return _parsed(f"HPCCKPT_{name}", raw, name.lower(), default, parse)
+
+
+def _parsed(var: str, raw: str | None, option: str, default: T, parse: Callable[[str], T]) -> T:
+    """``raw`` (the value of ``var``) parsed and checked by the row ``option`` (``parse`` when
+    the table has no such row); ``default`` when unset or blank."""
     if raw is None or raw.strip() == "":
         return default
-    spec = TUNABLES.get(name.lower())
+    spec = TUNABLES.get(option)
     try:
         value = (spec.parse if spec else parse)(raw)
     except (ValueError, KeyError, ConfigError) as exc:
-        hint = f"; e.g. HPCCKPT_{name}={spec.example}" if spec else ""
-        raise ConfigError(f"environment variable HPCCKPT_{name}={raw!r} is invalid: {exc}{hint}") from None
+        hint = f"; e.g. {var}={spec.example}" if spec else ""
+        raise ConfigError(f"environment variable {var}={raw!r} is invalid: {exc}{hint}") from None
     if spec is not None:
-        validate(name.lower(), value, source=f"environment variable HPCCKPT_{name}={raw!r}")
+        validate(option, value, source=f"environment variable {var}={raw!r}")
     return value
 
 
@@ -454,6 +492,11 @@ def env_value(option: str, default: Any = _TABLE_DEFAULT, environ: Mapping[str, 
     """The validated ``HPCCKPT_<OPTION>`` for a key of TUNABLES, else ``default``, else the row's default."""
     spec = TUNABLES[option]
     fallback = spec.default if default is _TABLE_DEFAULT else default
+    if spec.group == "internal":  # set by hpcckpt itself: its _HPCCKPT_ name, else the older one
+        name = spec.env.removeprefix(INTERNAL_PREFIX)
+        env = os.environ if environ is None else environ
+        var = spec.env if env.get(spec.env) is not None else f"HPCCKPT_{name}"
+        return _parsed(var, read_internal(name, env), option, fallback, spec.parse)
     return from_env(spec.env.removeprefix("HPCCKPT_"), fallback, spec.parse, environ)
 
 

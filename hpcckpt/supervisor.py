@@ -2,7 +2,7 @@
 
 It runs a command, and when the command exits with ``EXIT_REQUEUE`` (75) it
 restarts it, as Slurm would requeue the job: the restarted process finds the
-committed checkpoint and resumes. ``HPCCKPT_LOCAL_RESTART`` counts restarts the way
+committed checkpoint and resumes. ``_HPCCKPT_LOCAL_RESTART`` counts restarts the way
 ``SLURM_RESTART_COUNT`` does. Signals sent to the supervisor are forwarded.
 """
 from __future__ import annotations
@@ -15,12 +15,13 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from .config import internal_var
 from .exitcodes import EXIT_REQUEUE
 from .signals import unblock
 
 log = logging.getLogger("hpcckpt.supervisor")
 
-RESTART_ENV = "HPCCKPT_LOCAL_RESTART"  # the restart number, read by the local cluster's requeue budget
+RESTART_ENV = internal_var("LOCAL_RESTART")  # the restart number, read by the local cluster's requeue budget
 
 
 @dataclass

@@ -65,7 +65,7 @@ def _forward(opts: AppOptions) -> tuple[int, dict[str, Any]]:
 def restart_locally(opts: AppOptions) -> tuple[int, dict[str, Any]]:
     """Outside Slurm: the local supervisor restarts CMD on exit 75 (requeue).
 
-    Each restart is counted (``HPCCKPT_LOCAL_RESTART``, which the job's requeue budget reads)
+    Each restart is counted (``_HPCCKPT_LOCAL_RESTART``, which the job's requeue budget reads)
     and said on stderr; it stops at ``--max-restarts``, or when the job's own requeue was
     refused (its budget: the ledger's last ``requeue`` says ``requeued: false``).
     """

@@ -8,7 +8,6 @@ too. Every checkpoint damaged: a clear error, or a fresh start where ``on_corrup
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..config import read_internal
 from ..data import Progress
 from ..engines.base import live_tensors
 from ..errors import CheckpointCorrupt, ConfigError
@@ -53,9 +53,9 @@ class Restore:
             return self.loaded
         self.attempted = True
         t0 = time.monotonic()
-        if os.environ.get("HPCCKPT_CRIU_FALLBACK") == "fresh":
+        if read_internal("CRIU_FALLBACK") == "fresh":
             # `hpcckpt run --mode criu --on-restore-failure fresh`: the user asked for a fresh start.
-            log.warning("hpcckpt: HPCCKPT_CRIU_FALLBACK=fresh: not resuming from %s", self.root)
+            log.warning("hpcckpt: _HPCCKPT_CRIU_FALLBACK=fresh: not resuming from %s", self.root)
             return None
         # Read straight into the live model/optimizer tensors where they match (no first touch of
         # new memory, no second copy: hdf5.read_tensors), unless a fresh start must stay possible:

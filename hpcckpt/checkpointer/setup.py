@@ -7,13 +7,12 @@ levels and the engine.
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from ..cluster.base import Cluster
-from ..config import CheckpointOptions, env_value
+from ..config import CheckpointOptions, env_value, read_internal
 from ..engines import Engine, SaveContext, make_engine
 from ..levels import Levels
 from ..lifecycle.history import record_superseded
@@ -49,7 +48,7 @@ def stop_policy(options: CheckpointOptions, cluster: Cluster, root: Path) -> tup
 
 def check_trace() -> Path | None:
     """``hpcckpt check``'s trace file (digests of the state at each step), when it runs this script."""
-    trace = os.environ.get("HPCCKPT_CHECK_TRACE", "").strip()
+    trace = (read_internal("CHECK_TRACE") or "").strip()
     return Path(trace) if trace else None
 
 

@@ -63,7 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep", type=positive_int, default=2, help="images to keep (default 2)")
     p.add_argument("--on-restore-failure", choices=("app", "fresh", "fail"), default="app",
                    help="app: start CMD again, it resumes from its own checkpoint (default); "
-                        "fresh: start CMD with HPCCKPT_CRIU_FALLBACK=fresh; fail: exit 1")
+                        "fresh: start CMD with _HPCCKPT_CRIU_FALLBACK=fresh; fail: exit 1")
     p.add_argument("--tcp-established", action="store_true",
                    help="dump/restore established TCP connections (same addresses needed at restore)")
     p.add_argument("--ext-unix-sk", action="store_true", help="allow unix sockets connected outside the job")

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from hpcckpt.cluster.base import Cause, ClusterBase, RequeueOutcome, Reservation, node_is_draining
-from hpcckpt.config import env_value
+from hpcckpt.config import INTERNAL_PREFIX, env_value, internal_var, read_internal
 from hpcckpt.errors import ClusterError
 
 log = logging.getLogger("hpcckpt.cluster")
@@ -260,18 +260,22 @@ def successor_environment(environ: Mapping[str, str], predecessor: str) -> dict[
     keep = {"SLURM_CONF"}
     env = {k: v for k, v in environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))
            or k in keep}
-    for key in [k for k in env if k.startswith(BATCH_ARGS_PREFIX)]:
+    for key in [k for k in env if k.startswith((BATCH_ARGS_PREFIX, LEGACY_BATCH_ARGS_PREFIX))]:
         del env[key]  # this job's arguments: the successor gets them on its command line
-    env["HPCCKPT_PREDECESSOR_JOB_ID"] = predecessor
     generation = env_value("successor_generation", 0, environ)
-    env["HPCCKPT_SUCCESSOR_GENERATION"] = str(generation + 1)
+    for name in ("PREDECESSOR_JOB_ID", "SUCCESSOR_GENERATION"):
+        env.pop(f"HPCCKPT_{name}", None)  # the names older versions set
+    env[internal_var("PREDECESSOR_JOB_ID")] = predecessor
+    env[internal_var("SUCCESSOR_GENERATION")] = str(generation + 1)
     return env
 
 
-# The templates export the batch script's arguments ("$@"): HPCCKPT_BATCH_ARGS_JOB (the
-# SLURM_JOB_ID they belong to), HPCCKPT_BATCH_ARGC and HPCCKPT_BATCH_ARG_1..N, one variable
-# per argument, so any argument (blanks, quotes, newlines) comes back exactly.
-BATCH_ARGS_PREFIX = "HPCCKPT_BATCH_ARG"
+# The templates export the batch script's arguments ("$@"): _HPCCKPT_BATCH_ARGS_JOB (the
+# SLURM_JOB_ID they belong to), _HPCCKPT_BATCH_ARGC and _HPCCKPT_BATCH_ARG_1..N, one variable
+# per argument, so any argument (blanks, quotes, newlines) comes back exactly. A job whose
+# stored script came from an older template exports them without the leading underscore.
+BATCH_ARGS_PREFIX = INTERNAL_PREFIX + "BATCH_ARG"  # _1.._N after it
+LEGACY_BATCH_ARGS_PREFIX = "HPCCKPT_BATCH_ARG"
 
 
 def batch_script_args(environ: Mapping[str, str], raw_job_id: str | None, *,
@@ -283,12 +287,13 @@ def batch_script_args(environ: Mapping[str, str], raw_job_id: str | None, *,
     Command is the script alone), so a successor must be given them. Read from what the
     templates export (above), else from the batch shell's command line in ``/proc``
     (``bash .../job<ID>/slurm_script ARGS...``) when this process descends from it."""
-    if raw_job_id is not None and environ.get("HPCCKPT_BATCH_ARGS_JOB") == raw_job_id:
+    if raw_job_id is not None and read_internal("BATCH_ARGS_JOB", environ) == raw_job_id:
+        prefix = BATCH_ARGS_PREFIX if internal_var("BATCH_ARGS_JOB") in environ else LEGACY_BATCH_ARGS_PREFIX
         try:
-            count = int(environ.get("HPCCKPT_BATCH_ARGC", ""))
-            return [environ[f"{BATCH_ARGS_PREFIX}_{i}"] for i in range(1, count + 1)]
+            count = int(read_internal("BATCH_ARGC", environ) or "")
+            return [environ[f"{prefix}_{i}"] for i in range(1, count + 1)]
         except (ValueError, KeyError):
-            log.info("HPCCKPT_BATCH_ARG* are incomplete; reading the batch shell's command line instead")
+            log.info("%s* are incomplete; reading the batch shell's command line instead", prefix)
     return _batch_shell_args(proc_root, os.getpid() if pid is None else pid)
 
 
@@ -550,7 +555,7 @@ class SlurmCli(ClusterBase):
         script = self._saved_batch_script(job_id, Path(job.get("WorkDir") or "."))
         script_args = batch_script_args(self.env.environ, self.env.raw_job_id)
         if script_args is None:
-            log.warning("the arguments job %s's batch script was started with are unknown (no HPCCKPT_BATCH_ARG* "
+            log.warning("the arguments job %s's batch script was started with are unknown (no _HPCCKPT_BATCH_ARG* "
                         "as `hpcckpt template` scripts export, and no batch shell above this process): "
                         "the successor is submitted without any", job_id)
         args = successor_sbatch_args(job, script, after, script_args or ())

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..config import internal_var
 from ..errors import CriuError, CudaCheckpointError
 from ..lifecycle import identity
 from ..lifecycle.history import OPENERS
@@ -65,7 +66,7 @@ class Starter:
         out, err = self.stdio_paths()
         env = dict(os.environ)
         if fallback:
-            env["HPCCKPT_CRIU_FALLBACK"] = fallback
+            env[internal_var("CRIU_FALLBACK")] = fallback
         job = ops.launch(list(self.opts.cmd), stdout=out, stderr=err, env=env,
                          log=self.root / "logs" / f"unshare-{self.tag}.log", ignore=self._ignored())
         self.log(f"started {' '.join(self.opts.cmd)!r} in new PID + mount namespaces (host PID {job.app_pid}); "

@@ -31,7 +31,7 @@ Call sequence:
           -> criu restore -> CUDA restore + unlock -> wait. No image, or restore
           fails -> fallback: start CMD fresh (``app``: the application resumes from its
           own checkpoint; ``fresh``: it is told to ignore it via
-          HPCCKPT_CRIU_FALLBACK=fresh), or exit (``fail``).
+          _HPCCKPT_CRIU_FALLBACK=fresh), or exit (``fail``).
   signal: a dump signal -> CUDA lock + checkpoint -> criu dump into a Transaction ->
           commit (checksummed, fsync, rename, LATEST) -> retention -> requeue and exit.
           Any other catchable signal is forwarded to the job. The job starts with the dump

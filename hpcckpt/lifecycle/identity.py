@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ..cluster.env import JobEnv
+from ..config import read_internal
 from ..errors import ConfigError
-from ..supervisor import RESTART_ENV
 
 _PROCESS_TAG = secrets.token_hex(4)  # tells apart processes that happen to reuse a PID
 
@@ -68,7 +68,7 @@ class Identity:
 
 
 def _local_restart(environ: Mapping[str, str]) -> int | None:
-    value = environ.get(RESTART_ENV)
+    value = read_internal("LOCAL_RESTART", environ)  # RESTART_ENV, or the name older versions set
     if value is None:
         return None
     try:

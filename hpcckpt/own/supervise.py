@@ -43,6 +43,7 @@ from ..lifecycle.records import record_start, record_stop
 from ..lifecycle.supervise import SignalInbox, as_recorded
 from ..lifecycle.timing import StopTiming
 from ..proc import tree as proctree
+from ..supervisor import RESTART_ENV
 
 MODE = "own"
 NOTICE_FILE_ENV = "HPCCKPT_NOTICE_FILE"  # where the notice is written, for a script that polls
@@ -310,12 +311,12 @@ class OwnSupervisor:
 
 def run_own(opts: OwnOptions) -> int:
     """Supervise ``opts.cmd`` once (under Slurm); outside Slurm, restart it on each requeue as the
-    local scheduler does (``HPCCKPT_LOCAL_RESTART``), up to 10 times."""
+    local scheduler does (``_HPCCKPT_LOCAL_RESTART``), up to 10 times."""
     if identity.current().in_slurm:
         return OwnSupervisor(opts).run()
     code = EXIT_REQUEUE
     for restart in range(11):
-        os.environ["HPCCKPT_LOCAL_RESTART"] = str(restart)
+        os.environ[RESTART_ENV] = str(restart)
         code = OwnSupervisor(opts).run()
         if code != EXIT_REQUEUE:
             return code

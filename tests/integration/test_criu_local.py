@@ -303,7 +303,7 @@ import os, sys
 """ + PARK + """
 print("step 1 ", flush=True)
 park(1)
-open(sys.argv[1], "w").write(os.environ.get("HPCCKPT_CRIU_FALLBACK", "-"))
+open(sys.argv[1], "w").write(os.environ.get("_HPCCKPT_CRIU_FALLBACK", "-"))
 """
 
 

@@ -167,7 +167,10 @@ def test_successor_keeps_environment_but_not_this_jobs_slurm_variables() -> None
     env = successor_environment({"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "2", "SLURM_CONF": "/c",
                                  "SBATCH_PARTITION": "x", "HPCCKPT_DIR": "/ck pt", "PATH": "/bin"}, "7")
     assert env == {"SLURM_CONF": "/c", "HPCCKPT_DIR": "/ck pt", "PATH": "/bin",
-                   "HPCCKPT_PREDECESSOR_JOB_ID": "7", "HPCCKPT_SUCCESSOR_GENERATION": "1"}
+                   "_HPCCKPT_PREDECESSOR_JOB_ID": "7", "_HPCCKPT_SUCCESSOR_GENERATION": "1"}
+    # a job whose environment came from an older version: its names are read, and not passed on
+    env = successor_environment({"HPCCKPT_SUCCESSOR_GENERATION": "2", "HPCCKPT_PREDECESSOR_JOB_ID": "5"}, "7")
+    assert env == {"_HPCCKPT_PREDECESSOR_JOB_ID": "7", "_HPCCKPT_SUCCESSOR_GENERATION": "3"}
     args = successor_sbatch_args(parse_kv_line(JOB_HOSTILE), Path("/s.sbatch"), "6")
     assert args[:3] == ["sbatch", "--parsable", "--dependency=afterany:6"]
     assert '--job-name=evil "name"; rm -rf / UserId=x' in args
@@ -184,7 +187,7 @@ def test_successor_is_given_the_batch_scripts_own_arguments(tmp_path: Path) -> N
     from hpcckpt.cluster import render
 
     text = render.render("criu")
-    block = [line for line in text.splitlines() if "HPCCKPT_BATCH_ARG" in line and not line.startswith("#")]
+    block = [line for line in text.splitlines() if "_HPCCKPT_BATCH_ARG" in line and not line.startswith("#")]
     assert len(block) == 2, block
     argv = ["python", "train.py", "--name", "a b", "it's \"x\"", "c\nd", "", "$HOME"]
     out = subprocess.run(["bash", "-euc", "\n".join(block) + '\nexec env -0', "criu.sbatch", *argv],
@@ -194,12 +197,17 @@ def test_successor_is_given_the_batch_scripts_own_arguments(tmp_path: Path) -> N
     assert batch_script_args(environ, "77", proc_root=tmp_path) == argv
     # Another job's (inherited) variables are not this job's arguments; nothing else knows them.
     assert batch_script_args(environ, "78", proc_root=tmp_path) is None
-    assert batch_script_args({**environ, "HPCCKPT_BATCH_ARGC": "9"}, "77", proc_root=tmp_path) is None
+    assert batch_script_args({**environ, "_HPCCKPT_BATCH_ARGC": "9"}, "77", proc_root=tmp_path) is None
+    # A job whose stored batch script came from an older template exported the names without the
+    # leading underscore (a job queued or requeued across the upgrade): read all the same.
+    older = {k[1:] if k.startswith("_HPCCKPT_") else k: v for k, v in environ.items()}
+    assert batch_script_args(older, "77", proc_root=tmp_path) == argv
     args = successor_sbatch_args(parse_kv_line(JOB_HOSTILE), Path("/s.sbatch"), "77", argv)
     assert args[-len(argv) - 1:] == ["/s.sbatch", *argv]
     assert successor_sbatch_args(parse_kv_line(JOB_HOSTILE), Path("/s.sbatch"), "77")[-1] == "/s.sbatch"
     # The successor's environment does not carry them (its own batch shell exports its own).
-    assert not [k for k in successor_environment(environ, "77") if k.startswith("HPCCKPT_BATCH_ARG")]
+    assert not [k for k in successor_environment(environ, "77") if "HPCCKPT_BATCH_ARG" in k]
+    assert not [k for k in successor_environment(older, "77") if "HPCCKPT_BATCH_ARG" in k]
 
 
 def test_batch_script_arguments_from_the_batch_shell_above_this_process(tmp_path: Path) -> None:

@@ -39,7 +39,7 @@ def test_lost_since_folds_a_stream() -> None:
 
 
 def test_the_criu_supervisor_streams_its_ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "HPCCKPT_LOCAL_RESTART"):
+    for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "_HPCCKPT_LOCAL_RESTART", "HPCCKPT_LOCAL_RESTART"):
         monkeypatch.delenv(name, raising=False)
     ledger = Ledger(tmp_path)
     _write(tmp_path, [{"event": "start", "job_id": "7"}, {"event": "criu_dump", "dump_s": 20.0, "commit_s": 5.0},

@@ -49,8 +49,9 @@ def test_identity_names_an_array_task_as_slurm_does() -> None:
     assert who.record()["job_id"] == "4_1" and who.record()["slurm_job_id"] == "5"
     plain = current({"SLURM_JOB_ID": "9", "SLURM_RESTART_COUNT": "x"})  # a malformed count never stops a record
     assert (plain.job_id, plain.restart_count) == ("9", 0)
-    local = current({"HPCCKPT_LOCAL_RESTART": "3"})
+    local = current({"_HPCCKPT_LOCAL_RESTART": "3"})
     assert not local.in_slurm and local.restart == 3 and local.attempt.endswith(":3")
+    assert current({"HPCCKPT_LOCAL_RESTART": "2"}).restart == 2  # the name older versions set
 
 
 def test_successor_of_an_array_task_is_the_same_task() -> None:

@@ -224,7 +224,7 @@ def test_leaving_the_epoch_loop_ends_the_run(tmp_path: Path) -> None:
 
 def test_check_traces_the_step_the_loop_breaks_at(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     trace = tmp_path / "trace.jsonl"
-    monkeypatch.setenv("HPCCKPT_CHECK_TRACE", str(trace))
+    monkeypatch.setenv("_HPCCKPT_CHECK_TRACE", str(trace))
     clm(tmp_path / "ck", [])
     steps, _, _ = read_trace(trace)
     assert max(steps) == MAX_STEPS and sorted(steps) == list(range(1, MAX_STEPS + 1))

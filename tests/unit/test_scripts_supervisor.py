@@ -17,7 +17,7 @@ from pathlib import Path
 runs = Path(sys.argv[1])
 n = int(runs.read_text()) if runs.exists() else 0
 runs.write_text(str(n + 1))
-print("restart", os.environ.get("HPCCKPT_LOCAL_RESTART"), flush=True)
+print("restart", os.environ.get("_HPCCKPT_LOCAL_RESTART"), flush=True)
 sys.exit(75 if n < 2 else 0)
 '''
 

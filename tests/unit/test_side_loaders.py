@@ -166,7 +166,7 @@ def test_loaders_it_cannot_tell_apart_are_named_with_the_fix(tmp_path: Path, cap
     naming the loader and the fix, and so does hpcckpt check (its first hint)."""
     from hpcckpt.check import LOADER_SEED_HINT, _hints, read_trace
     trace = tmp_path / "trace.jsonl"
-    monkeypatch.setenv("HPCCKPT_CHECK_TRACE", str(trace))
+    monkeypatch.setenv("_HPCCKPT_CHECK_TRACE", str(trace))
     log: list[str] = []
     with pytest.raises(RequeueExit):
         remade(tmp_path / "ck", log, stop_at=2 * PER_EPOCH + 2, keep_first=True)
