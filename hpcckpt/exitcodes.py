@@ -1,7 +1,7 @@
 """Process exit statuses hpcckpt gives and relies on, defined once.
 
 ``EXIT_REQUEUE`` is the contract between a job and what restarts it: the local
-supervisor (``hpcckpt.supervisor``), the CRIU supervisor, the sbatch templates
+restart loop (``hpcckpt.lifecycle.restart``), the CRIU supervisor, the sbatch templates
 (``srun ... || [ $? -eq 75 ] && hpcckpt requeue``) and ``hpcckpt requeue`` outside Slurm.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ there is no scheduler, brings it back after each exit 75 ("requeue me").
 
 It lives here, in one place: under Slurm every signal the batch shell receives is passed on
 (``lifecycle.supervise.run_forwarding``) and the application requeues itself through the
-lifecycle; outside Slurm the local restart loop (``hpcckpt.supervisor.LocalSupervisor``) plays
+lifecycle; outside Slurm the local restart loop (``hpcckpt.lifecycle.restart.LocalSupervisor``) plays
 the scheduler. It shares the lifecycle with the other modes and imports none of them.
 """
 from __future__ import annotations

@@ -69,7 +69,7 @@ def restart_locally(opts: AppOptions) -> tuple[int, dict[str, Any]]:
     and said on stderr; it stops at ``--max-restarts``, or when the job's own requeue was
     refused (its budget: the ledger's last ``requeue`` says ``requeued: false``).
     """
-    from ..supervisor import LocalSupervisor as Restarter
+    from ..lifecycle.restart import LocalSupervisor as Restarter
 
     run_dir = Path(opts.dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
 """No scheduler: "requeue" means the process exits with EXIT_REQUEUE (75) and the
-local supervisor (``hpcckpt.supervisor``) starts it again."""
+local restart loop (``hpcckpt.lifecycle.restart``) starts it again."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from typing import Any
 from ..config import DEFAULT_ENGINE
 from ..errors import ConfigError, HpcckptError
 from ..lifecycle.ledger import Ledger
-from ..supervisor import LocalSupervisor
+from ..lifecycle.restart import LocalSupervisor
 from .runtime import child_env, module_cmd, work_dir
 
 

@@ -40,10 +40,10 @@ from ..exitcodes import EXIT_REQUEUE
 from ..lifecycle import identity, requeue
 from ..lifecycle.ledger import Ledger, process_start_time
 from ..lifecycle.records import record_start, record_stop
+from ..lifecycle.restart import RESTART_ENV, restart_loop
 from ..lifecycle.supervise import SignalInbox, as_recorded
 from ..lifecycle.timing import StopTiming
 from ..proc import tree as proctree
-from ..supervisor import RESTART_ENV
 
 MODE = "own"
 NOTICE_FILE_ENV = "HPCCKPT_NOTICE_FILE"  # where the notice is written, for a script that polls
@@ -314,10 +314,9 @@ def run_own(opts: OwnOptions) -> int:
     local scheduler does (``_HPCCKPT_LOCAL_RESTART``), up to 10 times."""
     if identity.current().in_slurm:
         return OwnSupervisor(opts).run()
-    code = EXIT_REQUEUE
-    for restart in range(11):
+
+    def run_once(restart: int) -> int:
         os.environ[RESTART_ENV] = str(restart)
-        code = OwnSupervisor(opts).run()
-        if code != EXIT_REQUEUE:
-            return code
-    return code
+        return OwnSupervisor(opts).run()
+
+    return restart_loop(run_once, max_restarts=10, what=opts.cmd[0])

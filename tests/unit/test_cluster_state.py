@@ -112,10 +112,10 @@ def test_budget_files_are_private(tmp_path: Path) -> None:
 def test_one_exit_requeue_and_stop_reasons_map_to_causes() -> None:
     import hpcckpt.api
     import hpcckpt.criu.supervisor
-    import hpcckpt.supervisor
+    import hpcckpt.lifecycle.restart
     from hpcckpt import exitcodes
 
-    assert (hpcckpt.api.EXIT_REQUEUE is hpcckpt.supervisor.EXIT_REQUEUE is hpcckpt.criu.supervisor.EXIT_REQUEUE
+    assert (hpcckpt.api.EXIT_REQUEUE is hpcckpt.lifecycle.restart.EXIT_REQUEUE is hpcckpt.criu.supervisor.EXIT_REQUEUE
             is EXIT_REQUEUE is exitcodes.EXIT_REQUEUE)
     assert StopReason.DEADLINE.cause is Cause.TIME_LIMIT and StopReason.DRAIN.cause is Cause.MAINTENANCE
     # A Cause reads as its value wherever text is expected (logs, budgets, JSON).

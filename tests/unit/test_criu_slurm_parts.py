@@ -328,7 +328,7 @@ def test_a_restart_with_no_image_says_so_and_records_it(tmp_path: Path, monkeypa
     from hpcckpt.cli.main import main
     from hpcckpt.criu.supervisor import RunOptions, Supervisor
     from hpcckpt.lifecycle.ledger import Ledger
-    from hpcckpt.supervisor import RESTART_ENV
+    from hpcckpt.lifecycle.restart import RESTART_ENV
 
     for var in [k for k in os.environ if k.startswith("SLURM_") or k == RESTART_ENV]:
         monkeypatch.delenv(var)

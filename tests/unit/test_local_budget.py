@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from hpcckpt.supervisor import LocalSupervisor
+from hpcckpt.lifecycle.restart import LocalSupervisor
 
 CHILD = r'''
 import sys

@@ -53,7 +53,7 @@ def test_a_signal_while_the_command_is_being_started_reaches_it_once_it_runs(mon
     import signal
     import threading
 
-    from hpcckpt import supervisor as mod
+    from hpcckpt.lifecycle import restart as mod
 
     real_popen = subprocess.Popen
 
