@@ -26,7 +26,7 @@ from .cluster.base import Cause
 from .fsio import atomic_write, write_all
 from .lifecycle.causes import stop_cause
 from .lifecycle.supervise import EndTimeWatch
-from .lifecycle.timing import warning_wait_s
+from .lifecycle.timing import pulled_in_is_preemption, warning_wait_s
 from .store.commit import read_regular
 
 if TYPE_CHECKING:
@@ -289,10 +289,17 @@ class Policy:
         if force and not watch.answered():
             log.warning("hpcckpt: the scheduler did not answer within %.0fs; going on with its last answers",
                         FORCED_WAIT_S)
-        if moved:
-            log.warning("hpcckpt: the job's end time moved %.0fs earlier (preemption or a shortened "
-                        "limit): stopping at the next step", watch.moved_s)
+        if not moved:
+            return
+        left = self.time_left()
+        if pulled_in_is_preemption(left):
+            log.warning("hpcckpt: the job's end time moved %.0fs earlier, to %s from now: a preemption; "
+                        "stopping at the next step", watch.moved_s, "?" if left is None else f"{left:.0f}s")
             self._moved_earlier = True
+        else:
+            log.warning("hpcckpt: the job's end time moved %.0fs earlier, to %.0fs from now: a shortened time "
+                        "limit, not a preemption; the stop comes %.0fs before the new end", watch.moved_s, left,
+                        self.lead_s())
 
     def _watch_of(self, cluster: Cluster) -> EndTimeWatch:
         if self.watch is None or self._watched is not cluster:
@@ -316,7 +323,8 @@ class Policy:
 
     @property
     def end_moved_earlier(self) -> bool:
-        """The job's end time was pulled in while it ran (a GraceTime preemption, or a shortened limit)."""
+        """The job's end time was pulled in to near now while it ran (a GraceTime preemption;
+        ``lifecycle.timing.pulled_in_is_preemption``), not a shortened limit."""
         return self._moved_earlier
 
     def time_left(self) -> float | None:

@@ -8,10 +8,12 @@ command (``hpcckpt run``):
   than the lead), never less than what the final save or dump is measured to need;
 - ``warning_wait_s``: how long the stop an early time-limit warning asks for may wait
   (slurmctld's coarse tick delivers ``B:USR2@LEAD`` up to a minute before LEAD);
+- ``pulled_in_is_preemption``: an end time just pulled in to near now (``near_s``) is a
+  preemption (a stop at once), pulled in further a shortened limit (the stop comes at the lead
+  before the new end): the one rule of the in-process ``Policy`` and the supervisors;
 - ``StopTiming``: a supervisor's reading of the end time (through the one end-time watcher,
-  ``supervise.EndTimeWatch``): an end time pulled in to near now is a preemption (a stop at
-  once), pulled in further a shortened limit (the stop is planned for the lead before the new
-  end), lengthened again the plan moves with it; an early warning waits for its lead.
+  ``supervise.EndTimeWatch``) by that rule; lengthened again the plan moves with it; an early
+  warning waits for its lead.
 
 What the stop costs comes in as a value (``need_s``): this module imports no mode.
 """
@@ -29,6 +31,23 @@ if TYPE_CHECKING:
     from .ledger import Ledger
 
 SIGNAL_TICK_S = 60.0  # slurmctld sends --signal up to this much earlier than asked
+# Without a --lead-s: an end time pulled in to at most this far from now is a preemption's grace.
+PREEMPTION_WINDOW_S = 600.0
+
+
+def near_s(lead_s: float | None) -> float:
+    """How close to now an end time pulled in is a preemption (its GraceTime), and a warning
+    the time-limit one: the ``--signal`` lead plus slurmctld's tick; ``PREEMPTION_WINDOW_S``
+    without a lead (the in-process run's, whose lead is measured, not given)."""
+    return (lead_s + SIGNAL_TICK_S) if lead_s is not None else PREEMPTION_WINDOW_S
+
+
+def pulled_in_is_preemption(left_s: float | None, *, lead_s: float | None = None) -> bool:
+    """An end time just pulled in to ``left_s`` from now: a preemption when within
+    ``near_s(lead_s)`` (or unknown): stop at once, the cause is preemption. Further away it is
+    a shortened time limit (an operator's ``scontrol update TimeLimit``): no stop now, the stop
+    comes at the lead before the new end."""
+    return left_s is None or left_s <= near_s(lead_s)
 
 
 def warning_wait_s(left_s: float | None, lead_s: float, *, window_s: float,
@@ -94,7 +113,7 @@ class StopTiming:
         re-planned for the lead before the new end."""
         assert self.watch is not None
         left = self.watch.remaining_s()
-        self.shortened = left is not None and left > self.near_s()
+        self.shortened = not pulled_in_is_preemption(left, lead_s=self.lead_opt)
         if not self.shortened or left is None:
             return True
         lead = self.lead_s(left)
@@ -172,7 +191,7 @@ class StopTiming:
     def near_s(self) -> float:
         """How close to the end a warning is the time-limit one: --lead-s plus slurmctld's tick
         (10 minutes without --lead-s)."""
-        return (self.lead_opt + SIGNAL_TICK_S) if self.lead_opt is not None else 600.0
+        return near_s(self.lead_opt)
 
     def remaining_s(self) -> float | None:
         return self.watch.remaining_s() if self.watch is not None else None

@@ -169,6 +169,34 @@ def test_an_end_time_moved_earlier_stops_at_the_next_step() -> None:
     assert p.stop_reason() is StopReason.DEADLINE
 
 
+def _shortened(clock: Clock) -> tuple[Sched, Policy]:
+    """A policy whose job's limit was just shortened to 3 h (8 h before) and polled."""
+    sched = Sched(end=clock.t + 8 * 3600)
+    p = Policy(every_steps=None, margin_s=5, clock=clock, save_cost_s=0.02, poll_s=15)
+    p.poll(sched, force=True)
+    sched.end = clock.t + 3 * 3600  # scontrol update TimeLimit: 3 h left
+    clock.t += 16
+    p.poll(sched)
+    return sched, p
+
+
+def test_an_end_time_pulled_in_hours_ahead_is_a_shortened_limit_not_a_preemption() -> None:
+    """The one rule of every mode (lifecycle.timing.pulled_in_is_preemption): an operator's
+    shortened limit hours ahead trains on until the stop's lead before the new end (a
+    time-limit stop); a preemption after it (pulled in to near now) stops at the next step."""
+    clock = Clock()
+    sched, p = _shortened(clock)
+    assert p.stop_reason() is StopReason.NONE and not p.end_moved_earlier
+    clock.t = sched.end - p.lead_s() + 1  # within the lead before the new end
+    assert p.stop_reason() is StopReason.DEADLINE and not p.end_moved_earlier
+    sched, p = _shortened(clock)
+    clock.t += 600
+    sched.end = clock.t + 120  # a preemption with a 2-minute GraceTime
+    clock.t += 16
+    p.poll(sched)
+    assert p.stop_reason() is StopReason.DEADLINE and p.end_moved_earlier
+
+
 def test_measured_costs_are_kept_across_requeues(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from hpcckpt.policy import FIGURES, Figures
     assert Figures.read(tmp_path) == Figures()
