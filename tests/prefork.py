@@ -200,15 +200,17 @@ def run(argv: list[str], *, cwd: str | Path | None = None, env: dict[str, str] |
         return subprocess.CompletedProcess(child.args, code, _text(out), _text(err))
 
 
-def wait_all(children: list[Child], timeout_s: float) -> list[int]:
-    """Every child's exit code; past ``timeout_s`` the ones still running are killed and
-    ``TimeoutExpired`` is raised."""
+def wait_all(children: list[Child], timeout_s: float, *, kill_late: bool = False) -> list[int]:
+    """Every child's exit code (a world of ranks). Past ``timeout_s`` the ones still running
+    are killed; then ``TimeoutExpired`` is raised, or with ``kill_late`` their codes are
+    returned (-SIGKILL: survivors of a killed peer, which a scheduler would end)."""
     deadline = time.monotonic() + timeout_s
     try:
         return [c.wait(max(0.0, deadline - time.monotonic())) for c in children]
     except subprocess.TimeoutExpired:
         for c in children:
             c.kill()
-        for c in children:
-            c.wait(30)
+        codes = [c.wait(30) for c in children]
+        if kill_late:
+            return codes
         raise

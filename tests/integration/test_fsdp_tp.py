@@ -16,8 +16,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +25,7 @@ import torch
 from hpcckpt.store import catalog
 from hpcckpt.store.shared import state_bytes, written_bytes
 from tests.conftest import REPO
-from tests.prefork import Child
+from tests.prefork import Child, wait_all
 
 pytestmark = [pytest.mark.slow]
 
@@ -59,18 +57,7 @@ def run_ranks(module: str, out: Path, mesh: str, *args: str, codes: tuple[int, .
     procs = [Child(["-m", module, "--rank", str(r), "--world", str(world),
                     "--port", str(port), "--out", str(out), "--mesh", mesh, *args],
                    cwd=REPO, env=env, output=logs[r]) for r in range(world)]
-    try:
-        deadline = time.monotonic() + TIMEOUT_S
-        for p in procs:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(60)
-    got = [p.returncode for p in procs]
+    got = wait_all(procs, TIMEOUT_S, kill_late=True)
     assert all(c in codes for c in got), f"{phase} on {mesh}: exit codes {got}:\n" + "\n".join(
         f"--- rank {r}:\n{log.read_text()[-3000:]}" for r, log in enumerate(logs))
     return got

@@ -20,7 +20,6 @@ import os
 import signal
 import socket
 import subprocess
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ import torch
 from hpcckpt.store import catalog
 from tests.conftest import REPO
 from tests.helpers import built_once
-from tests.prefork import Child
+from tests.prefork import Child, wait_all
 
 pytestmark = [pytest.mark.native]
 
@@ -64,18 +63,9 @@ def run_world(out: Path, world: int, *args: str, expect: int | None = 0, hang_ok
                     "--out", str(out), "--items", str(ITEMS), "--batch", str(BATCH), *args],
                    cwd=REPO, env=env, output=logs[r]) for r in range(world)]
     try:
-        deadline = time.monotonic() + timeout_s
-        for p in procs:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        codes = wait_all(procs, timeout_s, kill_late=hang_ok)
     except subprocess.TimeoutExpired:
-        if not hang_ok:
-            pytest.fail("the ranks hung:\n" + _logs(out, world, args))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(60)
-    codes = [p.returncode for p in procs]
+        pytest.fail("the ranks hung:\n" + _logs(out, world, args))
     if expect is not None:
         assert codes == [expect] * world, f"exit codes {codes}:\n" + _logs(out, world, args)
     return codes

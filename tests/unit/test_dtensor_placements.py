@@ -14,9 +14,7 @@ import argparse
 import json
 import os
 import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +24,7 @@ import torch
 from hpcckpt.store import catalog
 from hpcckpt.store.shared import global_nbytes
 from tests.conftest import REPO
-from tests.prefork import Child
+from tests.prefork import Child, wait_all
 
 pytestmark = [pytest.mark.slow]
 
@@ -191,18 +189,7 @@ def run_world(out: Path, mesh: str, phase: str, engine: str = "sync") -> list[di
     procs = [Child(["-m", "tests.unit.test_dtensor_placements", "--rank", str(r), "--world", str(world),
                     "--port", str(port), "--out", str(out), "--mesh", mesh, "--phase", phase, "--engine", engine],
                    cwd=REPO, env=env, output=logs[r]) for r in range(world)]
-    try:
-        deadline = time.monotonic() + 240  # a hang guard only
-        for p in procs:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(60)
-    codes = [p.returncode for p in procs]
+    codes = wait_all(procs, 240, kill_late=True)  # a hang guard only
     assert codes == [0] * world, f"{phase} on {mesh}: exit codes {codes}:\n" + "\n".join(
         f"--- rank {r}:\n{log.read_text()[-3000:]}" for r, log in enumerate(logs))
     return [json.loads((out / f"result-{phase}-{mesh}-r{r}.json").read_text()) for r in range(world)]

@@ -96,6 +96,9 @@ def test_wait_all_kills_what_overruns(script: Path, tmp_path: Path) -> None:
     with pytest.raises(subprocess.TimeoutExpired):
         wait_all([child], 0.5)
     assert child.returncode == -signal.SIGKILL
+    # kill_late: the survivors of a world are killed and their codes returned, no exception
+    late = Child([str(script), "hang"], output=tmp_path / "late.txt")
+    assert wait_all([late], 0.5, kill_late=True) == [-signal.SIGKILL]
 
 
 def test_run_keeps_stdout_and_stderr_apart(tmp_path: Path) -> None:
