@@ -31,7 +31,7 @@ def _isolated_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     # Tests outside Slurm tiers must not see a surrounding job's environment.
     import os
     for k in list(os.environ):
-        if k.startswith("HPCCKPT_"):
+        if k.startswith(("HPCCKPT_", "_HPCCKPT_")):  # options, and what hpcckpt sets for itself
             monkeypatch.delenv(k, raising=False)
     yield
 
