@@ -8,10 +8,13 @@ and, for jobscripts/, `hpcckpt template NAME --out jobscripts/<file>`.
 from __future__ import annotations
 
 import difflib
+import math
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -145,7 +148,9 @@ echo "$* term_ignored=$ignored" >> "$STUB_LOG"
 @pytest.mark.parametrize(("command", "status", "called"), [
     # The command dies of a TERM this shell never got (Slurm signals a job's processes one at
     # a time): a stop all the same, decided by `hpcckpt requeue --stopped-status`.
-    ("kill -TERM $$", 0, "requeue --dir {ck} --stopped-status 143 --ran-s 0 term_ignored=1"),
+    # --ran-s is the batch shell's $SECONDS: whole clock seconds, 0 or more (a second boundary
+    # or a loaded machine): checked against the time the script took, not a fixed number.
+    ("kill -TERM $$", 0, "requeue --dir {ck} --stopped-status 143 --ran-s {ran} term_ignored=1"),
     ("exit 75", 0, "requeue --dir {ck} term_ignored=1"),
     ("exit 3", 3, None),
 ])
@@ -163,7 +168,13 @@ def test_single_template_ending_decides_by_the_command_status(tmp_path: Path, co
     script.write_text(render.render("single", {"COMMAND": f"bash -c '{command}'", "RUN_DIR": str(tmp_path / "run")}))
     log = tmp_path / "stub.log"
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "77", "STUB_LOG": str(log), "HOME": str(tmp_path)}
+    t0 = time.monotonic()
     out = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
     assert out.returncode == status, out.stderr[-2000:]
     calls = log.read_text().splitlines() if log.exists() else []
-    assert calls == ([called.format(ck=tmp_path / "run" / "ckpt")] if called else []), (calls, out.stdout, out.stderr)
+    ran = re.search(r"--ran-s (\d+) ", calls[0]) if calls else None
+    if ran is not None:
+        assert int(ran.group(1)) <= math.ceil(took), (calls, took)
+    want = [called.format(ck=tmp_path / "run" / "ckpt", ran=ran.group(1) if ran else "N")] if called else []
+    assert calls == want, (calls, out.stdout, out.stderr)
