@@ -350,9 +350,9 @@ class Supervisor:
             return
         masks = {}
         for pid in proctree.tree(job.app_pid):
-            ignored, caught = proctree.status_field(pid, "SigIgn"), proctree.status_field(pid, "SigCgt")
-            if ignored is not None and caught is not None:
-                masks[pid] = (int(ignored, 16), int(caught, 16))
+            got = proctree.signal_masks(pid)
+            if got is not None:
+                masks[pid] = got
         self._masks = masks
 
     def _heard_by(self, job: ops.Job, sig: signal.Signals) -> list[str]:
@@ -369,10 +369,9 @@ class Supervisor:
             how = proctree.disposition(pid, sig)
             if how in ("caught", "default"):
                 heard.append(f"{proctree.inner_pid(pid) or pid} {how} ({proctree.command(pid, limit=60)})")
-        bit = 1 << (int(sig) - 1)
-        for pid, (ignored, caught) in self._masks.items():
-            if pid not in live and not ignored & bit and not proctree.alive(pid):
-                how = "caught" if caught & bit else "default"
+        for pid, masks in self._masks.items():
+            how = proctree.handling(masks, sig)
+            if pid not in live and how != "ignored" and not proctree.alive(pid):
                 heard.append(f"{pid} {how} (gone before the supervisor looked: ended by it)")
         return heard
 

@@ -70,22 +70,34 @@ def max_inner_id(root: int) -> int:
     return top
 
 
-def disposition(pid: int, sig: int) -> str | None:
-    """What ``pid`` does with ``sig``: "ignored" (SigIgn), "caught" (SigCgt: a handler of its
-    own), "default" (the kernel's action: TERM ends it); None when it is gone."""
-    ignored, caught = status_field(pid, "SigIgn"), status_field(pid, "SigCgt")
-    if ignored is None or caught is None:
+def signal_masks(pid: int) -> tuple[int, int] | None:
+    """``pid``'s (SigIgn, SigCgt) masks, from one read of /proc/PID/status; None when gone."""
+    try:
+        text = (PROC / str(pid) / "status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
         return None
+    fields = dict(line.split(":", 1) for line in text.splitlines() if line.startswith(("SigIgn:", "SigCgt:")))
+    if len(fields) < 2:
+        return None
+    return int(fields["SigIgn"], 16), int(fields["SigCgt"], 16)
+
+
+def handling(masks: tuple[int, int], sig: int) -> str:
+    """What a process with these (SigIgn, SigCgt) masks does with ``sig``: "ignored", "caught"
+    (a handler of its own) or "default" (the kernel's action: TERM ends it)."""
     bit = 1 << (sig - 1)
-    return "ignored" if int(ignored, 16) & bit else "caught" if int(caught, 16) & bit else "default"
+    return "ignored" if masks[0] & bit else "caught" if masks[1] & bit else "default"
+
+
+def disposition(pid: int, sig: int) -> str | None:
+    """What ``pid`` does with ``sig`` (``handling``); None when it is gone."""
+    masks = signal_masks(pid)
+    return None if masks is None else handling(masks, sig)
 
 
 def catches(pid: int, sig: int) -> bool:
     """True when ``pid`` has a handler installed for ``sig`` (SigCgt in /proc/PID/status)."""
-    value = status_field(pid, "SigCgt")
-    if not value:
-        return False
-    return bool(int(value, 16) >> (sig - 1) & 1)
+    return disposition(pid, sig) == "caught"
 
 
 def nvidia_files(pid: int) -> tuple[set[str], set[str]]:
