@@ -405,12 +405,19 @@ def internal_var(name: str) -> str:
     return INTERNAL_PREFIX + name
 
 
-def read_internal(name: str, environ: Mapping[str, str] | None = None) -> str | None:
-    """The raw value of the internal variable ``name`` (``LOCAL_RESTART``): its ``_HPCCKPT_``
-    name, else the ``HPCCKPT_`` one older versions set; None when neither is set."""
+def internal_source(name: str, environ: Mapping[str, str] | None = None) -> tuple[str, str | None]:
+    """(the variable that holds the internal value ``name``, its raw value): its ``_HPCCKPT_``
+    name, else the ``HPCCKPT_`` one older versions set; (the new name, None) when neither is set."""
     env = os.environ if environ is None else environ
-    value = env.get(internal_var(name))
-    return value if value is not None else env.get(f"HPCCKPT_{name}")
+    for var in (internal_var(name), f"HPCCKPT_{name}"):
+        if var in env:
+            return var, env[var]
+    return internal_var(name), None
+
+
+def read_internal(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The raw value of the internal variable ``name`` (``LOCAL_RESTART``): ``internal_source``'s."""
+    return internal_source(name, environ)[1]
 
 
 _DIR = Tunable("HPCCKPT_DIR", str, _is_path, "a directory path (the checkpoint root, on a shared file system)",
@@ -493,10 +500,8 @@ def env_value(option: str, default: Any = _TABLE_DEFAULT, environ: Mapping[str, 
     spec = TUNABLES[option]
     fallback = spec.default if default is _TABLE_DEFAULT else default
     if spec.group == "internal":  # set by hpcckpt itself: its _HPCCKPT_ name, else the older one
-        name = spec.env.removeprefix(INTERNAL_PREFIX)
-        env = os.environ if environ is None else environ
-        var = spec.env if env.get(spec.env) is not None else f"HPCCKPT_{name}"
-        return _parsed(var, read_internal(name, env), option, fallback, spec.parse)
+        var, raw = internal_source(spec.env.removeprefix(INTERNAL_PREFIX), environ)
+        return _parsed(var, raw, option, fallback, spec.parse)
     return from_env(spec.env.removeprefix("HPCCKPT_"), fallback, spec.parse, environ)
 
 

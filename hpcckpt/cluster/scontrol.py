@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from hpcckpt.cluster.base import Cause, ClusterBase, RequeueOutcome, Reservation, node_is_draining
-from hpcckpt.config import INTERNAL_PREFIX, env_value, internal_var, read_internal
+from hpcckpt.config import INTERNAL_PREFIX, env_value, internal_source, internal_var, read_internal
 from hpcckpt.errors import ClusterError
 
 log = logging.getLogger("hpcckpt.cluster")
@@ -287,8 +287,9 @@ def batch_script_args(environ: Mapping[str, str], raw_job_id: str | None, *,
     Command is the script alone), so a successor must be given them. Read from what the
     templates export (above), else from the batch shell's command line in ``/proc``
     (``bash .../job<ID>/slurm_script ARGS...``) when this process descends from it."""
-    if raw_job_id is not None and read_internal("BATCH_ARGS_JOB", environ) == raw_job_id:
-        prefix = BATCH_ARGS_PREFIX if internal_var("BATCH_ARGS_JOB") in environ else LEGACY_BATCH_ARGS_PREFIX
+    var, job = internal_source("BATCH_ARGS_JOB", environ)
+    if raw_job_id is not None and job == raw_job_id:
+        prefix = BATCH_ARGS_PREFIX if var.startswith(INTERNAL_PREFIX) else LEGACY_BATCH_ARGS_PREFIX
         try:
             count = int(read_internal("BATCH_ARGC", environ) or "")
             return [environ[f"{prefix}_{i}"] for i in range(1, count + 1)]

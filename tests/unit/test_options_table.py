@@ -206,8 +206,8 @@ _READS = [
 _CONFIG_READS = [  # config's readers take the name without the prefix
     (re.compile(r'\bfrom_env\(\s*"([A-Z0-9_]+)"'), lambda n: f"HPCCKPT_{n}"),
     (re.compile(r'\benv_value\(\s*"([a-z0-9_]+)"'), lambda n: _env_of(n)),
-    # set by hpcckpt for its own processes (config.internal_var, read_internal)
-    (re.compile(r'\b(?:internal_var|read_internal)\(\s*"([A-Z0-9_]+)"'), lambda n: f"_HPCCKPT_{n}"),
+    # set by hpcckpt for its own processes (config.internal_var, read_internal, internal_source)
+    (re.compile(r'\b(?:internal_var|read_internal|internal_source)\(\s*"([A-Z0-9_]+)"'), lambda n: f"_HPCCKPT_{n}"),
 ]
 
 
